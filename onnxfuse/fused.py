@@ -1,0 +1,156 @@
+"""The one way a pass writes a fused op: a node in domain `onnxfuse` plus its fallback function.
+
+Every fused node gets a unique ``overload`` and a model-local FunctionProto (same domain,
+op_type and overload) whose body is exactly the subgraph the node replaced. onnxruntime runs
+the body when our custom-op library is not registered and our kernel when it is, so an
+optimized model runs anywhere.
+
+onnx-graphsurgeon knows neither overloads nor per-node function bodies, so the helper records
+them in the pass context and `attach_functions` writes them into the exported ModelProto.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper
+
+DOMAIN = "onnxfuse"
+DOMAIN_VERSION = 1
+
+
+@dataclass
+class FusedRecord:
+    op_type: str
+    overload: str
+    function: onnx.FunctionProto
+
+
+class FusedRegistry:
+    """Overloads and fallback bodies of the fused nodes created (or found) in one model."""
+
+    def __init__(self) -> None:
+        self.by_node: dict[str, FusedRecord] = {}
+        self._taken: set[str] = set()
+        self._names: set[str] = set()
+
+    def reserve(self, overloads: Sequence[str], node_names: Sequence[str] = ()) -> None:
+        self._taken.update(overloads)
+        self._names.update(node_names)
+
+    def new_overload(self, op_type: str) -> str:
+        i = len(self._taken)
+        while f"{op_type}_{i}" in self._taken:
+            i += 1
+        name = f"{op_type}_{i}"
+        self._taken.add(name)
+        return name
+
+    def unique_node_name(self, base: str) -> str:
+        name, i = base, 0
+        while name in self._names:
+            i += 1
+            name = f"{base}_{i}"
+        self._names.add(name)
+        return name
+
+
+def _export_node(node: gs.Node) -> onnx.NodeProto:
+    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+    return OnnxExporter.export_node(node)
+
+
+def _constant_node(t: gs.Constant) -> onnx.NodeProto:
+    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+    value = OnnxExporter.export_tensor_proto(t)
+    return helper.make_node("Constant", [], [t.name], name=f"{t.name}__const", value=value)
+
+
+def make_fused_node(
+    graph: gs.Graph,
+    registry: FusedRegistry,
+    op_type: str,
+    nodes: Sequence[gs.Node],
+    inputs: Sequence[gs.Tensor],
+    outputs: Sequence[gs.Variable],
+    attrs: dict | None = None,
+    opset: int | None = None,
+) -> gs.Node:
+    """Replace `nodes` by one fused node reading `inputs` and producing `outputs`.
+
+    `nodes` must be in topological order. `inputs` are the tensors the fused node reads
+    (variables or constants); any other constant a body node reads is written into the
+    body as a Constant node. `outputs` are tensors produced by `nodes` that are used outside
+    the region (or are graph outputs). The original nodes are disconnected and left for
+    graph.cleanup() to remove.
+    """
+    input_names = [t.name for t in inputs]
+    body: list[onnx.NodeProto] = []
+    emitted_consts: set[str] = set()
+    for n in nodes:
+        for t in n.inputs:
+            if isinstance(t, gs.Constant) and t.name not in input_names and t.name not in emitted_consts:
+                body.append(_constant_node(t))
+                emitted_consts.add(t.name)
+        body.append(_export_node(n))
+    if opset is None:
+        opset = graph.opset
+    overload = registry.new_overload(op_type)
+    name = registry.unique_node_name(f"{op_type}_{nodes[0].name or overload}")
+    opsets = [helper.make_opsetid("", opset)]
+    # Bodies may hold nodes of other domains (for example com.microsoft ops): import them too.
+    for d in sorted({n.domain for n in nodes if n.domain and n.domain != ""}):
+        version = graph.import_domains and next(
+            (o.version for o in graph.import_domains if o.domain == d), 1
+        )
+        opsets.append(helper.make_opsetid(d, version or 1))
+    fn = helper.make_function(
+        DOMAIN,
+        op_type,
+        inputs=input_names,
+        outputs=[t.name for t in outputs],
+        nodes=body,
+        opset_imports=opsets,
+    )
+    fn.overload = overload
+    outs = list(outputs)
+    for n in nodes:
+        n.outputs.clear()
+        n.inputs.clear()
+    node = gs.Node(op=op_type, name=name, domain=DOMAIN, attrs=dict(attrs or {}), inputs=list(inputs), outputs=outs)
+    graph.nodes.append(node)
+    registry.by_node[name] = FusedRecord(op_type, overload, fn)
+    return node
+
+
+def attach_functions(model: onnx.ModelProto, registry: FusedRegistry, kept: Sequence[onnx.FunctionProto]) -> None:
+    """Write overloads and fallback functions of fused nodes into an exported model.
+
+    `kept` are the functions the input model already had (restored as they were).
+    Functions of fused nodes that no longer exist in the graph are dropped.
+    """
+    used: set[tuple[str, str, str]] = set()
+    for node in model.graph.node:
+        rec = registry.by_node.get(node.name)
+        if node.domain == DOMAIN and rec is not None:
+            node.overload = rec.overload
+        if node.domain:
+            used.add((node.domain, node.op_type, node.overload))
+    del model.functions[:]
+    seen = set()
+    for fn in list(kept) + [r.function for r in registry.by_node.values()]:
+        key = (fn.domain, fn.name, fn.overload)
+        if key in seen:
+            continue
+        # Unused fallbacks of our own domain are dropped; foreign functions are kept.
+        if fn.domain == DOMAIN and key not in used:
+            continue
+        seen.add(key)
+        model.functions.append(fn)
+    if any(n.domain == DOMAIN for n in model.graph.node):
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))

@@ -1,0 +1,155 @@
+"""The pass pipeline: ModelProto in, optimized ModelProto out.
+
+    normalize (initializers listed as inputs, shape inference)
+      -> onnx-graphsurgeon graph -> passes in order (each: match -> condition -> rewrite)
+      -> export -> fused-node overloads and fallback functions -> IR version onnxruntime accepts
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
+
+TARGETS = ("cpu", "cuda")
+
+
+@dataclass
+class PassStats:
+    name: str
+    matches: int = 0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    seconds: float = 0.0
+
+    @property
+    def nodes_removed(self) -> int:
+        return self.nodes_before - self.nodes_after
+
+    def as_dict(self) -> dict:
+        return {
+            "pass": self.name,
+            "matches": self.matches,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "nodes_removed": self.nodes_removed,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+@dataclass
+class Context:
+    """What a pass may read and use besides the graph."""
+
+    target: str = "cpu"
+    arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90"
+    registry: FusedRegistry = field(default_factory=FusedRegistry)
+    options: dict = field(default_factory=dict)
+
+    def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
+        """Replace a matched subgraph by one fused node with its fallback function."""
+        return make_fused_node(graph, self.registry, op_type, nodes, inputs, outputs, attrs)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A graph rewrite rule.
+
+    name:    what `--passes` and `onnxfuse passes` call it
+    order:   position in the default pipeline (lower runs first)
+    summary: one line for `onnxfuse passes`
+    run:     run(graph, ctx) -> number of rewrites made; the graph is cleaned up after it
+    targets: the targets the pass applies to
+    """
+
+    name: str
+    order: int
+    summary: str
+    run: Callable[[gs.Graph, Context], int]
+    targets: tuple[str, ...] = TARGETS
+    default: bool = True
+
+
+def all_passes() -> list[Pass]:
+    """Every pass module in onnxfuse.passes defines PASS (or PASSES); sorted by order."""
+    import importlib
+    import pkgutil
+
+    from . import passes as pkg
+
+    found: list[Pass] = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        for p in getattr(mod, "PASSES", [getattr(mod, "PASS", None)]):
+            if p is not None:
+                found.append(p)
+    names = [p.name for p in found]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise RuntimeError(f"duplicate pass names: {sorted(dup)}")
+    return sorted(found, key=lambda p: (p.order, p.name))
+
+
+def select_passes(names: Sequence[str] | None, target: str) -> list[Pass]:
+    passes = all_passes()
+    if names is None:
+        return [p for p in passes if p.default and target in p.targets]
+    by_name = {p.name: p for p in passes}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown pass(es): {', '.join(unknown)}; known: {', '.join(by_name)}")
+    chosen = set(names)
+    return [p for p in passes if p.name in chosen]
+
+
+def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[onnx.FunctionProto], dict[str, str]]:
+    """ModelProto -> graphsurgeon graph, keeping aside what graphsurgeon would lose."""
+    kept = list(model.functions)
+    overloads = {n.name: n.overload for n in model.graph.node if n.overload}
+    ctx.registry.reserve([f.overload for f in kept if f.domain == DOMAIN], [n.name for n in model.graph.node])
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    del stripped.functions[:]
+    graph = gs.import_onnx(stripped)
+    return graph, kept, overloads
+
+
+def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, overloads) -> onnx.ModelProto:
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    out = gs.export_onnx(graph, do_type_check=False)
+    # Restore what graphsurgeon does not carry: model metadata, overloads of nodes we kept.
+    out.ir_version = model.ir_version
+    out.producer_name = model.producer_name or "onnxfuse"
+    out.producer_version = model.producer_version
+    out.doc_string = model.doc_string
+    out.model_version = model.model_version
+    del out.metadata_props[:]
+    out.metadata_props.extend(model.metadata_props)
+    for node in out.graph.node:
+        if node.name in overloads and node.name not in ctx.registry.by_node:
+            node.overload = overloads[node.name]
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    attach_functions(out, ctx.registry, kept)
+    return out
+
+
+def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context) -> tuple[onnx.ModelProto, list[PassStats]]:
+    graph, kept, overloads = import_graph(model, ctx)
+    stats: list[PassStats] = []
+    for p in passes:
+        st = PassStats(p.name, nodes_before=len(graph.nodes))
+        t0 = time.perf_counter()
+        st.matches = int(p.run(graph, ctx) or 0)
+        if st.matches:
+            graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        st.seconds = time.perf_counter() - t0
+        st.nodes_after = len(graph.nodes)
+        stats.append(st)
+    return export_graph(graph, model, ctx, kept, overloads), stats
