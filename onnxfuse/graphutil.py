@@ -1,0 +1,191 @@
+"""Small helpers over onnx-graphsurgeon graphs shared by the passes.
+
+graphsurgeon tensors and nodes compare by value and are unhashable, so the helpers work with
+identities (`is`) and names. A tensor's producer is `tensor.inputs`, its consumers
+`tensor.outputs`; rewiring goes through the node's input/output lists, which keep both sides
+in sync.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    """The node that writes `tensor`, or None for graph inputs and initializers."""
+    return tensor.inputs[0] if len(tensor.inputs) else None
+
+
+def consumers(tensor: gs.Tensor) -> list[gs.Node]:
+    """Nodes that read `tensor` (nodes of subgraphs that read it from the outer scope included)."""
+    return list(tensor.outputs)
+
+
+def single_consumer(tensor: gs.Tensor) -> gs.Node | None:
+    """The only reader of `tensor`, or None when it has none or several."""
+    return tensor.outputs[0] if len(tensor.outputs) == 1 else None
+
+
+def _contains(tensors: Iterable[gs.Tensor], tensor: gs.Tensor) -> bool:
+    return any(t is tensor or t.name == tensor.name for t in tensors)
+
+
+def is_graph_output(graph: gs.Graph, tensor: gs.Tensor) -> bool:
+    return _contains(graph.outputs, tensor)
+
+
+def is_graph_input(graph: gs.Graph, tensor: gs.Tensor) -> bool:
+    return _contains(graph.inputs, tensor)
+
+
+def is_present(tensor: gs.Tensor | None) -> bool:
+    """False for an omitted optional input or output (an empty name)."""
+    return tensor is not None and bool(tensor.name)
+
+
+def is_default_domain(node: gs.Node) -> bool:
+    """True for operators of the standard ONNX domain (graphsurgeon leaves that domain as None)."""
+    return node.domain in (None, "", "ai.onnx")
+
+
+def is_op(node: gs.Node | None, *ops: str) -> bool:
+    """True when `node` is one of the standard ONNX operators `ops`."""
+    return node is not None and node.op in ops and is_default_domain(node)
+
+
+def attr(node: gs.Node, name: str, default=None):
+    return node.attrs.get(name, default)
+
+
+def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
+    """The value of an initializer or of the output of a Constant node; None for anything computed."""
+    if isinstance(tensor, gs.Constant):
+        return np.asarray(tensor.values)
+    node = producer(tensor)
+    if node is None or node.op != "Constant" or not is_default_domain(node):
+        return None
+    a = node.attrs
+    if isinstance(a.get("value"), gs.Constant):
+        return np.asarray(a["value"].values)
+    for key, dtype in (("value_int", np.int64), ("value_float", np.float32)):
+        if key in a:
+            return np.array(a[key], dtype=dtype)
+    for key, dtype in (("value_ints", np.int64), ("value_floats", np.float32)):
+        if key in a:
+            return np.array(list(a[key]), dtype=dtype)
+    return None
+
+
+def constant_ints(tensor: gs.Tensor) -> list[int] | None:
+    """A constant integer tensor as a flat list of Python ints (None if not constant or not integer)."""
+    if not is_present(tensor):
+        return None
+    v = constant_value(tensor)
+    if v is None or v.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in v.reshape(-1)]
+
+
+def dims(tensor: gs.Tensor) -> list[int | str | None] | None:
+    """The shape as recorded in the graph: ints for static dims, names for symbolic ones, None for
+    unknown ones; None when not even the rank is known."""
+    if isinstance(tensor, gs.Constant):
+        return list(tensor.shape)
+    if tensor.shape is None:
+        return None
+    out: list[int | str | None] = []
+    for d in tensor.shape:
+        if isinstance(d, (int, np.integer)) and d >= 0:
+            out.append(int(d))
+        elif isinstance(d, str) and d:
+            out.append(d)
+        else:
+            out.append(None)
+    return out
+
+
+def static_shape(tensor: gs.Tensor) -> tuple[int, ...] | None:
+    """The shape when every dim is a known integer, else None."""
+    d = dims(tensor)
+    if d is None or any(not isinstance(x, int) for x in d):
+        return None
+    return tuple(d)
+
+
+def tensor_names(graph: gs.Graph) -> set[str]:
+    return set(graph.tensors().keys())
+
+
+def unique_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> str:
+    """A tensor name not used in `graph` (nor in `taken`, which is updated)."""
+    used = tensor_names(graph) if taken is None else taken
+    if taken is None:
+        used |= {n.name for n in graph.nodes}
+    name, i = base, 0
+    while name in used:
+        i += 1
+        name = f"{base}_{i}"
+    if taken is not None:
+        taken.add(name)
+    return name
+
+
+def make_constant(graph: gs.Graph, base: str, value: np.ndarray, taken: set[str] | None = None) -> gs.Constant:
+    """A new initializer with a name unique in `graph`."""
+    return gs.Constant(unique_name(graph, base, taken), np.ascontiguousarray(value))
+
+
+def replace_uses(old: gs.Tensor, new: gs.Tensor, except_nodes: Sequence[gs.Node] = ()) -> int:
+    """Make every consumer of `old` read `new` instead (graph outputs are left alone: an output
+    name is part of the model's interface). Returns how many inputs were rewired."""
+    count = 0
+    for node in list(old.outputs):
+        if any(node is e for e in except_nodes):
+            continue
+        for i, t in enumerate(node.inputs):
+            if t is old:
+                node.inputs[i] = new
+                count += 1
+    return count
+
+
+def disconnect(node: gs.Node) -> None:
+    """Detach a node from all its tensors; graph.cleanup() then drops it."""
+    node.inputs.clear()
+    node.outputs.clear()
+
+
+def bypass(graph: gs.Graph, node: gs.Node, input_index: int = 0, output_index: int = 0) -> bool:
+    """Remove a node whose output `output_index` equals its input `input_index` (Identity, a
+    no-op Slice, ...). Other outputs of the node must be unused.
+
+    When the output is a graph output its name must survive: the producer of the input is
+    rewired to write the graph-output tensor directly and the input's other readers read that.
+    That is impossible when the input is a graph input, an initializer or itself a graph output
+    (two names for one value need a copy); then nothing changes and False is returned.
+    """
+    src = node.inputs[input_index]
+    dst = node.outputs[output_index]
+    for j, out in enumerate(node.outputs):
+        if j != output_index and is_present(out) and (out.outputs or is_graph_output(graph, out)):
+            return False
+    if not is_graph_output(graph, dst):
+        replace_uses(dst, src)
+        disconnect(node)
+        return True
+    src_node = producer(src)
+    if src_node is None or is_graph_output(graph, src) or is_graph_input(graph, src):
+        return False
+    if any(n is src_node for n in dst.outputs):
+        return False
+    disconnect(node)
+    slot = next(i for i, t in enumerate(src_node.outputs) if t is src)
+    replace_uses(src, dst)
+    src_node.outputs[slot] = dst
+    if dst.dtype is None and src.dtype is not None:
+        dst.dtype = src.dtype
+    if dst.shape is None and src.shape is not None:
+        dst.shape = src.shape
+    return True
