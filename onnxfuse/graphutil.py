@@ -189,3 +189,85 @@ def bypass(graph: gs.Graph, node: gs.Node, input_index: int = 0, output_index: i
     if dst.shape is None and src.shape is not None:
         dst.shape = src.shape
     return True
+
+
+# Shape inference --------------------------------------------------------------------------
+
+# Initializers at most this large keep their values during inference (shape constants need
+# theirs); larger ones are described by type and shape only, so inference stays cheap and
+# far from protobuf's 2 GiB limit.
+_INFER_KEEP_ELEMENTS = 4096
+
+
+def _merge_dim(a, b):
+    for pick in (int, str):
+        for d in (a, b):
+            if isinstance(d, pick):
+                return d
+    return None
+
+
+class ShapeTable:
+    """Dims of every tensor of a graph: what the graph records merged with what onnx shape
+    inference (with data propagation) derives. Symbolic dims are names; a name means the same
+    size wherever it appears; names inference invents (unk__N) never clash with existing ones.
+    A table describes the graph as it was when built: rebuild it after rewrites that change
+    shapes."""
+
+    def __init__(self, graph: gs.Graph, infer: bool = True) -> None:
+        self._inferred: dict[str, list] = _infer_dims(graph) if infer else {}
+
+    def dims(self, tensor: gs.Tensor) -> list[int | str | None] | None:
+        own = dims(tensor)
+        inferred = self._inferred.get(tensor.name)
+        if own is None or (inferred is not None and len(inferred) != len(own)):
+            return list(inferred) if inferred is not None else None
+        if inferred is None:
+            return own
+        return [_merge_dim(a, b) for a, b in zip(own, inferred)]
+
+    def rank(self, tensor: gs.Tensor) -> int | None:
+        d = self.dims(tensor)
+        return None if d is None else len(d)
+
+    def static_shape(self, tensor: gs.Tensor) -> tuple[int, ...] | None:
+        d = self.dims(tensor)
+        if d is None or any(not isinstance(x, int) for x in d):
+            return None
+        return tuple(d)
+
+
+def _infer_dims(graph: gs.Graph) -> dict[str, list]:
+    import onnx
+    from onnx import helper
+
+    try:
+        model = gs.export_onnx(graph, do_type_check=False)
+    except Exception:  # a graph graphsurgeon cannot export has no inferable shapes either
+        return {}
+    g = model.graph
+    kept, moved = [], []
+    for init in g.initializer:
+        n = 1
+        for d in init.dims:
+            n *= d
+        (kept if n <= _INFER_KEEP_ELEMENTS else moved).append(init)
+    if moved:
+        del g.initializer[:]
+        g.initializer.extend(kept)
+        g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved)
+    if model.ir_version > 10:
+        model.ir_version = 10
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # inference is an aid: without it passes see only the recorded shapes
+        return {}
+    table: dict[str, list] = {}
+    for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
+            continue
+        table[vi.name] = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        ]
+    return table

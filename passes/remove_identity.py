@@ -1,0 +1,53 @@
+"""Identity and inference-mode Dropout removal.
+
+remove-identity
+    match:     Identity(x) -> y
+    condition: y can be renamed away; when y is a graph output, x's producer can be made to
+               write y instead (x is no graph input, initializer or other graph output)
+    rewrite:   readers of y read x (or x's producer writes y)
+
+remove-dropout
+    match:     Dropout(x, [ratio], [training_mode]) -> y, [mask]
+    condition: inference mode (training_mode absent or constant false; is_test=1 before opset 7),
+               the mask output unused
+    rewrite:   as Identity
+"""
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.pipeline import Context, Pass
+
+
+def remove_identity(graph: gs.Graph, ctx: Context) -> int:
+    removed = 0
+    for node in list(graph.nodes):
+        if gu.is_op(node, "Identity") and len(node.inputs) == 1 and len(node.outputs) == 1:
+            removed += gu.bypass(graph, node)
+    return removed
+
+
+def _dropout_in_inference(node: gs.Node, opset: int) -> bool:
+    if opset < 7:
+        # Dropout-1 and -6 run the training behaviour unless is_test is set.
+        return bool(gu.attr(node, "is_test", 0))
+    if len(node.inputs) < 3 or not gu.is_present(node.inputs[2]):
+        return True
+    mode = gu.constant_value(node.inputs[2])
+    return mode is not None and mode.size == 1 and not bool(mode.reshape(-1)[0])
+
+
+def remove_dropout(graph: gs.Graph, ctx: Context) -> int:
+    removed = 0
+    opset = graph.opset or 1
+    for node in list(graph.nodes):
+        if gu.is_op(node, "Dropout") and node.inputs and node.outputs and _dropout_in_inference(node, opset):
+            removed += gu.bypass(graph, node)
+    return removed
+
+
+PASSES = [
+    Pass("remove-identity", 100, "drop Identity nodes (graph output names kept)", remove_identity),
+    Pass("remove-dropout", 105, "drop inference-mode Dropout whose mask is unused", remove_dropout),
+]

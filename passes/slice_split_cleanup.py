@@ -1,0 +1,297 @@
+"""Slice/Split/Concat cleanups: copies that give back what they were given.
+
+remove-noop-slice
+    match:     Slice(x) -> y | Split(x) -> y (one output) | Concat(x) -> y (one input)
+    condition: Slice: on every sliced axis the indices are 0..dim-1 in order, checked against
+               the static dim (or, for a dim only known at run time, start 0, step 1 and an end
+               no tensor reaches); Split and Concat: always
+    rewrite:   readers of y read x
+
+merge-slices
+    match:     Slice(Slice(x, a), b) -> y, the inner result read only by the outer Slice
+    condition: constant starts/ends/axes/steps; axes disjoint, or on a shared axis the dim is
+               static, or starts/ends are non-negative and steps positive (then the composed
+               slice is exact for every size)
+    rewrite:   Slice(x, a∘b) -> y
+
+remove-split-concat
+    match:     Concat(..., s_1, ..., s_k, ...) -> y where s_1..s_k = Split(x) are all the outputs
+               of the Split, in order
+    condition: Split and Concat on the same axis
+    rewrite:   Concat(..., x, ...) (Concat(x) alone becomes x)
+
+remove-concat-split
+    match:     Split(Concat(x_1, ..., x_k)) -> s_1..s_k
+    condition: same axis, k outputs, piece i has the size of x_i on that axis (static sizes, or
+               equal symbolic sizes under an equal split); no s_i is a graph output
+    rewrite:   readers of s_i read x_i
+"""
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.pipeline import Context, Pass
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+# An end at least this large reaches past the end of any tensor that fits in memory.
+_UNREACHABLE_END = 2**62
+
+
+# Slice parameters ---------------------------------------------------------------------------
+
+
+def _normalize_axis(axis: int, rank: int | None) -> int | None:
+    if axis >= 0:
+        return axis if rank is None or axis < rank else None
+    if rank is None or axis < -rank:
+        return None
+    return axis + rank
+
+
+def read_slice(node: gs.Node, opset: int, rank: int | None) -> dict[int, tuple[int, int, int]] | None:
+    """{axis: (start, end, step)} of a Slice with constant parameters, axes made non-negative;
+    None when a parameter is computed or invalid."""
+    if opset < 10:
+        starts, ends = gu.attr(node, "starts"), gu.attr(node, "ends")
+        axes = gu.attr(node, "axes")
+        steps = None
+    else:
+        ins = list(node.inputs) + [None] * (5 - len(node.inputs))
+        starts, ends = gu.constant_ints(ins[1]), gu.constant_ints(ins[2])
+        axes = gu.constant_ints(ins[3]) if gu.is_present(ins[3]) else None
+        steps = gu.constant_ints(ins[4]) if gu.is_present(ins[4]) else None
+        if (gu.is_present(ins[3]) and axes is None) or (gu.is_present(ins[4]) and steps is None):
+            return None
+    if starts is None or ends is None or len(starts) != len(ends):
+        return None
+    axes = list(range(len(starts))) if axes is None else list(axes)
+    steps = [1] * len(starts) if steps is None else list(steps)
+    if len(axes) != len(starts) or len(steps) != len(starts) or 0 in steps:
+        return None
+    out: dict[int, tuple[int, int, int]] = {}
+    for a, s, e, k in zip(axes, starts, ends, steps):
+        axis = _normalize_axis(int(a), rank)
+        if axis is None or axis in out:
+            return None
+        out[axis] = (int(s), int(e), int(k))
+    return out
+
+
+def slice_indices(dim: int, start: int, end: int, step: int) -> range:
+    """The indices an ONNX Slice takes along an axis of static size `dim`."""
+    if start < 0:
+        start += dim
+    if end < 0:
+        end += dim
+    if step > 0:
+        start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+    else:
+        start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+    return range(start, end, step)
+
+
+def _range_params(r: range) -> tuple[int, int, int]:
+    """Slice parameters that take exactly the indices `r` (an end below 0 becomes INT64_MIN:
+    ONNX reads -1 as the last element)."""
+    if len(r) == 0:
+        return 0, 0, 1
+    return r.start, (r.stop if r.stop >= 0 else INT64_MIN), r.step
+
+
+def _keeps_axis(params: tuple[int, int, int], dim: int | str | None) -> bool:
+    start, end, step = params
+    if isinstance(dim, int):
+        return slice_indices(dim, start, end, step) == range(dim)
+    return step == 1 and (start == 0 or start <= -_UNREACHABLE_END) and end >= _UNREACHABLE_END
+
+
+def _compose(outer_of_inner: tuple[int, int, int], inner: tuple[int, int, int], dim) -> tuple[int, int, int] | None:
+    """Parameters of slicing with `inner` then with `outer_of_inner` along one axis."""
+    if isinstance(dim, int):
+        first = slice_indices(dim, *inner)
+        s2 = slice_indices(len(first), *outer_of_inner)
+        if len(s2) == 0:
+            return 0, 0, 1
+        start = first[s2.start]
+        step = first.step * s2.step
+        return _range_params(range(start, start + step * len(s2), step))
+    (a, b, k1), (c, d, k2) = inner, outer_of_inner
+    if min(a, b, c, d) < 0 or k1 <= 0 or k2 <= 0:
+        return None
+    # Taking a, a+k1, ... below b, then the c-th, (c+k2)-th, ... below d of those.
+    return min(a + k1 * c, INT64_MAX), min(b, a + k1 * d, INT64_MAX), k1 * k2
+
+
+def _write_slice(graph: gs.Graph, node: gs.Node, data: gs.Tensor, params: dict[int, tuple[int, int, int]], opset: int) -> bool:
+    axes = sorted(params)
+    starts = [params[a][0] for a in axes]
+    ends = [params[a][1] for a in axes]
+    steps = [params[a][2] for a in axes]
+    if opset < 10:
+        if any(s != 1 for s in steps):
+            return False
+        node.attrs.update(starts=starts, ends=ends, axes=axes)
+        node.inputs[0] = data
+        return True
+    import numpy as np
+
+    base = node.name or "slice"
+    consts = [gu.make_constant(graph, f"{base}_{what}", np.array(v, dtype=np.int64))
+              for what, v in (("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps))]
+    node.inputs.clear()
+    node.inputs.extend([data] + consts)
+    return True
+
+
+# Passes -------------------------------------------------------------------------------------
+
+
+def remove_noop_slice(graph: gs.Graph, ctx: Context) -> int:
+    shapes = gu.ShapeTable(graph)
+    opset = graph.opset or 1
+    removed = 0
+    for node in list(graph.nodes):
+        if not node.inputs or not node.outputs:
+            continue
+        if gu.is_op(node, "Split") and len(node.outputs) == 1:
+            removed += gu.bypass(graph, node)
+        elif gu.is_op(node, "Concat") and len(node.inputs) == 1:
+            removed += gu.bypass(graph, node)
+        elif gu.is_op(node, "Slice"):
+            d = shapes.dims(node.inputs[0])
+            params = read_slice(node, opset, None if d is None else len(d))
+            if params is None or d is None:
+                continue
+            if all(_keeps_axis(p, d[axis]) for axis, p in params.items()):
+                removed += gu.bypass(graph, node)
+    return removed
+
+
+def merge_slices(graph: gs.Graph, ctx: Context) -> int:
+    shapes = gu.ShapeTable(graph)
+    opset = graph.opset or 1
+    merged = 0
+    for outer in list(graph.nodes):
+        if not gu.is_op(outer, "Slice") or not outer.inputs:
+            continue
+        mid = outer.inputs[0]
+        inner = gu.producer(mid)
+        if not gu.is_op(inner, "Slice") or gu.single_consumer(mid) is not outer or gu.is_graph_output(graph, mid):
+            continue
+        d = shapes.dims(inner.inputs[0])
+        rank = None if d is None else len(d)
+        a = read_slice(inner, opset, rank)
+        b = read_slice(outer, opset, rank)
+        if a is None or b is None:
+            continue
+        params = dict(a)
+        for axis, pb in b.items():
+            if axis not in a:
+                params[axis] = pb
+                continue
+            dim = d[axis] if d is not None else None
+            composed = _compose(pb, a[axis], dim)
+            if composed is None:
+                params = None
+                break
+            params[axis] = composed
+        if params is None:
+            continue
+        if _write_slice(graph, outer, inner.inputs[0], params, opset):
+            merged += 1
+    return merged
+
+
+def _split_axis(node: gs.Node, rank: int | None) -> int | None:
+    return _normalize_axis(int(gu.attr(node, "axis", 0)), rank)
+
+
+def _split_sizes(node: gs.Node, opset: int) -> list[int] | None | bool:
+    """Explicit piece sizes, None for an equal split, False when they cannot be read."""
+    if opset < 13:
+        sizes = gu.attr(node, "split")
+        return None if sizes is None else [int(s) for s in sizes]
+    if len(node.inputs) > 1 and gu.is_present(node.inputs[1]):
+        sizes = gu.constant_ints(node.inputs[1])
+        return False if sizes is None else sizes
+    return None
+
+
+def remove_split_concat(graph: gs.Graph, ctx: Context) -> int:
+    shapes = gu.ShapeTable(graph)
+    rewrites = 0
+    for concat in list(graph.nodes):
+        if not gu.is_op(concat, "Concat"):
+            continue
+        changed = False
+        i = 0
+        while i < len(concat.inputs):
+            split = gu.producer(concat.inputs[i])
+            if gu.is_op(split, "Split") and split.inputs and concat.inputs[i] is split.outputs[0]:
+                k = len(split.outputs)
+                run = list(concat.inputs[i : i + k])
+                rank = shapes.rank(split.inputs[0])
+                axis = _split_axis(split, rank)
+                if (
+                    len(run) == k
+                    and all(t is s for t, s in zip(run, split.outputs))
+                    and axis is not None
+                    and axis == _normalize_axis(int(gu.attr(concat, "axis", 0)), rank)
+                ):
+                    for _ in range(k):
+                        concat.inputs.pop(i)
+                    concat.inputs.insert(i, split.inputs[0])
+                    rewrites += 1
+                    changed = True
+            i += 1
+        if changed and len(concat.inputs) == 1:
+            gu.bypass(graph, concat)
+    return rewrites
+
+
+def remove_concat_split(graph: gs.Graph, ctx: Context) -> int:
+    shapes = gu.ShapeTable(graph)
+    opset = graph.opset or 1
+    rewrites = 0
+    for split in list(graph.nodes):
+        if not gu.is_op(split, "Split") or not split.inputs:
+            continue
+        concat = gu.producer(split.inputs[0])
+        if not gu.is_op(concat, "Concat") or len(concat.inputs) != len(split.outputs):
+            continue
+        rank = shapes.rank(split.inputs[0])
+        axis = _split_axis(split, rank)
+        if axis is None or axis != _normalize_axis(int(gu.attr(concat, "axis", 0)), rank):
+            continue
+        if any(gu.is_graph_output(graph, s) for s in split.outputs):
+            continue
+        pieces = [shapes.dims(t) for t in concat.inputs]
+        if any(p is None or len(p) != rank for p in pieces):
+            continue
+        piece_dims = [p[axis] for p in pieces]
+        sizes = _split_sizes(split, opset)
+        if sizes is False:
+            continue
+        if sizes is None:
+            # Equal split: pieces of one size d give k*d, split back into pieces of size d.
+            fits = piece_dims[0] is not None and all(p == piece_dims[0] for p in piece_dims)
+        else:
+            fits = len(sizes) == len(piece_dims) and all(isinstance(p, int) and p == s for p, s in zip(piece_dims, sizes))
+        if not fits:
+            continue
+        for piece, out in zip(concat.inputs, split.outputs):
+            gu.replace_uses(out, piece)
+        split.inputs.clear()
+        split.outputs.clear()
+        rewrites += 1
+    return rewrites
+
+
+PASSES = [
+    Pass("remove-noop-slice", 110, "drop Slices that keep everything, one-output Splits, one-input Concats", remove_noop_slice),
+    Pass("merge-slices", 120, "merge a Slice of a Slice into one Slice", merge_slices),
+    Pass("remove-split-concat", 130, "Concat of all outputs of a Split in order reads the Split's input", remove_split_concat),
+    Pass("remove-concat-split", 140, "Split that takes back the pieces of a Concat reads the pieces", remove_concat_split),
+]
