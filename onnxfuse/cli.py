@@ -1,0 +1,478 @@
+"""The `onnxfuse` command line: optimize, profile, passes, zoo.
+
+Every failure is one line on stderr, `onnxfuse: error: ...`, and a documented exit status;
+a traceback only with --debug or ONNXFUSE_DEBUG=1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import click
+
+from .modelio import InputError
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES_HELP = """\b
+Exit status:
+  0  success
+  1  verification failed: the optimized model does not match the original
+     (or does not run); OUT is left untouched
+  2  bad input or usage: unreadable or invalid model, unknown pass, bad option
+  3  internal error or broken installation (e.g. the custom-op library does
+     not load); rerun with --debug (or ONNXFUSE_DEBUG=1) for a traceback
+"""
+
+_debug = os.environ.get("ONNXFUSE_DEBUG", "") not in ("", "0")
+
+
+def _set_debug(ctx, param, value):
+    global _debug
+    if value:
+        _debug = True
+    return value
+
+
+debug_option = click.option(
+    "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+    help="Show tracebacks and onnxruntime warnings.",
+)
+
+
+def _quiet_libraries() -> None:
+    """onnxruntime and graphsurgeon log warnings to the terminal; the CLI's contract is one line
+    per error, so they are silenced unless --debug."""
+    if _debug:
+        return
+    warnings.simplefilter("ignore")
+    try:
+        import onnxruntime as ort
+
+        ort.set_default_logger_severity(3)
+    except ImportError:
+        pass
+    try:
+        from onnx_graphsurgeon.logger import G_LOGGER
+
+        G_LOGGER.severity = G_LOGGER.ERROR
+    except ImportError:
+        pass
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"onnxfuse: {message}", err=True)
+    sys.exit(code)
+
+
+class OnnxfuseGroup(click.Group):
+    """A click group whose errors are one line and whose exit statuses are ours."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name or "onnxfuse", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help() if e.ctx else "")
+            sys.exit(EXIT_OK)
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            _fail(EXIT_BAD_INPUT, f"error: {e.format_message()}{hint}")
+        except click.ClickException as e:
+            _fail(EXIT_BAD_INPUT, f"error: {e.format_message()}")
+        except click.Abort:
+            _fail(EXIT_INTERRUPTED, "interrupted")
+        except InputError as e:
+            if _debug:
+                import traceback
+
+                traceback.print_exc()
+            _fail(EXIT_BAD_INPUT, f"error: {e}")
+        except MismatchExit as e:
+            _fail(EXIT_MISMATCH, str(e))
+        except KeyboardInterrupt:
+            _fail(EXIT_INTERRUPTED, "interrupted")
+        except Exception as e:
+            from .runtime import LibraryError
+
+            if _debug:
+                import traceback
+
+                traceback.print_exc()
+            if isinstance(e, LibraryError):
+                _fail(EXIT_INTERNAL, f"error: {e}")
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _fail(EXIT_INTERNAL, f"internal error: {type(e).__name__}{': ' + text if text else ''}"
+                                 " (rerun with --debug for the traceback)")
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+class MismatchExit(Exception):
+    """Verification failed: exit status 1."""
+
+
+# --------------------------------------------------------------------------- option parsing
+
+
+def _parse_dims(ctx, param, values) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    for item in values:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise click.BadParameter(f"'{item}': expected NAME=VALUE, e.g. batch=4", ctx, param)
+        try:
+            number = int(value)
+        except ValueError:
+            raise click.BadParameter(f"'{item}': {value!r} is not an integer", ctx, param) from None
+        if number < 1:
+            raise click.BadParameter(f"'{item}': a dimension must be at least 1", ctx, param)
+        dims[name] = number
+    return dims
+
+
+def _parse_passes(ctx, param, value):
+    if value is None:
+        return None
+    names = [n.strip() for n in value.split(",")]
+    if not all(names):
+        raise click.BadParameter(f"'{value}': expected comma-separated pass names (see 'onnxfuse passes')", ctx, param)
+    return names
+
+
+dim_option = click.option(
+    "--dim", "dims", multiple=True, callback=_parse_dims, metavar="NAME=VALUE",
+    help="Value of a symbolic input dimension (repeatable); unnamed ones default to 1.",
+)
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="onnxruntime intra-op threads (default: onnxruntime's choice).")
+seed_option = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _dims_text(dims: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in dims.items()) or "all static"
+
+
+# --------------------------------------------------------------------------- commands
+
+
+@click.group(cls=OnnxfuseGroup, epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="onnxfuse", prog_name="onnxfuse")
+@debug_option
+def main():
+    """Fuse launch-bound op chains of ONNX models into single kernels.
+
+    \b
+    onnxfuse optimize IN OUT     optimize a model (IN may be zoo:NAME), verify it, save it
+    onnxfuse profile MODEL [B]   kernels per inference, bytes moved, latency (side by side)
+    onnxfuse passes              the passes of the pipeline
+    onnxfuse zoo                 the bundled models
+    """
+    _quiet_libraries()
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("source", metavar="IN")
+@click.argument("dest", metavar="OUT")
+@click.option("--passes", "pass_names", callback=_parse_passes, metavar="A,B,...",
+              help="Run only these passes (default: the default pipeline of the target).")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Which kernels fused ops get.")
+@click.option("--arch", default=None, metavar="SM", help="CUDA architecture for --target cuda, e.g. sm_90.")
+@click.option("--verify/--no-verify", default=True, show_default=True,
+              help="Compare original and optimized outputs in onnxruntime before writing OUT.")
+@click.option("--fallback-check/--no-fallback-check", default=True, show_default=True,
+              help="Also verify the fallback functions (the optimized model without the onnxfuse library).")
+@dim_option
+@seed_option
+@threads_option
+@click.option("--report", "report_path", default=None, metavar="FILE.json",
+              help="Write per-pass statistics and the summary to FILE.json.")
+@json_option
+@debug_option
+def optimize(source, dest, pass_names, target, arch, verify, fallback_check, dims, seed, threads, report_path, as_json):
+    """Optimize model IN (a path or zoo:NAME) and write OUT.
+
+    OUT is written only when verification passes (or with --no-verify), and atomically:
+    an existing OUT is never left half-written.
+    """
+    from . import api
+    from .modelio import check_writable, save_model, write_text_atomic
+    from .verify import VerificationError
+
+    if arch is not None and target != "cuda":
+        raise click.BadParameter("--arch applies to --target cuda only", param_hint="--arch")
+    if arch is not None and not (arch.startswith("sm_") and arch[3:].isdigit()):
+        raise click.BadParameter(f"'{arch}': expected sm_NN, e.g. sm_90", param_hint="--arch")
+    check_writable(dest)
+    if report_path:
+        check_writable(report_path, "report")
+    t0 = time.perf_counter()
+    try:
+        result = api.optimize(
+            source, passes=pass_names, target=target, arch=arch, verify_outputs=verify, dims=dims,
+            seed=seed, threads=threads, fallback_check=fallback_check,
+        )
+    except VerificationError as e:
+        raise MismatchExit(f"{e}; {dest} not written") from None
+    t_save = time.perf_counter()
+    written = save_model(result.model, dest)
+    summary = dict(result.summary)
+    summary["output"] = dest
+    summary["files_written"] = written
+    summary["ir_version"] = _saved_ir(result.model)
+    summary["seconds"] = {**summary["seconds"], "save": round(time.perf_counter() - t_save, 4),
+                          "total": round(time.perf_counter() - t0, 4)}
+    if report_path:
+        write_text_atomic(report_path, json.dumps({**result.report(), "summary": summary}, indent=2) + "\n")
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(_optimize_text(summary))
+
+
+def _saved_ir(model) -> int:
+    from .modelio import output_ir_version
+
+    return output_ir_version(model)
+
+
+def _optimize_text(s: dict) -> str:
+    lines = [f"{s['input']} -> {s['output']} (target {s['target']}{', ' + s['arch'] if s.get('arch') else ''})"]
+    lines.append(f"  nodes      {s['nodes_before']} -> {s['nodes_after']}")
+    fused = ", ".join(f"{k} x{v}" for k, v in s["fused_ops"].items()) or "none"
+    lines.append(f"  fused ops  {fused}")
+    if s["kernels_before"] is not None:
+        after = s["kernels_after"] if s["kernels_after"] is not None else "n/a"
+        lib = ""
+        if s["fused_ops"]:
+            lib = "; onnxfuse library loaded" if s.get("library_loaded") else "; onnxfuse library not loaded"
+        lines.append(f"  kernels    {s['kernels_before']} -> {after} per inference"
+                     f" (onnxruntime CPU, ORT_ENABLE_ALL{lib})")
+    if s.get("kernel_note"):
+        lines.append(f"  warning    {s['kernel_note']}")
+    v = s.get("verification")
+    if v is None:
+        lines.append("  verified   no (--no-verify)")
+    else:
+        outputs = len(v["runs"][0]["outputs"]) if v["runs"] else 0
+        extra = ""
+        if len(v["runs"]) > 1:
+            extra = "; fallback functions match too"
+        lines.append(f"  verified   {outputs} output(s) match on random inputs (seed {v['seed']}, dims"
+                     f" {_dims_text(v['dims'])}): max abs error {v['max_abs']:.3g},"
+                     f" max rel error {v['max_rel']:.3g}{extra}")
+    for note in s.get("notes", []):
+        lines.append(f"  note       {note}")
+    sec = s["seconds"]
+    lines.append(f"  time       {sec['total']:.2f} s (load {sec['load']:.2f}, passes {sec['passes']:.2f},"
+                 f" verify {sec['verify']:.2f}, save {sec.get('save', 0):.2f})")
+    return "\n".join(lines)
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("model_a", metavar="MODEL")
+@click.argument("model_b", metavar="[MODEL2]", required=False)
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@threads_option
+@click.option("--runs", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Timed runs per model (0: no timing).")
+@click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed runs first.")
+@click.option("--ort-level", "level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all",
+              show_default=True, help="onnxruntime's own graph optimization level.")
+@dim_option
+@seed_option
+@click.option("--top", type=click.IntRange(min=0), default=12, show_default=True,
+              help="Op types listed in the breakdown.")
+@json_option
+@debug_option
+def profile(model_a, model_b, provider, threads, runs, warmup, level, dims, seed, top, as_json):
+    """Kernels per inference, bytes moved and latency of MODEL in onnxruntime.
+
+    Kernels are counted from onnxruntime's profiler (after its own optimizations at
+    --ort-level); latency is the median of --runs runs without the profiler. With MODEL2 the
+    two are shown side by side with ratios MODEL2/MODEL, timed interleaved. MODEL may be
+    zoo:NAME. The onnxfuse library is loaded for models that hold fused ops.
+    """
+    from .modelio import normalize, resolve_input
+    from .profile import profile_models, ratios
+    from .verify import check_dims, effective_dims
+
+    loaded = [normalize(resolve_input(m)) for m in [model_a, model_b] if m is not None]
+    check_dims(dims, [m.model for m in loaded])
+    defaults = {}
+    for m in loaded:
+        defaults.update(m.dims)
+    merged = effective_dims([m.model for m in loaded], {**defaults, **dims})
+    reports = _run_or_input_error(
+        lambda: profile_models([(m.label, m.model) for m in loaded], provider, threads, level, merged, runs, warmup,
+                               seed),
+        loaded,
+    )
+    result = {
+        "provider": provider,
+        "threads": threads,
+        "ort_level": level,
+        "dims": merged,
+        "seed": seed,
+        "models": [r.as_dict() for r in reports],
+    }
+    if len(reports) == 2:
+        result["ratios"] = ratios(reports[0], reports[1])
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(_profile_text(reports, result, top))
+
+
+def _run_or_input_error(fn, loaded):
+    """onnxruntime failing to load or run a user's model is bad input (exit 2)."""
+    from .modelio import ort_error_text
+    from .runtime import LibraryError
+
+    try:
+        return fn()
+    except (InputError, LibraryError):
+        raise
+    except Exception as e:  # onnxruntime's own exception types
+        if type(e).__module__.startswith("onnxruntime"):
+            names = " / ".join(m.label for m in loaded)
+            raise InputError(f"{names}: onnxruntime cannot run it: {ort_error_text(e)}") from None
+        raise
+
+
+def _profile_text(reports, result, top: int) -> str:
+    two = len(reports) == 2
+    rows: list[tuple[str, ...]] = []
+
+    def row(name, values, ratio=None):
+        cells = [name] + list(values)
+        if two:
+            cells.append("" if ratio is None else f"{ratio:.2f}x")
+        rows.append(tuple(cells))
+
+    rows.append(("model",) + tuple(r.label for r in reports) + (("MODEL2/MODEL",) if two else ()))
+    row("onnxfuse library", ["loaded" if r.kernels.library_loaded else "not loaded" for r in reports])
+    ratios = result.get("ratios", {})
+    row("kernels / inference", [str(r.kernels.kernels_per_inference) for r in reports],
+        ratios.get("kernels_per_inference"))
+    row("activations read", [_human_bytes(r.kernels.activation_bytes_read) for r in reports],
+        ratios.get("activation_bytes_read"))
+    row("parameters read", [_human_bytes(r.kernels.parameter_bytes_read) for r in reports])
+    row("written", [_human_bytes(r.kernels.bytes_written) for r in reports], ratios.get("bytes_written"))
+    if all(r.latency for r in reports):
+        row("median latency", [f"{r.latency.median_ms:.4f} ms" for r in reports], ratios.get("median_ms"))
+        row("p10 .. p90", [f"{r.latency.p10_ms:.4f} .. {r.latency.p90_ms:.4f}" for r in reports])
+    ops: list[str] = []
+    for r in reports:
+        ops += [k for k in r.kernels.by_op_type if k not in ops]
+    ops.sort(key=lambda k: -max(r.kernels.by_op_type.get(k, 0) for r in reports))
+    if top and ops:
+        rows.append(("kernels by op type",) + ("",) * (len(reports) + (1 if two else 0)))
+        for k in ops[:top]:
+            row(f"  {k}", [str(r.kernels.by_op_type.get(k, 0)) for r in reports])
+        if len(ops) > top:
+            rest = [sum(v for kk, v in r.kernels.by_op_type.items() if kk in ops[top:]) for r in reports]
+            row(f"  ({len(ops) - top} more op types)", [str(x) for x in rest])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    header = (f"onnxruntime {result['provider'].upper()}, ORT level {result['ort_level']}, threads"
+              f" {result['threads'] or 'default'}, dims {_dims_text(result['dims'])}")
+    lines = [header]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)
+
+
+@main.command("passes")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None, help="Only passes for this target.")
+@json_option
+@debug_option
+def list_passes(target, as_json):
+    """The passes, in pipeline order: name, targets, default or opt-in, what it does."""
+    from .pipeline import all_passes
+
+    passes = [p for p in all_passes() if target is None or target in p.targets]
+    if as_json:
+        click.echo(json.dumps([{"name": p.name, "order": p.order, "targets": list(p.targets), "default": p.default,
+                                "summary": p.summary} for p in passes], indent=2))
+        return
+    if not passes:
+        click.echo("no passes installed")
+        return
+    width = max(len(p.name) for p in passes)
+    for p in passes:
+        flag = "" if p.default else " (opt-in)"
+        click.echo(f"{p.name.ljust(width)}  [{','.join(p.targets)}]{flag}  {p.summary}")
+
+
+@main.command("zoo")
+@json_option
+@debug_option
+def list_zoo(as_json):
+    """The bundled models (use them as zoo:NAME): name, description, inputs."""
+    import onnx
+
+    try:
+        from . import zoo
+    except ImportError:
+        raise InputError("the model zoo is not available in this installation") from None
+    entries = []
+    for m in zoo.list_models():
+        inputs = []
+        try:
+            proto = onnx.load(str(m.path), load_external_data=False)
+            inits = {t.name for t in proto.graph.initializer}
+            for v in proto.graph.input:
+                if v.name in inits:
+                    continue
+                inputs.append(_input_text(v, m.dims or {}))
+        except Exception as e:  # a broken bundled file is reported in the listing, not fatal
+            inputs.append(f"(cannot read: {e})")
+        entries.append({"name": m.name, "description": m.description, "inputs": inputs, "dims": dict(m.dims or {})})
+    if as_json:
+        click.echo(json.dumps(entries, indent=2))
+        return
+    width = max((len(e["name"]) for e in entries), default=0)
+    for e in entries:
+        click.echo(f"{e['name'].ljust(width)}  {e['description']}")
+        click.echo(f"{''.ljust(width)}  inputs: {', '.join(e['inputs'])}")
+
+
+def _input_text(value, dims: dict) -> str:
+    import onnx
+
+    t = value.type.tensor_type
+    try:
+        elem = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+    except Exception:  # types numpy lacks (bfloat16, float8...)
+        elem = onnx.TensorProto.DataType.Name(t.elem_type).lower()
+    shape = []
+    for d in t.shape.dim:
+        if d.HasField("dim_value"):
+            shape.append(str(d.dim_value))
+        elif d.HasField("dim_param"):
+            shape.append(f"{d.dim_param}={dims.get(d.dim_param, 1)}")
+        else:
+            shape.append("?")
+    return f"{value.name} {elem}[{', '.join(shape)}]"
+
+
+if __name__ == "__main__":
+    main()

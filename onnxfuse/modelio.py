@@ -1,0 +1,491 @@
+"""Loading, checking, normalizing and atomically saving ONNX models.
+
+Everything that can be wrong with a model file is reported as an InputError whose message is
+one line naming the file and the problem; the CLI prints it and exits with status 2.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+from onnx import helper
+
+from .fused import DOMAIN
+
+# Protobuf cannot serialize one message of 2 GiB or more; bigger models keep their large
+# tensors in a data file next to the model.
+PROTOBUF_LIMIT = 2**31 - 1
+# Tensors at least this big go to the data file when a model has to use one (small ones
+# stay inline, as onnx itself does).
+EXTERNAL_TENSOR_MIN_BYTES = 1024
+# IR version from which function overloads (one fallback body per fused node) exist.
+IR_WITH_OVERLOADS = 10
+# IR version from which initializers need not be listed as graph inputs.
+IR_INITIALIZERS_NOT_INPUTS = 4
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+class InputError(Exception):
+    """Bad input (a model file, an option value): the message is one line for the user."""
+
+
+@dataclass
+class LoadedModel:
+    """A model read from disk (or the zoo) with what normalizing it did."""
+
+    model: onnx.ModelProto
+    label: str  # what messages call it: the path as given, or zoo:NAME
+    path: str | None = None
+    dims: dict[str, int] = field(default_factory=dict)  # default symbolic dims (zoo models)
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- onnxruntime limits
+
+
+def _probe_model(ir_version: int, opset: int) -> bytes:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    return model.SerializeToString()
+
+
+def _ort_accepts(ir_version: int, opset: int) -> bool:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(_probe_model(ir_version, opset), sess_options=so, providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime raises its own exception types
+        return False
+    return True
+
+
+def _highest_accepted(low: int, high: int, accepts) -> int:
+    """The largest v in [low, high] with accepts(v), assuming acceptance is monotone."""
+    if not accepts(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if accepts(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@functools.lru_cache(maxsize=None)
+def ort_max_ir_version() -> int:
+    """The newest ONNX IR version the installed onnxruntime loads (probed once: tables by
+    version go stale, a probe does not)."""
+    return _highest_accepted(7, max(onnx.IR_VERSION, 7) + 4, lambda ir: _ort_accepts(ir, 9))
+
+
+@functools.lru_cache(maxsize=None)
+def ort_max_opset() -> int:
+    """The newest ai.onnx opset the installed onnxruntime runs (probed once)."""
+    ir = ort_max_ir_version()
+    return _highest_accepted(7, onnx.defs.onnx_opset_version() + 4, lambda v: _ort_accepts(ir, v))
+
+
+def ort_error_text(exc: BaseException) -> str:
+    """onnxruntime's message without its status prefix and C++ source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^/\S+:\d+ \S+?\(.*?\) ", "", text)
+    text = re.sub(r"^/\S+:\d+ ", "", text)
+    return text
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for g in attr.graphs:
+                yield from _all_tensors(g)
+
+
+def _external_location(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path) -> None:
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+    external = [t for t in _all_tensors(model.graph) if uses_external_data(t)]
+    if not external:
+        return
+    for t in external:
+        info = _external_location(t)
+        location = info.get("location")
+        if not location:
+            raise InputError(f"{label}: tensor '{t.name}' uses external data but names no file")
+        data_path = base_dir / location
+        if not data_path.is_file():
+            raise InputError(f"{label}: external data file '{location}' for tensor '{t.name}' not found in {base_dir}")
+        size = data_path.stat().st_size
+        offset = int(info.get("offset", 0) or 0)
+        length = int(info["length"]) if info.get("length") else None
+        if offset > size or (length is not None and offset + length > size):
+            raise InputError(
+                f"{label}: external data file '{location}' is shorter ({size} bytes) than tensor '{t.name}' needs"
+                " (truncated?)"
+            )
+    try:
+        load_external_data_for_model(model, str(base_dir))
+    except Exception as e:  # onnx raises several types (ValueError, OSError, ...) here
+        raise InputError(f"{label}: cannot load external data: {e}") from None
+
+
+def _looks_like_json(data: bytes) -> bool:
+    head = data.lstrip()[:1]
+    if head not in (b"{", b"["):
+        return False
+    try:
+        json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return True
+
+
+def parse_model(data: bytes, label: str) -> onnx.ModelProto:
+    """Bytes -> ModelProto, or InputError saying why these bytes are not a model."""
+    if not data:
+        raise InputError(f"{label}: not an ONNX model (empty file)")
+    if _looks_like_json(data):
+        raise InputError(f"{label}: not an ONNX model (a JSON file)")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception:  # google.protobuf.message.DecodeError, or RuntimeWarning-based errors
+        raise InputError(f"{label}: not an ONNX model (protobuf parse failed)") from None
+    # Arbitrary bytes sometimes parse as a message with stray fields: a model has an IR
+    # version, an opset and a graph with outputs.
+    if model.ir_version <= 0 or not model.opset_import or not model.HasField("graph") or not model.graph.output:
+        raise InputError(f"{label}: not an ONNX model (protobuf parsed, but it has no graph, opset or IR version)")
+    return model
+
+
+def load_model(path: str | os.PathLike, label: str | None = None) -> LoadedModel:
+    """Read a model file with its external data; InputError for anything wrong with it."""
+    path = Path(path)
+    label = label or str(path)
+    if not path.exists():
+        raise InputError(f"{label}: no such file")
+    if path.is_dir():
+        raise InputError(f"{label}: is a directory, not a model file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{label}: cannot read: {e.strerror or e}") from None
+    model = parse_model(data, label)
+    _load_external_data(model, label, path.resolve().parent)
+    check_model(model, label)
+    return LoadedModel(model=model, label=label, path=str(path))
+
+
+def resolve_input(spec: str) -> LoadedModel:
+    """A path, or zoo:NAME for a bundled model (its symbolic dims come with it)."""
+    if spec.startswith("zoo:"):
+        name = spec[len("zoo:"):]
+        try:
+            from . import zoo
+        except ImportError:
+            raise InputError(f"{spec}: the model zoo is not available in this installation") from None
+        try:
+            path = zoo.resolve(name)
+        except zoo.ZooError as e:
+            raise InputError(f"{spec}: {e}") from None
+        loaded = load_model(path, label=spec)
+        entry = next((m for m in zoo.list_models() if m.name == name), None)
+        if entry is not None:
+            loaded.dims = dict(entry.dims or {})
+        return loaded
+    return load_model(spec)
+
+
+# --------------------------------------------------------------------------- structural checks
+
+
+def _subgraph_outer_refs(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads from enclosing scopes."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {s.values.name for s in graph.sparse_initializer}
+    refs: set[str] = set()
+    for node in graph.node:
+        for name in _node_reads(node):
+            if name not in defined:
+                refs.add(name)
+        defined.update(o for o in node.output if o)
+    refs |= {o.name for o in graph.output if o.name not in defined}
+    return refs
+
+
+def _node_reads(node: onnx.NodeProto) -> list[str]:
+    reads = [i for i in node.input if i]
+    for attr in node.attribute:
+        subgraphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+        for g in subgraphs:
+            reads.extend(sorted(_subgraph_outer_refs(g)))
+    return reads
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return f"'{node.name}' ({node.op_type})" if node.name else f"#{index} ({node.op_type})"
+
+
+def check_model(model: onnx.ModelProto, label: str) -> None:
+    """Reject graphs no runtime can run: opsets onnxruntime lacks, reads of values nothing
+    produces, cycles, outputs nothing produces."""
+    for opset in model.opset_import:
+        if opset.domain in DEFAULT_DOMAINS and opset.version > ort_max_opset():
+            import onnxruntime as ort
+
+            raise InputError(
+                f"{label}: opset {opset.version} is newer than onnxruntime {ort.__version__} supports"
+                f" (up to opset {ort_max_opset()})"
+            )
+    if model.ir_version > onnx.IR_VERSION:
+        raise InputError(f"{label}: IR version {model.ir_version} is newer than this onnx ({onnx.IR_VERSION}) knows")
+    graph = model.graph
+    available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    available |= {s.values.name for s in graph.sparse_initializer}
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for o in node.output:
+            if o:
+                producer[o] = i
+    reads = [_node_reads(n) for n in graph.node]
+    for i, node in enumerate(graph.node):
+        for name in reads[i]:
+            if name not in available and name not in producer:
+                raise InputError(f"{label}: node {_node_label(node, i)} reads '{name}', which nothing produces")
+    for out in graph.output:
+        if out.name not in available and out.name not in producer:
+            raise InputError(f"{label}: graph output '{out.name}' is produced by no node")
+    # Kahn's algorithm: whatever cannot be ordered lies on (or behind) a cycle.
+    waiting = [sum(1 for name in set(reads[i]) if name in producer) for i in range(len(graph.node))]
+    consumers: dict[int, list[int]] = {}
+    for i in range(len(graph.node)):
+        for name in set(reads[i]):
+            if name in producer:
+                consumers.setdefault(producer[name], []).append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    done = 0
+    while ready:
+        i = ready.pop()
+        done += 1
+        for j in consumers.get(i, []):
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    if done < len(graph.node):
+        stuck = [_node_label(graph.node[i], i) for i, w in enumerate(waiting) if w > 0]
+        more = f" and {len(stuck) - 3} more" if len(stuck) > 3 else ""
+        raise InputError(f"{label}: graph has a cycle through nodes {', '.join(stuck[:3])}{more}")
+
+
+# --------------------------------------------------------------------------- normalizing
+
+
+def normalize(loaded: LoadedModel) -> LoadedModel:
+    """Prepare a loaded model for the passes: initializers are constants, shapes are inferred.
+
+    IR < 4 models must list every initializer as a graph input; onnxruntime treats those as
+    constants anyway, and the passes need to see them as constants, so such inputs are
+    dropped (and the IR version raised to 4, where that is legal). In IR >= 4 an initializer
+    that is also an input is an overridable default, part of the model's interface: kept.
+    """
+    model = loaded.model
+    if model.ir_version < IR_INITIALIZERS_NOT_INPUTS:
+        initializers = {t.name for t in model.graph.initializer}
+        kept = [i for i in model.graph.input if i.name not in initializers]
+        dropped = len(model.graph.input) - len(kept)
+        if dropped:
+            del model.graph.input[:]
+            model.graph.input.extend(kept)
+            loaded.notes.append(f"{dropped} initializers listed as graph inputs (IR {model.ir_version}) made constants")
+        model.ir_version = IR_INITIALIZERS_NOT_INPUTS
+    # onnx writes IR versions newer than onnxruntime loads; a model that uses nothing of the
+    # newer IR runs unchanged under the older number (and is saved with it).
+    model.ir_version = min(model.ir_version, max(ort_max_ir_version(), IR_INITIALIZERS_NOT_INPUTS))
+    loaded.model = infer_shapes(model, loaded.notes)
+    return loaded
+
+
+def infer_shapes(model: onnx.ModelProto, notes: list[str] | None = None) -> onnx.ModelProto:
+    """onnx shape inference with data propagation, falling back to plain inference, then to
+    none: inference failing on an exotic model must not fail the run."""
+    if model.ByteSize() >= PROTOBUF_LIMIT:
+        if notes is not None:
+            notes.append("shape inference skipped (model over 2 GiB)")
+        return model
+    from onnx import shape_inference
+
+    for data_prop in (True, False):
+        try:
+            return shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=data_prop)
+        except Exception as e:  # onnx raises InferenceError, ValidationError, RuntimeError...
+            error = e
+    if notes is not None:
+        notes.append(f"shape inference failed ({str(error).splitlines()[0] if str(error) else type(error).__name__})")
+    return model
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def uses_functions(model: onnx.ModelProto) -> bool:
+    return bool(model.functions) or any(n.overload for n in model.graph.node) or any(
+        n.domain == DOMAIN for n in model.graph.node
+    )
+
+
+def output_ir_version(model: onnx.ModelProto) -> int:
+    """min(max(model IR, 10 when fused ops / overloads are used), newest onnxruntime loads)."""
+    wanted = model.ir_version
+    if uses_functions(model):
+        wanted = max(wanted, IR_WITH_OVERLOADS)
+    return min(wanted, ort_max_ir_version())
+
+
+def _mode_for_new_file() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: int) -> None:
+    """Move large tensor payloads into data_file (already open), pointing the model at `location`."""
+    from onnx import numpy_helper
+    from onnx.external_data_helper import set_external_data
+
+    offset = 0
+    for t in _all_tensors(model.graph):
+        if t.data_type == onnx.TensorProto.STRING:
+            continue
+        if not t.HasField("raw_data"):
+            # Typed fields (float_data, ...) become raw bytes so they can be moved out too.
+            array = numpy_helper.to_array(t)
+            if array.nbytes < min_bytes:
+                continue
+            t.CopyFrom(numpy_helper.from_array(array, t.name))
+        if len(t.raw_data) < min_bytes:
+            continue
+        # Align each tensor to 4 KiB so the data file can be memory-mapped tensor by tensor.
+        pad = (-offset) % 4096
+        data_file.write(b"\0" * pad)
+        offset += pad
+        data_file.write(t.raw_data)
+        set_external_data(t, location=location, offset=offset, length=len(t.raw_data))
+        offset += len(t.raw_data)
+        t.ClearField("raw_data")
+        t.data_location = onnx.TensorProto.EXTERNAL
+
+
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    external_threshold: int = PROTOBUF_LIMIT,
+    external_min_bytes: int = EXTERNAL_TENSOR_MIN_BYTES,
+) -> list[str]:
+    """Write `model` to `path` atomically, with the IR version onnxruntime accepts.
+
+    Models of external_threshold bytes or more keep tensors of external_min_bytes or more in
+    `<name>.data` next to the model; both files are written to temporary names in the target
+    directory and renamed into place (data file first), so a reader never sees a partial model
+    and a failed run leaves an existing file untouched. Returns the paths written.
+    """
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.ir_version = output_ir_version(model)
+    mode = _mode_for_new_file()
+    temps: list[str] = []
+    written: list[str] = []
+    try:
+        data_tmp = None
+        if out.ByteSize() >= external_threshold:
+            location = path.name + ".data"
+            fd, data_tmp = tempfile.mkstemp(dir=directory, prefix=f".{location}.", suffix=".tmp")
+            temps.append(data_tmp)
+            with os.fdopen(fd, "wb") as f:
+                _externalize(out, f, location, external_min_bytes)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(data_tmp, mode)
+        fd, model_tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        temps.append(model_tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(out.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(model_tmp, mode)
+        if data_tmp is not None:
+            os.replace(data_tmp, directory / (path.name + ".data"))
+            written.append(str(directory / (path.name + ".data")))
+        os.replace(model_tmp, path)
+        written.insert(0, str(path))
+        temps.clear()
+    finally:
+        for t in temps:
+            try:
+                os.unlink(t)
+            except OSError:
+                pass
+    return written
+
+
+def check_writable(path: str | os.PathLike, label: str = "output") -> None:
+    """Fail early (before any work) when OUT cannot be written."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; give the output model a file name")
+    if not directory.is_dir():
+        raise InputError(f"{path}: cannot write {label}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise InputError(f"{path}: cannot write {label}: directory {directory} is not writable")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, _mode_for_new_file())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,403 @@
+"""Checking an optimized model against its original in onnxruntime on seeded random inputs.
+
+Both models run on the same inputs, drawn from a seeded generator with the declared shapes
+(symbolic dimensions from `dims`, default 1); every output is compared with a tolerance that
+depends on its element type. The optimized model runs with our custom-op library when it holds
+fused ops, and once more without it, so the fallback functions are checked too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from .modelio import InputError, ort_error_text
+
+DEFAULT_DIM = 1
+
+# (atol, rtol) by output element type. A fused kernel computes a chain in one pass (in f32 for
+# f16/bf16 chains, where onnxruntime rounds after every op) and may use other approximations of
+# exp/tanh than onnxruntime's, so floats get a few units in the last place per op of slack.
+TOLERANCES: dict[int, tuple[float, float]] = {
+    onnx.TensorProto.DOUBLE: (1e-9, 1e-6),
+    onnx.TensorProto.FLOAT: (1e-4, 1e-3),
+    onnx.TensorProto.FLOAT16: (1e-2, 1e-2),
+    onnx.TensorProto.BFLOAT16: (5e-2, 5e-2),
+}
+EXACT = (0.0, 0.0)
+
+# Ops whose input at the given position holds indices into another input's axis: a random
+# integer input feeding them is drawn within that axis' size.
+_INDEX_INPUTS = {
+    "Gather": (1, 0, "axis", 0),
+    "GatherElements": (1, 0, "axis", 0),
+    "GatherND": (1, 0, None, 0),
+    "ScatterElements": (1, 0, "axis", 0),
+    "ScatterND": (1, 0, None, 0),
+    "OneHot": (0, None, None, None),
+}
+DEFAULT_INT_HIGH = 4  # integers of unknown use: small non-negative values (counts, ids, flags)
+
+
+class VerificationError(Exception):
+    """The optimized model does not match the original (or does not run)."""
+
+    def __init__(self, message: str, result: "Verification | None" = None):
+        super().__init__(message)
+        self.result = result
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def symbolic_dims(model: onnx.ModelProto) -> list[str]:
+    names: list[str] = []
+    initializers = {t.name for t in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        for d in value.type.tensor_type.shape.dim:
+            if d.HasField("dim_param") and d.dim_param not in names:
+                names.append(d.dim_param)
+    return names
+
+
+def input_shape(value: onnx.ValueInfoProto, dims: Mapping[str, int]) -> tuple[int, ...]:
+    shape = []
+    for d in value.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            shape.append(d.dim_value)
+        elif d.HasField("dim_param"):
+            shape.append(int(dims.get(d.dim_param, DEFAULT_DIM)))
+        else:
+            shape.append(DEFAULT_DIM)
+    return tuple(shape)
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    shapes: dict[str, list[int | None]] = {}
+    for t in model.graph.initializer:
+        shapes[t.name] = list(t.dims)
+    for v in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            shapes.setdefault(
+                v.name, [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            )
+    return shapes
+
+
+def _int_bounds(model: onnx.ModelProto, name: str) -> tuple[int, int]:
+    """[low, high) for a random integer input: within the indexed axis when the input is used
+    as indices (Gather & co.), else small non-negative values."""
+    shapes = None
+    high = None
+    for node in model.graph.node:
+        spec = _INDEX_INPUTS.get(node.op_type)
+        if spec is None:
+            continue
+        index_pos, data_pos, axis_attr, default_axis = spec
+        if index_pos >= len(node.input) or node.input[index_pos] != name:
+            continue
+        if node.op_type == "OneHot":
+            bound = None
+            depth = next((t for t in model.graph.initializer if len(node.input) > 1 and t.name == node.input[1]), None)
+            if depth is not None:
+                bound = int(onnx.numpy_helper.to_array(depth).reshape(-1)[0])
+        else:
+            if shapes is None:
+                shapes = _static_shapes(model)
+            data_shape = shapes.get(node.input[data_pos])
+            axis = default_axis
+            for a in node.attribute:
+                if axis_attr and a.name == axis_attr:
+                    axis = a.i
+            bound = None
+            if data_shape:
+                axis = axis + len(data_shape) if axis < 0 else axis
+                if 0 <= axis < len(data_shape):
+                    bound = data_shape[axis]
+        if bound:
+            high = bound if high is None else min(high, bound)
+    if high is None:
+        return 0, DEFAULT_INT_HIGH
+    return 0, max(1, high)
+
+
+def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random feeds for every graph input (initializers excluded), of the declared shapes."""
+    dims = dict(dims or {})
+    rng = np.random.default_rng(seed)
+    initializers = {t.name for t in model.graph.initializer}
+    feeds: dict[str, np.ndarray] = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        if not value.type.HasField("tensor_type"):
+            kind = value.type.WhichOneof("value") or "untyped"
+            raise InputError(f"input '{value.name}' is a {kind.replace('_type', '')} value; only tensor inputs can be"
+                             " fed random data (use --no-verify)")
+        elem = value.type.tensor_type.elem_type
+        shape = input_shape(value, dims)
+        if elem == onnx.TensorProto.STRING:
+            feeds[value.name] = rng.choice(np.array(["a", "b", "c"], dtype=object), size=shape)
+            continue
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+        except Exception:  # onnx raises KeyError/ValueError for types without a numpy equivalent
+            dtype = None
+        if dtype is None or elem in (onnx.TensorProto.BFLOAT16,) or dtype.kind == "V":
+            name = onnx.TensorProto.DataType.Name(elem)
+            raise InputError(f"input '{value.name}' has element type {name}, which cannot be fed from numpy"
+                             " (use --no-verify)")
+        if dtype.kind == "f":
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "c":
+            feeds[value.name] = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+        elif dtype.kind == "b":
+            feeds[value.name] = rng.random(shape) < 0.5
+        elif dtype.kind in "iu":
+            low, high = _int_bounds(model, value.name)
+            feeds[value.name] = rng.integers(low, high, size=shape).astype(dtype)
+        else:
+            raise InputError(f"input '{value.name}' has element type {dtype}, which cannot be fed random data")
+    return feeds
+
+
+def effective_dims(models: Sequence[onnx.ModelProto], dims: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Every symbolic input dimension of the models with the value it gets (given, else 1)."""
+    dims = dict(dims or {})
+    out: dict[str, int] = {}
+    for m in models:
+        for name in symbolic_dims(m):
+            out.setdefault(name, int(dims.get(name, DEFAULT_DIM)))
+    return out
+
+
+def check_dims(dims: Mapping[str, int], models: Sequence[onnx.ModelProto], label: str = "--dim") -> None:
+    """A --dim naming no symbolic dimension of any model is a typo, not a no-op."""
+    known: list[str] = []
+    for m in models:
+        known += [d for d in symbolic_dims(m) if d not in known]
+    for name in dims:
+        if name not in known:
+            has = f"it has: {', '.join(known)}" if known else "it has none"
+            raise InputError(f"{label} {name}={dims[name]}: no input has a symbolic dimension '{name}' ({has})")
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    dtype: str
+    shape: tuple
+    max_abs: float = 0.0
+    max_rel: float = 0.0  # max |a - b| / (|b| + atol)
+    atol: float = 0.0
+    rtol: float = 0.0
+    mismatched: int = 0  # elements outside the tolerance
+    problem: str | None = None  # shape/type/NaN mismatch, or the tolerance exceeded
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "mismatched": self.mismatched,
+            "ok": self.ok,
+            "problem": self.problem,
+        }
+
+
+def compare_output(name: str, elem_type: int, expected: np.ndarray, actual: np.ndarray) -> OutputCheck:
+    expected = np.asarray(expected)
+    actual = np.asarray(actual)
+    atol, rtol = TOLERANCES.get(elem_type, EXACT)
+    check = OutputCheck(name, str(expected.dtype), tuple(expected.shape), atol=atol, rtol=rtol)
+    if expected.shape != actual.shape:
+        check.problem = f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}"
+        return check
+    if expected.dtype != actual.dtype:
+        check.problem = f"element type {actual.dtype} instead of {expected.dtype}"
+        return check
+    if expected.size == 0:
+        return check
+    if expected.dtype.kind not in "fc":
+        bad = expected != actual
+        check.mismatched = int(np.count_nonzero(bad))
+        if expected.dtype.kind in "iub":
+            diff = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
+            check.max_abs = float(diff.max())
+            check.max_rel = float((diff / (np.abs(expected.astype(np.float64)) + 1)).max())
+        if check.mismatched:
+            check.problem = f"{check.mismatched} of {expected.size} values differ (exact match required)"
+        return check
+    e = expected.astype(np.complex128 if expected.dtype.kind == "c" else np.float64)
+    a = actual.astype(e.dtype)
+    nan_e, nan_a = np.isnan(e), np.isnan(a)
+    if np.any(nan_e != nan_a):
+        count = int(np.count_nonzero(nan_e != nan_a))
+        check.mismatched = count
+        check.problem = f"NaN at {count} positions where the other model has a number"
+        return check
+    finite = ~nan_e
+    inf_e, inf_a = np.isinf(e) & finite, np.isinf(a) & finite
+    if np.any(inf_e != inf_a) or np.any(e[inf_e] != a[inf_e]):
+        count = int(np.count_nonzero((inf_e != inf_a) | (inf_e & (e != a))))
+        check.mismatched = count
+        check.problem = f"infinity at {count} positions that differ between the models"
+        return check
+    both = finite & ~inf_e
+    diff = np.abs(a[both] - e[both])
+    if diff.size:
+        check.max_abs = float(diff.max())
+        check.max_rel = float((diff / (np.abs(e[both]) + max(atol, np.finfo(np.float64).tiny))).max())
+        bad = diff > atol + rtol * np.abs(e[both])
+        check.mismatched = int(np.count_nonzero(bad))
+    if check.mismatched:
+        check.problem = (
+            f"{check.mismatched} of {expected.size} values outside atol={atol:g} rtol={rtol:g}"
+            f" (max abs error {check.max_abs:.3g}, max rel error {check.max_rel:.3g})"
+        )
+    return check
+
+
+# --------------------------------------------------------------------------- verifying
+
+
+@dataclass
+class RunCheck:
+    """The optimized model in one configuration (with our library, or on fallback functions)."""
+
+    label: str
+    outputs: list[OutputCheck] = field(default_factory=list)
+    error: str | None = None  # onnxruntime could not load or run it
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(o.ok for o in self.outputs)
+
+    def as_dict(self) -> dict:
+        return {"run": self.label, "ok": self.ok, "error": self.error, "outputs": [o.as_dict() for o in self.outputs]}
+
+
+@dataclass
+class Verification:
+    seed: int
+    dims: dict[str, int]
+    provider: str
+    runs: list[RunCheck] = field(default_factory=list)
+    original_profile: object | None = None  # profile.KernelProfile of the original
+    optimized_profile: object | None = None  # ... and of the optimized model (with library)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.runs)
+
+    @property
+    def max_abs(self) -> float:
+        return max((o.max_abs for r in self.runs for o in r.outputs), default=0.0)
+
+    @property
+    def max_rel(self) -> float:
+        return max((o.max_rel for r in self.runs for o in r.outputs), default=0.0)
+
+    def first_problem(self) -> str | None:
+        for r in self.runs:
+            if r.error:
+                return f"{r.label}: {r.error}"
+            for o in r.outputs:
+                if not o.ok:
+                    return f"output '{o.name}' ({r.label}): {o.problem}"
+        return None
+
+    def as_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "seed": self.seed,
+            "dims": self.dims,
+            "provider": self.provider,
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "runs": [r.as_dict() for r in self.runs],
+        }
+
+
+def _output_types(model: onnx.ModelProto) -> list[int]:
+    return [o.type.tensor_type.elem_type if o.type.HasField("tensor_type") else 0 for o in model.graph.output]
+
+
+def verify(
+    original: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    dims: Mapping[str, int] | None = None,
+    seed: int = 0,
+    provider: str = "cpu",
+    threads: int | None = None,
+    fallback: bool = True,
+    original_label: str = "original model",
+) -> Verification:
+    """Run both models on the same seeded inputs and compare every output.
+
+    Raises InputError when the original itself cannot be fed or run (that is the input's
+    problem, not the optimizer's). Mismatches and failures of the optimized model are recorded
+    in the result; check .ok. The profiled runs also give both models' kernel counts.
+    """
+    from .profile import profiled_run
+    from .runtime import needs_library
+
+    dims = dict(dims or {})
+    feeds = random_inputs(original, dims, seed)
+    result = Verification(seed=seed, dims=dims, provider=provider)
+    try:
+        expected, result.original_profile = profiled_run(original, feeds, provider=provider, threads=threads)
+    except InputError:
+        raise
+    except Exception as e:  # onnxruntime raises its own exception types
+        from .runtime import LibraryError
+
+        if isinstance(e, LibraryError):
+            raise
+        raise InputError(f"{original_label}: onnxruntime cannot run it: {ort_error_text(e)}") from None
+    names = [o.name for o in original.graph.output]
+    types = _output_types(original)
+
+    configs = [("with the onnxfuse library", None)] if needs_library(optimized) else [("optimized", False)]
+    if fallback and needs_library(optimized):
+        configs.append(("fallback functions, no library", False))
+    for label, with_library in configs:
+        run = RunCheck(label)
+        result.runs.append(run)
+        try:
+            actual, prof = profiled_run(
+                optimized, feeds, provider=provider, threads=threads, with_library=with_library
+            )
+        except InputError:
+            raise
+        except Exception as e:  # onnxruntime raises its own exception types
+            from .runtime import LibraryError
+
+            if isinstance(e, LibraryError):
+                raise
+            run.error = f"onnxruntime cannot run the optimized model: {ort_error_text(e)}"
+            continue
+        if result.optimized_profile is None:
+            result.optimized_profile = prof
+        opt_names = [o.name for o in optimized.graph.output]
+        if opt_names != names:
+            run.error = f"outputs are {opt_names}, the original's are {names}"
+            continue
+        for name, elem, e, a in zip(names, types, expected, actual):
+            run.outputs.append(compare_output(name, elem, e, a))
+    return result
