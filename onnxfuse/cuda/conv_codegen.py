@@ -1,0 +1,600 @@
+"""CUDA C for onnxfuse.ConvBiasAct: an implicit-GEMM convolution and a direct depthwise one.
+
+One kernel is generated per layer shape (channels, spatial size, kernel, strides, pads,
+dilations, groups) and epilogue; the batch N is a run-time argument, so one kernel serves every
+batch size. Layout NCHW, float32.
+
+Implicit GEMM (every conv that is not depthwise), per group g:
+
+    Y[g*KG + m, col] = sum_kr  W[g*KG + m, kr] * im2col(X)[g, kr, col]
+    m   in [0, KG)          output channel within the group       (GEMM rows, tiled by BM)
+    col in [0, N*P*Q)       output pixel (n, p, q)                (GEMM columns, tiled by BN)
+    kr  in [0, CG*R*S)      input channel within the group, r, s  (reduction, tiled by BK)
+
+grid = (ceil(N*P*Q / BN), ceil(KG / BM), G); each block holds a BM x BN accumulator tile, one
+TM x TN micro-tile per thread. The reduction walks BK-slices: the block stages the weight slice
+As[BK][BM] and the im2col slice Bs[BK][BN] in shared memory (im2col is never materialized: every
+element is decoded from (kr, col) and is zero outside the padded input), then every thread
+accumulates kk = 0..BK-1 in order. Epilogue, once per output element, in registers:
+bias, activation, residual add, Relu; the output is written once.
+
+Depthwise (group == C, one input channel per group): one thread per output element, the R*S
+taps of its channel read from shared memory, the same epilogue.
+
+The index arithmetic is written once, in INDEX below, as expressions that are valid C and are
+also evaluated by the numpy model of the kernel (onnxfuse/cuda/conv_model.py), which executes the
+same tile loops, load mappings and guards; the tests check that model against onnxruntime's Conv.
+
+Kernel ABI (shared with the launcher of stored CUDA kernels): every argument is one 8-byte word
+
+    struct ENTRY_args { const float* x; const float* w; const float* bias;
+                        const float* z;   // residual, nullptr when the node has none
+                        float* y; long long batch; };
+    extern "C" __global__ void ENTRY(const ENTRY_args a)
+    block = (threads, 1, 1)
+    grid  = (ceil(batch * grid_cols / cols_per_block), grid_y, grid_z)   -- see Kernel.grid()
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ABI_VERSION = 1
+H100_SMS = 132  # streaming multiprocessors the heuristic fills (sm_90 parts have 114..132)
+
+ACTIVATIONS = ("none", "relu", "leakyrelu", "clip", "sigmoid", "hardsigmoid", "hardswish", "tanh", "silu")
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """One 2-D convolution layer, batch excluded. pads = (top, left, bottom, right)."""
+
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    stride: tuple[int, int] = (1, 1)
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.group < 1 or self.c % self.group or self.k % self.group:
+            raise ValueError(f"channels {self.c}->{self.k} are not divisible by group {self.group}")
+        if self.p < 1 or self.q < 1:
+            raise ValueError(f"empty output for {self}")
+
+    @property
+    def p(self) -> int:
+        return (self.h + self.pads[0] + self.pads[2] - self.dilation[0] * (self.r - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def q(self) -> int:
+        return (self.w + self.pads[1] + self.pads[3] - self.dilation[1] * (self.s - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def cg(self) -> int:
+        return self.c // self.group
+
+    @property
+    def kg(self) -> int:
+        return self.k // self.group
+
+    @property
+    def kred(self) -> int:
+        return self.cg * self.r * self.s
+
+    @property
+    def depthwise(self) -> bool:
+        return self.group == self.c and self.cg == 1 and self.group > 1
+
+    def constants(self) -> dict[str, int]:
+        """The compile-time constants the generated kernel and the numpy model share."""
+        return {
+            "C": self.c, "H": self.h, "W": self.w, "K": self.k, "R": self.r, "S": self.s,
+            "SH": self.stride[0], "SW": self.stride[1], "PT": self.pads[0], "PL": self.pads[1],
+            "DH": self.dilation[0], "DW": self.dilation[1], "G": self.group,
+            "P": self.p, "Q": self.q, "PQ": self.p * self.q, "RS": self.r * self.s,
+            "CG": self.cg, "KG": self.kg, "KRED": self.kred,
+        }
+
+    def macs(self, batch: int = 1) -> int:
+        return batch * self.k * self.p * self.q * self.kred
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What follows the convolution sum: + bias, activation, + residual, Relu.
+
+    Activation parameters: leakyrelu alpha; clip min=alpha max=beta; hardsigmoid and hardswish
+    alpha, beta (y = v * max(0, min(1, alpha*v + beta)) for hardswish); silu is v * sigmoid(v).
+    """
+
+    activation: str = "none"
+    alpha: float = 0.0
+    beta: float = 0.0
+    residual: bool = False
+    post_relu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; known: {', '.join(ACTIVATIONS)}")
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Block tile BM x BN (output channels x output pixels), reduction slice BK, per-thread TM x TN."""
+
+    bm: int
+    bn: int
+    bk: int
+    tm: int
+    tn: int
+
+    def __post_init__(self) -> None:
+        if self.bm % self.tm or self.bn % self.tn:
+            raise ValueError(f"thread tile {self.tm}x{self.tn} does not divide block tile {self.bm}x{self.bn}")
+        if not 32 <= self.threads <= 1024:
+            raise ValueError(f"{self} gives {self.threads} threads per block")
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * self.bk * (self.bm + self.bn)
+
+    def as_list(self) -> list[int]:
+        return [self.bm, self.bn, self.bk, self.tm, self.tn]
+
+
+@dataclass(frozen=True)
+class DepthwiseTile:
+    threads: int
+
+
+# Candidates, largest first; the heuristic and --tune choose among these.
+GEMM_TILES = (
+    GemmTile(128, 128, 8, 8, 8),
+    GemmTile(128, 64, 8, 8, 4),
+    GemmTile(64, 128, 8, 4, 8),
+    GemmTile(64, 64, 8, 4, 4),
+    GemmTile(32, 64, 16, 4, 4),
+    GemmTile(64, 32, 16, 4, 4),
+    GemmTile(32, 32, 16, 2, 4),
+    GemmTile(16, 64, 16, 2, 4),
+)
+DEPTHWISE_TILES = (DepthwiseTile(256), DepthwiseTile(128), DepthwiseTile(64))
+
+# Index arithmetic shared by the CUDA source and the numpy model, in evaluation order. DIV and
+# MOD are the quotient and remainder of non-negative integers (C `/` `%`, numpy // %).
+# Names in capitals are ConvShape.constants() or tile constants; `e` is a load slot.
+INDEX = {
+    # weight slice (A): slot e of the BM x BK slice at (m0, k0); kr fastest (W rows are contiguous)
+    "a_load": [
+        ("am", "DIV(e, BK)"), ("ak", "MOD(e, BK)"),
+        ("m", "m0 + am"), ("kr", "k0 + ak"),
+        ("ok", "(e < BM * BK) && (m < KG) && (kr < KRED)"),
+        ("src", "(g * KG + m) * KRED + kr"),
+    ],
+    # im2col slice (B): slot e of the BK x BN slice at (k0, n0); col fastest (q is contiguous in X)
+    "b_load": [
+        ("bkk", "DIV(e, BN)"), ("bj", "MOD(e, BN)"),
+        ("kr", "k0 + bkk"), ("col", "n0 + bj"),
+        ("c", "DIV(kr, RS)"), ("rs", "MOD(kr, RS)"), ("r", "DIV(rs, S)"), ("s", "MOD(rs, S)"),
+        ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"), ("p", "DIV(pq, Q)"), ("q", "MOD(pq, Q)"),
+        ("ih", "p * SH - PT + r * DH"), ("iw", "q * SW - PL + s * DW"),
+        ("ok", "(e < BK * BN) && (kr < KRED) && (col < NPQ) && (ih >= 0) && (ih < H) && (iw >= 0) && (iw < W)"),
+        ("src", "((n * C + g * CG + c) * H + ih) * W + iw"),
+    ],
+    # thread -> micro-tile: rows ty + i*(BM/TM), columns tx + j*(BN/TN) (strided, so a warp's
+    # stores are contiguous in q)
+    "thread": [("ty", "DIV(tid, DIV(BN, TN))"), ("tx", "MOD(tid, DIV(BN, TN))")],
+    "store": [
+        ("m", "m0 + ty + i * DIV(BM, TM)"), ("col", "n0 + tx + j * DIV(BN, TN)"),
+        ("ok", "(m < KG) && (col < NPQ)"),
+        ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"),
+        ("ko", "g * KG + m"),
+        ("dst", "(n * K + ko) * PQ + pq"),
+    ],
+    # depthwise: one thread per output element; block (x: pixels of all images, y: channel k)
+    "dw_out": [
+        ("col", "n0 + tid"), ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"),
+        ("p", "DIV(pq, Q)"), ("q", "MOD(pq, Q)"),
+        ("ci", "DIV(ko, DM)"),  # input channel of output channel ko (DM = K / C outputs per input)
+        ("ok", "col < NPQ"),
+        ("dst", "(n * K + ko) * PQ + pq"),
+    ],
+    "dw_tap": [
+        ("ih", "p * SH - PT + r * DH"), ("iw", "q * SW - PL + s * DW"),
+        ("tok", "(ih >= 0) && (ih < H) && (iw >= 0) && (iw < W)"),
+        ("src", "((n * C + ci) * H + ih) * W + iw"),
+    ],
+}
+# Values that can exceed 2^31 for large batches are computed in 64 bits in C.
+_WIDE = {"src", "dst", "col", "n", "NPQ"}
+
+
+def _c_lines(table: str, indent: str, skip: tuple[str, ...] = ()) -> list[str]:
+    lines = []
+    for name, expr in INDEX[table]:
+        if name in skip:
+            continue
+        ctype = "bool" if name in ("ok", "tok") else ("long long" if name in _WIDE else "int")
+        lines.append(f"{indent}const {ctype} {name} = {expr};")
+    return lines
+
+
+def activation_c(act: str, v: str, alpha: float, beta: float) -> str:
+    a, b = _flit(alpha), _flit(beta)
+    return {
+        "none": v,
+        "relu": f"fmaxf({v}, 0.0f)",
+        "leakyrelu": f"({v} >= 0.0f ? {v} : {a} * {v})",
+        "clip": f"fminf(fmaxf({v}, {a}), {b})",
+        "sigmoid": f"(1.0f / (1.0f + expf(-{v})))",
+        "hardsigmoid": f"fmaxf(0.0f, fminf(1.0f, {a} * {v} + {b}))",
+        "hardswish": f"({v} * fmaxf(0.0f, fminf(1.0f, {a} * {v} + {b})))",
+        "tanh": f"tanhf({v})",
+        "silu": f"({v} / (1.0f + expf(-{v})))",
+    }[act]
+
+
+def _flit(x: float) -> str:
+    """An exact float32 C literal."""
+    import numpy as np
+
+    v = float(np.float32(x))
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    text = v.hex() + "f"
+    return f"({text})" if text.startswith("-") else text
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A generated ConvBiasAct kernel and its launch rule."""
+
+    entry: str
+    source: str
+    kind: str  # "gemm" or "depthwise"
+    threads: int
+    cols_per_block: int  # output pixels (over all images) one block covers along grid.x
+    grid_cols: int  # output pixels per image (P*Q)
+    grid_y: int
+    grid_z: int
+    smem_bytes: int
+    tile: list[int] = field(default_factory=list)
+
+    def grid(self, batch: int) -> tuple[int, int, int]:
+        return (-(-batch * self.grid_cols // self.cols_per_block), self.grid_y, self.grid_z)
+
+    def attrs(self) -> dict:
+        """Launch description stored on the ConvBiasAct node."""
+        return {
+            "cuda_abi": ABI_VERSION,
+            "cuda_entry": self.entry,
+            "cuda_source": self.source,
+            "cuda_kind": self.kind,
+            "cuda_block": [self.threads, 1, 1],
+            # grid.x = ceil(batch * cuda_grid[0] / cuda_grid[1]); grid.y, grid.z = cuda_grid[2:]
+            "cuda_grid": [self.grid_cols, self.cols_per_block, self.grid_y, self.grid_z],
+            "cuda_tile": list(self.tile),
+        }
+
+
+def entry_name(shape: ConvShape, epi: Epilogue, tile) -> str:
+    key = f"abi{ABI_VERSION} {shape} {epi} {tile}"
+    return "onnxfuse_conv_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+# INDEX expressions appear verbatim in the source; these give DIV and MOD their C meaning.
+_INDEX_MACROS = """#ifndef ONNXFUSE_CONV_INDEX
+#define ONNXFUSE_CONV_INDEX
+#define DIV(a, b) ((a) / (b))
+#define MOD(a, b) ((a) % (b))
+#endif"""
+
+
+def _args_struct(entry: str) -> list[str]:
+    return [
+        f"struct {entry}_args {{",
+        "  const float* x; const float* w; const float* bias;",
+        "  const float* z;  // residual input, nullptr without one",
+        "  float* y;",
+        "  long long batch;",
+        "};",
+    ]
+
+
+def _constants_block(consts: dict[str, int], indent: str) -> list[str]:
+    items = ", ".join(f"{k} = {v}" for k, v in consts.items())
+    return [f"{indent}constexpr int {items};"]
+
+
+def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
+    lines = [f"{indent}{v} = {activation_c(epi.activation, v, epi.alpha, epi.beta)};"] if epi.activation != "none" else []
+    if epi.residual:
+        lines.append(f"{indent}{v} += a.z[dst];")
+    if epi.post_relu:
+        lines.append(f"{indent}{v} = fmaxf({v}, 0.0f);")
+    return lines
+
+
+def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
+    entry = entry_name(shape, epi, tile)
+    t = tile
+    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "TM": t.tm, "TN": t.tn,
+              "THREADS": t.threads}
+    a_iters = -(-t.bm * t.bk // t.threads)
+    b_iters = -(-t.bk * t.bn // t.threads)
+    L = [f"// onnxfuse ConvBiasAct implicit-GEMM kernel (ABI {ABI_VERSION})",
+         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", _INDEX_MACROS]
+    L += _args_struct(entry)
+    L.append(f'extern "C" __global__ void __launch_bounds__({t.threads}) {entry}(const {entry}_args a) {{')
+    L += _constants_block(consts, "  ")
+    L += [
+        "  const long long NPQ = a.batch * (long long)PQ;",
+        "  const int tid = threadIdx.x;",
+        "  const long long n0 = (long long)blockIdx.x * BN;",
+        "  const int m0 = blockIdx.y * BM;",
+        "  const int g = blockIdx.z;",
+        "  __shared__ float As[BK][BM];",
+        "  __shared__ float Bs[BK][BN];",
+    ]
+    L += _c_lines("thread", "  ")
+    L += [
+        "  float acc[TM][TN];",
+        "#pragma unroll",
+        "  for (int i = 0; i < TM; ++i)",
+        "#pragma unroll",
+        "    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;",
+        "  for (int k0 = 0; k0 < KRED; k0 += BK) {",
+        "#pragma unroll",
+        f"    for (int it = 0; it < {a_iters}; ++it) {{",
+        "      const int e = tid + it * THREADS;",
+    ]
+    L += _c_lines("a_load", "      ")
+    L += [
+        "      if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;",
+        "    }",
+        "#pragma unroll",
+        f"    for (int it = 0; it < {b_iters}; ++it) {{",
+        "      const int e = tid + it * THREADS;",
+    ]
+    L += _c_lines("b_load", "      ")
+    L += [
+        "      if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;",
+        "    }",
+        "    __syncthreads();",
+        "#pragma unroll",
+        "    for (int kk = 0; kk < BK; ++kk) {",
+        "      float av[TM], bv[TN];",
+        "#pragma unroll",
+        "      for (int i = 0; i < TM; ++i) av[i] = As[kk][ty + i * (BM / TM)];",
+        "#pragma unroll",
+        "      for (int j = 0; j < TN; ++j) bv[j] = Bs[kk][tx + j * (BN / TN)];",
+        "#pragma unroll",
+        "      for (int i = 0; i < TM; ++i)",
+        "#pragma unroll",
+        "        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);",
+        "    }",
+        "    __syncthreads();",
+        "  }",
+        "#pragma unroll",
+        "  for (int i = 0; i < TM; ++i) {",
+        "#pragma unroll",
+        "    for (int j = 0; j < TN; ++j) {",
+    ]
+    L += _c_lines("store", "      ")
+    L += ["      if (!ok) continue;", "      float v = acc[i][j] + __ldg(a.bias + ko);"]
+    L += _epilogue_lines(epi, "v", "      ")
+    L += ["      a.y[dst] = v;", "    }", "  }", "}"]
+    return Kernel(entry=entry, source="\n".join(L) + "\n", kind="gemm", threads=t.threads, cols_per_block=t.bn,
+                  grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm), grid_z=shape.group,
+                  smem_bytes=t.smem_bytes, tile=t.as_list())
+
+
+def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> Kernel:
+    if not shape.depthwise:
+        raise ValueError(f"not a depthwise convolution: {shape}")
+    entry = entry_name(shape, epi, tile)
+    consts = {**shape.constants(), "DM": shape.k // shape.c, "THREADS": tile.threads}
+    L = [f"// onnxfuse ConvBiasAct direct depthwise kernel (ABI {ABI_VERSION})",
+         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", _INDEX_MACROS]
+    L += _args_struct(entry)
+    L.append(f'extern "C" __global__ void __launch_bounds__({tile.threads}) {entry}(const {entry}_args a) {{')
+    L += _constants_block(consts, "  ")
+    L += [
+        "  const long long NPQ = a.batch * (long long)PQ;",
+        "  const int tid = threadIdx.x;",
+        "  const long long n0 = (long long)blockIdx.x * THREADS;",
+        "  const int ko = blockIdx.y;",
+        "  __shared__ float wk[RS];",
+        "  for (int t = tid; t < RS; t += THREADS) wk[t] = __ldg(a.w + ko * RS + t);",
+        "  __syncthreads();",
+    ]
+    L += _c_lines("dw_out", "  ")
+    L += [
+        "  if (!ok) return;",
+        "  float acc = 0.0f;",
+        "#pragma unroll",
+        "  for (int r = 0; r < R; ++r) {",
+        "#pragma unroll",
+        "    for (int s = 0; s < S; ++s) {",
+    ]
+    L += _c_lines("dw_tap", "      ")
+    L += [
+        "      if (tok) acc = fmaf(wk[r * S + s], __ldg(a.x + src), acc);",
+        "    }",
+        "  }",
+        "  float v = acc + __ldg(a.bias + ko);",
+    ]
+    L += _epilogue_lines(epi, "v", "  ")
+    L += ["  a.y[dst] = v;", "}"]
+    return Kernel(entry=entry, source="\n".join(L) + "\n", kind="depthwise", threads=tile.threads,
+                  cols_per_block=tile.threads, grid_cols=shape.p * shape.q, grid_y=shape.k, grid_z=1,
+                  smem_bytes=4 * shape.r * shape.s, tile=[tile.threads])
+
+
+def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS):
+    """The tile used without --tune.
+
+    Depthwise: the largest block that is not mostly idle (P*Q per image bounds it).
+    GEMM: walk GEMM_TILES from the largest; take the first that wastes at most 25% of its
+    multiply-adds on tile padding and still puts at least one block on every SM (a full wave)
+    at batch `batch`. When none fills a wave, the candidate with the most blocks among those
+    with the least padding (small layers: keep every SM busy rather than reuse more).
+    """
+    if shape.depthwise:
+        pq = batch * shape.p * shape.q
+        for t in DEPTHWISE_TILES:
+            if pq * shape.k >= t.threads * sms or t is DEPTHWISE_TILES[-1]:
+                return t
+    npq = batch * shape.p * shape.q
+
+    def stats(t: GemmTile) -> tuple[int, float]:
+        gm, gn = -(-shape.kg // t.bm), -(-npq // t.bn)
+        waste = (gm * t.bm * gn * t.bn) / (shape.kg * npq)
+        return gm * gn * shape.group, waste
+
+    for t in GEMM_TILES:
+        blocks, waste = stats(t)
+        if waste <= 1.25 and blocks >= sms:
+            return t
+    scored = [(round(stats(t)[1], 2), -stats(t)[0], i) for i, t in enumerate(GEMM_TILES)]
+    return GEMM_TILES[min(scored)[2]]
+
+
+def generate(shape: ConvShape, epi: Epilogue, tile=None) -> Kernel:
+    """The kernel for one layer: depthwise layers get the direct kernel, every other the GEMM."""
+    tile = tile or heuristic_tile(shape)
+    if shape.depthwise:
+        return generate_depthwise(shape, epi, tile)
+    return generate_gemm(shape, epi, tile)
+
+
+def candidates(shape: ConvShape) -> tuple:
+    return DEPTHWISE_TILES if shape.depthwise else GEMM_TILES
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile checks (nvcc / ptxas) and tuning on a GPU.
+
+
+@dataclass
+class PtxasInfo:
+    entry: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    smem_bytes: int
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc")
+
+
+def ptxas_check(kernels: list[Kernel], arch: str = "sm_90", timeout: float = 600) -> dict[str, PtxasInfo]:
+    """Compile `kernels` in one translation unit to a cubin for `arch` and return ptxas's
+    per-kernel resource report. Raises RuntimeError with nvcc's message when compilation fails."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH")
+    unique = {k.entry: k for k in kernels}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "conv_kernels.cu"
+        src.write_text("\n".join(k.source for k in unique.values()))
+        proc = subprocess.run(
+            [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(Path(tmp) / "k.cubin"), str(src)],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-4000:]}")
+    return parse_ptxas(proc.stderr)
+
+
+def parse_ptxas(text: str) -> dict[str, PtxasInfo]:
+    """ptxas -v output -> PtxasInfo per kernel entry."""
+    out: dict[str, PtxasInfo] = {}
+    current = None
+    spills = (0, 0)
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(r"Function properties for (\w+)", line)
+        if m:
+            current = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            spills = (int(m.group(1)), int(m.group(2)))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            smem = re.search(r"(\d+) bytes smem", line)
+            out[current] = PtxasInfo(current, int(m.group(1)), spills[0], spills[1], int(smem.group(1)) if smem else 0)
+            spills = (0, 0)
+    return out
+
+
+def compile_ptx(kernel: Kernel, arch: str = "sm_90", timeout: float = 120) -> str:
+    """PTX of one kernel (what the model stores for the runtime to load with the driver API)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / f"{kernel.entry}.cu"
+        src.write_text(kernel.source)
+        out = Path(tmp) / f"{kernel.entry}.ptx"
+        proc = subprocess.run([nvcc, f"-arch={arch}", "-ptx", "-O3", "-o", str(out), str(src)],
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-4000:]}")
+        return out.read_text()
+
+
+def tune(shape: ConvShape, epi: Epilogue, batch: int = 1, repeats: int = 20) -> tuple[object, list[tuple[object, float]]]:
+    """Time every candidate tile on the current GPU with CUDA events (PyCUDA) and return the
+    fastest and the (tile, milliseconds) table. Needs pycuda and a CUDA device."""
+    import numpy as np
+
+    try:
+        import pycuda.autoinit  # noqa: F401  (creates the context)
+        import pycuda.driver as drv
+        from pycuda.compiler import SourceModule
+    except Exception as e:  # ImportError, or pycuda's own error when no device/driver is present
+        raise RuntimeError(f"tuning needs pycuda and a CUDA device: {e}") from None
+    rng = np.random.default_rng(0)
+    x = drv.to_device(rng.standard_normal((batch, shape.c, shape.h, shape.w), dtype=np.float32))
+    wt = drv.to_device(rng.standard_normal((shape.k, shape.kred), dtype=np.float32))
+    b = drv.to_device(rng.standard_normal(shape.k, dtype=np.float32))
+    z = drv.to_device(np.zeros((batch, shape.k, shape.p, shape.q), np.float32)) if epi.residual else None
+    y = drv.mem_alloc(4 * batch * shape.k * shape.p * shape.q)
+    table = []
+    for tile in candidates(shape):
+        k = generate_depthwise(shape, epi, tile) if shape.depthwise else generate_gemm(shape, epi, tile)
+        fn = SourceModule(k.source, no_extern_c=True, options=["-O3"]).get_function(k.entry)
+        words = np.array([int(x), int(wt), int(b), int(z) if z is not None else 0, int(y), batch], dtype=np.uint64)
+        # The kernel takes its argument struct by value: pass the 48 bytes as one opaque scalar.
+        args = np.frombuffer(words.tobytes(), dtype=np.dtype((np.void, words.nbytes)))[0]
+        launch = dict(block=(k.threads, 1, 1), grid=k.grid(batch))
+        fn(args, **launch)  # warm-up and compile-time cache fill
+        start, end = drv.Event(), drv.Event()
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn(args, **launch)
+            end.record()
+            end.synchronize()
+            times.append(start.time_till(end))
+        table.append((tile, float(np.median(times))))
+    best = min(table, key=lambda t: t[1])[0]
+    return best, table

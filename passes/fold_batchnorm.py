@@ -1,0 +1,207 @@
+"""Fold inference BatchNormalization, and per-channel Mul / Add constants, into the Conv before them.
+
+    Conv(X, W, b) -> BatchNormalization(scale, B, mean, var, eps)
+        =>  Conv(X, W * s[k], (b - mean) * s + B)        s = scale / sqrt(var + eps)
+    Conv(X, W, b) -> Mul(c[k])   =>  Conv(X, W * c[k], b * c[k])
+    Conv(X, W, b) -> Add(c[k])   =>  Conv(X, W, b + c[k])
+
+The result is plain ONNX on every target: onnxruntime's own Conv fusions (and our ConvBiasAct on
+cuda, which runs after this pass) then see one Conv with a bias followed by its activation.
+
+Condition: the Conv output has that one reader and is not a graph output; W, the bias and the
+folded parameters are constants. "Constant" includes what a loader would fold anyway: outputs of
+Constant and ConstantOfShape nodes and Identity / Unsqueeze / Squeeze / Reshape of constants (the
+onnx "light" zoo models store every weight as a ConstantOfShape fill). A folded tensor that is
+still one repeated value is written back as a ConstantOfShape of the new value, so the model does
+not grow by the size of the weights it folded.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.pipeline import Context, Pass
+
+# Shape-only ops whose constant inputs are folded when resolving a weight's value.
+_MAX_RESOLVE_ELEMENTS = 1 << 26
+# A folded fill this large or larger is written back as ConstantOfShape instead of an initializer.
+_COMPACT_FILL_ELEMENTS = 64
+
+
+def resolve_constant(tensor: gs.Tensor | None) -> np.ndarray | None:
+    """The value of `tensor` if it is an initializer, a Constant / ConstantOfShape output, or a
+    shape-only op (Identity, Unsqueeze, Squeeze, Reshape) of those; else None."""
+    if not gu.is_present(tensor):
+        return None
+    v = gu.constant_value(tensor)
+    if v is not None:
+        return v
+    node = gu.producer(tensor)
+    if node is None or not gu.is_default_domain(node):
+        return None
+    if node.op == "ConstantOfShape":
+        shape = gu.constant_ints(node.inputs[0])
+        if shape is None or int(np.prod(shape, dtype=np.int64)) > _MAX_RESOLVE_ELEMENTS:
+            return None
+        value = node.attrs.get("value")
+        fill = np.asarray(value.values).reshape(-1) if isinstance(value, gs.Constant) else np.zeros(1, np.float32)
+        return np.full(shape, fill[0], dtype=fill.dtype)
+    if node.op == "Identity":
+        return resolve_constant(node.inputs[0])
+    if node.op in ("Unsqueeze", "Squeeze", "Reshape"):
+        data = resolve_constant(node.inputs[0])
+        if data is None:
+            return None
+        if node.op == "Reshape":
+            shape = gu.constant_ints(node.inputs[1]) if len(node.inputs) > 1 else None
+            if shape is None:
+                return None
+            # ONNX Reshape: 0 copies the input dim (unless allowzero), -1 is inferred.
+            if not node.attrs.get("allowzero", 0):
+                shape = [data.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+            try:
+                return data.reshape(shape)
+            except ValueError:
+                return None
+        axes = node.attrs.get("axes")
+        if axes is None and len(node.inputs) > 1:
+            axes = gu.constant_ints(node.inputs[1])
+        if node.op == "Squeeze":
+            if axes is None:
+                return np.squeeze(data)
+            return np.squeeze(data, axis=tuple(int(a) % data.ndim for a in axes))
+        if axes is None:
+            return None
+        rank = data.ndim + len(axes)
+        out = data
+        for a in sorted(int(a) % rank for a in axes):
+            out = np.expand_dims(out, a)
+        return out
+    return None
+
+
+def write_constant(graph: gs.Graph, base: str, value: np.ndarray) -> gs.Tensor:
+    """A tensor holding `value`: an initializer, or a ConstantOfShape node when it is one repeated
+    value (so a fill stays a fill)."""
+    value = np.ascontiguousarray(value)
+    if value.size >= _COMPACT_FILL_ELEMENTS and np.all(value == value.flat[0]):
+        shape = gu.make_constant(graph, f"{base}_shape", np.array(value.shape, dtype=np.int64))
+        out = gs.Variable(gu.unique_name(graph, base), dtype=value.dtype, shape=list(value.shape))
+        fill = gs.Constant(f"{out.name}_value", np.array([value.flat[0]], dtype=value.dtype))
+        graph.nodes.append(
+            gs.Node("ConstantOfShape", name=gu.unique_name(graph, f"{out.name}_fill"), attrs={"value": fill},
+                    inputs=[shape], outputs=[out])
+        )
+        return out
+    return gu.make_constant(graph, base, value)
+
+
+def _conv_params(conv: gs.Node) -> tuple[np.ndarray, np.ndarray] | None:
+    """(W, bias) of a Conv whose weights and bias are constants; a missing bias is zeros."""
+    if len(conv.inputs) < 2:
+        return None
+    w = resolve_constant(conv.inputs[1])
+    if w is None or w.ndim < 3 or w.dtype.kind != "f":
+        return None
+    if len(conv.inputs) > 2 and gu.is_present(conv.inputs[2]):
+        b = resolve_constant(conv.inputs[2])
+        if b is None or b.shape != (w.shape[0],):
+            return None
+    else:
+        b = np.zeros(w.shape[0], dtype=w.dtype)
+    return w, b
+
+
+def per_channel(value: np.ndarray | None, channels: int, rank: int) -> np.ndarray | None:
+    """`value` as a [channels] vector if, broadcast against a Conv output of rank `rank`
+    (N, K, spatial...), it varies at most along the channel axis and changes no output dim."""
+    if value is None or value.ndim > rank:
+        return None
+    lead = rank - value.ndim  # value's dims align with the output's last value.ndim dims
+    for axis, size in enumerate(value.shape, start=lead):
+        if axis == 1:
+            if size not in (1, channels):
+                return None
+        elif size != 1:
+            return None
+    return np.broadcast_to(value.reshape(-1) if value.size > 1 else value.reshape(1), (channels,))
+
+
+def _fold_one(graph: gs.Graph, conv: gs.Node) -> bool:
+    out = conv.outputs[0]
+    reader = gu.single_consumer(out)
+    if reader is None or gu.is_graph_output(graph, out) or not gu.is_default_domain(reader):
+        return False
+    if reader.op not in ("BatchNormalization", "Mul", "Add"):
+        return False
+    params = _conv_params(conv)
+    if params is None:
+        return False
+    w, b = params
+    k = w.shape[0]
+    rank = w.ndim
+    hi = np.float64
+    if reader.op == "BatchNormalization":
+        if reader.attrs.get("training_mode", 0):
+            return False
+        if any(gu.is_present(t) and (t.outputs or gu.is_graph_output(graph, t)) for t in reader.outputs[1:]):
+            return False
+        vals = [resolve_constant(t) for t in reader.inputs[1:5]]
+        if len(vals) != 4 or any(v is None or v.shape != (k,) for v in vals):
+            return False
+        scale, shift, mean, var = (v.astype(hi) for v in vals)
+        s = scale / np.sqrt(var + float(reader.attrs.get("epsilon", 1e-5)))
+        new_w = w.astype(hi) * s.reshape((k,) + (1,) * (rank - 1))
+        new_b = (b.astype(hi) - mean) * s + shift
+    else:
+        other = [t for t in reader.inputs if t is not out]
+        if len(other) != 1 or len(reader.inputs) != 2:
+            return False
+        c = per_channel(resolve_constant(other[0]), k, rank)
+        if c is None:
+            return False
+        c = c.astype(hi)
+        if reader.op == "Mul":
+            new_w = w.astype(hi) * c.reshape((k,) + (1,) * (rank - 1))
+            new_b = b.astype(hi) * c
+        else:
+            new_w = None
+            new_b = b.astype(hi) + c
+    result = reader.outputs[0]
+    base = conv.name or "conv"
+    if new_w is not None:
+        conv.inputs[1] = write_constant(graph, f"{base}_W_folded", new_w.astype(w.dtype))
+    bias = write_constant(graph, f"{base}_B_folded", new_b.astype(w.dtype))
+    if len(conv.inputs) > 2:
+        conv.inputs[2] = bias
+    else:
+        conv.inputs.append(bias)
+    # The Conv now writes what the folded op wrote (its name may be a graph output).
+    gu.disconnect(reader)
+    conv.outputs[0] = result
+    if result.dtype is None:
+        result.dtype = out.dtype
+    if result.shape is None:
+        result.shape = out.shape
+    return True
+
+
+def run(graph: gs.Graph, ctx: Context) -> int:
+    folds = 0
+    changed = True
+    while changed:
+        changed = False
+        for conv in list(graph.nodes):
+            if gu.is_op(conv, "Conv") and conv.outputs and _fold_one(graph, conv):
+                folds += 1
+                changed = True
+    return folds
+
+
+PASS = Pass(
+    name="fold-batchnorm",
+    order=300,
+    summary="fold inference BatchNormalization and per-channel Mul/Add constants into the preceding Conv",
+    run=run,
+)
