@@ -1,0 +1,96 @@
+"""Run generated Pointwise kernels on the CPU: the exact CUDA C, compiled as host C++.
+
+The generated code is written so that everything but the `__global__` wrapper is
+`__host__ __device__`; with the CUDA launch variables defined as a one-thread grid, the entry
+itself is an ordinary C function. Compiling it with the host compiler and calling it through
+ctypes checks the code generator, the argument ABI and the host-side planning on machines
+without a GPU. Device-only differences (the CUDA math library's last-ulp behaviour) are what
+is left for the GPU tests.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..program import Program
+from .args import pack_args, plan_call
+from .codegen import Kernel
+
+_SHIM = r"""// Host stand-ins for the CUDA launch environment: a grid of one thread.
+#include <cuda_runtime.h>
+#define __launch_bounds__(...)
+struct onnxfuse_host_idx { unsigned int x, y, z; };
+static const onnxfuse_host_idx blockIdx = {0, 0, 0}, threadIdx = {0, 0, 0};
+static const onnxfuse_host_idx blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
+"""
+
+
+def cuda_include_dir() -> str:
+    nvcc = shutil.which("nvcc")
+    cands = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    if nvcc:
+        cands.insert(0, str(Path(os.path.realpath(nvcc)).parent.parent))
+    for c in cands:
+        if c and (Path(c) / "include" / "cuda_fp16.h").is_file():
+            return str(Path(c) / "include")
+    raise FileNotFoundError("CUDA headers (cuda_fp16.h) not found: set CUDA_HOME")
+
+
+class HostKernels:
+    """A shared library of generated kernels compiled for the host CPU."""
+
+    def __init__(self, kernels: Sequence[Kernel], workdir: str | None = None):
+        self.kernels = {k.entry: k for k in kernels}
+        src = _SHIM + "".join(k.source for k in self.kernels.values())
+        digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+        self._dir = workdir or tempfile.mkdtemp(prefix="onnxfuse-hostsim-")
+        cc = Path(self._dir) / f"kernels_{digest}.cc"
+        so = Path(self._dir) / f"kernels_{digest}.so"
+        cc.write_text(src)
+        cxx = os.environ.get("CXX", "g++")
+        cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
+        self.lib = ctypes.CDLL(str(so))
+
+    def run(self, prog: Program, kernel: Kernel, arrays: Sequence[np.ndarray], out_dtypes: Sequence[np.dtype],
+            mode: int | None = None) -> list[np.ndarray]:
+        """Call the kernel on host arrays; `mode` forces a loop (it must be valid for the call)."""
+        arrays = [np.asarray(a) for a in arrays]
+        plan = plan_call(prog, kernel.rank, kernel.vec, arrays)
+        outs = [_aligned_empty(plan.shape, dt) for dt in out_dtypes]
+        if mode is not None:
+            plan.mode = mode
+        else:
+            plan = plan_call(prog, kernel.rank, kernel.vec, arrays,
+                             out_addresses=[o.__array_interface__["data"][0] for o in outs])
+        words = pack_args(plan, [a.__array_interface__["data"][0] for a in arrays],
+                          [o.__array_interface__["data"][0] for o in outs])
+
+        class Args(ctypes.Structure):
+            _fields_ = [("words", ctypes.c_int64 * (len(words) // 8))]
+
+        args = Args.from_buffer_copy(words)
+        fn = getattr(self.lib, kernel.entry)
+        fn.argtypes = [Args]
+        fn.restype = None
+        fn(args)
+        self.last_mode = plan.mode
+        return outs
+
+
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    raw = np.empty(n * dtype.itemsize + align, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % align
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
