@@ -1,0 +1,440 @@
+"""Batching linear layers: sibling MatMul/Gemm nodes on one input become one GEMM.
+
+batch-sibling-matmul
+    match:     n >= 2 "linear" readers of one tensor x: MatMul(x, W) or Gemm(x, W, C) (transA=0)
+               with a constant 2-D W, each optionally followed by Add(constant row bias) and,
+               when every member has one, the same unary activation (Relu, Tanh, ... with equal
+               attributes); members are grouped by K (rows of the effective weight) and dtype
+    condition: it saves kernels (the rule below); a Gemm bias C must be a row bias (shape [],
+               [1], [N] or [1, N]); members whose weight, bias and activation are the same are
+               computed once (shared weights are not duplicated)
+    rewrite:   MatMul(x, concat_N(W_i')) [+ Add(concat_N(b_i'))] [+ activation] -> Split on the
+               last axis writing the members' original output tensors, where W' = alpha * W
+               (transposed for transB=1) and b' = beta * C (+ the Add bias). Only standard ONNX
+               ops; onnxruntime turns MatMul+Add(+activation) into one (Fused)Gemm on 2-D x.
+
+    Rule (kernels per inference; the activation is fused into the GEMM by onnxruntime on 2-D
+    inputs and counted as one kernel otherwise): before = sum over members of 1 GEMM (+1 bias
+    Add when x is not known to be 2-D, +1 activation); after = 1 GEMM (+1 bias Add, +1
+    activation) + 1 Split, where the Split counts 0 when every reader of every piece is an
+    elementwise op (the pointwise-fusion pass reads the pieces in place as views). Applied when
+    after < before. Weights and FLOPs are unchanged; the one GEMM streams x once.
+
+merge-xh-matmul
+    match:     a tree of Add nodes (each read only inside the tree) whose leaves include >= 2
+               MatMul(a_i, W_i) with distinct variable inputs a_i (each MatMul read only by the
+               tree), constant 2-D W_i of equal N, inputs of rank 2 with equal leading dims,
+               plus any number of constant row biases and other tensors
+    condition: no pointwise-fusion pass is in the pipeline (ctx.options["pipeline"], the
+               selected pass names, lists none). Rule: before = n GEMMs + the Adds of the tree (separate kernels without
+               pointwise fusion; onnxruntime folds one Add into a Gemm's C); after = 1 Concat +
+               1 GEMM (+ the remaining non-MatMul variable terms). With pointwise fusion the
+               Adds are fused into the next region anyway, so the merge would trade n-1 GEMMs
+               for one Concat copy: no kernel saved, and not applied.
+    rewrite:   Concat([a_1 .. a_n], axis=-1) -> MatMul(., stack_K(W_i)) + sum of constant
+               biases (+ other terms), writing the tree's output tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.pipeline import Context, Pass
+
+# Unary elementwise ops an activation may be (equal attributes across members required).
+ACTIVATIONS = {
+    "Relu", "Sigmoid", "Tanh", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish",
+    "Softplus", "Softsign", "Gelu", "Erf", "Abs", "Neg", "Exp", "Log", "Sqrt", "Mish", "ThresholdedRelu",
+}
+# Ops the pointwise-fusion pass fuses: a Split piece read only by these is read in place.
+ELEMENTWISE = ACTIVATIONS | {
+    "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Where", "Clip", "Reciprocal",
+    "Floor", "Ceil", "Round", "Sign", "Cast", "Not", "And", "Or", "Equal", "Less", "Greater",
+    "Sin", "Cos",
+}
+FLOAT_KINDS = "f"
+
+
+@dataclass
+class Linear:
+    """One member: x @ weight (+ bias) (+ activation) -> output."""
+
+    nodes: list[gs.Node]
+    weight: np.ndarray  # effective [K, N]: transB and alpha applied
+    bias: np.ndarray | None  # effective [N]: beta and any Add bias applied
+    output: gs.Variable
+    key: tuple  # identifies members that compute the same thing
+    activation: gs.Node | None = None
+
+
+def _row_bias(value: np.ndarray, n: int, out_rank: int | None) -> np.ndarray | None:
+    """value as an [n] vector when adding it to an [..., n] tensor broadcasts along the last
+    axis only (and does not raise the rank); else None."""
+    if value.ndim == 0 or value.size == 1:
+        if out_rank is not None and value.ndim > out_rank:
+            return None
+        return np.full((n,), value.reshape(()), dtype=value.dtype)
+    if value.shape[-1] != n or any(d != 1 for d in value.shape[:-1]):
+        return None
+    if value.ndim > max(out_rank or 2, 2) or (out_rank is None and value.ndim > 1):
+        return None
+    return value.reshape(n)
+
+
+def infer_shapes(graph: gs.Graph) -> None:
+    """Fill in the shapes of intermediate tensors that the model did not record (ONNX shape
+    inference on an exported copy); the rules below need ranks and leading dims."""
+    import onnx
+
+    if all(t.shape is not None for t in graph.tensors().values() if isinstance(t, gs.Variable) and t.inputs):
+        return
+    try:
+        model = gs.export_onnx(graph.copy(), do_type_check=False)
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:  # shape inference is best effort: unknown shapes only disable rewrites
+        return
+    known = {vi.name: vi for vi in list(model.graph.value_info) + list(model.graph.output)}
+    for name, t in graph.tensors().items():
+        vi = known.get(name)
+        if not isinstance(t, gs.Variable) or vi is None or t.shape is not None:
+            continue
+        tt = vi.type.tensor_type
+        if not tt.HasField("shape"):
+            continue
+        t.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        if t.dtype is None and tt.elem_type:
+            t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+
+
+def _rank(t: gs.Tensor) -> int | None:
+    d = gu.dims(t)
+    return None if d is None else len(d)
+
+
+def _plain(t: gs.Tensor, graph: gs.Graph) -> bool:
+    """An intermediate tensor that can be rewired: not a graph output."""
+    return not gu.is_graph_output(graph, t)
+
+
+def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
+    """node as x @ W' + b' when it reads x as its left operand with a constant weight."""
+    if not gu.is_op(node, "MatMul", "Gemm") or len(node.inputs) < 2 or node.inputs[0] is not x:
+        return None
+    if node.inputs[1] is x:
+        return None
+    w = gu.constant_value(node.inputs[1])
+    if w is None or w.ndim != 2 or w.dtype.kind not in FLOAT_KINDS or w.size == 0:
+        return None
+    x_rank = _rank(x)
+    bias = None
+    key: tuple
+    if node.op == "MatMul":
+        if x_rank is not None and x_rank < 2:
+            return None
+        key = ("W", node.inputs[1].name, 0, 1.0)
+    else:
+        if gu.attr(node, "transA", 0):
+            return None
+        if x_rank is not None and x_rank != 2:
+            return None
+        alpha = float(gu.attr(node, "alpha", 1.0))
+        beta = float(gu.attr(node, "beta", 1.0))
+        trans_b = int(gu.attr(node, "transB", 0))
+        key = ("W", node.inputs[1].name, trans_b, alpha)
+        if trans_b:
+            w = w.T
+        if alpha != 1.0:
+            w = (w * np.asarray(alpha, w.dtype)).astype(w.dtype)
+        if len(node.inputs) > 2 and gu.is_present(node.inputs[2]):
+            c = gu.constant_value(node.inputs[2])
+            if c is None or c.dtype != w.dtype:
+                return None
+            c = _row_bias(c, w.shape[1], 2)
+            if c is None:
+                return None
+            bias = (c * np.asarray(beta, c.dtype)).astype(c.dtype) if beta != 1.0 else c
+    w = np.ascontiguousarray(w)
+    out = node.outputs[0]
+    nodes = [node]
+    # MatMul/Gemm + Add(constant row bias)
+    reader = gu.single_consumer(out)
+    if _plain(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
+        other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
+        b = gu.constant_value(other) if other is not out else None
+        out_rank = 2 if node.op == "Gemm" else x_rank
+        if b is not None and b.dtype == w.dtype:
+            b = _row_bias(b, w.shape[1], out_rank)
+            if b is not None:
+                bias = b if bias is None else (bias + b).astype(w.dtype)
+                nodes.append(reader)
+                out = reader.outputs[0]
+    bias_key = None if bias is None else (bias.shape, bias.tobytes())
+    return Linear(nodes, w, bias, out, key + (bias_key,))
+
+
+def _same_activation(a: gs.Node, b: gs.Node) -> bool:
+    return a.op == b.op and a.attrs == b.attrs and len(a.inputs) == len(b.inputs) == 1
+
+
+def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
+    """Absorb the activation of every member when all have the same one."""
+    acts = []
+    for m in members:
+        r = gu.single_consumer(m.output)
+        if not _plain(m.output, graph) or not gu.is_op(r, *ACTIVATIONS) or len(r.inputs) != 1:
+            return
+        acts.append(r)
+    if all(_same_activation(acts[0], a) for a in acts[1:]):
+        for m, a in zip(members, acts):
+            m.activation = a
+            m.nodes.append(a)
+            m.output = a.outputs[0]
+
+
+def pointwise_fusion_runs(ctx: Context) -> bool:
+    """Whether a pointwise-fusion pass follows in this pipeline. ctx.options["pipeline"] lists
+    the selected pass names when the caller records them; without it the default pipeline,
+    which fuses pointwise regions, is assumed."""
+    names = ctx.options.get("pipeline")
+    if names is None:
+        return True
+    return any("pointwise" in n for n in names)
+
+
+def _pieces_read_in_place(graph: gs.Graph, outputs: list[gs.Tensor]) -> bool:
+    for t in outputs:
+        if gu.is_graph_output(graph, t) or not t.outputs:
+            return False
+        if not all(gu.is_op(r, *ELEMENTWISE) for r in t.outputs):
+            return False
+    return True
+
+
+def _kernels(members: list[Linear], unique: int, x_rank: int | None, split_free: bool) -> tuple[int, int]:
+    has_bias = any(m.bias is not None for m in members)
+    has_act = members[0].activation is not None
+    bias_kernel = 0 if x_rank == 2 else 1
+    before = sum(1 + (bias_kernel if m.bias is not None else 0) + (1 if m.activation is not None else 0) for m in members)
+    after = 1 + (bias_kernel if has_bias else 0) + (1 if has_act else 0)
+    if unique > 1 and not split_free:
+        after += 1
+    return before, after
+
+
+def _split_node(graph: gs.Graph, src: gs.Tensor, sizes: list[int], outputs: list[gs.Variable]) -> gs.Node:
+    if graph.opset >= 13:
+        sizes_t = gu.make_constant(graph, f"{src.name}_split", np.asarray(sizes, np.int64))
+        return gs.Node("Split", inputs=[src, sizes_t], outputs=outputs, attrs={"axis": -1})
+    return gs.Node("Split", inputs=[src], outputs=outputs, attrs={"axis": -1, "split": list(sizes)})
+
+
+def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Context) -> bool:
+    _attach_activations(graph, members)
+    blocks: list[Linear] = []
+    duplicates: list[tuple[Linear, Linear]] = []
+    for m in members:
+        act_key = None if m.activation is None else (m.activation.op, repr(sorted(m.activation.attrs.items())))
+        m.key = m.key + (act_key,)
+        first = next((b for b in blocks if b.key == m.key), None)
+        if first is None:
+            blocks.append(m)
+        else:
+            duplicates.append((m, first))
+    outputs = [b.output for b in blocks]
+    split_free = pointwise_fusion_runs(ctx) and _pieces_read_in_place(graph, outputs)
+    before, after = _kernels(members, len(blocks), _rank(x), split_free)
+    if after >= before and not duplicates:
+        return False
+    dtype = members[0].weight.dtype
+    base = gu.unique_name(graph, f"{x.name}_batched")
+    w = np.concatenate([b.weight for b in blocks], axis=1)
+    sizes = [b.weight.shape[1] for b in blocks]
+    new_nodes: list[gs.Node] = []
+    cur: gs.Tensor = x
+    w_t = gu.make_constant(graph, f"{base}_weight", w)
+    y = gs.Variable(f"{base}_matmul", dtype=dtype)
+    new_nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cur, w_t], outputs=[y]))
+    cur = y
+    if any(b.bias is not None for b in blocks):
+        bias = np.concatenate([b.bias if b.bias is not None else np.zeros(b.weight.shape[1], dtype) for b in blocks])
+        b_t = gu.make_constant(graph, f"{base}_bias", bias.astype(dtype))
+        y = gs.Variable(f"{base}_add", dtype=dtype)
+        new_nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[cur, b_t], outputs=[y]))
+        cur = y
+    act = blocks[0].activation
+    # Disconnect the members first: their output tensors are reused by the new nodes.
+    for m in members:
+        for n in m.nodes:
+            gu.disconnect(n)
+    if act is not None:
+        y = gs.Variable(f"{base}_{act.op.lower()}", dtype=dtype)
+        new_nodes.append(gs.Node(act.op, name=f"{base}/{act.op}", attrs=dict(act.attrs), inputs=[cur], outputs=[y]))
+        cur = y
+    if len(blocks) == 1:
+        # Only duplicates: the single block writes its own output.
+        new_nodes[-1].outputs[0] = outputs[0]
+    else:
+        new_nodes.append(_split_node(graph, cur, sizes, outputs))
+        new_nodes[-1].name = f"{base}/Split"
+    for dup, first in duplicates:
+        if gu.is_graph_output(graph, dup.output):
+            new_nodes.append(gs.Node("Identity", name=f"{base}/Identity", inputs=[first.output], outputs=[dup.output]))
+        else:
+            gu.replace_uses(dup.output, first.output)
+    graph.nodes.extend(new_nodes)
+    return True
+
+
+def batch_sibling_matmul(graph: gs.Graph, ctx: Context) -> int:
+    infer_shapes(graph)
+    rewrites = 0
+    changed = True
+    while changed:
+        changed = False
+        for x in list(graph.tensors().values()):
+            if isinstance(x, gs.Constant) or len(x.outputs) < 2:
+                continue
+            groups: dict[tuple, list[Linear]] = {}
+            for node in list(x.outputs):
+                m = match_linear(graph, node, x)
+                if m is None:
+                    continue
+                if any(m.nodes[0] is g.nodes[0] for gl in groups.values() for g in gl):
+                    continue
+                groups.setdefault((m.weight.shape[0], m.weight.dtype.str), []).append(m)
+            for members in groups.values():
+                if len(members) >= 2 and _batch_group(graph, x, members, ctx):
+                    rewrites += 1
+                    changed = True
+            if changed:
+                break
+    return rewrites
+
+
+# merge-xh-matmul -------------------------------------------------------------------------------
+
+
+@dataclass
+class _AddTree:
+    adds: list[gs.Node] = field(default_factory=list)
+    leaves: list[gs.Tensor] = field(default_factory=list)
+
+
+def _collect_add_tree(graph: gs.Graph, root: gs.Node) -> _AddTree:
+    tree = _AddTree()
+
+    def visit(node: gs.Node) -> None:
+        tree.adds.append(node)
+        for t in node.inputs:
+            p = gu.producer(t)
+            if (
+                gu.is_op(p, "Add")
+                and len(t.outputs) == 1
+                and _plain(t, graph)
+                and node.inputs.count(t) == 1
+                and p.outputs[0].dtype == root.outputs[0].dtype
+            ):
+                visit(p)
+            else:
+                tree.leaves.append(t)
+
+    visit(root)
+    return tree
+
+
+def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
+    da, db = gu.dims(a), gu.dims(b)
+    if da is None or db is None or len(da) != 2 or len(db) != 2:
+        return False
+    return da[0] is not None and da[0] == db[0]
+
+
+def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
+    if pointwise_fusion_runs(ctx):
+        return 0
+    infer_shapes(graph)
+    rewrites = 0
+    for root in list(graph.nodes):
+        if not gu.is_op(root, "Add") or not root.outputs:
+            continue
+        out = root.outputs[0]
+        # Only the top of a tree: a root read by another Add of the tree is handled there.
+        reader = gu.single_consumer(out)
+        if gu.is_op(reader, "Add") and _plain(out, graph):
+            continue
+        tree = _collect_add_tree(graph, root)
+        terms, rest = [], []
+        for leaf in tree.leaves:
+            p = gu.producer(leaf)
+            w = gu.constant_value(p.inputs[1]) if gu.is_op(p, "MatMul") else None
+            if (
+                w is not None and w.ndim == 2 and w.dtype.kind in FLOAT_KINDS
+                and len(leaf.outputs) == 1 and _plain(leaf, graph)
+                and not isinstance(p.inputs[0], gs.Constant)
+                and _rank(p.inputs[0]) == 2
+            ):
+                terms.append((p, w))
+            else:
+                rest.append(leaf)
+        if len(terms) < 2:
+            continue
+        n = terms[0][1].shape[1]
+        a0 = terms[0][0].inputs[0]
+        if any(w.shape[1] != n or w.dtype != terms[0][1].dtype for _, w in terms):
+            continue
+        if len({id(p.inputs[0]) for p, _ in terms}) != len(terms):
+            continue
+        if not all(_same_leading_dims(a0, p.inputs[0]) for p, _ in terms[1:]):
+            continue
+        dtype = terms[0][1].dtype
+        biases, others = [], []
+        for t in rest:
+            v = gu.constant_value(t)
+            b = _row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
+            if b is not None:
+                biases.append(b)
+            else:
+                others.append(t)
+        base = gu.unique_name(graph, f"{out.name}_xh")
+        cat = gs.Variable(f"{base}_concat", dtype=dtype)
+        nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": -1}, inputs=[p.inputs[0] for p, _ in terms], outputs=[cat])]
+        w_t = gu.make_constant(graph, f"{base}_weight", np.concatenate([w for _, w in terms], axis=0))
+        cur = gs.Variable(f"{base}_matmul", dtype=dtype)
+        nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cat, w_t], outputs=[cur]))
+        extra = []
+        if biases:
+            extra.append(gu.make_constant(graph, f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
+        extra += others
+        for n_ in tree.adds:
+            gu.disconnect(n_)
+        for p, _ in terms:
+            gu.disconnect(p)
+        for i, t in enumerate(extra):
+            last = i == len(extra) - 1
+            y = out if last else gs.Variable(f"{base}_add{i}", dtype=dtype)
+            nodes.append(gs.Node("Add", name=f"{base}/Add{i}", inputs=[cur, t], outputs=[y]))
+            cur = y
+        if not extra:
+            nodes[-1].outputs[0] = out
+        graph.nodes.extend(nodes)
+        rewrites += 1
+    return rewrites
+
+
+PASSES = [
+    Pass(
+        "batch-sibling-matmul",
+        410,
+        "one GEMM on concatenated weights for MatMul/Gemm siblings reading the same input",
+        batch_sibling_matmul,
+    ),
+    Pass(
+        "merge-xh-matmul",
+        430,
+        "x@Wx + h@Wh as one GEMM on Concat([x, h]) when the Adds would be separate kernels",
+        merge_xh_matmul,
+    ),
+]
