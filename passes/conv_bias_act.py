@@ -1,0 +1,328 @@
+"""Conv + bias + activation (+ residual Add, + Relu) -> one onnxfuse.ConvBiasAct node (--target cuda).
+
+Matches a 2-D float32 Conv (any stride, padding, dilation and groups, depthwise included) whose
+output feeds, each step optional but at least one present:
+
+    activation   Relu, LeakyRelu, Clip (ReLU6), Sigmoid, HardSigmoid, HardSwish, Tanh,
+                 SiLU written as x * Sigmoid(x), hard-swish written as x * HardSigmoid(x)
+                 or as x * Clip(x + 3, 0, 6) / 6
+    residual     Add (or a two-input Sum) with a tensor of the Conv output's shape
+    Relu         after the residual
+
+BatchNormalization and per-channel Mul/Add constants were already folded into the Conv's
+weights and bias by fold-batchnorm (order 300), so the fused node's fallback body -- exactly the
+replaced subgraph -- is the folded Conv and its activation chain. A Conv without a bias gets a
+zero bias first, so the node always reads (X, W, B[, Z]).
+
+The node carries the layer's generated CUDA kernel (onnxfuse/cuda/conv_codegen.py): the source,
+its entry, the launch rule and, when the CUDA toolkit is present, PTX for ctx.arch (default
+sm_90). Tiles come from the documented heuristic, or from timing the candidates on the GPU
+when ctx.options["tune"] is set and one is present.
+
+Target policy (measured, bench/results/conv_cpu.md): on --target cpu this pass does nothing.
+onnxruntime's CPU provider already fuses the folded Conv with Relu/Clip/LeakyRelu/Sigmoid/Tanh/
+HardSigmoid (FusedConv, and NCHWc Conv with the residual Add and Relu) on MLAS kernels; we have no
+CPU convolution that beats MLAS, and a ConvBiasAct node without a CPU kernel would only run its
+fallback body, which onnxruntime then fuses into exactly what it would have produced from the
+original. So on cpu the Conv work is fold-batchnorm's, and the fused op exists only for cuda.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.cuda.conv_codegen import ConvShape, Epilogue, Kernel, generate, heuristic_tile, tune
+from onnxfuse.pipeline import Context, Pass
+
+FLOAT = np.dtype(np.float32)
+HARDSWISH = (1.0 / 6.0, 0.5)
+
+
+@dataclass
+class ConvMatch:
+    conv: gs.Node
+    shape: ConvShape
+    nodes: list[gs.Node] = field(default_factory=list)  # the replaced subgraph, in order
+    epilogue: Epilogue = field(default_factory=Epilogue)
+    residual: gs.Tensor | None = None
+    output: gs.Tensor | None = None
+
+
+def _float_attr(node: gs.Node, name: str, default: float) -> float:
+    return float(node.attrs.get(name, default))
+
+
+def _scalar(tensor: gs.Tensor | None) -> float | None:
+    if not gu.is_present(tensor):
+        return None
+    v = gu.constant_value(tensor)
+    if v is None or v.size != 1 or v.dtype.kind not in "fiu":
+        return None
+    return float(v.reshape(-1)[0])
+
+
+def _private(graph: gs.Graph, tensor: gs.Tensor, readers: int = 1) -> bool:
+    """True when `tensor` is internal to a chain: exactly `readers` readers, not a graph output."""
+    return len(tensor.outputs) == readers and not gu.is_graph_output(graph, tensor)
+
+
+def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
+    if len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    if a is tensor and b is not tensor:
+        return b
+    if b is tensor and a is not tensor:
+        return a
+    return None
+
+
+def conv_shape(conv: gs.Node, shapes: gu.ShapeTable) -> ConvShape | None:
+    """The ConvShape of a 2-D Conv with static C, H, W and a 4-D weight; None otherwise."""
+    if len(conv.inputs) < 2:
+        return None
+    x, w = conv.inputs[0], conv.inputs[1]
+    xd, wd = shapes.dims(x), shapes.static_shape(w)
+    if xd is None or wd is None or len(xd) != 4 or len(wd) != 4:
+        return None
+    if not all(isinstance(d, int) for d in xd[1:]):
+        return None
+    if x.dtype is not None and np.dtype(x.dtype) != FLOAT:
+        return None
+    c, h, wi = xd[1:]
+    k, cg, r, s = wd
+    group = int(conv.attrs.get("group", 1))
+    if group < 1 or cg * group != c:
+        return None
+    ks = conv.attrs.get("kernel_shape")
+    if ks is not None and list(ks) != [r, s]:
+        return None
+    strides = tuple(int(v) for v in conv.attrs.get("strides", [1, 1]))
+    dil = tuple(int(v) for v in conv.attrs.get("dilations", [1, 1]))
+    auto_pad = conv.attrs.get("auto_pad", "NOTSET")
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    if auto_pad in ("NOTSET", ""):
+        pads = tuple(int(v) for v in conv.attrs.get("pads", [0, 0, 0, 0]))
+        if len(pads) != 4:
+            return None
+        pads = (pads[0], pads[1], pads[2], pads[3])  # ONNX order: begins (h, w), ends (h, w)
+    elif auto_pad == "VALID":
+        pads = (0, 0, 0, 0)
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begin, end = [], []
+        for size, st, d, kk in ((h, strides[0], dil[0], r), (wi, strides[1], dil[1], s)):
+            out = -(-size // st)
+            total = max(0, (out - 1) * st + (kk - 1) * d + 1 - size)
+            small, big = total // 2, total - total // 2
+            begin.append(big if auto_pad == "SAME_LOWER" else small)
+            end.append(small if auto_pad == "SAME_LOWER" else big)
+        pads = (begin[0], begin[1], end[0], end[1])
+    else:
+        return None
+    if len(strides) != 2 or len(dil) != 2 or min(strides + dil) < 1 or min(pads) < 0:
+        return None
+    try:
+        return ConvShape(c, h, wi, k, r, s, strides, pads, dil, group)
+    except ValueError:
+        return None
+
+
+def _activation(graph: gs.Graph, y: gs.Tensor) -> tuple[list[gs.Node], str, float, float, gs.Tensor] | None:
+    """The activation reading Conv output `y`: (nodes, name, alpha, beta, output) or None."""
+    if gu.is_graph_output(graph, y):
+        return None
+    readers = list(y.outputs)
+    if len(readers) == 1:
+        n = readers[0]
+        if not gu.is_default_domain(n) or len(n.outputs) != 1:
+            return None
+        if n.op in ("Relu", "Sigmoid", "Tanh"):
+            return [n], n.op.lower(), 0.0, 0.0, n.outputs[0]
+        if n.op == "LeakyRelu":
+            return [n], "leakyrelu", _float_attr(n, "alpha", 0.01), 0.0, n.outputs[0]
+        if n.op == "HardSigmoid":
+            return [n], "hardsigmoid", _float_attr(n, "alpha", 0.2), _float_attr(n, "beta", 0.5), n.outputs[0]
+        if n.op == "HardSwish":
+            return [n], "hardswish", *HARDSWISH, n.outputs[0]
+        if n.op == "Clip":
+            if "min" in n.attrs or "max" in n.attrs:  # opset < 11
+                lo, hi = _float_attr(n, "min", -np.inf), _float_attr(n, "max", np.inf)
+            else:
+                lo_t = n.inputs[1] if len(n.inputs) > 1 else None
+                hi_t = n.inputs[2] if len(n.inputs) > 2 else None
+                lo, hi = _scalar(lo_t), _scalar(hi_t)
+                if (gu.is_present(lo_t) and lo is None) or (gu.is_present(hi_t) and hi is None):
+                    return None
+                lo = -np.inf if lo is None else lo
+                hi = np.inf if hi is None else hi
+            return [n], "clip", lo, hi, n.outputs[0]
+        return None
+    if len(readers) == 2:
+        return _gated_activation(graph, y, readers)
+    return None
+
+
+def _gated_activation(graph, y, readers):
+    """y * gate(y): SiLU (Sigmoid), hard-swish (HardSigmoid, or Clip(y + 3, 0, 6) then / 6)."""
+    mul = next((n for n in readers if gu.is_op(n, "Mul")), None)
+    gate = next((n for n in readers if n is not mul), None)
+    if mul is None or gate is None or not gu.is_default_domain(gate) or len(gate.outputs) != 1:
+        return None
+    g_out = gate.outputs[0]
+    if gu.is_op(gate, "Sigmoid", "HardSigmoid"):
+        if _other_input(mul, y) is not g_out or not _private(graph, g_out):
+            return None
+        if gate.op == "Sigmoid":
+            return [gate, mul], "silu", 0.0, 0.0, mul.outputs[0]
+        return [gate, mul], "hardswish", _float_attr(gate, "alpha", 0.2), _float_attr(gate, "beta", 0.5), mul.outputs[0]
+    # x * Relu6(x + 3) / 6, the division either after the product or on the gate
+    if not gu.is_op(gate, "Add") or _scalar(_other_input(gate, y)) != 3.0 or not _private(graph, g_out):
+        return None
+    clip = g_out.outputs[0]
+    if not gu.is_op(clip, "Clip") or len(clip.outputs) != 1 or not _private(graph, clip.outputs[0]):
+        return None
+    if "min" in clip.attrs or "max" in clip.attrs:
+        lo, hi = _float_attr(clip, "min", -np.inf), _float_attr(clip, "max", np.inf)
+    else:
+        lo = _scalar(clip.inputs[1]) if len(clip.inputs) > 1 else None
+        hi = _scalar(clip.inputs[2]) if len(clip.inputs) > 2 else None
+    if lo != 0.0 or hi != 6.0:
+        return None
+    c_out = clip.outputs[0]
+    if _other_input(mul, y) is c_out:
+        prod = mul.outputs[0]
+        div = gu.single_consumer(prod)
+        if not gu.is_op(div, "Div") or div.inputs[0] is not prod or _scalar(div.inputs[1]) != 6.0:
+            return None
+        if not _private(graph, prod):
+            return None
+        return [gate, clip, mul, div], "hardswish", *HARDSWISH, div.outputs[0]
+    div = gu.single_consumer(c_out)
+    if not gu.is_op(div, "Div") or div.inputs[0] is not c_out or _scalar(div.inputs[1]) != 6.0:
+        return None
+    if _other_input(mul, y) is not div.outputs[0] or not _private(graph, div.outputs[0]):
+        return None
+    return [gate, clip, div, mul], "hardswish", *HARDSWISH, mul.outputs[0]
+
+
+def match(graph: gs.Graph, conv: gs.Node, shapes: gu.ShapeTable) -> ConvMatch | None:
+    if not gu.is_op(conv, "Conv") or len(conv.outputs) != 1:
+        return None
+    shape = conv_shape(conv, shapes)
+    if shape is None:
+        return None
+    m = ConvMatch(conv, shape, [conv])
+    y = conv.outputs[0]
+    act, alpha, beta = "none", 0.0, 0.0
+    found = _activation(graph, y)
+    if found is not None:
+        nodes, act, alpha, beta, y = found
+        m.nodes += nodes
+    residual, post_relu = None, False
+    n = gu.single_consumer(y)
+    if gu.is_op(n, "Add", "Sum") and _private(graph, y) and len(n.inputs) == 2:
+        z = _other_input(n, y)
+        yd, zd = shapes.dims(y), shapes.dims(z) if z is not None else None
+        same = (z is not None and yd is not None and zd is not None and len(yd) == len(zd) == 4
+                and yd[1:] == zd[1:] and all(isinstance(d, int) for d in yd[1:])
+                and (yd[0] == zd[0] and yd[0] is not None))
+        if same and not isinstance(z, gs.Constant):
+            residual = z
+            m.nodes.append(n)
+            y = n.outputs[0]
+            r = gu.single_consumer(y)
+            if gu.is_op(r, "Relu") and _private(graph, y):
+                post_relu = True
+                m.nodes.append(r)
+                y = r.outputs[0]
+    if act == "none" and residual is None:
+        return None  # a bare Conv: nothing for an epilogue to save
+    m.epilogue = Epilogue(act, alpha, beta, residual is not None, post_relu)
+    m.residual = residual
+    m.output = y
+    return m
+
+
+def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
+    tile = None
+    if ctx.options.get("tune"):
+        try:
+            tile, _ = tune(m.shape, m.epilogue, batch=int(ctx.options.get("tune_batch", 1)))
+        except RuntimeError:
+            tile = None  # no GPU here: the heuristic below
+    return generate(m.shape, m.epilogue, tile or heuristic_tile(m.shape))
+
+
+def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.Node:
+    conv = m.conv
+    if len(conv.inputs) < 3 or not gu.is_present(conv.inputs[2]):
+        zero = gu.make_constant(graph, f"{conv.name or 'conv'}_zero_bias", np.zeros(m.shape.k, np.float32))
+        if len(conv.inputs) < 3:
+            conv.inputs.append(zero)
+        else:
+            conv.inputs[2] = zero
+    s = m.shape
+    inputs = list(conv.inputs[:3]) + ([m.residual] if m.residual is not None else [])
+    attrs = {
+        "kernel_shape": [s.r, s.s],
+        "strides": list(s.stride),
+        "pads": list(s.pads),
+        "dilations": list(s.dilation),
+        "group": s.group,
+        "activation": m.epilogue.activation,
+        "activation_alpha": float(m.epilogue.alpha),
+        "activation_beta": float(m.epilogue.beta),
+        "post_relu": int(m.epilogue.post_relu),
+        **kernel.attrs(),
+    }
+    out = m.output
+    node = ctx.fuse(graph, "ConvBiasAct", m.nodes, inputs, [out], attrs)
+    if out.dtype is None:
+        out.dtype = np.float32
+    return node
+
+
+def _compile(nodes_kernels: list[tuple[gs.Node, Kernel]], ctx: Context) -> None:
+    """PTX for ctx.arch on every new node, when the CUDA toolkit is here (source alone otherwise:
+    the runtime side compiles what it is given). ctx.options["compile"] = False skips it."""
+    if not nodes_kernels or not ctx.options.get("compile", True):
+        return
+    try:
+        from onnxfuse.cuda.compile import CompileError, compile_many
+
+        done = compile_many([(k.source, k.entry) for _, k in nodes_kernels], arch=ctx.arch)
+    except (ImportError, CompileError, OSError):
+        return
+    for (node, _), ck in zip(nodes_kernels, done):
+        node.attrs["cuda_arch"] = ck.arch
+        node.attrs["cuda_ptx"] = ck.ptx
+
+
+def run(graph: gs.Graph, ctx: Context) -> int:
+    if ctx.target != "cuda":
+        return 0
+    shapes = gu.ShapeTable(graph)
+    made: list[tuple[gs.Node, Kernel]] = []
+    for conv in list(graph.nodes):
+        if not conv.outputs:  # already replaced
+            continue
+        m = match(graph, conv, shapes)
+        if m is None:
+            continue
+        kernel = _attach_kernel(graph, m, ctx)
+        made.append((rewrite(graph, m, ctx, kernel), kernel))
+    _compile(made, ctx)
+    return len(made)
+
+
+PASS = Pass(
+    name="conv-bias-act",
+    order=320,
+    summary="Conv + bias + activation (+ residual Add, + Relu) -> onnxfuse.ConvBiasAct with a generated CUDA kernel (cuda)",
+    run=run,
+    targets=("cuda",),
+)
