@@ -31,7 +31,11 @@ Exit status:
      not load); rerun with --debug (or ONNXFUSE_DEBUG=1) for a traceback
 """
 
-_debug = os.environ.get("ONNXFUSE_DEBUG", "") not in ("", "0")
+def _debug_from_env() -> bool:
+    return os.environ.get("ONNXFUSE_DEBUG", "") not in ("", "0")
+
+
+_debug = _debug_from_env()
 
 
 def _set_debug(ctx, param, value):
@@ -76,6 +80,8 @@ class OnnxfuseGroup(click.Group):
     """A click group whose errors are one line and whose exit statuses are ours."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        global _debug
+        _debug = _debug_from_env()
         try:
             rv = super().main(args, prog_name or "onnxfuse", complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as e:
@@ -96,6 +102,8 @@ class OnnxfuseGroup(click.Group):
             _fail(EXIT_BAD_INPUT, f"error: {e}")
         except MismatchExit as e:
             _fail(EXIT_MISMATCH, str(e))
+        except InstallationError as e:
+            _fail(EXIT_INTERNAL, f"error: {e}")
         except KeyboardInterrupt:
             _fail(EXIT_INTERRUPTED, "interrupted")
         except Exception as e:
@@ -115,6 +123,10 @@ class OnnxfuseGroup(click.Group):
 
 class MismatchExit(Exception):
     """Verification failed: exit status 1."""
+
+
+class InstallationError(Exception):
+    """Part of the installation is missing or broken: exit status 3, one line."""
 
 
 # --------------------------------------------------------------------------- option parsing
@@ -431,10 +443,14 @@ def list_zoo(as_json):
 
     try:
         from . import zoo
+
+        models = zoo.list_models()
     except ImportError:
-        raise InputError("the model zoo is not available in this installation") from None
+        raise InstallationError("the model zoo is not available in this installation") from None
+    except zoo.ZooError as e:
+        raise InstallationError(str(e)) from None
     entries = []
-    for m in zoo.list_models():
+    for m in models:
         inputs = []
         try:
             proto = onnx.load(str(m.path), load_external_data=False)

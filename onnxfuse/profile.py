@@ -115,6 +115,9 @@ def open_session(
     so = session_options(with_library=with_library, threads=threads, level=level, profile=profile_prefix is not None)
     if profile_prefix is not None:
         so.profile_file_prefix = profile_prefix
+    # Failures reach the caller as exceptions; onnxruntime's own error log (for example a
+    # failed session's "Could not write a profile") would be a second, redundant message.
+    so.log_severity_level = 4
     if provider not in PROVIDERS:
         raise InputError(f"unknown provider '{provider}' (known: {', '.join(PROVIDERS)})")
     if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():

@@ -1,0 +1,144 @@
+"""Verification: seeded inputs of the declared shapes, per-dtype comparison, and the CLI refusing
+to write a model that does not match its original."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import SENTINEL, shift_first_constant, stderr_lines, use_only_passes
+from onnxfuse import pipeline
+from onnxfuse.runtime import make_session
+from onnxfuse.verify import TOLERANCES, compare_output, random_inputs, verify
+
+
+def gather_model():
+    """Embedding lookup: table float[10, 4], ids int64[batch, 5], plus a bool mask input."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["emb"], axis=0),
+            helper.make_node("Cast", ["mask"], ["maskf"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["maskf", "axes"], ["mask3"]),
+            helper.make_node("Mul", ["emb", "mask3"], ["y"]),
+        ],
+        "gather",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 5]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, ["batch", 5]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, 4])],
+        [
+            numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table"),
+            numpy_helper.from_array(np.array([-1], dtype=np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def test_random_inputs_are_seeded_and_take_declared_and_given_shapes():
+    model = gather_model()
+    a = random_inputs(model, {"batch": 3}, seed=5)
+    b = random_inputs(model, {"batch": 3}, seed=5)
+    c = random_inputs(model, {"batch": 3}, seed=6)
+    assert a["ids"].shape == (3, 5) and a["ids"].dtype == np.int64
+    assert a["mask"].shape == (3, 5) and a["mask"].dtype == np.bool_
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["ids"], c["ids"]) or not np.array_equal(a["mask"], c["mask"])
+    assert random_inputs(model)["ids"].shape == (1, 5)  # symbolic dims default to 1
+
+
+def test_integer_inputs_used_as_gather_indices_stay_within_the_table():
+    model = gather_model()
+    for seed in range(20):
+        ids = random_inputs(model, {"batch": 8}, seed)["ids"]
+        assert ids.min() >= 0 and ids.max() < 10
+    seen = np.concatenate([random_inputs(model, {"batch": 8}, s)["ids"].ravel() for s in range(20)])
+    assert seen.max() >= 5  # the whole table is used, not only the small default range
+    feeds = random_inputs(model, {"batch": 2}, 0)
+    make_session(model).run(None, feeds)
+
+
+def test_float_outputs_compare_within_dtype_tolerance_and_fail_beyond():
+    atol, rtol = TOLERANCES[TensorProto.FLOAT]
+    ref = np.linspace(-3, 3, 100, dtype=np.float32)
+    assert compare_output("y", TensorProto.FLOAT, ref, ref + np.float32(atol / 2)).ok
+    bad = ref.copy()
+    bad[7] += 0.5
+    check = compare_output("y", TensorProto.FLOAT, ref, bad)
+    assert not check.ok and check.mismatched == 1 and check.max_abs == pytest.approx(0.5, rel=1e-5)
+    assert "1 of 100 values" in check.problem
+
+
+def test_half_precision_gets_a_wider_tolerance_than_single():
+    ref = np.linspace(1, 2, 50).astype(np.float16)
+    off = (ref.astype(np.float32) * 1.004).astype(np.float16)
+    assert compare_output("h", TensorProto.FLOAT16, ref, off).ok
+    assert not compare_output("f", TensorProto.FLOAT, ref.astype(np.float32), off.astype(np.float32)).ok
+
+
+def test_nan_shape_and_integer_differences_are_mismatches():
+    ref = np.array([1.0, np.nan, 3.0], dtype=np.float32)
+    assert compare_output("y", TensorProto.FLOAT, ref, ref.copy()).ok  # NaN where NaN is expected
+    assert "NaN" in compare_output("y", TensorProto.FLOAT, ref, np.array([1, 2, 3], np.float32)).problem
+    assert "shape" in compare_output("y", TensorProto.FLOAT, ref, ref[:2]).problem
+    ints = np.array([1, 2, 3], dtype=np.int64)
+    assert compare_output("i", TensorProto.INT64, ints, ints.copy()).ok
+    assert not compare_output("i", TensorProto.INT64, ints, ints + np.array([0, 0, 1])).ok
+
+
+def test_verify_reports_the_mismatching_output():
+    from conftest import pointwise_chain_model
+
+    original = pointwise_chain_model()
+    broken = pointwise_chain_model()
+    w = numpy_helper.to_array(broken.graph.initializer[0]) + np.float32(1)
+    broken.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "w"))
+    result = verify(original, original, {"batch": 2})
+    assert result.ok and result.max_abs == 0
+    result = verify(original, broken, {"batch": 2})
+    assert not result.ok
+    assert result.first_problem().startswith("output 'y'")
+    assert result.original_profile.kernels_per_inference == 3
+
+
+def test_cli_refuses_to_write_a_broken_optimized_model(chain_path, sentinel_out, cli, monkeypatch):
+    breaker = pipeline.Pass("test-shift-constant", 1, "adds 1 to a constant (wrong on purpose)", shift_first_constant)
+    use_only_passes(monkeypatch, breaker)
+    result = cli("optimize", chain_path, sentinel_out, "--dim", "batch=4")
+    lines = stderr_lines(result)
+    assert result.exit_code == 1, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith("onnxfuse: verification failed: output 'y'")
+    assert "max abs error" in lines[0] and f"{sentinel_out} not written" in lines[0]
+    assert sentinel_out.read_bytes() == SENTINEL
+
+    # The same rewrite is written when verification is switched off: verify is what stops it.
+    result = cli("optimize", chain_path, sentinel_out, "--no-verify")
+    assert result.exit_code == 0, result.stderr
+    assert onnx.load(str(sentinel_out)).graph.node
+
+
+def test_cli_accepts_a_rewrite_within_tolerance(chain_path, tmp_path, cli, monkeypatch):
+    nudge = pipeline.Pass("test-nudge-constant", 1, "adds 1e-7 to a constant",
+                          functools.partial(shift_first_constant, amount=1e-7))
+    use_only_passes(monkeypatch, nudge)
+    result = cli("optimize", chain_path, tmp_path / "o.onnx", "--dim", "batch=4")
+    assert result.exit_code == 0, result.stderr
+    assert "verified" in result.stdout
+
+
+def test_cli_refuses_an_optimized_model_onnxruntime_cannot_run(chain_path, sentinel_out, cli, monkeypatch):
+    def corrupt(graph, ctx):
+        graph.nodes[1].op = "NoSuchOp"
+        return 1
+
+    use_only_passes(monkeypatch, pipeline.Pass("test-corrupt", 1, "unknown op (wrong on purpose)", corrupt))
+    result = cli("optimize", chain_path, sentinel_out)
+    assert result.exit_code == 1
+    assert "onnxruntime cannot run the optimized model" in result.stderr
+    assert sentinel_out.read_bytes() == SENTINEL
