@@ -1,0 +1,187 @@
+"""Batching structurally identical ensemble branches layer by layer.
+
+batch-ensemble
+    match:     K >= 2 branches that start with linear readers of one tensor x (MatMul(x, W) or
+               Gemm(x, W, C) with transA=0, constant 2-D weights of one shape, optional constant
+               row bias; see matmul_batch.match_linear) and continue in lockstep with the same
+               ops: further linear layers on constant weights of one shape per layer, and unary
+               activations with equal attributes. Every intermediate tensor is read only by its
+               branch. x must be 2-D ([B, D]).
+    condition: at least two linear layers, and the rule for the target holds (below)
+    rewrite:   MatMul(x, W1[K, D, H1]) -> [K, B, H1] (x broadcast over the branches)
+               + Add(b1[K, 1, H1]) -> activation -> MatMul(., W2[K, H1, H2]) -> ...
+               The branch outputs f_1..f_K ([B, O] each) are read from the stacked [K, B, O]:
+               when they are exactly the inputs, in order, of a Concat on the last axis, that
+               Concat becomes Transpose(perm=[1, 0, 2]) + Reshape([0, K*O]); otherwise a Split
+               of that tensor gives back f_1..f_K.
+
+    Rule. cuda: always (one batched GEMM launch per layer replaces K launches).
+    cpu: the K separate (prepacked) Gemms are faster per FLOP than onnxruntime's stacked
+    MatMul, so the stacked form pays only while kernel dispatch dominates: applied when the
+    batch dim of x is static and at most CPU_MAX_BATCH and every layer's branch weight has at
+    most CPU_MAX_BRANCH_WEIGHT elements (measured: bench/results/matmul_batch.md). Otherwise
+    batch-sibling-matmul still merges the first layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.passes.matmul_batch import ACTIVATIONS, Linear, _rank, infer_shapes, match_linear
+from onnxfuse.pipeline import Context, Pass
+
+# On the CPU provider (1 thread) the stacked form was faster only at batch <= 4 with branch
+# layers of at most 32x32 weights, and slower at batch 64 for every width measured (16..128):
+# see bench/results/matmul_batch.md. A dynamic batch may be large, so it is not applied then.
+CPU_MAX_BRANCH_WEIGHT = 32 * 32
+CPU_MAX_BATCH = 4
+
+
+@dataclass
+class Layer:
+    kind: str  # "linear" or "activation"
+    members: list  # Linear per branch, or the activation node per branch
+
+
+def _same_act(a: gs.Node, b: gs.Node) -> bool:
+    return a.op == b.op and a.attrs == b.attrs and len(a.inputs) == 1
+
+
+def _next_layer(graph: gs.Graph, tensors: list[gs.Tensor]) -> Layer | None:
+    readers = []
+    for t in tensors:
+        r = gu.single_consumer(t)
+        if r is None or gu.is_graph_output(graph, t):
+            return None
+        readers.append(r)
+    if any(readers[0] is r for r in readers[1:]):
+        return None
+    if gu.is_op(readers[0], *ACTIVATIONS):
+        if all(gu.is_op(r, readers[0].op) and _same_act(readers[0], r) for r in readers):
+            return Layer("activation", readers)
+        return None
+    members = [match_linear(graph, r, t) for r, t in zip(readers, tensors)]
+    if any(m is None for m in members):
+        return None
+    shape = members[0].weight.shape
+    if any(m.weight.shape != shape or m.weight.dtype != members[0].weight.dtype for m in members):
+        return None
+    return Layer("linear", members)
+
+
+def _output(layer: Layer, k: int) -> gs.Tensor:
+    m = layer.members[k]
+    return m.output if isinstance(m, Linear) else m.outputs[0]
+
+
+def _branches(graph: gs.Graph, x: gs.Tensor, first: list[Linear]) -> list[Layer]:
+    layers = [Layer("linear", first)]
+    while True:
+        nxt = _next_layer(graph, [_output(layers[-1], k) for k in range(len(first))])
+        if nxt is None:
+            return layers
+        layers.append(nxt)
+
+
+def _pays(ctx: Context, x: gs.Tensor, layers: list[Layer]) -> bool:
+    linear = [l for l in layers if l.kind == "linear"]
+    if len(linear) < 2:
+        return False
+    if ctx.target == "cuda":
+        return True
+    batch = gu.dims(x)[0]
+    if not isinstance(batch, int) or batch > CPU_MAX_BATCH:
+        return False
+    return all(l.members[0].weight.size <= CPU_MAX_BRANCH_WEIGHT for l in linear)
+
+
+def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
+    readers = [gu.single_consumer(t) for t in outs]
+    c = readers[0]
+    if not gu.is_op(c, "Concat") or any(r is not c for r in readers):
+        return None
+    if len(c.inputs) != len(outs) or any(a is not b for a, b in zip(c.inputs, outs)):
+        return None
+    axis = int(gu.attr(c, "axis", 0))
+    return c if axis in (1, -1) else None
+
+
+def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer]) -> None:
+    k_count = len(layers[0].members)
+    dtype = layers[0].members[0].weight.dtype
+    base = gu.unique_name(graph, f"{x.name}_ensemble")
+    nodes: list[gs.Node] = []
+    cur: gs.Tensor = x
+    for i, layer in enumerate(layers):
+        if layer.kind == "linear":
+            w = np.stack([m.weight for m in layer.members])  # [K, D_in, D_out]
+            y = gs.Variable(f"{base}_l{i}_matmul", dtype=dtype)
+            nodes.append(gs.Node("MatMul", name=f"{base}/l{i}/MatMul", inputs=[cur, gu.make_constant(graph, f"{base}_l{i}_weight", w)], outputs=[y]))
+            cur = y
+            if any(m.bias is not None for m in layer.members):
+                n = w.shape[2]
+                b = np.stack([m.bias if m.bias is not None else np.zeros(n, dtype) for m in layer.members])[:, None, :]
+                y = gs.Variable(f"{base}_l{i}_add", dtype=dtype)
+                nodes.append(gs.Node("Add", name=f"{base}/l{i}/Add", inputs=[cur, gu.make_constant(graph, f"{base}_l{i}_bias", b.astype(dtype))], outputs=[y]))
+                cur = y
+        else:
+            a = layer.members[0]
+            y = gs.Variable(f"{base}_l{i}_{a.op.lower()}", dtype=dtype)
+            nodes.append(gs.Node(a.op, name=f"{base}/l{i}/{a.op}", attrs=dict(a.attrs), inputs=[cur], outputs=[y]))
+            cur = y
+    outs = [_output(layers[-1], k) for k in range(k_count)]
+    out_width = next(l for l in reversed(layers) if l.kind == "linear").members[0].weight.shape[1]
+    concat = _final_concat(graph, outs)
+    for layer in layers:
+        for m in layer.members:
+            for n in (m.nodes if isinstance(m, Linear) else [m]):
+                gu.disconnect(n)
+    t = gs.Variable(f"{base}_bko", dtype=dtype)
+    nodes.append(gs.Node("Transpose", name=f"{base}/Transpose", attrs={"perm": [1, 0, 2]}, inputs=[cur], outputs=[t]))
+    shape = gu.make_constant(graph, f"{base}_shape", np.array([0, k_count * out_width], np.int64))
+    if concat is not None:
+        target = concat.outputs[0]
+        gu.disconnect(concat)
+        nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[target]))
+    else:
+        flat = gs.Variable(f"{base}_flat", dtype=dtype)
+        nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[flat]))
+        sizes = [out_width] * k_count
+        if graph.opset >= 13:
+            split = gs.Node("Split", inputs=[flat, gu.make_constant(graph, f"{base}_split", np.array(sizes, np.int64))], outputs=outs, attrs={"axis": -1})
+        else:
+            split = gs.Node("Split", inputs=[flat], outputs=outs, attrs={"axis": -1, "split": sizes})
+        split.name = f"{base}/Split"
+        nodes.append(split)
+    graph.nodes.extend(nodes)
+
+
+def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
+    infer_shapes(graph)
+    rewrites = 0
+    for x in list(graph.tensors().values()):
+        if isinstance(x, gs.Constant) or len(x.outputs) < 2 or _rank(x) != 2:
+            continue
+        first = [m for m in (match_linear(graph, n, x) for n in list(x.outputs)) if m is not None]
+        groups: dict[tuple, list[Linear]] = {}
+        for m in first:
+            groups.setdefault((m.weight.shape, m.weight.dtype.str), []).append(m)
+        for members in groups.values():
+            if len(members) < 2 or len({id(m.nodes[0]) for m in members}) != len(members):
+                continue
+            layers = _branches(graph, x, members)
+            if _pays(ctx, x, layers):
+                _rewrite(graph, x, layers)
+                rewrites += 1
+    return rewrites
+
+
+PASS = Pass(
+    "batch-ensemble",
+    405,
+    "identical branches on one input as stacked [K, B, D] layers with one batched MatMul each",
+    batch_ensemble,
+)
