@@ -1,0 +1,253 @@
+"""Lowering of ONNX elementwise operators to expression-program instructions.
+
+`lowerable(...)` says whether one ONNX node can become part of a Pointwise program (and why
+not); `lower_node(...)` appends its instructions to a Program. Both work on plain values (op
+type, attributes, opset, element types, constant operands) so that they are independent of how
+a graph is represented.
+
+An operand is a program value name (``"x0"``, ``"t3"``) or a Python float (a literal).
+Attribute defaults follow the ONNX operator specification of the model's opset.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+from onnx import TensorProto
+
+from .program import DTYPE_OF_ONNX, Program
+
+FLOAT_TYPES = {TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
+BOOL = TensorProto.BOOL
+PROGRAM_TYPES = FLOAT_TYPES | {BOOL}
+# float32 lowest/max: the defaults of Clip's min/max attributes before opset 11.
+FLT_LOWEST = float(np.finfo(np.float32).min)
+FLT_MAX = float(np.finfo(np.float32).max)
+# Widening conversions that change no value: Cast along them emits no instruction.
+_EXACT = {
+    ("f16", "f32"), ("f16", "f64"), ("bf16", "f32"), ("bf16", "f64"), ("f32", "f64"),
+    ("bool", "f16"), ("bool", "bf16"), ("bool", "f32"), ("bool", "f64"),
+}
+
+UNARY = {
+    "Neg": "neg", "Abs": "abs", "Sqrt": "sqrt", "Reciprocal": "recip", "Exp": "exp", "Log": "log",
+    "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid", "Relu": "relu", "Softplus": "softplus",
+    "Softsign": "softsign", "Floor": "floor", "Ceil": "ceil", "Round": "round", "Sign": "sign",
+    "Sin": "sin", "Cos": "cos", "Tan": "tan", "Asin": "asin", "Acos": "acos", "Atan": "atan",
+    "Sinh": "sinh", "Cosh": "cosh", "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh",
+    "HardSwish": "hardswish", "Not": "not", "IsNaN": "isnan",
+}
+BINARY = {
+    "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "PRelu": "prelu",
+    "Equal": "eq", "Less": "lt", "LessOrEqual": "le", "Greater": "gt", "GreaterOrEqual": "ge",
+    "And": "and", "Or": "or", "Xor": "xor",
+}
+VARIADIC = {"Sum": "add", "Max": "max", "Min": "min", "Mean": "add"}
+# op -> ((attribute, default), ...): the program op's parameters, in order.
+PARAM_UNARY = {
+    "LeakyRelu": ("leakyrelu", (("alpha", 0.01),)),
+    "Elu": ("elu", (("alpha", 1.0),)),
+    "Selu": ("selu", (("alpha", 1.67326319217681884765625), ("gamma", 1.05070102214813232421875))),
+    "Celu": ("celu", (("alpha", 1.0),)),
+    "HardSigmoid": ("hardsigmoid", (("alpha", 0.2), ("beta", 0.5))),
+    "ThresholdedRelu": ("thresholdedrelu", (("alpha", 1.0),)),
+}
+SPECIAL = {"Clip", "Where", "Cast", "CastLike", "Identity", "Dropout", "IsInf", "Shrink", "Mish", "Gelu"}
+# The first opset in which each operator has the semantics lowered here (broadcasting included).
+MIN_OPSET = {
+    "PRelu": 7, "Add": 7, "Sub": 7, "Mul": 7, "Div": 7, "Pow": 7, "Equal": 7, "Less": 7, "Greater": 7,
+    "And": 7, "Or": 7, "Xor": 7, "Dropout": 7, "Sum": 8, "Max": 8, "Min": 8, "Mean": 8,
+    "Where": 9, "Round": 11, "HardSwish": 14, "LessOrEqual": 12, "GreaterOrEqual": 12, "IsInf": 10,
+    "Shrink": 9, "Mish": 18, "Gelu": 20, "CastLike": 15, "Celu": 12, "Erf": 9, "Sign": 9, "IsNaN": 9,
+    "Sinh": 9, "Cosh": 9, "Asinh": 9, "Acosh": 9, "Atanh": 9,
+}
+
+SUPPORTED_OPS = frozenset(UNARY) | frozenset(BINARY) | frozenset(VARIADIC) | frozenset(PARAM_UNARY) | SPECIAL
+# Operators that compute nothing (onnxruntime removes them too): they do not count as work.
+NO_OPS = frozenset({"Identity", "Dropout"})
+
+
+class LoweringError(ValueError):
+    """A node (or region) that cannot be expressed as a program."""
+
+
+def program_dtype(elem_type: int | None) -> str | None:
+    return DTYPE_OF_ONNX.get(elem_type) if elem_type is not None else None
+
+
+def lowerable(
+    op: str,
+    attrs: dict,
+    opset: int,
+    in_types: Sequence[int | None],
+    out_types: Sequence[int | None],
+    constants: Sequence[np.ndarray | None],
+    used_outputs: Sequence[bool],
+) -> str | None:
+    """None when the node can be lowered, else the reason it cannot (one short phrase).
+
+    in_types/out_types: ONNX element types (None for an absent optional input/output);
+    constants: the value of each input that is a constant, else None;
+    used_outputs: whether each output is read by anything (or is a graph output).
+    """
+    if op not in SUPPORTED_OPS:
+        return f"{op} is not elementwise"
+    if opset < MIN_OPSET.get(op, 6):
+        return f"{op} before opset {MIN_OPSET.get(op, 6)}"
+    if op == "Dropout":
+        if len(used_outputs) > 1 and any(used_outputs[1:]):
+            return "Dropout mask is used"
+        if len(constants) > 2 and in_types[2] is not None:
+            mode = constants[2]
+            if mode is None or bool(np.asarray(mode).reshape(-1)[0]):
+                return "Dropout in training mode"
+        in_types = in_types[:1]
+    elif op == "Clip":
+        for i in (1, 2):
+            if i < len(in_types) and in_types[i] is not None and in_types[i] not in FLOAT_TYPES:
+                return "Clip bound is not a float"
+        in_types = in_types[:1]
+    elif op == "Pow":
+        # A constant integer exponent becomes a float operand; a computed one stays outside.
+        if in_types[1] not in PROGRAM_TYPES and constants[1] is not None and np.asarray(constants[1]).dtype.kind in "iu":
+            in_types = in_types[:1]
+        if in_types[0] == BOOL:
+            return "Pow of bool"
+    elif op == "Cast":
+        to = attrs.get("to")
+        if to not in PROGRAM_TYPES:
+            return "Cast to a type outside the program (integers, strings, float8)"
+    elif op == "CastLike":
+        in_types = in_types[:1]
+    elif op == "Gelu":
+        if attrs.get("approximate", "none") not in ("none", "tanh"):
+            return "unknown Gelu approximation"
+    elif op == "Identity":
+        pass
+    for t in list(in_types) + [t for t, u in zip(out_types, used_outputs) if u]:
+        if t is not None and t not in PROGRAM_TYPES:
+            return "integer or non-numeric value"
+    if any(t is None for t in in_types[:1]):
+        return "unknown element type"
+    if op in BINARY and op not in ("Equal", "And", "Or", "Xor", "Pow"):
+        if in_types[0] == BOOL:
+            return f"{op} of bool"
+    return None
+
+
+def _attr_float(attrs: dict, name: str, default: float) -> float:
+    v = attrs.get(name, default)
+    return float(v)
+
+
+def lower_node(
+    prog: Program,
+    op: str,
+    attrs: dict,
+    opset: int,
+    args: Sequence,
+    in_types: Sequence[int | None],
+    out_types: Sequence[int | None],
+    constants: Sequence[np.ndarray | None] = (),
+) -> list:
+    """Append the instructions of one node; returns one operand per node output
+    (None for outputs that have no value in the program, such as Dropout's mask)."""
+    emit = prog.emit
+    a = args[0] if args else None
+    if op in UNARY:
+        return [emit(UNARY[op], a)]
+    if op in PARAM_UNARY:
+        name, params = PARAM_UNARY[op]
+        return [emit(name, a, params=[_attr_float(attrs, k, d) for k, d in params])]
+    if op in BINARY:
+        return [emit(BINARY[op], a, args[1])]
+    if op in VARIADIC:
+        operands = [x for x in args if x is not None]
+        acc = operands[0]
+        for x in operands[1:]:
+            acc = emit(VARIADIC[op], acc, x)
+        if op == "Mean" and len(operands) > 1:
+            acc = emit("div", acc, float(len(operands)))
+        return [acc]
+    if op in ("Identity", "Dropout"):
+        return [a] + [None] * (len(out_types) - 1)
+    if op == "Where":
+        return [emit("where", *args[:3])]
+    if op in ("Cast", "CastLike"):
+        to = attrs["to"] if op == "Cast" else in_types[1]
+        src, dst = program_dtype(in_types[0]), program_dtype(to)
+        if src == dst or (src, dst) in _EXACT:
+            return [a]
+        return [emit("cast", a, params=[dst])]
+    if op == "Clip":
+        if opset < 11:
+            lo, hi = _attr_float(attrs, "min", FLT_LOWEST), _attr_float(attrs, "max", FLT_MAX)
+            return [emit("clip", a, params=[lo, hi])]
+        lo = args[1] if len(args) > 1 and args[1] is not None else -math.inf
+        hi = args[2] if len(args) > 2 and args[2] is not None else math.inf
+        if isinstance(lo, float) and isinstance(hi, float):
+            return [emit("clip", a, params=[lo, hi])]
+        # Tensor bounds: Clip is max then min, exactly as onnxruntime evaluates it.
+        v = a
+        if not (isinstance(lo, float) and lo == -math.inf):
+            v = emit("max", v, lo)
+        if not (isinstance(hi, float) and hi == math.inf):
+            v = emit("min", v, hi)
+        return [v]
+    if op == "IsInf":
+        pos, neg = int(attrs.get("detect_positive", 1)), int(attrs.get("detect_negative", 1))
+        if pos and neg:
+            return [emit("eq", emit("abs", a), math.inf)]
+        if pos:
+            return [emit("eq", a, math.inf)]
+        if neg:
+            return [emit("eq", a, -math.inf)]
+        return [emit("gt", a, math.inf)]  # detects nothing: always false
+    if op == "Shrink":
+        lambd, bias = _attr_float(attrs, "lambd", 0.5), _attr_float(attrs, "bias", 0.0)
+        below = emit("lt", a, -lambd)
+        above = emit("gt", a, lambd)
+        inner = emit("where", above, emit("sub", a, bias), 0.0)
+        return [emit("where", below, emit("add", a, bias), inner)]
+    if op == "Mish":
+        return [emit("mul", a, emit("tanh", emit("softplus", a)))]
+    if op == "Gelu":
+        if attrs.get("approximate", "none") == "tanh":
+            cube = emit("mul", emit("mul", a, a), a)
+            inner = emit("mul", emit("add", a, emit("mul", cube, 0.044715)), math.sqrt(2.0 / math.pi))
+            return [emit("mul", emit("mul", a, 0.5), emit("add", emit("tanh", inner), 1.0))]
+        e = emit("erf", emit("mul", a, 1.0 / math.sqrt(2.0)))
+        return [emit("mul", emit("mul", a, 0.5), emit("add", e, 1.0))]
+    raise LoweringError(f"no lowering for {op}")
+
+
+def literal_value(value: np.ndarray | None) -> float | None:
+    """The single value of a non-empty constant whose elements are all equal, else None."""
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.size == 0 or arr.dtype.kind not in "fiub":
+        return None
+    flat = arr.reshape(-1)
+    first = flat[0]
+    if arr.dtype.kind == "f":
+        if np.isnan(first):
+            return float("nan") if np.isnan(flat).all() else None
+        if not (flat == first).all():
+            return None
+    elif not (flat == first).all():
+        return None
+    return float(first)
+
+
+def lower_single(op: str, attrs: dict, opset: int, in_types: Sequence[int | None], out_types: Sequence[int]) -> Program:
+    """The program of one node whose every input is a program input (used by tests and tools)."""
+    prog = Program()
+    args = [prog.add_input(program_dtype(t)) if t is not None else None for t in in_types]
+    outs = lower_node(prog, op, attrs, opset, args, in_types, out_types)
+    for v, t in zip(outs, out_types):
+        if v is not None:
+            prog.add_output(v, program_dtype(t))
+    return prog
+
