@@ -1,0 +1,230 @@
+"""The `onnxfuse` command line: optimize (summary, JSON, report, dims, IR versions, zoo input),
+passes, zoo, help, and the installed console script in a real subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import SENTINEL, pointwise_chain_model, stderr_lines, use_only_passes
+from onnxfuse import pipeline
+from onnxfuse.modelio import load_model, ort_max_ir_version, save_model
+from onnxfuse.verify import random_inputs
+
+
+def run_plain(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def fuse_relu_sigmoid(graph, ctx):
+    """Test-only fusion: Relu -> Sigmoid becomes one onnxfuse node (an op type our library does
+    not implement, so it always runs on its fallback function)."""
+    relu = next(n for n in graph.nodes if n.op == "Relu")
+    sigmoid = relu.outputs[0].outputs[0]
+    ctx.fuse(graph, "TestOnlyReluSigmoid", [relu, sigmoid], [relu.inputs[0]], [sigmoid.outputs[0]])
+    return 1
+
+
+TEST_FUSION = pipeline.Pass("test-fuse-relu-sigmoid", 1, "Relu+Sigmoid -> one fused node", fuse_relu_sigmoid)
+
+
+def test_optimize_writes_a_model_that_computes_what_the_original_does(chain_path, tmp_path, cli):
+    out = tmp_path / "chain.opt.onnx"
+    result = cli("optimize", chain_path, out, "--dim", "batch=4")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    for field in ("nodes", "fused ops", "kernels", "verified", "time"):
+        assert f"  {field} " in result.stdout
+    assert "dims batch=4" in result.stdout
+    optimized = onnx.load(str(out))
+    feeds = random_inputs(optimized, {"batch": 4}, seed=3)
+    np.testing.assert_allclose(run_plain(optimized, feeds)[0], run_plain(onnx.load(str(chain_path)), feeds)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_json_summary_and_report_file(chain_path, tmp_path, cli):
+    out, report = tmp_path / "o.onnx", tmp_path / "report.json"
+    result = cli("optimize", chain_path, out, "--json", "--report", report, "--seed", 11)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["nodes_before"] == 3 and summary["kernels_before"] == 3
+    assert summary["output"] == str(out) and summary["verification"]["ok"] is True
+    assert summary["verification"]["seed"] == 11 and summary["dims"] == {"batch": 1}
+    saved = json.loads(report.read_text())
+    assert saved["summary"] == summary
+    expected_passes = [p.name for p in pipeline.select_passes(None, "cpu")]
+    assert [p["pass"] for p in saved["passes"]] == expected_passes
+    for p in saved["passes"]:
+        assert set(p) == {"pass", "matches", "nodes_before", "nodes_after", "nodes_removed", "seconds"}
+
+
+def test_fused_nodes_carry_overload_functions_and_the_saved_ir_allows_them(chain_path, tmp_path, cli, monkeypatch):
+    use_only_passes(monkeypatch, TEST_FUSION)
+    out = tmp_path / "fused.onnx"
+    source = pointwise_chain_model(ir_version=8)
+    onnx.save(source, str(chain_path))
+    result = cli("optimize", chain_path, out, "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["fused_ops"] == {"TestOnlyReluSigmoid": 1}
+    assert summary["nodes_after"] == 2
+    runs = summary["verification"]["runs"]
+    assert [r["run"] for r in runs] == ["with the onnxfuse library", "fallback functions, no library"]
+    model = onnx.load(str(out))
+    assert model.ir_version == 10  # overloads need IR >= 10, the input had 8
+    fused = [n for n in model.graph.node if n.domain == "onnxfuse"]
+    assert len(fused) == 1 and fused[0].overload
+    assert [(f.domain, f.name, f.overload) for f in model.functions] == [
+        ("onnxfuse", "TestOnlyReluSigmoid", fused[0].overload)]
+    feeds = random_inputs(model, {}, seed=1)
+    np.testing.assert_allclose(run_plain(model, feeds)[0], run_plain(source, feeds)[0], rtol=1e-6)
+
+
+def test_ir3_model_listing_initializers_as_inputs_gets_constants(tmp_path, cli):
+    model = pointwise_chain_model(opset=9, ir_version=3)
+    model.graph.input.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, [8]))
+    src, out = tmp_path / "ir3.onnx", tmp_path / "ir3.opt.onnx"
+    onnx.save(model, str(src))
+    result = cli("optimize", src, out)
+    assert result.exit_code == 0, result.stderr
+    assert "1 initializers listed as graph inputs (IR 3) made constants" in result.stdout
+    saved = onnx.load(str(out))
+    assert [i.name for i in saved.graph.input] == ["x"]
+    assert saved.ir_version >= 4
+    onnx.checker.check_model(saved)
+
+
+def test_output_ir_version_is_one_onnxruntime_loads(tmp_path, cli):
+    model = pointwise_chain_model()
+    model.ir_version = onnx.IR_VERSION  # what onnx writes by default, newer than onnxruntime reads
+    src, out = tmp_path / "new_ir.onnx", tmp_path / "o.onnx"
+    onnx.save(model, str(src))
+    result = cli("optimize", src, out)
+    assert result.exit_code == 0, result.stderr
+    saved = onnx.load(str(out))
+    assert saved.ir_version == min(onnx.IR_VERSION, ort_max_ir_version())
+    run_plain(saved, random_inputs(saved))
+
+
+def test_save_is_atomic_and_leaves_the_old_file_when_writing_fails(tmp_path, monkeypatch):
+    target = tmp_path / "model.onnx"
+    target.write_bytes(SENTINEL)
+
+    def failing_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        save_model(pointwise_chain_model(), target)
+    assert target.read_bytes() == SENTINEL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # no temporary left behind
+
+
+def test_big_models_are_saved_with_external_data_next_to_them(tmp_path):
+    model = pointwise_chain_model()
+    big = numpy_helper.from_array(np.arange(4096, dtype=np.float32), "big")
+    model.graph.initializer.append(big)
+    model.graph.node.append(helper.make_node("ReduceSum", ["big"], ["total"], keepdims=0))
+    model.graph.output.append(helper.make_tensor_value_info("total", TensorProto.FLOAT, []))
+    target = tmp_path / "big.onnx"
+    written = save_model(model, target, external_threshold=1024)  # as if the model were over 2 GiB
+    assert written == [str(target), str(tmp_path / "big.onnx.data")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
+    assert target.stat().st_size < 4096 * 4  # the large tensor is not inline
+    loaded = load_model(target).model
+    out = run_plain(loaded, random_inputs(loaded))
+    assert out[1] == pytest.approx(np.arange(4096).sum())
+
+
+def test_passes_command_lists_every_pass_with_its_targets(cli):
+    result = cli("passes")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    passes = pipeline.all_passes()
+    assert len(lines) == len(passes)
+    for line, p in zip(lines, passes):
+        assert line.startswith(p.name) and f"[{','.join(p.targets)}]" in line and p.summary in line
+    listed = json.loads(cli("passes", "--json").stdout)
+    assert [p["name"] for p in listed] == [p.name for p in passes]
+
+
+def test_passes_option_runs_only_the_named_passes(chain_path, tmp_path, cli):
+    names = [p.name for p in pipeline.all_passes()][:1]
+    if not names:
+        pytest.skip("no passes installed")
+    result = cli("optimize", chain_path, tmp_path / "o.onnx", "--passes", ",".join(names), "--json")
+    assert json.loads(result.stdout)["passes_run"] == names
+
+
+def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli):
+    from onnxfuse import zoo
+
+    result = cli("zoo", "--json")
+    assert result.exit_code == 0, result.stderr
+    listed = json.loads(result.stdout)
+    assert [m["name"] for m in listed] == [m.name for m in zoo.list_models()]
+    assert all(m["inputs"] and m["description"] for m in listed)
+    assert "char_rnn" in [m["name"] for m in listed]
+    text = cli("zoo").stdout
+    assert "char_rnn" in text and "inputs:" in text
+
+
+def test_zoo_model_as_input(tmp_path, cli):
+    out = tmp_path / "char_rnn.opt.onnx"
+    result = cli("optimize", "zoo:char_rnn", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["input"] == "zoo:char_rnn" and summary["verification"]["ok"]
+    assert summary["kernels_after"] <= summary["kernels_before"]
+    onnx.checker.check_model(onnx.load(str(out)))
+
+
+def test_help_documents_the_exit_codes(cli):
+    for args in ([], ["optimize"]):
+        text = cli(*args, "--help").stdout
+        assert "Exit status" in text
+        for code in ("0  success", "1  verification failed", "2  bad input", "3  internal error"):
+            assert code in text
+
+
+def console_script() -> str:
+    found = Path(sys.executable).parent / "onnxfuse"
+    if found.exists():
+        return str(found)
+    found = shutil.which("onnxfuse")
+    assert found, "the onnxfuse console script is not installed (pip install -e .)"
+    return found
+
+
+def test_console_script_in_a_subprocess(chain_path, tmp_path, sentinel_out):
+    out = tmp_path / "o.onnx"
+    done = subprocess.run([console_script(), "optimize", str(chain_path), str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "verified" in done.stdout and done.stderr == ""
+    assert onnx.load(str(out)).graph.node
+
+    # Bad input, seen from outside: exactly one line on the real stderr (onnxruntime's own
+    # C++ logging included), exit 2, OUT untouched.
+    random_file = tmp_path / "random.onnx"
+    random_file.write_bytes(os.urandom(2048))
+    unknown_op = pointwise_chain_model()
+    unknown_op.graph.node[1].op_type = "NoSuchOp"
+    onnx.save(unknown_op, str(tmp_path / "unknown_op.onnx"))
+    for bad in (random_file, tmp_path / "unknown_op.onnx"):
+        done = subprocess.run([console_script(), "optimize", str(bad), str(sentinel_out)], capture_output=True,
+                              text=True, timeout=120)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2, done.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"onnxfuse: error: {bad}: "), done.stderr
+        assert sentinel_out.read_bytes() == SENTINEL
