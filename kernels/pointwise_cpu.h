@@ -1,0 +1,79 @@
+// The CPU Pointwise executor: a blocked virtual machine over the expression program.
+//
+// The iteration space (pointwise_plan.h) is cut into blocks of at most kBlock elements. For each
+// block every instruction runs as one tight loop over contiguous registers of the compute type
+// (numexpr's model): intermediates stay in L1, loops vectorize, dispatch costs once per block.
+// Inputs are read in place when they are already contiguous in the compute type, as a scalar
+// when constant over the block (broadcast), and converted into a register otherwise. Results
+// that are outputs of the compute type are written straight into the output tensor.
+//
+// Blocks are grouped into tasks run on onnxruntime's intra-op thread pool through
+// KernelContext_ParallelFor; each thread keeps its registers in thread-local scratch memory.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pointwise_plan.h"
+
+namespace onnxfuse {
+
+constexpr int64_t kBlock = 1024;            // elements per register block
+constexpr int64_t kTaskElements = 1 << 15;  // elements per parallel task (amortizes scheduling)
+
+// A Program with registers assigned, built once per kernel.
+struct CompiledProgram {
+  Program program;
+  // For each instruction: its register slot (reused once the value is dead).
+  std::vector<int> slot;
+  int num_slots = 0;
+  // For each value: the output it is written into directly when that output has the compute
+  // type, -1 otherwise.
+  std::vector<int> direct_output;
+
+  explicit CompiledProgram(Program p);
+};
+
+struct ExecInput {
+  const unsigned char* data;
+  DType dtype;
+  int64_t offset;
+  const int64_t* strides;  // per collapsed dimension
+};
+
+struct ExecOutput {
+  unsigned char* data;
+  DType dtype;
+};
+
+// One run of the program over one plan.
+struct ExecJob {
+  const CompiledProgram* prog;
+  const int64_t* shape;  // collapsed iteration shape
+  int rank;
+  const ExecInput* inputs;
+  const ExecOutput* outputs;
+  // Block geometry over the collapsed shape: rows of length `inner`.
+  int64_t inner = 0, rows = 0;
+  int64_t chunks_per_row = 0, chunk = 0;  // inner >= kBlock: a block is a chunk of a row
+  int64_t rows_per_block = 0;             // inner < kBlock: a block is whole rows
+  int64_t num_blocks = 0;
+  int64_t blocks_per_task = 1;
+  int64_t num_tasks = 0;
+};
+
+void init_geometry(ExecJob* job);
+
+// Runs blocks [task * blocks_per_task, ...) of the job; defined once per instruction set.
+namespace isa_base {
+void run_task(const ExecJob& job, int64_t task);
+}
+namespace isa_avx2 {
+void run_task(const ExecJob& job, int64_t task);
+}
+
+// The best run_task this CPU supports.
+using RunTaskFn = void (*)(const ExecJob&, int64_t);
+RunTaskFn select_run_task();
+
+}  // namespace onnxfuse

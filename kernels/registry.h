@@ -1,0 +1,37 @@
+// The ops this library registers in the `onnxfuse` domain.
+//
+// Each kernel file defines its OrtCustomOp instances and adds them with ONNXFUSE_REGISTER_OP at
+// static-initialization time; RegisterCustomOps (registry.cc) hands all of them to onnxruntime.
+// This keeps kernel files independent: a CUDA-EP kernel lives in its own kernels/cuda_*.cc and
+// registers itself the same way, without editing any other file.
+//
+// One op name may be registered once per execution provider (GetExecutionProviderType). All
+// registrations of a name must agree on the schema: same input/output counts, characteristics,
+// variadic min arity and homogeneity (onnxruntime builds one schema per name and rejects
+// mismatches); only the execution provider and element types may differ.
+#pragma once
+
+#include "ort_api.h"
+
+namespace onnxfuse {
+
+// The custom-op domain of every op in this library (onnxfuse/fused.py: DOMAIN).
+constexpr const char* kDomain = "onnxfuse";
+
+// Adds an op to the set registered with every session. `op` must live as long as the library.
+void register_op(const OrtCustomOp* op);
+
+// Ops added so far, in registration order.
+const OrtCustomOp* const* registered_ops(size_t* count);
+
+struct OpRegistrar {
+  explicit OpRegistrar(const OrtCustomOp* op) { register_op(op); }
+};
+
+}  // namespace onnxfuse
+
+#define ONNXFUSE_CONCAT_INNER(a, b) a##b
+#define ONNXFUSE_CONCAT(a, b) ONNXFUSE_CONCAT_INNER(a, b)
+// Registers an OrtCustomOp object (by reference) when the library is loaded.
+#define ONNXFUSE_REGISTER_OP(op) \
+  static ::onnxfuse::OpRegistrar ONNXFUSE_CONCAT(onnxfuse_registrar_, __LINE__)(&(op))
