@@ -228,3 +228,19 @@ def test_console_script_in_a_subprocess(chain_path, tmp_path, sentinel_out):
         assert done.returncode == 2, done.stderr
         assert len(lines) == 1 and lines[0].startswith(f"onnxfuse: error: {bad}: "), done.stderr
         assert sentinel_out.read_bytes() == SENTINEL
+
+
+def test_python_api_optimizes_a_model_proto_and_refuses_a_mismatch(monkeypatch):
+    import onnxfuse
+    from conftest import shift_first_constant
+
+    result = onnxfuse.optimize(pointwise_chain_model(), dims={"batch": 2})
+    assert isinstance(result.model, onnx.ModelProto)
+    assert result.summary["kernels_before"] == 3 and result.verification.ok
+    assert [s.name for s in result.passes] == [p.name for p in pipeline.select_passes(None, "cpu")]
+
+    use_only_passes(monkeypatch, pipeline.Pass("test-shift", 1, "wrong on purpose", shift_first_constant))
+    with pytest.raises(onnxfuse.VerificationError, match="output 'y'"):
+        onnxfuse.optimize(pointwise_chain_model())
+    with pytest.raises(onnxfuse.InputError, match="unknown pass"):
+        onnxfuse.optimize(pointwise_chain_model(), passes=["nope"])
