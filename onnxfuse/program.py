@@ -111,7 +111,7 @@ _OPS: list[OpDef] = [
     _u("erf", _erf),
     _u("tanh", np.tanh),
     _u("sigmoid", _sigmoid),
-    _u("relu", lambda a: np.where(a > 0, a, np.where(np.isnan(a), a, 0 * a))),
+    _u("relu", lambda a: np.where(a > 0, a, np.where(np.isnan(a), a, np.zeros_like(a)))),  # as ORT: NaN stays, -inf -> 0
     _u("softplus", _softplus),
     _u("softsign", lambda a: a / (1 + np.abs(a))),
     _u("floor", np.floor),
@@ -138,7 +138,7 @@ _OPS: list[OpDef] = [
     _u("selu", lambda a, alpha, gamma: np.where(a <= 0, gamma * (alpha * np.exp(a) - alpha), gamma * a), 2),
     _u("celu", lambda a, alpha: np.maximum(0, a) + np.minimum(0, alpha * (np.exp(a / alpha) - 1)), 1),
     _u("hardsigmoid", lambda a, alpha, beta: np.clip(alpha * a + beta, 0, 1), 2),
-    _u("thresholdedrelu", lambda a, alpha: np.where(a > alpha, a, 0 * a), 1),
+    _u("thresholdedrelu", lambda a, alpha: np.where(a > alpha, a, np.zeros_like(a)), 1),  # as ORT: NaN, -inf -> 0
     _u("clip", lambda a, lo, hi: np.minimum(np.maximum(a, lo), hi), 2),  # NaN passes through
     # cast[DTYPE]: exact ONNX Cast between the program dtypes (f16/bf16 round, bool is x != 0)
     OpDef("cast", 1, 1, None),
