@@ -134,7 +134,8 @@ def unique_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> st
 
 def make_constant(graph: gs.Graph, base: str, value: np.ndarray, taken: set[str] | None = None) -> gs.Constant:
     """A new initializer with a name unique in `graph`."""
-    return gs.Constant(unique_name(graph, base, taken), np.ascontiguousarray(value))
+    # np.array, not np.ascontiguousarray: that one turns a 0-d value into shape (1,).
+    return gs.Constant(unique_name(graph, base, taken), np.array(value, order="C"))
 
 
 def replace_uses(old: gs.Tensor, new: gs.Tensor, except_nodes: Sequence[gs.Node] = ()) -> int:

@@ -1,0 +1,288 @@
+"""shape-plumbing: run-time Reshape/Expand targets become constants, dynamic dims keep working.
+
+Each rewritten model is compared with the original in onnxruntime (graph optimizations off) for
+batch 1 and 3 and seq 1 and 7.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.runtime import make_session
+
+SIZES = ((1, 1), (1, 7), (3, 1), (3, 7))
+GPT_STACK = Path(__file__).resolve().parents[1] / "models" / "gpt_stack.onnx"
+
+
+def i64(*v):
+    return np.array(v, dtype=np.int64)
+
+
+class Builder:
+    """Exporter-style graphs: every x.size(i) is its own Shape -> Gather."""
+
+    def __init__(self):
+        self.nodes, self.inits, self.n = [], {}, 0
+
+    def _name(self, p):
+        self.n += 1
+        return f"{p}{self.n}"
+
+    def const(self, value):
+        name = self._name("c")
+        self.inits[name] = np.asarray(value)
+        return name
+
+    def op(self, op, ins, **kw):
+        out = self._name(op.lower())
+        self.nodes.append(helper.make_node(op, ins, [out], name=self._name(op), **kw))
+        return out
+
+    def size(self, t, i):
+        return self.op("Gather", [self.op("Shape", [t]), self.const(np.array(i, np.int64))], axis=0)
+
+    def unsq(self, scalar):
+        return self.op("Unsqueeze", [scalar, self.const(i64(0))])
+
+    def target(self, *parts):
+        """Concat of scalars (unsqueezed) and ints (constants)."""
+        ins = [self.const(i64(p)) if isinstance(p, int) else self.unsq(p) for p in parts]
+        return self.op("Concat", ins, axis=0)
+
+    def model(self, inputs, output, opset=17):
+        graph = helper.make_graph(
+            self.nodes, "g",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+            [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
+            [onnx.numpy_helper.from_array(v, k) for k, v in self.inits.items()],
+        )
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        m.ir_version = 10
+        inferred = onnx.shape_inference.infer_shapes(m)
+        m.graph.output[0].type.CopyFrom(inferred.graph.output[0].type)
+        onnx.checker.check_model(m)
+        return m
+
+
+def plumb(model):
+    out, stats = run_passes(model, select_passes(["shape-plumbing"], "cpu"), Context())
+    onnx.checker.check_model(out)
+    return out, stats[0].matches
+
+
+def ops(model):
+    return [n.op_type for n in model.graph.node]
+
+
+def reshape_targets(model):
+    inits = {i.name: onnx.numpy_helper.to_array(i).tolist() for i in model.graph.initializer}
+    return [inits.get(n.input[1]) for n in model.graph.node if n.op_type == "Reshape"]
+
+
+def feeds(model, batch, seq):
+    rng = np.random.default_rng(batch * 100 + seq)
+    out = {}
+    for vi in model.graph.input:
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else {"batch": batch, "seq": seq}[d.dim_param] for d in tt.shape.dim]
+        if tt.elem_type == TensorProto.INT64:
+            out[vi.name] = rng.integers(0, 256, dims).astype(np.int64)
+        else:
+            out[vi.name] = rng.standard_normal(dims).astype(np.float32)
+    return out
+
+
+def assert_same_outputs(original, rewritten, sizes=SIZES):
+    a = make_session(original, level="disable")
+    b = make_session(rewritten, level="disable")
+    for batch, seq in sizes:
+        f = feeds(original, batch, seq)
+        for x, y in zip(a.run(None, f), b.run(None, f)):
+            assert x.shape == y.shape
+            np.testing.assert_allclose(x, y, rtol=0, atol=0)
+
+
+def test_split_heads_target_from_the_reshaped_tensor_becomes_zeros_and_constants():
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    heads = b.op("Div", [b.size(x, 2), b.const(np.array(4, np.int64))])
+    y = b.op("Reshape", [x, b.target(b.size(x, 0), b.size(x, 1), 4, heads)])
+    m = b.model([("x", ["batch", "seq", 16])], y)
+    out, n = plumb(m)
+    assert n >= 1 and reshape_targets(out) == [[0, 0, 4, 4]]
+    assert not {"Shape", "Gather", "Concat", "Unsqueeze", "Div"} & set(ops(out))
+    assert_same_outputs(m, out)
+
+
+def test_target_from_another_tensor_with_the_same_symbolic_dims():
+    # The common GPT case: B, T, C = x.size() of the block input, view() of the projection.
+    b = Builder()
+    qkv = b.op("MatMul", ["x", b.const(np.ones((16, 48), np.float32))])
+    q = b.op("Slice", [qkv, b.const(i64(0)), b.const(i64(16)), b.const(i64(2))])
+    y = b.op("Reshape", [q, b.target(b.size("x", 0), b.size("x", 1), 2, 8)])
+    y = b.op("Transpose", [y], perm=[0, 2, 1, 3])
+    m = b.model([("x", ["batch", "seq", 16])], y)
+    out, n = plumb(m)
+    assert n >= 1 and reshape_targets(out) == [[0, 0, 2, 8]]
+    assert "Shape" not in ops(out)
+    assert_same_outputs(m, out)
+
+
+def test_flatten_of_leading_dims_uses_minus_one():
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    y = b.op("Reshape", [x, b.target(b.op("Mul", [b.size(x, 0), b.size(x, 1)]), b.size(x, 2))])
+    m = b.model([("x", ["batch", "seq", 6])], y)
+    out, n = plumb(m)
+    assert n >= 1 and reshape_targets(out) == [[-1, 6]]
+    assert_same_outputs(m, out)
+
+
+def test_target_that_reorders_dynamic_dims_is_kept():
+    # [B, S, C] -> [S, B, C] is a valid reshape that neither 0 nor -1 can write.
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    y = b.op("Reshape", [x, b.target(b.size(x, 1), b.size(x, 0), b.size(x, 2))])
+    m = b.model([("x", ["batch", "seq", 6])], y)
+    out, n = plumb(m)
+    assert reshape_targets(out) == [None] and "Shape" in ops(out)
+    assert_same_outputs(m, out)
+
+
+def test_restoring_dims_from_another_tensor_after_a_flatten_is_kept():
+    # HF GPT-2's Conv1D: [B*S, C] back to [B, S, C]; two dims unknown to the flat tensor.
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    flat = b.op("Reshape", [x, b.const(i64(-1, 6))])
+    y = b.op("Reshape", [flat, b.target(b.size(x, 0), b.size(x, 1), 6)])
+    m = b.model([("x", ["batch", "seq", 6])], y)
+    out, n = plumb(m)
+    assert reshape_targets(out) == [[-1, 6], None]
+    assert_same_outputs(m, out)
+
+
+def test_minus_one_beside_a_dynamic_dim_is_not_written():
+    # [B, S, 2, 3] -> [B, S*6]: [0, -1] would fail in onnxruntime for an empty batch (it cannot
+    # divide by a zero product), where the original works.
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    rest = b.op("Mul", [b.size(x, 1), b.const(np.array(6, np.int64))])
+    y = b.op("Reshape", [x, b.target(b.size(x, 0), rest)])
+    m = b.model([("x", ["batch", "seq", 2, 3])], y)
+    out, n = plumb(m)
+    assert reshape_targets(out) == [None]
+    assert_same_outputs(m, out, sizes=SIZES + ((0, 4),))
+
+
+def test_allowzero_reshape_uses_no_zero_copies():
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    y = b.op("Reshape", [x, b.target(b.size(x, 0), b.size(x, 1), 2, 2)], allowzero=1)
+    m = b.model([("x", ["batch", "seq", 4])], y)
+    out, n = plumb(m)
+    assert reshape_targets(out) == [None]
+    assert_same_outputs(m, out)
+
+
+def test_allowzero_reshape_with_one_dynamic_dim_uses_minus_one():
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    y = b.op("Reshape", [x, b.target(b.size(x, 0), 2, 2)], allowzero=1)
+    m = b.model([("x", ["batch", 4])], y)
+    out, n = plumb(m)
+    assert reshape_targets(out) == [[-1, 2, 2]]
+    assert_same_outputs(m, out)
+
+
+def test_shape_arithmetic_on_static_dims_is_folded():
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    n_cols = b.op("Mul", [b.size(x, 1), b.const(np.array(2, np.int64))])
+    cols = b.op("Cast", [b.op("Range", [b.const(np.array(0, np.int64)), n_cols, b.const(np.array(1, np.int64))])], to=TensorProto.FLOAT)
+    y = b.op("Add", [b.op("Concat", [x, x], axis=1), cols])
+    m = b.model([("x", ["batch", 3])], y)
+    out, n = plumb(m)
+    assert n >= 1 and "Shape" not in ops(out) and "Range" in ops(out)
+    assert_same_outputs(m, out)
+
+
+def test_expand_target_of_matching_dims_becomes_ones():
+    b = Builder()
+    x = b.op("ReduceMean", ["x"], axes=[1], keepdims=1)  # [batch, 1, 4]
+    y = b.op("Expand", [x, b.target(b.size(x, 0), 5, b.size(x, 2))])
+    m = b.model([("x", ["batch", "seq", 4])], y)
+    out, n = plumb(m)
+    expand = next(nd for nd in out.graph.node if nd.op_type == "Expand")
+    target = next(onnx.numpy_helper.to_array(i).tolist() for i in out.graph.initializer if i.name == expand.input[1])
+    assert target == [1, 5, 4] and "Shape" not in ops(out)
+    assert_same_outputs(m, out)
+
+
+def test_expand_to_a_dim_of_another_tensor_is_kept():
+    b = Builder()
+    x = b.op("ReduceMean", ["x"], axes=[1], keepdims=1)  # [batch, 1, 4]
+    y = b.op("Expand", [x, b.target(b.size("x", 0), b.size("x", 1), 4)])
+    m = b.model([("x", ["batch", "seq", 4])], y)
+    out, n = plumb(m)
+    assert "Shape" in ops(out)
+    assert_same_outputs(m, out)
+
+
+def test_equal_shape_values_of_different_tensors_are_computed_once():
+    # Two blocks each read seq from their own input; the values are the same symbolic dim.
+    b = Builder()
+    h1 = b.op("Relu", ["x"])
+    h2 = b.op("Sigmoid", [h1])
+    outs = []
+    for h in (h1, h2):
+        n = b.op("Cast", [b.op("Range", [b.const(np.array(0, np.int64)), b.size(h, 1), b.const(np.array(1, np.int64))])], to=TensorProto.FLOAT)
+        outs.append(b.op("Add", [h, b.op("Unsqueeze", [n, b.const(i64(0))])]))
+    y = b.op("Add", outs)
+    m = b.model([("x", ["batch", "seq"])], y)
+    out, n = plumb(m)
+    assert ops(m).count("Shape") == 2 and ops(out).count("Shape") == 1
+    assert_same_outputs(m, out)
+
+
+@pytest.mark.skipif(not GPT_STACK.exists(), reason="models/gpt_stack.onnx is not generated")
+def test_gpt_stack_keeps_outputs_and_runs_fewer_kernels():
+    m = onnx.load(str(GPT_STACK))
+    out, n = plumb(m)
+    assert n > 0
+    # Every split-heads view becomes [0, 0, heads, head_dim].
+    assert sum(t is not None and t[:2] == [0, 0] for t in reshape_targets(out)) >= 12
+    a = make_session(m, level="disable")
+    b = make_session(out, level="disable")
+    for batch, seq in SIZES:
+        f = feeds(m, batch, seq)
+        np.testing.assert_array_equal(a.run(None, f)[0], b.run(None, f)[0])
+    assert kernels_per_run(out) < kernels_per_run(m)
+
+
+def kernels_per_run(model, batch=2, seq=16):
+    """Kernels onnxruntime runs for one inference: ORT_ENABLE_ALL, CPU, 1 thread."""
+    s = make_session(model, threads=1, level="all", profile=True)
+    s.run(None, feeds(model, batch, seq))
+    path = s.end_profiling()
+    try:
+        with open(path) as f:
+            events = json.load(f)
+    finally:
+        os.remove(path)
+    return sum(1 for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+
+
+if __name__ == "__main__":
+    # The measurement quoted in the report: python tests/test_pass_shape_plumbing.py
+    model = onnx.load(str(GPT_STACK))
+    rewritten, matches = plumb(model)
+    before, after = kernels_per_run(model), kernels_per_run(rewritten)
+    print(f"gpt_stack: {before} -> {after} kernels per inference ({before - after} removed; "
+          f"{len(model.graph.node)} -> {len(rewritten.graph.node)} nodes)")
