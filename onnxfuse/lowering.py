@@ -53,13 +53,13 @@ PARAM_UNARY = {
     "HardSigmoid": ("hardsigmoid", (("alpha", 0.2), ("beta", 0.5))),
     "ThresholdedRelu": ("thresholdedrelu", (("alpha", 1.0),)),
 }
-SPECIAL = {"Clip", "Where", "Cast", "CastLike", "Identity", "Dropout", "IsInf", "Shrink", "Mish", "Gelu"}
+SPECIAL = {"Clip", "Where", "Cast", "Identity", "Dropout", "IsInf", "Shrink", "Mish", "Gelu"}
 # The first opset in which each operator has the semantics lowered here (broadcasting included).
 MIN_OPSET = {
     "PRelu": 7, "Add": 7, "Sub": 7, "Mul": 7, "Div": 7, "Pow": 7, "Equal": 7, "Less": 7, "Greater": 7,
     "And": 7, "Or": 7, "Xor": 7, "Dropout": 7, "Sum": 8, "Max": 8, "Min": 8, "Mean": 8,
     "Where": 9, "Round": 11, "HardSwish": 14, "LessOrEqual": 12, "GreaterOrEqual": 12, "IsInf": 10,
-    "Shrink": 9, "Mish": 18, "Gelu": 20, "CastLike": 15, "Celu": 12, "Erf": 9, "Sign": 9, "IsNaN": 9,
+    "Shrink": 9, "Mish": 18, "Gelu": 20, "Celu": 12, "Erf": 9, "Sign": 9, "IsNaN": 9,
     "Sinh": 9, "Cosh": 9, "Asinh": 9, "Acosh": 9, "Atanh": 9,
 }
 
@@ -118,10 +118,8 @@ def lowerable(
         to = attrs.get("to")
         if to not in PROGRAM_TYPES:
             return "Cast to a type outside the program (integers, strings, float8)"
-    elif op == "CastLike":
-        in_types = in_types[:1]
     elif op == "Gelu":
-        if attrs.get("approximate", "none") not in ("none", "tanh"):
+        if _attr_str(attrs, "approximate", "none") not in ("none", "tanh"):
             return "unknown Gelu approximation"
     elif op == "Identity":
         pass
@@ -134,6 +132,11 @@ def lowerable(
         if in_types[0] == BOOL:
             return f"{op} of bool"
     return None
+
+
+def _attr_str(attrs: dict, name: str, default: str) -> str:
+    v = attrs.get(name, default)
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _attr_float(attrs: dict, name: str, default: float) -> float:
@@ -174,8 +177,8 @@ def lower_node(
         return [a] + [None] * (len(out_types) - 1)
     if op == "Where":
         return [emit("where", *args[:3])]
-    if op in ("Cast", "CastLike"):
-        to = attrs["to"] if op == "Cast" else in_types[1]
+    if op == "Cast":
+        to = attrs["to"]
         src, dst = program_dtype(in_types[0]), program_dtype(to)
         if src == dst or (src, dst) in _EXACT:
             return [a]
@@ -213,7 +216,7 @@ def lower_node(
     if op == "Mish":
         return [emit("mul", a, emit("tanh", emit("softplus", a)))]
     if op == "Gelu":
-        if attrs.get("approximate", "none") == "tanh":
+        if _attr_str(attrs, "approximate", "none") == "tanh":
             cube = emit("mul", emit("mul", a, a), a)
             inner = emit("mul", emit("add", a, emit("mul", cube, 0.044715)), math.sqrt(2.0 / math.pi))
             return [emit("mul", emit("mul", a, 0.5), emit("add", emit("tanh", inner), 1.0))]
