@@ -102,42 +102,29 @@ def optimize(
     verification = None
     kernels_before = kernels_after = None
     kernel_note = None
-    # Verification and kernel counts both run on the CPU provider: that is where ORT_ENABLE_ALL
-    # counts are defined, and it is there on every machine.
+    # Kernel counts are defined on the CPU provider with ORT_ENABLE_ALL (there on every machine).
+    # Verification runs there too, except for --target cuda on a machine with a usable GPU,
+    # where the CUDA kernels the fused ops get are what must be checked.
+    verify_provider = "cpu"
+    if target == "cuda" and verify_outputs:
+        from .profile import cuda_usable
+
+        if cuda_usable():
+            verify_provider = "cuda"
+        else:
+            kernel_note = "no usable GPU here: verified on the CPU provider"
     if verify_outputs:
         verification = verify(
-            original, optimized, merged_dims, seed, provider="cpu", threads=threads,
+            original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
             fallback=fallback_check, original_label=loaded.label,
         )
-        if verification.original_profile is not None:
+        if verify_provider == "cpu":
             kernels_before = verification.original_profile
-        if verification.optimized_profile is not None:
             kernels_after = verification.optimized_profile
-    elif count_kernels:
-        from .profile import kernel_profile
-
-        try:
-            kernels_before = kernel_profile(original, dims=merged_dims, seed=seed, threads=threads)
-        except InputError:
-            raise
-        except Exception as e:  # onnxruntime's exception types
-            from .modelio import ort_error_text
-            from .runtime import LibraryError
-
-            if isinstance(e, LibraryError):
-                raise
-            raise InputError(f"{loaded.label}: onnxruntime cannot run it: {ort_error_text(e)}") from None
-        try:
-            kernels_after = kernel_profile(optimized, dims=merged_dims, seed=seed, threads=threads)
-        except InputError:
-            raise
-        except Exception as e:  # not verified: an optimized model that does not run is reported
-            from .modelio import ort_error_text
-            from .runtime import LibraryError
-
-            if isinstance(e, LibraryError):
-                raise
-            kernel_note = f"onnxruntime cannot run the optimized model: {ort_error_text(e)}"
+    if count_kernels and kernels_before is None and (verification is None or verification.ok):
+        kernels_before, kernels_after, note = _count_before_after(
+            original, optimized, loaded.label, merged_dims, seed, threads)
+        kernel_note = note or kernel_note
     t_verified = time.perf_counter()
 
     summary = {
@@ -168,6 +155,27 @@ def optimize(
     if verification is not None and not verification.ok:
         raise VerificationError(f"verification failed: {verification.first_problem()}", result=verification)
     return result
+
+
+def _count_before_after(original, optimized, label, dims, seed, threads):
+    """Kernel profiles of both models on the CPU provider (ORT_ENABLE_ALL). The original not
+    running is bad input; the optimized one not running (unverified) is reported in the note."""
+    from .modelio import ort_error_text
+    from .profile import kernel_profile
+    from .runtime import LibraryError
+
+    try:
+        before = kernel_profile(original, dims=dims, seed=seed, threads=threads)
+    except (InputError, LibraryError):
+        raise
+    except Exception as e:  # onnxruntime's exception types
+        raise InputError(f"{label}: onnxruntime cannot run it: {ort_error_text(e)}") from None
+    try:
+        return before, kernel_profile(optimized, dims=dims, seed=seed, threads=threads), None
+    except (InputError, LibraryError):
+        raise
+    except Exception as e:  # onnxruntime's exception types
+        return before, None, f"onnxruntime cannot run the optimized model: {ort_error_text(e)}"
 
 
 def save(model: onnx.ModelProto, path: str) -> list[str]:

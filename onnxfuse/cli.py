@@ -60,7 +60,7 @@ def _quiet_libraries() -> None:
     try:
         import onnxruntime as ort
 
-        ort.set_default_logger_severity(3)
+        ort.set_default_logger_severity(4)
     except ImportError:
         pass
     try:
@@ -279,7 +279,7 @@ def _optimize_text(s: dict) -> str:
         lines.append(f"  kernels    {s['kernels_before']} -> {after} per inference"
                      f" (onnxruntime CPU, ORT_ENABLE_ALL{lib})")
     if s.get("kernel_note"):
-        lines.append(f"  warning    {s['kernel_note']}")
+        lines.append(f"  note       {s['kernel_note']}")
     v = s.get("verification")
     if v is None:
         lines.append("  verified   no (--no-verify)")

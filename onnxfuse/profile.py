@@ -128,6 +128,30 @@ def open_session(
     return sess, with_library
 
 
+def cuda_usable() -> bool:
+    """Whether onnxruntime can run a session on its CUDA provider here (a GPU and a driver)."""
+    global _cuda_usable
+    if _cuda_usable is None:
+        import onnxruntime as ort
+
+        from .modelio import _probe_model, ort_max_ir_version
+
+        _cuda_usable = False
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            so = ort.SessionOptions()
+            so.log_severity_level = 4
+            try:
+                sess = ort.InferenceSession(_probe_model(ort_max_ir_version(), 13), sess_options=so,
+                                            providers=PROVIDERS["cuda"])
+                _cuda_usable = "CUDAExecutionProvider" in sess.get_providers()
+            except Exception:  # onnxruntime's exception types: no usable CUDA
+                _cuda_usable = False
+    return _cuda_usable
+
+
+_cuda_usable: bool | None = None
+
+
 # --------------------------------------------------------------------------- profiler events
 
 

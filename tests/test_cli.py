@@ -244,3 +244,27 @@ def test_python_api_optimizes_a_model_proto_and_refuses_a_mismatch(monkeypatch):
         onnxfuse.optimize(pointwise_chain_model())
     with pytest.raises(onnxfuse.InputError, match="unknown pass"):
         onnxfuse.optimize(pointwise_chain_model(), passes=["nope"])
+
+
+def test_shape_inference_failure_does_not_fail_the_run(chain_path, tmp_path, cli, monkeypatch):
+    from onnx import shape_inference
+
+    def broken_inference(*args, **kwargs):
+        raise onnx.shape_inference.InferenceError("inference gave up on purpose")
+
+    monkeypatch.setattr(shape_inference, "infer_shapes", broken_inference)
+    result = cli("optimize", chain_path, tmp_path / "o.onnx")
+    assert result.exit_code == 0, result.stderr
+    assert "shape inference failed (inference gave up on purpose)" in result.stdout
+
+
+def test_model_with_external_data_is_optimized(tmp_path, cli):
+    src = tmp_path / "ext.onnx"
+    onnx.save(pointwise_chain_model(), str(src), save_as_external_data=True, location="ext.onnx.data",
+              size_threshold=0)
+    out = tmp_path / "o.onnx"
+    result = cli("optimize", src, out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["verification"]["ok"]
+    saved = onnx.load(str(out))  # small: written self-contained
+    assert not any(t.external_data for t in saved.graph.initializer)
