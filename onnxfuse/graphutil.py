@@ -215,8 +215,28 @@ class ShapeTable:
     A table describes the graph as it was when built: rebuild it after rewrites that change
     shapes."""
 
-    def __init__(self, graph: gs.Graph, infer: bool = True) -> None:
-        self._inferred: dict[str, list] = _infer_dims(graph) if infer else {}
+    def __init__(self, graph: gs.Graph, infer: bool = True, _annotate: dict | None = None) -> None:
+        self._types: dict[str, int] = {}
+        self._inferred: dict[str, list] = _infer_dims(graph, self._types, _annotate) if infer else {}
+
+    def refined(self, graph: gs.Graph, hints: dict[str, list]) -> "ShapeTable":
+        """A new table where the tensors in `hints` have the given dims (facts a pass derived that
+        onnx inference cannot, e.g. about broadcasting) and what depends on them is inferred
+        again; everything else keeps this table's dims, symbol names included, so names stay
+        comparable across the two tables."""
+        tensors = graph.tensors()
+        downstream: set[str] = set()
+        stack = [tensors[n] for n in hints if n in tensors]
+        while stack:
+            for node in stack.pop().outputs:
+                for out in node.outputs:
+                    if out.name not in downstream:
+                        downstream.add(out.name)
+                        stack.append(out)
+        annotate = {n: (self._types.get(n, 0), d) for n, d in self._inferred.items() if n not in downstream}
+        for n, d in hints.items():
+            annotate[n] = (self._types.get(n, 0), d)
+        return ShapeTable(graph, _annotate=annotate)
 
     def dims(self, tensor: gs.Tensor) -> list[int | str | None] | None:
         own = dims(tensor)
@@ -238,7 +258,7 @@ class ShapeTable:
         return tuple(d)
 
 
-def _infer_dims(graph: gs.Graph) -> dict[str, list]:
+def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = None) -> dict[str, list]:
     import onnx
     from onnx import helper
 
@@ -257,6 +277,14 @@ def _infer_dims(graph: gs.Graph) -> dict[str, list]:
         del g.initializer[:]
         g.initializer.extend(kept)
         g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in moved)
+    if annotate:
+        interface = {v.name for v in list(g.input) + list(g.output)} | {t.name for t in g.initializer}
+        others = [vi for vi in g.value_info if vi.name not in annotate]
+        del g.value_info[:]
+        g.value_info.extend(others)
+        for name, (elem_type, d) in annotate.items():
+            if name not in interface and elem_type:
+                g.value_info.append(helper.make_tensor_value_info(name, elem_type, list(d)))
     if model.ir_version > 10:
         model.ir_version = 10
     try:
@@ -268,6 +296,7 @@ def _infer_dims(graph: gs.Graph) -> dict[str, list]:
         tt = vi.type.tensor_type
         if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
             continue
+        types[vi.name] = tt.elem_type
         table[vi.name] = [
             d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
         ]
