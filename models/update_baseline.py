@@ -1,0 +1,68 @@
+"""Rewrite models/baseline.json: kernels per inference of every zoo model, before and after onnxfuse.
+
+    python models/update_baseline.py              # every model
+    python models/update_baseline.py gpt_stack    # only the named ones (the others are kept)
+
+For each model: the default CPU pipeline, verified against the original in onnxruntime
+(a model that fails verification is not written), then kernels per inference counted with
+onnxruntime's profiler (ORT_ENABLE_ALL, CPU provider, 1 thread): "ort" is the original model
+under onnxruntime alone, "onnxfuse" the optimized one with our library. tests/test_zoo.py
+fails when a model runs more or fewer kernels than recorded here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import onnxruntime
+
+from onnxfuse import zoo
+
+
+def _format(doc: dict) -> str:
+    """JSON with one line per model, so that a baseline change is a one-line diff."""
+    lines = ["{"]
+    for key in ("about", "onnxruntime"):
+        lines.append(f"  {json.dumps(key)}: {json.dumps(doc[key])},")
+    lines.append('  "models": {')
+    items = list(doc["models"].items())
+    for i, (name, counts) in enumerate(items):
+        comma = "," if i < len(items) - 1 else ""
+        lines.append(f"    {json.dumps(name)}: {json.dumps(counts)}{comma}")
+    lines += ["  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="zoo models to re-measure (default: all)")
+    args = parser.parse_args()
+    models = [zoo.get(n) for n in args.names] if args.names else zoo.list_models()
+    baseline = zoo.load_baseline()
+    counts = dict(baseline.get("models", {}))
+    for model in models:
+        t0 = time.perf_counter()
+        summary = zoo.optimize_for_baseline(model).summary
+        counts[model.name] = {"ort": summary["kernels_before"], "onnxfuse": summary["kernels_after"]}
+        print(
+            f"{model.name:14s} ort {summary['kernels_before']:5d}  onnxfuse {summary['kernels_after']:5d}"
+            f"  ({time.perf_counter() - t0:.1f} s)",
+            file=sys.stderr,
+        )
+    known = zoo.names()
+    doc = {
+        "about": "Kernels per inference (onnxruntime profiler, ORT_ENABLE_ALL, CPU provider, 1 thread, "
+        "symbolic dims = the zoo defaults): ort = original model, onnxfuse = after the default CPU "
+        "pipeline. Rewrite with: python models/update_baseline.py [NAME...]",
+        "onnxruntime": onnxruntime.__version__,
+        "models": {name: counts[name] for name in known if name in counts},
+    }
+    zoo.baseline_path().write_text(_format(doc))
+    print(f"wrote {zoo.baseline_path()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
