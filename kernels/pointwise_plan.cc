@@ -304,7 +304,8 @@ void resolve_slice(int64_t dim, const SliceSpec& s, int64_t* start_out, int64_t*
     end = std::min(std::max<int64_t>(end, 0), dim);
     length = end > start ? (end - start + step - 1) / step : 0;
   } else {
-    start = std::min(std::max<int64_t>(start, -1), dim - 1);
+    // ONNX Slice, negative steps: starts clamp to [0, dim-1], ends to [-1, dim-1].
+    start = std::min(std::max<int64_t>(start, 0), dim - 1);
     end = std::min(std::max<int64_t>(end, -1), dim - 1);
     length = start > end ? (start - end + (-step) - 1) / (-step) : 0;
   }

@@ -387,7 +387,8 @@ def resolve_slice(dim: int, spec: SliceSpec) -> tuple[int, int, int]:
         end = min(max(end, 0), dim)
         length = max(0, (end - start + step - 1) // step)
     else:
-        start = min(max(start, -1), dim - 1)
+        # ONNX Slice, negative steps: starts clamp to [0, dim-1], ends to [-1, dim-1].
+        start = min(max(start, 0), dim - 1)
         end = min(max(end, -1), dim - 1)
         length = max(0, (start - end + (-step) - 1) // (-step))
     return start, step, length
