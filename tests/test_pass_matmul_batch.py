@@ -20,7 +20,7 @@ def model(nodes, inits, inputs, outputs, opset=17):
     g = helper.make_graph(
         nodes,
         "g",
-        [helper.make_tensor_value_info(n, F, s) for n, s in inputs],
+        [helper.make_tensor_value_info(i[0], i[2] if len(i) > 2 else F, i[1]) for i in inputs],
         [helper.make_tensor_value_info(n, F, s) for n, s in outputs],
         [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()],
     )
@@ -321,7 +321,7 @@ def test_zoo_models_compute_the_same(name):
     if not path.exists():
         pytest.skip(f"{path} not generated")
     m = onnx.load(str(path))
-    names = ["batch-ensemble", "batch-sibling-matmul", "merge-xh-matmul"]
+    names = ["hoist-matmul-over-gather", "batch-ensemble", "batch-sibling-matmul", "merge-xh-matmul"]
     r = np.random.default_rng(0)
     feeds = {}
     for i in m.graph.input:
@@ -341,4 +341,48 @@ def test_matmuls_with_different_k_on_different_inputs_are_not_siblings():
     nodes = [helper.make_node("MatMul", ["x0", "w0"], ["y0"]), helper.make_node("MatMul", ["x1", "w1"], ["y1"])]
     m = model(nodes, dict(w0=w0, w1=w1), [("x0", ["B", 8]), ("x1", ["B", 6])], [("y0", ["B", 4]), ("y1", ["B", 4])])
     _, n = optimize(m, SIBLINGS)
+    assert n == 0
+
+
+# hoist-matmul-over-gather -----------------------------------------------------------------------
+
+
+def unrolled_projection_model(steps=6, used=None, table=True):
+    emb, w, b = rng_arrays(17, (11, 8), (8, 12), (12,))
+    inits = dict(w=w, b=b) | ({"emb": emb} if table else {})
+    nodes = [helper.make_node("Gather", ["emb", "ids"], ["e"])] if table else []
+    src = "e" if table else "seq"
+    outs = []
+    for t in used if used is not None else range(steps):
+        inits[f"i{t}"] = np.array(t)
+        nodes += [
+            helper.make_node("Gather", [src, f"i{t}"], [f"x{t}"], axis=1),
+            helper.make_node("MatMul", [f"x{t}", "w"], [f"m{t}"]),
+            helper.make_node("Add", [f"m{t}", "b"], [f"y{t}"]),
+        ]
+        outs.append((f"y{t}", [2, 12]))
+    inp = [("seq", [2, steps, 8])] if not table else [("ids", [2, steps], TensorProto.INT64)]
+    m = model(nodes, inits, inp, outs)
+    for t in m.graph.initializer:  # model() writes float32 initializers; the step indices are int64
+        if t.name.startswith("i"):
+            t.CopyFrom(numpy_helper.from_array(np.array(int(t.name[1:]), np.int64), t.name))
+    return m
+
+
+def test_rnn_input_projections_over_an_embedding_fold_into_one_table():
+    m = unrolled_projection_model()
+    opt, n = optimize(m, ["hoist-matmul-over-gather"])
+    assert n == 1
+    assert "MatMul" not in ops(opt) and "Add" not in ops(opt)  # emb @ W + b computed here
+    feeds = [{"ids": np.random.default_rng(s).integers(0, 11, (2, 6)).astype(np.int64)} for s in (0, 1)]
+    assert_same(m, opt, feeds)
+
+
+def test_input_projections_over_a_sequence_become_one_matmul():
+    m = unrolled_projection_model(table=False)
+    opt, n = optimize(m, ["hoist-matmul-over-gather"])
+    assert n == 1 and ops(opt).count("MatMul") == 1
+    assert_same(m, opt, [{"seq": rng_arrays(18, (2, 6, 8))[0]}])
+    # Two of six steps used: the hoisted GEMM would compute three times the work.
+    _, n = optimize(unrolled_projection_model(table=False, used=[0, 3]), ["hoist-matmul-over-gather"])
     assert n == 0
