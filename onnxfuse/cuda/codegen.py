@@ -17,7 +17,7 @@ Kernel ABI (version 1), shared with the launcher in kernels/cuda_pointwise.cc:
       long long strides[NIN][RANK]; // element strides of input k over the iteration shape (0: broadcast)
       long long offsets[NIN];       // element offset of input k's first viewed element
       const void* in[NIN];
-      void* out[NOUT];              // outputs are dense, in iteration order
+      void* out[NOUT];              // outputs are dense, in iteration order; null: not stored
     };
 
 The rank is fixed when the kernel is generated; the dims are not. `mode` lets the host pick
@@ -278,7 +278,7 @@ def generate(prog: Program, rank: int) -> Kernel:
     xs = [load_expr(f"{ptr(k)}[o{k}]", ins_[k].dtype) for k in range(nin)]
     call_compute(xs, "  ")
     for k, o in enumerate(outs):
-        w(f"  {optr(k)}[i] = {store_expr(f'y{k}', o.dtype, ct)};")
+        w(f"  if (a.out[{k}]) {optr(k)}[i] = {store_expr(f'y{k}', o.dtype, ct)};")
     w("}")
     w("")
 
@@ -290,7 +290,7 @@ def generate(prog: Program, rank: int) -> Kernel:
         xs.append(load_expr(f"{ptr(k)}[o{k}]", ins_[k].dtype))
     call_compute(xs, "  ")
     for k, o in enumerate(outs):
-        w(f"  {optr(k)}[i] = {store_expr(f'y{k}', o.dtype, ct)};")
+        w(f"  if (a.out[{k}]) {optr(k)}[i] = {store_expr(f'y{k}', o.dtype, ct)};")
     w("}")
     w("")
 
@@ -313,7 +313,7 @@ def generate(prog: Program, rank: int) -> Kernel:
         w(f"    w{k}.v[j] = {store_expr(f'y{k}', o.dtype, ct)};")
     w("  }")
     for k, o in enumerate(outs):
-        w(f"  *reinterpret_cast<onnxfuse_vec<{C_TYPE[o.dtype]}, {vec}>*>({optr(k)} + base) = w{k};")
+        w(f"  if (a.out[{k}]) *reinterpret_cast<onnxfuse_vec<{C_TYPE[o.dtype]}, {vec}>*>({optr(k)} + base) = w{k};")
     w("}")
     w("")
 
