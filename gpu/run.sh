@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# On the offline GPU host, in the carried working tree: install what gpu/prepare.sh bundled, build
+# onnxfuse, run the GPU tests and the GPU benchmarks, and write the results.
+#
+#   bash gpu/run.sh            setup + tests + benchmarks (benchmarks get the time that is left)
+#   bash gpu/run.sh setup      only the installation (idempotent: done steps are skipped)
+#   bash gpu/run.sh test       setup (skipped when done) + pytest -m gpu
+#   bash gpu/run.sh bench      setup (skipped when done) + bench/gpu.py
+#
+# Installs into a virtual environment (/tmp/onnxfuse-venv) that sees the host's own packages
+# (numpy, onnx, torch, cupy, pytest) after its own, so the bundled onnxruntime-gpu shadows the
+# host's CPU-only onnxruntime. The CUDA 13 libraries onnxruntime-gpu loads (cudart, cublas,
+# cublasLt, cufft, curand, cudnn 9) come from the host's nvidia-* pip packages (PyTorch's).
+# Results: bench/results/gpu_*.md and *.json here, and copies in $OUT when it is set.
+# Environment: PYTHON (python3), CUDA_ROOT (from nvcc), ONNXFUSE_COMMIT, TIME_LIMIT_S (560).
+set -euo pipefail
+phase=${1:-all}
+case "$phase" in all|setup|test|bench) ;; *) echo "usage: gpu/run.sh [all|setup|test|bench]" >&2; exit 2;; esac
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+bundle=${ONNXFUSE_BUNDLE_DIR:-/tmp/onnxfuse-bundle}
+venv=${ONNXFUSE_VENV:-/tmp/onnxfuse-venv}
+results=$repo/bench/results
+time_limit=${TIME_LIMIT_S:-560}
+mkdir -p "$results"
+step() { printf '\n=== [run %3ds] %s\n' "$SECONDS" "$*"; }
+die() { printf '\n!!! [run] FAILED: %s\n' "$*" >&2; exit 1; }
+out_copy() { if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && cp -f "$@" "$OUT/"; fi; }
+
+host_py=${PYTHON:-python3}
+command -v "$host_py" >/dev/null || die "$host_py not found"
+pyver=$("$host_py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+nvcc_bin=$(command -v nvcc || true)
+cuda_root=${CUDA_ROOT:-$( [ -n "$nvcc_bin" ] && dirname "$(dirname "$(readlink -f "$nvcc_bin")")" || echo /usr/local/cuda)}
+export CUDA_ROOT=$cuda_root CUDA_HOME=$cuda_root
+
+# ------------------------------------------------------------------------------------ setup ----
+setup() {
+  step "staging carried bundle groups (if any) into $bundle"
+  bash gpu/stage.sh
+  [ -f "$bundle/MANIFEST" ] || die "$bundle/MANIFEST missing: carry the last group of gpu/prepare.sh's output"
+  step "checking the bundle against MANIFEST"
+  local missing
+  missing=$(awk '$1 ~ /^[0-9a-f]{64}$/ {print $2}' "$bundle/MANIFEST" | while read -r f; do [ -f "$bundle/$f" ] || echo "$f"; done)
+  [ -z "$missing" ] || die "pieces missing from $bundle (the machine may have been given back between calls; stage every group again):
+$missing"
+  (cd "$bundle" && awk '$1 ~ /^[0-9a-f]{64}$/' MANIFEST | sha256sum -c --quiet) || die "a bundle piece is corrupt"
+  echo "all pieces present and intact"
+
+  step "python: $host_py ($pyver); CUDA_ROOT=$cuda_root"
+  [ "$pyver" = 3.12 ] || echo "WARNING: the bundle holds cp312 wheels; this python is $pyver"
+  if [ ! -x "$venv/bin/python" ]; then
+    step "creating $venv (host packages visible after its own)"
+    "$host_py" -m venv --without-pip "$venv"
+    local own host_sites
+    own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    host_sites=$("$host_py" -c 'import site; print(" ".join(site.getsitepackages()))')
+    for s in $host_sites; do echo "import site; site.addsitedir('$s')"; done > "$own/_onnxfuse_host_site.pth"
+    echo "host site-packages: $host_sites"
+  fi
+  py=$venv/bin/python
+  site_dir=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$py" -m pip --version >/dev/null 2>&1 || die "pip is not importable from $venv (host pip missing?)"
+
+  local payload
+  payload=$(awk '$1 == "payload" {print $2}' "$bundle/MANIFEST")
+  if [ ! -f "$site_dir/.onnxruntime_gpu_installed" ]; then
+    step "installing onnxruntime-gpu from $payload"
+    local joined=/tmp/$payload
+    cat "$bundle/$payload".part?? > "$joined"
+    case "$payload" in
+      *.tar.xz) tar -C "$site_dir" -xJf "$joined" ;;
+      *.whl) "$py" -m pip install -q --no-index --no-deps --target "$site_dir" "$joined" ;;
+      *) die "unknown payload $payload" ;;
+    esac
+    rm -f "$joined"
+    touch "$site_dir/.onnxruntime_gpu_installed"
+  fi
+  step "installing the small wheels (onnx-graphsurgeon, pytools, platformdirs, mako, siphash24)"
+  "$py" -m pip install -q --no-index --no-deps "$bundle"/*.whl
+
+  # onnxruntime-gpu dlopens the CUDA 13 libraries; the host has them in nvidia-* pip packages.
+  local libdirs
+  libdirs=$("$py" - <<'PY'
+import glob, os, site
+dirs = []
+for sp in site.getsitepackages():
+    for lib in sorted(glob.glob(os.path.join(sp, "nvidia", "**", "lib*.so*"), recursive=True)):
+        d = os.path.dirname(lib)
+        if d not in dirs:
+            dirs.append(d)
+print(":".join(dirs))
+PY
+)
+  export LD_LIBRARY_PATH="${libdirs}${libdirs:+:}$cuda_root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  echo "export LD_LIBRARY_PATH=\"$LD_LIBRARY_PATH\"" > "$venv/env.sh"
+
+  if [ ! -f "$site_dir/.pycuda_built" ] && [ ! -f "$site_dir/.pycuda_failed" ]; then
+    step "building pycuda from source in the background (log: /tmp/onnxfuse-pycuda.log)"
+    (
+      set -e
+      src=/tmp/onnxfuse-pycuda-src
+      rm -rf "$src" && mkdir -p "$src"
+      tar -C "$src" --strip-components=1 -xzf "$bundle"/pycuda-*.tar.gz
+      cd "$src"
+      curand=True
+      ls "$cuda_root"/lib64/libcurand.so* >/dev/null 2>&1 || curand=False
+      printf 'CUDA_ROOT = "%s"\nCUDA_ENABLE_CURAND = %s\nCUDA_ENABLE_GL = False\n' "$cuda_root" "$curand" > siteconf.py
+      "$py" -m pip install -v --no-index --no-deps --no-build-isolation . && touch "$site_dir/.pycuda_built"
+    ) > /tmp/onnxfuse-pycuda.log 2>&1 || touch "$site_dir/.pycuda_failed" &
+    pycuda_pid=$!
+  fi
+
+  if ! "$py" -c "import onnxfuse.runtime as r; r.library_path()" >/dev/null 2>&1 || [ -n "$(find kernels -newer "$venv/.onnxfuse_built" 2>/dev/null | head -1)" ] || [ ! -f "$venv/.onnxfuse_built" ]; then
+    step "installing onnxfuse (editable) and building its native library"
+    "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e "$repo" || die "building onnxfuse failed"
+    touch "$venv/.onnxfuse_built"
+  fi
+
+  step "checking that onnxruntime is the GPU build and runs on CUDA"
+  "$py" - <<'PY' || die "onnxruntime-gpu cannot run on CUDA here (see above)"
+import glob, os, subprocess, sys
+import numpy as np
+import onnx
+from onnx import helper, TensorProto
+import onnxruntime as ort
+print("onnxruntime", ort.__version__, "from", os.path.dirname(ort.__file__))
+print("available providers:", ort.get_available_providers())
+if "CUDAExecutionProvider" not in ort.get_available_providers():
+    sys.exit("this onnxruntime has no CUDAExecutionProvider: the host's CPU build shadows onnxruntime-gpu")
+g = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "g",
+                      [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4]) for n in "ab"],
+                      [helper.make_tensor_value_info("c", TensorProto.FLOAT, [4])])
+m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+so = ort.SessionOptions(); so.log_severity_level = 1
+s = ort.InferenceSession(m.SerializeToString(), so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+print("session providers:", s.get_providers())
+if s.get_providers()[0] != "CUDAExecutionProvider":
+    prov = glob.glob(os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_cuda.so"))
+    if prov:
+        print(subprocess.run(["ldd", prov[0]], capture_output=True, text=True).stdout)
+    sys.exit("the CUDA execution provider did not load (missing CUDA 13 libraries? see ldd above)")
+x = np.arange(4, dtype=np.float32)
+assert np.array_equal(s.run(None, {"a": x, "b": x})[0], 2 * x)
+print("CUDA EP ok")
+PY
+
+  if [ -n "${pycuda_pid:-}" ]; then
+    step "waiting for the pycuda build"
+    wait "$pycuda_pid" || true
+  fi
+  if [ -f "$site_dir/.pycuda_built" ] && "$py" -c "import pycuda.driver as d; d.init(); print('pycuda', __import__('pycuda').VERSION_TEXT, 'devices:', d.Device.count())"; then
+    :
+  else
+    echo "WARNING: pycuda is not usable; the standalone kernel tests fall back to CuPy. Last lines of the build log:"
+    tail -25 /tmp/onnxfuse-pycuda.log 2>/dev/null || true
+  fi
+}
+
+env_report() {
+  local commit
+  commit=${ONNXFUSE_COMMIT:-$(git -C "$repo" rev-parse HEAD 2>/dev/null || awk '$1 == "commit" {print $2 " (at prepare time)"}' "$bundle/MANIFEST" 2>/dev/null || echo unknown)}
+  "$py" - "$commit" <<'PY'
+import platform, subprocess, sys
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, shell=True).stdout.strip()
+    except Exception as e:
+        return f"({e})"
+import numpy, onnx, onnxruntime
+try:
+    import pycuda; pyc = pycuda.VERSION_TEXT
+except Exception:
+    pyc = "not available"
+print(f"- device: {sh('nvidia-smi --query-gpu=name,memory.total --format=csv,noheader')}")
+print(f"- driver: {sh('nvidia-smi --query-gpu=driver_version --format=csv,noheader')}")
+print(f"- nvcc: {sh('nvcc --version | tail -1')}")
+print(f"- python {platform.python_version()}, numpy {numpy.__version__}, onnx {onnx.__version__}, "
+      f"onnxruntime-gpu {onnxruntime.__version__}, pycuda {pyc}")
+print(f"- onnxfuse commit: {sys.argv[1]}")
+PY
+}
+
+setup
+py=$venv/bin/python
+# shellcheck disable=SC1091
+. "$venv/env.sh"
+stamp=$(date -u +%Y%m%d-%H%M%S)
+env_md=/tmp/onnxfuse-env.md
+env_report > "$env_md"
+cat "$env_md"
+[ "$phase" = setup ] && exit 0
+
+status=0
+if [ "$phase" = all ] || [ "$phase" = test ]; then
+  step "GPU tests: pytest -m gpu"
+  set +e
+  "$py" -m pytest -m gpu tests -q -rs -p no:cacheprovider --timeout 300 \
+      --junitxml="$results/gpu_tests.xml" 2>&1 | tee /tmp/onnxfuse-gpu-tests.txt
+  status=${PIPESTATUS[0]}
+  set -e
+  {
+    echo "# onnxfuse GPU tests ($stamp)"
+    echo
+    cat "$env_md"
+    echo
+    echo '```'
+    tail -60 /tmp/onnxfuse-gpu-tests.txt
+    echo '```'
+  } > "$results/gpu_tests.md"
+  out_copy "$results/gpu_tests.md" "$results/gpu_tests.xml"
+  echo "pytest exit status: $status (results in bench/results/gpu_tests.md)"
+fi
+
+if [ "$phase" = all ] || [ "$phase" = bench ]; then
+  left=$(( time_limit - SECONDS ))
+  if [ "$left" -lt 90 ]; then
+    step "no time left for the benchmarks in this call ($left s): run 'bash gpu/run.sh bench'"
+  else
+    step "GPU benchmarks (budget $((left - 30)) s)"
+    "$py" bench/gpu.py --budget $((left - 30)) --env "$env_md" \
+        --md "$results/gpu_bench.md" --json "$results/gpu_bench.json" || die "bench/gpu.py failed"
+    out_copy "$results/gpu_bench.md" "$results/gpu_bench.json"
+  fi
+fi
+step "done (pytest status $status)"
+exit "$status"
