@@ -322,7 +322,19 @@ class Analysis:
 
 
 def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
-    """The program of a region; LoweringError when the region is not valid."""
+    """The program of a region; LoweringError when the region is not valid.
+
+    A constant whose elements are all equal is a literal unless its shape would grow the
+    iteration shape (the broadcast of the other inputs): then it is an input after all."""
+    forced: set[tuple] = set()
+    while True:
+        lowered, grows = _lower_region_once(a, members, forced)
+        if not grows:
+            return lowered
+        forced |= grows
+
+
+def _lower_region_once(a: Analysis, members: dict[int, gs.Node], forced: set[tuple]) -> tuple[Lowered, set[tuple]]:
     outputs: list[gs.Variable] = []
     for n in sorted(members.values(), key=lambda n: a.index[id(n)]):
         for t in n.outputs:
@@ -345,6 +357,7 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
     memo: dict[tuple, object] = {}
     views_read: dict[int, gs.Node] = {}
     constant_nodes: dict[int, gs.Node] = {}
+    literals: list[tuple[tuple, tuple]] = []  # (key, shape) of constants made literals
 
     def new_input(t: gs.Tensor, view: tuple) -> str:
         key = (t.name, view)
@@ -394,7 +407,8 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
 
                 arr = apply_view(arr, view)
             lit = literal_value(arr)
-            if lit is not None and fits(arr.shape, target):
+            if lit is not None and key not in forced and fits(arr.shape, target):
+                literals.append((key, arr.shape))
                 memo[key] = lit
                 return lit
             memo[key] = new_input(t, view)
@@ -444,6 +458,9 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
     shape = broadcast_dims(input_dims)
     if shape is None:
         raise LoweringError("inputs do not broadcast")
+    grows = {key for key, lit_shape in literals if not fits(lit_shape, shape)}
+    if grows:
+        return None, grows
     for t, d in zip(outputs, out_dims):
         if len(d) != len(shape) or not all(_same_dim(x, y) for x, y in zip(d, shape)):
             raise LoweringError(f"output {t.name} does not have the iteration shape")
@@ -463,7 +480,9 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
         for t in n.inputs:
             if gu.is_present(t) and t.name not in made and t.name not in given and gu.constant_value(t) is None:
                 raise LoweringError(f"the region reads {t.name} outside its program")
-    return Lowered(prog, inputs, outputs, list(views_read.values()), list(constant_nodes.values()))
+    # A Constant node whose value is a node input is read through that input instead.
+    body_constants = [n for n in constant_nodes.values() if n.outputs[0].name not in given]
+    return Lowered(prog, inputs, outputs, list(views_read.values()), body_constants), set()
 
 
 def _creates_cycle(a: Analysis, members: dict[int, gs.Node], region_of: dict[int, Region]) -> bool:
@@ -535,8 +554,7 @@ def build_regions(a: Analysis) -> list[Region]:
             new = attempt(n, joined)
             if new is None:
                 continue
-            for r in joined:
-                regions.remove(r)
+            regions[:] = [r for r in regions if not any(r is j for j in joined)]
             regions.append(new)
             for k in new.members:
                 region_of[k] = new
@@ -776,13 +794,17 @@ def match_layernorm(a: "Analysis") -> Iterable[gs.Node]:
             continue
         centred = sq.inputs[0]
         sub = a.producer(centred)
-        chain = _forward_chain(a, var.outputs[0], ("Add", "Sqrt", "Reciprocal", "Div", "Mul"), 3)
-        # the normalizing op reads the (centred) input and the statistic
-        norm = None
-        t = chain[-1].outputs[0] if chain else var.outputs[0]
-        for c in list(centred.outputs):
-            if _std(c, "Div", "Mul") and c is not sq and any(x is t for x in c.inputs):
-                norm = c
+        # statistic chain (Add eps, Sqrt, Reciprocal) up to the op that also reads the input
+        chain, norm, t = [], None, var.outputs[0]
+        for _ in range(4):
+            r = _reader(a, t)
+            if not _std(r, "Add", "Sqrt", "Reciprocal", "Div", "Mul"):
+                break
+            if any(x is centred for x in r.inputs):
+                norm = r
+                break
+            chain.append(r)
+            t = r.outputs[0]
         if norm is None:
             continue
         yield sq
