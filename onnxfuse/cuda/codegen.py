@@ -97,8 +97,8 @@ def instr_expr(op: str, args: list[str], params: tuple, ct: str) -> str:
         "neg": lambda: f"-{a}",
         "recip": lambda: f"{one} / {a}",
         "sigmoid": lambda: f"{one} / ({one} + {m('exp')}(-{a}))",
-        # 0 * a, not 0: the reference keeps its NaN for -inf and its sign of zero.
-        "relu": lambda: f"({a} > {zero}) ? {a} : (({a} != {a}) ? {a} : {zero} * {a})",
+        # NaN stays NaN, everything else not above 0 (-inf included) becomes +0, as onnxruntime's Relu.
+        "relu": lambda: f"({a} > {zero}) ? {a} : (({a} != {a}) ? {a} : {zero})",
         "softplus": lambda: f"({a} > (CT)20) ? {a} : {m('log1p')}({m('exp')}(of_min({a}, (CT)20)))",
         "softsign": lambda: f"{a} / ({one} + {m('fabs')}({a}))",
         "sign": lambda: f"({a} > {zero}) ? {one} : (({a} < {zero}) ? -{one} : {a})",
@@ -110,7 +110,7 @@ def instr_expr(op: str, args: list[str], params: tuple, ct: str) -> str:
         "selu": lambda: f"({a} <= {zero}) ? {p[1]} * ({p[0]} * {m('exp')}({a}) - {p[0]}) : {p[1]} * {a}",
         "celu": lambda: f"of_max({zero}, {a}) + of_min({zero}, {p[0]} * ({m('exp')}({a} / {p[0]}) - {one}))",
         "hardsigmoid": lambda: f"of_min(of_max({p[0]} * {a} + {p[1]}, {zero}), {one})",
-        "thresholdedrelu": lambda: f"({a} > {p[0]}) ? {a} : {zero} * {a}",
+        "thresholdedrelu": lambda: f"({a} > {p[0]}) ? {a} : {zero}",  # NaN and -inf give 0
         "clip": lambda: f"of_min(of_max({a}, {p[0]}), {p[1]})",
         "cast": lambda: _cast_expr(a, p[0], ct),
         "add": lambda: f"{a} + {b}",
