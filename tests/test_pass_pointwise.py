@@ -563,7 +563,7 @@ def full_model(c):
     return model(c["prefix"] + c["pattern"] + c["suffix"], c["full_inputs"], [out], c["inits"])
 
 
-def ort_kernels(m) -> list[str]:
+def ort_kernels(m, with_library=False) -> list[str]:
     """Op types of the kernels onnxruntime (ORT_ENABLE_ALL, CPU, 1 thread) runs per inference."""
     import json
     import os
@@ -574,6 +574,10 @@ def ort_kernels(m) -> list[str]:
     so.enable_profiling = True
     so.log_severity_level = 3
     so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
+    if with_library:
+        from onnxfuse.runtime import library_path
+
+        so.register_custom_ops_library(library_path())
     s = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     s.run(None, feeds_for(m))
     events = json.load(open(s.end_profiling()))
@@ -632,3 +636,17 @@ def test_gpt_stack_keeps_onnxruntime_fastgelu():
     # bias and residual Adds of the attention and MLP outputs: one region each
     assert len(pointwise_nodes(out)) == 7
     check_equivalent(m, out, dims={"batch": 2, "seq": 5}, seeds=(0,))
+
+
+@pytest.mark.skipif(not (ZOO / "char_rnn.onnx").exists(), reason="zoo model models/char_rnn.onnx not generated")
+def test_char_rnn_each_cell_is_one_pointwise_reading_its_gates_in_place():
+    m = onnx.load(str(ZOO / "char_rnn.onnx"))
+    out = fuse(m)
+    assert ops(out).count("Pointwise") == 32
+    assert "Split" not in ops(out) and "Sigmoid" not in ops(out) and "Tanh" not in ops(out)
+    for pw in pointwise_nodes(out):
+        assert sum(1 for i in program_of(pw).inputs if i.view) >= 4
+    check_equivalent(m, out, seeds=(0,))
+    if library_has_pointwise():
+        # about 435 kernels before; per cell Gemm, Gemm, Pointwise after
+        assert len(ort_kernels(out, with_library=True)) <= 130 < len(ort_kernels(m))
