@@ -141,10 +141,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     const std::string where = node_label(name);
 
     size = 0;
-    if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, kProgramAttr, nullptr, &size)) {
-      api.ReleaseStatus(st);
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing string attribute 'program'").c_str());
-    }
+    ONNXFUSE_RETURN_IF(api.KernelInfoGetAttribute_string(info, kProgramAttr, nullptr, &size),
+                       where + "string attribute 'program': ");
     std::string text(size, '\0');
     ONNXFUSE_RETURN_IF(api.KernelInfoGetAttribute_string(info, kProgramAttr, text.data(), &size), where);
     text.resize(std::strlen(text.c_str()));

@@ -188,9 +188,10 @@ bool Program::parse(const std::string& text, Program* out, std::string* error) {
           for (const auto& spec : split(tok[3].substr(5), ',')) {
             auto f = split(spec, ':');
             SliceSpec s;
-            if (f.size() != 4 || !parse_int(f[0], &s.axis) || !parse_int(f[1], &s.start) ||
-                !parse_int(f[2], &s.end) || !parse_int(f[3], &s.step))
-              fail("bad view '" + spec + "', expected AXIS:START:END:STEP");
+            s.step = 1;  // AXIS:START:END means step 1, as SliceSpec's default
+            if ((f.size() != 3 && f.size() != 4) || !parse_int(f[0], &s.axis) || !parse_int(f[1], &s.start) ||
+                !parse_int(f[2], &s.end) || (f.size() == 4 && !parse_int(f[3], &s.step)))
+              fail("bad view '" + spec + "', expected AXIS:START:END[:STEP]");
             if (s.step == 0) fail("slice step 0");
             in.view.push_back(s);
           }

@@ -296,7 +296,7 @@ class Program:
                         raise ValueError(f"instruction {dst!r} out of order")
                     prog.instrs.append(Instr(dst, op.name, tuple(parsed), params))
                     defined.add(dst)
-            except (IndexError, ValueError) as e:
+            except (IndexError, ValueError, TypeError) as e:  # TypeError: a view with too few fields
                 raise ValueError(f"program line {lineno}: {raw.strip()!r}: {e}") from None
         return prog
 
@@ -363,14 +363,19 @@ def cast_values(x: np.ndarray, dtype: str) -> np.ndarray:
     return x
 
 
+def _contiguous(x) -> np.ndarray:
+    """A C-contiguous copy that keeps rank 0 (np.ascontiguousarray makes 0-d arrays 1-d)."""
+    return np.array(x, order="C", copy=True)
+
+
 def store_values(x: np.ndarray, dtype: str) -> np.ndarray:
     """The stored form of a value for an output of the given dtype."""
     if dtype == "bool":
-        return np.ascontiguousarray(x != 0)
+        return _contiguous(x != 0)
     if dtype == "bf16":
-        return np.ascontiguousarray(_to_bf16(x))  # bf16 values as float32 (numpy has no bfloat16)
+        return _contiguous(_to_bf16(x))  # bf16 values as float32 (numpy has no bfloat16)
     with np.errstate(over="ignore"):
-        return np.ascontiguousarray(x.astype(DTYPES[dtype]))
+        return _contiguous(x.astype(DTYPES[dtype]))
 
 
 def resolve_slice(dim: int, spec: SliceSpec) -> tuple[int, int, int]:
