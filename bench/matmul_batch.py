@@ -1,0 +1,146 @@
+"""Figures of the linear-layer batching passes on the CPU provider (1 thread, ORT_ENABLE_ALL).
+
+mlp_ensemble: kernels per inference and latency of the original, of the default pipeline
+without our passes, and of the default pipeline, at several batch sizes. char_rnn: the same
+for the original, the default pipeline without our passes (pointwise fusion alone does the
+work there) and the default pipeline. The stacked-ensemble sweep times synthetic 8-member
+MLP ensembles of width H (input H, two hidden layers of H, 10 outputs) as they are, with
+batch-sibling-matmul, and with batch-ensemble forced (--target cuda rewrites), to back the
+CPU rule of batch-ensemble. Latency: interleaved rounds (A B C A B C ...), median and min of
+per-round means, so that drift on a shared host hits every model alike.
+
+    python bench/matmul_batch.py --out bench/results/matmul_batch.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse import api
+from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.profile import count_kernels, open_session
+from onnxfuse.verify import random_inputs
+
+OURS = {"hoist-matmul-over-gather", "batch-ensemble", "batch-sibling-matmul", "merge-xh-matmul"}
+
+
+def without_ours(target: str = "cpu") -> list[str]:
+    return [p.name for p in select_passes(None, target) if p.name not in OURS]
+
+
+def optimized(model: onnx.ModelProto, passes, target="cpu") -> onnx.ModelProto:
+    return api.optimize(model, passes=passes, target=target, count_kernels=False, verify_outputs=True).model
+
+
+def interleaved(models: dict[str, onnx.ModelProto], feeds, seconds: float) -> dict[str, tuple[float, float]]:
+    sessions = {k: open_session(m, "cpu", 1, "all")[0] for k, m in models.items()}
+    for s in sessions.values():
+        for _ in range(10):
+            s.run(None, feeds)
+    probe = time.perf_counter()
+    next(iter(sessions.values())).run(None, feeds)
+    inner = max(1, int(0.002 / max(time.perf_counter() - probe, 1e-6)))
+    samples = {k: [] for k in sessions}
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(samples[next(iter(samples))]) < 20:
+        for k, s in sessions.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                s.run(None, feeds)
+            samples[k].append((time.perf_counter() - t0) / inner * 1e3)
+    return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
+
+
+def table(rows: list[list[str]], head: list[str]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def ensemble(width: int, members: int = 8, classes: int = 10) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    nodes, inits, outs = [], [], []
+    dims = [width, width, width, classes]
+    for k in range(members):
+        cur = "x"
+        for layer in range(3):
+            w = (rng.standard_normal((dims[layer], dims[layer + 1])) / np.sqrt(dims[layer])).astype(np.float32)
+            b = (rng.standard_normal(dims[layer + 1]) * 0.1).astype(np.float32)
+            inits += [numpy_helper.from_array(w, f"w{k}_{layer}"), numpy_helper.from_array(b, f"b{k}_{layer}")]
+            nodes.append(helper.make_node("Gemm", [cur, f"w{k}_{layer}", f"b{k}_{layer}"], [f"l{k}_{layer}"]))
+            cur = f"l{k}_{layer}"
+            if layer < 2:
+                nodes.append(helper.make_node("Relu", [cur], [f"r{k}_{layer}"]))
+                cur = f"r{k}_{layer}"
+        outs.append(cur)
+    nodes.append(helper.make_node("Concat", outs, ["y"], axis=1))
+    g = helper.make_graph(nodes, "ensemble", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", members * classes])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the markdown here (default: stdout)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="timing per configuration")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 64, 256])
+    ap.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
+    args = ap.parse_args()
+    parts = [
+        f"Machine: {platform.processor() or platform.machine()}, {platform.platform()}; python {platform.python_version()}, "
+        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}; CPU provider, 1 thread, ORT_ENABLE_ALL; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        "Command: `python bench/matmul_batch.py --out bench/results/matmul_batch.md`",
+    ]
+
+    mlp = onnx.load("models/mlp_ensemble.onnx")
+    variants = {"original": mlp, "default without ours": optimized(mlp, without_ours()), "default pipeline": optimized(mlp, None)}
+    kern = {k: count_kernels(m, "cpu", 1, "all", {"batch": 4})[0] for k, m in variants.items()}
+    rows = []
+    for b in args.batches:
+        t = interleaved(variants, random_inputs(mlp, {"batch": b}, 0), args.seconds)
+        base = t["original"][0]
+        rows.append([str(b)] + [f"{t[k][0]:.4f} / {t[k][1]:.4f} ({t[k][0] / base:.2f}x)" for k in variants])
+    parts.append("## mlp_ensemble\n\nKernels per inference (batch 4): " + ", ".join(f"{k} {v}" for k, v in kern.items()))
+    parts.append("Latency, ms, median / min (median ratio to the original):\n\n" + table(rows, ["batch"] + list(variants)))
+
+    rnn = onnx.load("models/char_rnn.onnx")
+    variants = {"original": rnn, "default without ours": optimized(rnn, without_ours()), "default pipeline": optimized(rnn, None)}
+    kern = {k: count_kernels(m, "cpu", 1, "all")[0] for k, m in variants.items()}
+    t = interleaved(variants, random_inputs(rnn, {}, 0), args.seconds)
+    parts.append("## char_rnn\n\n" + table(
+        [[k, str(kern[k]), f"{t[k][0]:.4f} / {t[k][1]:.4f}"] for k in variants], ["model", "kernels", "latency ms median / min"]))
+
+    rows = []
+    for width in args.widths:
+        m = ensemble(width)
+        v = {"as is": m, "siblings": optimized(m, ["batch-sibling-matmul"]), "stacked": optimized(m, ["batch-ensemble"], target="cuda")}
+        for b in args.batches:
+            t = interleaved(v, random_inputs(m, {"batch": b}, 0), args.seconds / 2)
+            base = t["as is"][1]
+            rows.append([str(width), str(b)] + [f"{t[k][1]:.4f} ({t[k][1] / base:.2f}x)" for k in v])
+        print(f"width {width} done", file=sys.stderr)
+    parts.append("## Stacked ensemble on the CPU provider (rule of batch-ensemble)\n\n8 members, width H; "
+                 "latency ms, min of per-round means (ratio to as is):\n\n" + table(rows, ["H", "batch", "as is", "siblings", "stacked"]))
+    text = "\n\n".join(parts) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Linear-layer batching: measured figures\n\n" + text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
