@@ -163,7 +163,12 @@ def _count_before_after(original, optimized, label, dims, seed, threads):
     from .modelio import ort_error_text
     from .profile import kernel_profile
     from .runtime import LibraryError
+    from .verify import UnfeedableInputError, random_inputs
 
+    try:
+        random_inputs(original, dims, seed)
+    except UnfeedableInputError as e:  # e.g. sequence inputs: nothing to count with, but nothing wrong
+        return None, None, f"kernels not counted: {e}"
     try:
         before = kernel_profile(original, dims=dims, seed=seed, threads=threads)
     except (InputError, LibraryError):

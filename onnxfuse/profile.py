@@ -22,7 +22,7 @@ import onnx
 
 from .modelio import InputError
 from .runtime import PROVIDERS, needs_library, session_options
-from .verify import random_inputs
+from .verify import UnfeedableInputError, random_inputs
 
 KERNEL_SUFFIX = "_kernel_time"
 
@@ -332,7 +332,10 @@ def profile_models(
     reports: list[ModelReport] = []
     timed = []
     for label, model in models:
-        feeds = random_inputs(model, dims, seed)
+        try:
+            feeds = random_inputs(model, dims, seed)
+        except UnfeedableInputError as e:
+            raise UnfeedableInputError(f"{label}: {e}") from None
         _, prof = profiled_run(model, feeds, provider, threads, level)
         reports.append(ModelReport(label, prof))
         sess, _ = open_session(model, provider, threads, level)

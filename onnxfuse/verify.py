@@ -41,6 +41,10 @@ _INDEX_INPUTS = {
 DEFAULT_INT_HIGH = 4  # integers of unknown use: small non-negative values (counts, ids, flags)
 
 
+class UnfeedableInputError(InputError):
+    """A graph input random data cannot be made for (not a tensor, no numpy type)."""
+
+
 class VerificationError(Exception):
     """The optimized model does not match the original (or does not run)."""
 
@@ -136,8 +140,8 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
             continue
         if not value.type.HasField("tensor_type"):
             kind = value.type.WhichOneof("value") or "untyped"
-            raise InputError(f"input '{value.name}' is a {kind.replace('_type', '')} value; only tensor inputs can be"
-                             " fed random data (use --no-verify)")
+            raise UnfeedableInputError(f"input '{value.name}' is a {kind.replace('_type', '')} value; only tensor inputs can be"
+                             " fed random data")
         elem = value.type.tensor_type.elem_type
         shape = input_shape(value, dims)
         if elem == onnx.TensorProto.STRING:
@@ -149,8 +153,7 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
             dtype = None
         if dtype is None or elem in (onnx.TensorProto.BFLOAT16,) or dtype.kind == "V":
             name = onnx.TensorProto.DataType.Name(elem)
-            raise InputError(f"input '{value.name}' has element type {name}, which cannot be fed from numpy"
-                             " (use --no-verify)")
+            raise UnfeedableInputError(f"input '{value.name}' has element type {name}, which cannot be fed from numpy")
         if dtype.kind == "f":
             feeds[value.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind == "c":
@@ -161,7 +164,7 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
             low, high = _int_bounds(model, value.name)
             feeds[value.name] = rng.integers(low, high, size=shape).astype(dtype)
         else:
-            raise InputError(f"input '{value.name}' has element type {dtype}, which cannot be fed random data")
+            raise UnfeedableInputError(f"input '{value.name}' has element type {dtype}, which cannot be fed random data")
     return feeds
 
 
@@ -358,7 +361,10 @@ def verify(
     from .runtime import needs_library
 
     dims = dict(dims or {})
-    feeds = random_inputs(original, dims, seed)
+    try:
+        feeds = random_inputs(original, dims, seed)
+    except UnfeedableInputError as e:
+        raise UnfeedableInputError(f"{original_label}: {e}; verification needs random inputs (--no-verify skips it)") from None
     result = Verification(seed=seed, dims=dims, provider=provider)
     try:
         expected, result.original_profile = profiled_run(original, feeds, provider=provider, threads=threads)

@@ -196,3 +196,21 @@ def test_internal_error_is_one_line_exit_3_and_traceback_only_with_debug(chain_p
     monkeypatch.setenv("ONNXFUSE_DEBUG", "1")
     result = cli("optimize", chain_path, out)
     assert result.exit_code == 3 and "Traceback" in result.stderr
+
+
+def test_inputs_that_cannot_be_fed_random_data_are_bad_input_only_for_verification(tmp_path, cli, sentinel_out):
+    graph = helper.make_graph(
+        [helper.make_node("SequenceLength", ["s"], ["n"])],
+        "seq",
+        [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path = _save(model, tmp_path / "seq.onnx")
+    assert_one_line_error(cli("optimize", path, sentinel_out), "seq.onnx", "input 's' is a sequence", "--no-verify")
+    assert sentinel_out.read_bytes() == SENTINEL
+    result = cli("optimize", path, sentinel_out, "--no-verify")
+    assert result.exit_code == 0, result.stderr
+    assert "kernels not counted" in result.stdout
+    onnx.checker.check_model(onnx.load(str(sentinel_out)))
