@@ -18,8 +18,8 @@ batch-ensemble
     Rule. cuda: always (one batched GEMM launch per layer replaces K launches).
     cpu: the K separate (prepacked) Gemms are faster per FLOP than onnxruntime's stacked
     MatMul, so the stacked form pays only while kernel dispatch dominates: applied when the
-    batch dim of x is static and at most CPU_MAX_BATCH and every layer's branch weight has at
-    most CPU_MAX_BRANCH_WEIGHT elements (measured: bench/results/matmul_batch.md). Otherwise
+    batch dim of x is static and 1, or at most CPU_MAX_BATCH with every layer's branch weight
+    of at most CPU_MAX_BRANCH_WEIGHT elements (measured: bench/results/matmul_batch.md). Otherwise
     batch-sibling-matmul still merges the first layer.
 """
 from __future__ import annotations
@@ -33,9 +33,10 @@ from onnxfuse import graphutil as gu
 from onnxfuse.passes.matmul_batch import ACTIVATIONS, Linear, _rank, infer_shapes, match_linear
 from onnxfuse.pipeline import Context, Pass
 
-# On the CPU provider (1 thread) the stacked form was faster only at batch <= 4 with branch
-# layers of at most 32x32 weights, and slower at batch 64 for every width measured (16..128):
-# see bench/results/matmul_batch.md. A dynamic batch may be large, so it is not applied then.
+# On the CPU provider (1 thread) the stacked form was faster at batch 1 for every width
+# measured (16..128), at batch 4 only with branch layers of at most 32x32 weights, and slower
+# at batch 64 and more for every width: see bench/results/matmul_batch.md. A dynamic batch may
+# be large, so it is not applied then.
 CPU_MAX_BRANCH_WEIGHT = 32 * 32
 CPU_MAX_BATCH = 4
 
@@ -95,6 +96,8 @@ def _pays(ctx: Context, x: gs.Tensor, layers: list[Layer]) -> bool:
     batch = gu.dims(x)[0]
     if not isinstance(batch, int) or batch > CPU_MAX_BATCH:
         return False
+    if batch == 1:
+        return True
     return all(l.members[0].weight.size <= CPU_MAX_BRANCH_WEIGHT for l in linear)
 
 
