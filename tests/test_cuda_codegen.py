@@ -2,10 +2,13 @@
 compiled for the host and compared with Program.evaluate), and nvcc/ptxas acceptance."""
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
+import subprocess
 
 import numpy as np
+import onnx
 import pytest
 
 from onnxfuse.cuda import codegen
@@ -292,3 +295,120 @@ def test_arch_names_are_normalized():
     assert parse_arch("sm_90a") == ("sm_90a", "compute_90")
     with pytest.raises(ValueError):
         parse_arch("volta")
+
+
+# ---------------------------------------------------------------- the cuda-compile pass ------------
+
+
+def _optimize_cuda(model, passes=None):
+    from onnxfuse.pipeline import Context, run_passes, select_passes
+
+    return run_passes(model, select_passes(passes, "cuda"), Context(target="cuda", arch="sm_90"))[0]
+
+
+@needs_nvcc
+def test_cuda_compile_pass_stores_cubin_ptx_and_launch_constants_on_pointwise_nodes(tmp_path, monkeypatch):
+    from conftest import pointwise_chain_model
+
+    from onnxfuse.cuda.compile import check_ptx
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    out = _optimize_cuda(pointwise_chain_model())
+    nodes = [n for n in out.graph.node if n.op_type == "Pointwise"]
+    assert len(nodes) == 1
+    attrs = {a.name: a for a in nodes[0].attribute}
+    entry = attrs["cuda_entry"].s.decode()
+    assert attrs["cuda_arch"].s == b"sm_90"
+    assert attrs["cuda_cubin"].s[:4] == b"\x7fELF"
+    ptx = attrs["cuda_ptx"].s.decode()
+    assert f".entry {entry}(" in ptx
+    check_ptx(ptx, "sm_90")
+    assert (attrs["cuda_rank"].i, attrs["cuda_vec"].i, attrs["cuda_block"].i) == (2, 4, codegen.BLOCK)
+
+
+def test_cuda_compile_pass_is_not_in_the_cpu_pipeline():
+    from onnxfuse.pipeline import select_passes
+
+    assert "cuda-compile" not in [p.name for p in select_passes(None, "cpu")]
+    cuda = [p.name for p in select_passes(None, "cuda")]
+    assert cuda[-1] == "cuda-compile"
+
+
+# ---------------------------------------------------------------- the native library without CUDA --
+
+
+def _library():
+    from onnxfuse.runtime import library_path
+
+    return library_path()
+
+
+def test_native_library_has_no_link_time_cuda_dependency():
+    out = subprocess.run(["readelf", "-d", _library()], capture_output=True, text=True)
+    needed = [ln for ln in out.stdout.splitlines() if "NEEDED" in ln]
+    assert needed and not any("cuda" in ln.lower() for ln in needed), needed
+
+
+def test_cuda_probe_reports_the_driver_state_in_one_line():
+    lib = ctypes.CDLL(_library())
+    buf = ctypes.create_string_buffer(512)
+    ok = lib.OnnxfuseCudaProbe(buf, ctypes.c_size_t(len(buf)))
+    text = buf.value.decode()
+    assert "\n" not in text and text
+    if ok:
+        assert text.startswith("CUDA driver API")
+    else:
+        assert "libcuda.so.1" in text or "cuInit" in text
+
+
+@needs_nvcc
+def test_cuda_target_model_runs_on_cpu_provider_with_the_library_and_never_loads_libcuda(tmp_path, monkeypatch):
+    from conftest import cuda_device_count, pointwise_chain_model
+
+    from onnxfuse.runtime import make_session
+
+    if cuda_device_count() > 0:
+        pytest.skip("this machine has a CUDA driver: the no-libcuda path cannot be observed here")
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    original = pointwise_chain_model()
+    optimized = _optimize_cuda(original)
+    x = np.random.default_rng(3).normal(size=(5, 8)).astype(np.float32)
+    want = make_session(original).run(None, {"x": x})[0]
+    got = make_session(optimized, with_library=True).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    with open("/proc/self/maps") as f:
+        assert "libcuda" not in f.read()
+
+
+# ---------------------------------------------------------------- every zoo model, nvcc + ptxas ------
+
+
+# Models without convolutions compile a handful of Pointwise kernels in seconds; every
+# convolution shape is its own ConvBiasAct kernel, which takes nvcc minutes per model.
+FAST_ZOO = ("char_rnn", "gpt_stack", "mlp_ensemble")
+
+
+def _zoo_params():
+    from onnxfuse import zoo
+
+    return [n if n in FAST_ZOO else pytest.param(n, marks=pytest.mark.slow) for n in zoo.names()]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", _zoo_params())
+def test_every_fused_kernel_of_zoo_model_compiles_for_sm90_and_its_ptx_assembles(name):
+    from onnxfuse import zoo
+    from onnxfuse.cuda.compile import check_ptx
+
+    model = onnx.load(str(zoo.get(name).path))
+    out = _optimize_cuda(model)
+    kernels = {}
+    for n in out.graph.node:
+        attrs = {a.name: a for a in n.attribute}
+        if n.op_type == "Pointwise":
+            assert {"cuda_entry", "cuda_cubin", "cuda_ptx", "cuda_arch", "cuda_rank"} <= set(attrs), n.name
+        if "cuda_ptx" in attrs:
+            assert attrs["cuda_cubin"].s[:4] == b"\x7fELF", n.name
+            kernels[attrs["cuda_entry"].s.decode()] = attrs["cuda_ptx"].s.decode()
+    for ptx in kernels.values():
+        check_ptx(ptx, "sm_90")
