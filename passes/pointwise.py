@@ -325,16 +325,23 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
     """The program of a region; LoweringError when the region is not valid.
 
     A constant whose elements are all equal is a literal unless its shape would grow the
-    iteration shape (the broadcast of the other inputs): then it is an input after all."""
+    iteration shape (the broadcast of the other inputs): then it is an input after all.
+    A Slice/Split outside the region is read through views unless the region also reads one
+    of its outputs as a stored tensor (the two views could not be composed): the fallback body
+    would then both compute that output and receive it as an input."""
     forced: set[tuple] = set()
+    no_view: set[int] = set()
     while True:
-        lowered, grows = _lower_region_once(a, members, forced)
-        if not grows:
+        lowered, grows, stored = _lower_region_once(a, members, forced, no_view)
+        if not grows and not stored:
             return lowered
         forced |= grows
+        no_view |= stored
 
 
-def _lower_region_once(a: Analysis, members: dict[int, gs.Node], forced: set[tuple]) -> tuple[Lowered, set[tuple]]:
+def _lower_region_once(
+    a: Analysis, members: dict[int, gs.Node], forced: set[tuple], no_view: set[int]
+) -> tuple[Lowered | None, set[tuple], set[int]]:
     outputs: list[gs.Variable] = []
     for n in sorted(members.values(), key=lambda n: a.index[id(n)]):
         for t in n.outputs:
@@ -439,7 +446,7 @@ def _lower_region_once(a: Analysis, members: dict[int, gs.Node], forced: set[tup
                     raise LoweringError("value without a program result")
             memo[key] = res
             return res
-        if p is not None and id(p) in a.views:
+        if p is not None and id(p) in a.views and id(p) not in no_view:
             src = p.inputs[0]
             src_p = a.producer(src)
             if src_p is None or id(src_p) not in members:
@@ -459,8 +466,10 @@ def _lower_region_once(a: Analysis, members: dict[int, gs.Node], forced: set[tup
     if shape is None:
         raise LoweringError("inputs do not broadcast")
     grows = {key for key, lit_shape in literals if not fits(lit_shape, shape)}
-    if grows:
-        return None, grows
+    given = {t.name for t in inputs}
+    stored = {id(v) for v in views_read.values() if any(o.name in given for o in v.outputs)}
+    if grows or stored:
+        return None, grows, stored
     for t, d in zip(outputs, out_dims):
         if len(d) != len(shape) or not all(_same_dim(x, y) for x, y in zip(d, shape)):
             raise LoweringError(f"output {t.name} does not have the iteration shape")
@@ -475,14 +484,13 @@ def _lower_region_once(a: Analysis, members: dict[int, gs.Node], forced: set[tup
     # made inside it.
     made = {o.name for n in members.values() for o in n.outputs}
     made |= {o.name for n in views_read.values() for o in n.outputs}
-    given = {t.name for t in inputs}
     for n in list(members.values()) + list(views_read.values()):
         for t in n.inputs:
             if gu.is_present(t) and t.name not in made and t.name not in given and gu.constant_value(t) is None:
                 raise LoweringError(f"the region reads {t.name} outside its program")
     # A Constant node whose value is a node input is read through that input instead.
     body_constants = [n for n in constant_nodes.values() if n.outputs[0].name not in given]
-    return Lowered(prog, inputs, outputs, list(views_read.values()), body_constants), set()
+    return Lowered(prog, inputs, outputs, list(views_read.values()), body_constants), set(), set()
 
 
 def _creates_cycle(a: Analysis, members: dict[int, gs.Node], region_of: dict[int, Region]) -> bool:

@@ -650,3 +650,23 @@ def test_char_rnn_each_cell_is_one_pointwise_reading_its_gates_in_place():
     if library_has_pointwise():
         # about 435 kernels before; per cell Gemm, Gemm, Pointwise after
         assert len(ort_kernels(out, with_library=True)) <= 130 < len(ort_kernels(m))
+
+
+def test_split_piece_split_again_on_the_same_axis_is_read_stored():
+    # b is read through a view of x, but the piece a is split again along the same axis: two
+    # slices of one axis do not compose, so a is a stored input, and then the outer Split must
+    # not be in the fallback body (it would define a twice).
+    nodes = [
+        node("Split", ["x", "sizes"], ["a", "b", "c"], axis=3),
+        node("Split", ["a", "halves"], ["a0", "a1"], axis=3),
+        node("GreaterOrEqual", ["b", "a1"], ["ge"]),
+        node("Where", ["ge", "a1", "a0"], ["w"]),
+        node("Sub", ["w", "k"], ["y"]),
+    ]
+    inits = {"sizes": np.array([2, 13, 1], np.int64), "halves": np.array([1, 1], np.int64), "k": np.array(1.75, np.float32)}
+    m = model(nodes, [("x", ["batch", 1, 3, 16])], [("y", ["batch", 1, 3, 13]), ("c", ["batch", 1, 3, 1])], inits)
+    out = fuse(m)
+    onnx.checker.check_model(out, full_check=True)
+    (pw,) = pointwise_nodes(out)
+    assert "a" in pw.input and "x" not in pw.input
+    check_equivalent(m, out, dims={"batch": 2})
