@@ -19,6 +19,7 @@ from onnx import helper
 
 DOMAIN = "onnxfuse"
 DOMAIN_VERSION = 1
+MIN_IR_WITH_OVERLOADS = 10
 
 
 @dataclass
@@ -90,6 +91,7 @@ def make_fused_node(
     """
     input_names = [t.name for t in inputs]
     body: list[onnx.NodeProto] = []
+    formal_inputs = _distinct_names(input_names)
     emitted_consts: set[str] = set()
     for n in nodes:
         for t in n.inputs:
@@ -111,7 +113,7 @@ def make_fused_node(
     fn = helper.make_function(
         DOMAIN,
         op_type,
-        inputs=input_names,
+        inputs=formal_inputs,
         outputs=[t.name for t in outputs],
         nodes=body,
         opset_imports=opsets,
@@ -125,6 +127,24 @@ def make_fused_node(
     graph.nodes.append(node)
     registry.by_node[name] = FusedRecord(op_type, overload, fn)
     return node
+
+
+def _distinct_names(names: Sequence[str]) -> list[str]:
+    """A tensor read twice by a fused node (say, through two views) is two node inputs, but a
+    function's formal inputs must be distinct: repeats get names the body never reads."""
+    taken = set(names)
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        if name in seen:
+            k = 1
+            while f"{name}__dup{k}" in taken:
+                k += 1
+            name = f"{name}__dup{k}"
+            taken.add(name)
+        seen.add(name)
+        out.append(name)
+    return out
 
 
 def attach_functions(model: onnx.ModelProto, registry: FusedRegistry, kept: Sequence[onnx.FunctionProto]) -> None:
@@ -154,3 +174,6 @@ def attach_functions(model: onnx.ModelProto, registry: FusedRegistry, kept: Sequ
     if any(n.domain == DOMAIN for n in model.graph.node):
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+        # Function overloads exist from IR 10 on; saving may lower a higher IR to what the
+        # installed onnxruntime accepts, never below 10.
+        model.ir_version = max(model.ir_version, MIN_IR_WITH_OVERLOADS)

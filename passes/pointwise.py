@@ -625,28 +625,8 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         nodes = sorted(body + extra, key=lambda n: a.index[id(n)])
         nodes = [_detached_copy(n) if any(n is e for e in extra) else n for n in nodes]
         node = ctx.fuse(graph, "Pointwise", nodes, low.inputs, low.outputs, {"program": low.program.to_text()})
-        _unique_formal_inputs(ctx, node)
         count += 1
     return count
-
-
-def _unique_formal_inputs(ctx: Context, node: gs.Node) -> None:
-    """A tensor read through several views is several node inputs; a function's formal
-    inputs must have distinct names, so the repeats get names the body never reads."""
-    rec = ctx.registry.by_node.get(node.name)
-    if rec is None:
-        return
-    seen: set[str] = set()
-    names = list(rec.function.input)
-    for i, name in enumerate(names):
-        if name in seen:
-            k = 1
-            while f"{name}__view{k}" in seen or f"{name}__view{k}" in names:
-                k += 1
-            names[i] = f"{name}__view{k}"
-        seen.add(names[i])
-    del rec.function.input[:]
-    rec.function.input.extend(names)
 
 
 # ----------------------------------------------------------------------------- policy
