@@ -412,3 +412,9 @@ def test_every_fused_kernel_of_zoo_model_compiles_for_sm90_and_its_ptx_assembles
             kernels[attrs["cuda_entry"].s.decode()] = attrs["cuda_ptx"].s.decode()
     for ptx in kernels.values():
         check_ptx(ptx, "sm_90")
+
+
+def test_plan_of_a_numpy_scalar_input_reads_its_only_element():
+    prog = Program.parse("in x0 f32\nin x1 f32\nt0 = mul x0 x1\nout t0 f32\n")
+    plan = plan_call(prog, 1, 4, [np.zeros(8, np.float32), np.float32(0.5)])
+    assert plan.offsets == [0, 0] and plan.scalar_mask == 0b10

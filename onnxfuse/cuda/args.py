@@ -60,12 +60,12 @@ def plan_call(prog: Program, rank: int, vec: int, arrays: Sequence[np.ndarray],
     `addresses` are the device addresses of the inputs' buffers (default: the arrays' own),
     used only for the vector-mode alignment test, as are `out_addresses`.
     """
-    views = [apply_view(np.asarray(a), spec.view) for a, spec in zip(arrays, prog.inputs)]
+    arrays = [np.asarray(a) for a in arrays]  # once: np.asarray of a numpy scalar is a new array each time
+    views = [apply_view(a, spec.view) for a, spec in zip(arrays, prog.inputs)]
     shape = tuple(np.broadcast_shapes(*(v.shape for v in views))) if views else ()
     n = int(np.prod(shape, dtype=np.int64)) if shape else 1
     offsets, full = [], []
     for a, v in zip(arrays, views):
-        a = np.asarray(a)
         b = np.broadcast_to(v, shape)
         item = a.itemsize
         full.append([s // item for s in b.strides])
@@ -88,9 +88,9 @@ def plan_call(prog: Program, rank: int, vec: int, arrays: Sequence[np.ndarray],
             linear = False
     mode = MODE_LINEAR if linear else MODE_STRIDED
     if linear:
-        addrs = list(addresses) if addresses is not None else [np.asarray(a).__array_interface__["data"][0] for a in arrays]
+        addrs = list(addresses) if addresses is not None else [a.__array_interface__["data"][0] for a in arrays]
         aligned = all(
-            (addrs[k] + offsets[k] * np.asarray(arrays[k]).itemsize) % (vec * np.asarray(arrays[k]).itemsize) == 0
+            (addrs[k] + offsets[k] * arrays[k].itemsize) % (vec * arrays[k].itemsize) == 0
             for k in range(len(arrays)) if not (scalar_mask >> k) & 1
         )
         aligned = aligned and all(addr % (vec * _out_itemsize(prog, j)) == 0 for j, addr in enumerate(out_addresses))
