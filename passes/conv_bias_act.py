@@ -319,6 +319,30 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     return len(made)
 
 
+def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
+    """Every 2-D Conv of an ONNX model after BN folding: (node name, shape, epilogue), the
+    epilogue None where this pass would leave the Conv alone (a bare Conv)."""
+    from onnxfuse.pipeline import import_graph
+
+    from . import fold_batchnorm
+
+    ctx = Context(target="cuda")
+    graph, _, _ = import_graph(model, ctx)
+    fold_batchnorm.run(graph, ctx)
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    shapes = gu.ShapeTable(graph)
+    out = []
+    for conv in graph.nodes:
+        if not gu.is_op(conv, "Conv"):
+            continue
+        shape = conv_shape(conv, shapes)
+        if shape is None:
+            continue
+        m = match(graph, conv, shapes)
+        out.append((conv.name, shape, m.epilogue if m else None))
+    return out
+
+
 PASS = Pass(
     name="conv-bias-act",
     order=320,

@@ -33,13 +33,13 @@ Kernel ABI (shared with the launcher of stored CUDA kernels): every argument is 
     extern "C" __global__ void ENTRY(const ENTRY_args a)
     block = (threads, 1, 1)
     grid  = (ceil(batch * grid_cols / cols_per_block), grid_y, grid_z)   -- see Kernel.grid()
+    requires batch * grid_cols + cols_per_block < 2^31 (pixel indices are 32-bit)
 """
 from __future__ import annotations
 
 import hashlib
 import math
 import re
-import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -194,7 +194,7 @@ INDEX = {
         ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"), ("p", "DIV(pq, Q)"), ("q", "MOD(pq, Q)"),
         ("ih", "p * SH - PT + r * DH"), ("iw", "q * SW - PL + s * DW"),
         ("ok", "(e < BK * BN) && (kr < KRED) && (col < NPQ) && (ih >= 0) && (ih < H) && (iw >= 0) && (iw < W)"),
-        ("src", "((n * C + g * CG + c) * H + ih) * W + iw"),
+        ("src", "((WIDE(n) * C + g * CG + c) * H + ih) * W + iw"),
     ],
     # thread -> micro-tile: rows ty + i*(BM/TM), columns tx + j*(BN/TN) (strided, so a warp's
     # stores are contiguous in q)
@@ -204,7 +204,7 @@ INDEX = {
         ("ok", "(m < KG) && (col < NPQ)"),
         ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"),
         ("ko", "g * KG + m"),
-        ("dst", "(n * K + ko) * PQ + pq"),
+        ("dst", "(WIDE(n) * K + ko) * PQ + pq"),
     ],
     # depthwise: one thread per output element; block (x: pixels of all images, y: channel k)
     "dw_out": [
@@ -212,16 +212,18 @@ INDEX = {
         ("p", "DIV(pq, Q)"), ("q", "MOD(pq, Q)"),
         ("ci", "DIV(ko, DM)"),  # input channel of output channel ko (DM = K / C outputs per input)
         ("ok", "col < NPQ"),
-        ("dst", "(n * K + ko) * PQ + pq"),
+        ("dst", "(WIDE(n) * K + ko) * PQ + pq"),
     ],
     "dw_tap": [
         ("ih", "p * SH - PT + r * DH"), ("iw", "q * SW - PL + s * DW"),
         ("tok", "(ih >= 0) && (ih < H) && (iw >= 0) && (iw < W)"),
-        ("src", "((n * C + ci) * H + ih) * W + iw"),
+        ("src", "((WIDE(n) * C + ci) * H + ih) * W + iw"),
     ],
 }
-# Values that can exceed 2^31 for large batches are computed in 64 bits in C.
-_WIDE = {"src", "dst", "col", "n", "NPQ"}
+# Element offsets are 64-bit (WIDE widens before the multiplications); pixel indices stay 32-bit
+# so that DIV/MOD by P*Q and Q are single 32-bit operations (a 64-bit division is a called
+# routine with a stack frame, which spilled). The launcher keeps batch * P * Q below 2^31.
+_WIDE = {"src", "dst"}
 
 
 def _c_lines(table: str, indent: str, skip: tuple[str, ...] = ()) -> list[str]:
@@ -302,6 +304,7 @@ _INDEX_MACROS = """#ifndef ONNXFUSE_CONV_INDEX
 #define ONNXFUSE_CONV_INDEX
 #define DIV(a, b) ((a) / (b))
 #define MOD(a, b) ((a) % (b))
+#define WIDE(a) ((long long)(a))
 #endif"""
 
 
@@ -330,6 +333,11 @@ def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
     return lines
 
 
+# Every kernel declares __launch_bounds__(THREADS, 1): with no minimum-blocks hint ptxas capped
+# some 128-thread kernels at 64 registers and spilled; a minimum of one block lets the
+# accumulator tile stay in registers (ptxas reports no spills for any zoo layer).
+
+
 def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
     entry = entry_name(shape, epi, tile)
     t = tile
@@ -340,12 +348,12 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
     L = [f"// onnxfuse ConvBiasAct implicit-GEMM kernel (ABI {ABI_VERSION})",
          f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", _INDEX_MACROS]
     L += _args_struct(entry)
-    L.append(f'extern "C" __global__ void __launch_bounds__({t.threads}) {entry}(const {entry}_args a) {{')
+    L.append(f'extern "C" __global__ void __launch_bounds__({t.threads}, 1) {entry}(const {entry}_args a) {{')
     L += _constants_block(consts, "  ")
     L += [
-        "  const long long NPQ = a.batch * (long long)PQ;",
+        "  const int NPQ = (int)a.batch * PQ;",
         "  const int tid = threadIdx.x;",
-        "  const long long n0 = (long long)blockIdx.x * BN;",
+        "  const int n0 = blockIdx.x * BN;",
         "  const int m0 = blockIdx.y * BM;",
         "  const int g = blockIdx.z;",
         "  __shared__ float As[BK][BM];",
@@ -412,12 +420,12 @@ def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> 
     L = [f"// onnxfuse ConvBiasAct direct depthwise kernel (ABI {ABI_VERSION})",
          f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", _INDEX_MACROS]
     L += _args_struct(entry)
-    L.append(f'extern "C" __global__ void __launch_bounds__({tile.threads}) {entry}(const {entry}_args a) {{')
+    L.append(f'extern "C" __global__ void __launch_bounds__({tile.threads}, 1) {entry}(const {entry}_args a) {{')
     L += _constants_block(consts, "  ")
     L += [
-        "  const long long NPQ = a.batch * (long long)PQ;",
+        "  const int NPQ = (int)a.batch * PQ;",
         "  const int tid = threadIdx.x;",
-        "  const long long n0 = (long long)blockIdx.x * THREADS;",
+        "  const int n0 = blockIdx.x * THREADS;",
         "  const int ko = blockIdx.y;",
         "  __shared__ float wk[RS];",
         "  for (int t = tid; t < RS; t += THREADS) wk[t] = __ldg(a.w + ko * RS + t);",
@@ -500,27 +508,27 @@ class PtxasInfo:
     smem_bytes: int
 
 
-def nvcc_path() -> str | None:
-    return shutil.which("nvcc")
+def ptxas_check(kernels: list[Kernel], arch: str = "sm_90", timeout: float = 900) -> dict[str, PtxasInfo]:
+    """Compile `kernels` in one translation unit to a cubin for `arch` with the flags of
+    onnxfuse.cuda.compile and return ptxas's per-kernel resource report (registers, spills,
+    shared memory). Raises CompileError with nvcc's message when compilation fails."""
+    from .compile import NVCC_FLAGS, CompileError, find_nvcc, parse_arch
 
-
-def ptxas_check(kernels: list[Kernel], arch: str = "sm_90", timeout: float = 600) -> dict[str, PtxasInfo]:
-    """Compile `kernels` in one translation unit to a cubin for `arch` and return ptxas's
-    per-kernel resource report. Raises RuntimeError with nvcc's message when compilation fails."""
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise RuntimeError("nvcc is not on PATH")
+    nvcc = find_nvcc()
+    sm, _ = parse_arch(arch)
     unique = {k.entry: k for k in kernels}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-conv-") as tmp:
         src = Path(tmp) / "conv_kernels.cu"
         src.write_text("\n".join(k.source for k in unique.values()))
-        proc = subprocess.run(
-            [nvcc, f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v", "-o", str(Path(tmp) / "k.cubin"), str(src)],
-            capture_output=True, text=True, timeout=timeout,
-        )
+        cmd = [nvcc, f"-arch={sm}", "-cubin", *NVCC_FLAGS, "-Xptxas", "-v", "-o", str(Path(tmp) / "k.cubin"), str(src)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-4000:]}")
-    return parse_ptxas(proc.stderr)
+        raise CompileError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-4000:]}")
+    report = parse_ptxas(proc.stderr)
+    missing = sorted(set(unique) - set(report))
+    if missing:
+        raise CompileError(f"ptxas reported nothing for {missing[:3]}")
+    return report
 
 
 def parse_ptxas(text: str) -> dict[str, PtxasInfo]:
@@ -543,22 +551,6 @@ def parse_ptxas(text: str) -> dict[str, PtxasInfo]:
             out[current] = PtxasInfo(current, int(m.group(1)), spills[0], spills[1], int(smem.group(1)) if smem else 0)
             spills = (0, 0)
     return out
-
-
-def compile_ptx(kernel: Kernel, arch: str = "sm_90", timeout: float = 120) -> str:
-    """PTX of one kernel (what the model stores for the runtime to load with the driver API)."""
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise RuntimeError("nvcc is not on PATH")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / f"{kernel.entry}.cu"
-        src.write_text(kernel.source)
-        out = Path(tmp) / f"{kernel.entry}.ptx"
-        proc = subprocess.run([nvcc, f"-arch={arch}", "-ptx", "-O3", "-o", str(out), str(src)],
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-4000:]}")
-        return out.read_text()
 
 
 def tune(shape: ConvShape, epi: Epilogue, batch: int = 1, repeats: int = 20) -> tuple[object, list[tuple[object, float]]]:

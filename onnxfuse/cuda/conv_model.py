@@ -16,7 +16,8 @@ from .conv_codegen import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile
 
 def _eval(table: str, env: dict) -> dict:
     """Evaluate one INDEX table in order; `env` gets every name it defines."""
-    scope = {"DIV": np.floor_divide, "MOD": np.mod, "__builtins__": {}}
+    scope = {"DIV": np.floor_divide, "MOD": np.mod, "WIDE": lambda a: np.asarray(a, dtype=np.int64),
+             "__builtins__": {}}
     for name, expr in INDEX[table]:
         env[name] = eval(expr.replace("&&", "&"), scope, env)  # noqa: S307 (our own expressions)
     return env

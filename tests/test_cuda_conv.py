@@ -1,0 +1,321 @@
+"""The ConvBiasAct CUDA kernels: the numpy model of their tiling against onnxruntime's Conv on every
+zoo conv layer shape class, the generated source compiled for sm_90 (ptxas report), the tile
+heuristic, and -- on a machine with a GPU and pycuda -- the kernels themselves."""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from onnxfuse.cuda import conv_model
+from onnxfuse.cuda.conv_codegen import (
+    DEPTHWISE_TILES,
+    GEMM_TILES,
+    H100_SMS,
+    INDEX,
+    ConvShape,
+    DepthwiseTile,
+    Epilogue,
+    GemmTile,
+    generate,
+    generate_depthwise,
+    generate_gemm,
+    heuristic_tile,
+    ptxas_check,
+)
+from onnxfuse.runtime import make_session
+
+RNG = np.random.default_rng(7)
+ZOO_CNNS = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet", "squeezenet",
+            "vgg19", "zfnet512", "mobilenetv3"]
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not on PATH")
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_layers() -> tuple:
+    """(model, node, ConvShape, Epilogue or None) of every Conv of the zoo CNNs, after BN folding."""
+    from onnxfuse.modelio import normalize, resolve_input
+    from passes.conv_bias_act import conv_layers
+
+    out = []
+    for name in ZOO_CNNS:
+        model = normalize(resolve_input(f"zoo:{name}")).model
+        out += [(name, node, shape, epi) for node, shape, epi in conv_layers(model)]
+    return tuple(out)
+
+
+# One real layer of each class of conv the zoo CNNs hold (kernel, stride, which pads are non-zero,
+# dilation, dense / grouped / depthwise); test_zoo_classes_are_all_listed (slow) keeps it honest.
+ZOO_CLASS_LAYERS = [
+    ConvShape(3, 224, 224, 96, 11, 11, (4, 4), (0, 0, 0, 0), (1, 1), 1),  # bvlc_alexnet
+    ConvShape(96, 26, 26, 256, 5, 5, (1, 1), (2, 2, 2, 2), (1, 1), 2),  # bvlc_alexnet
+    ConvShape(256, 12, 12, 384, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1), 1),  # bvlc_alexnet
+    ConvShape(384, 12, 12, 384, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1), 2),  # bvlc_alexnet
+    ConvShape(3, 224, 224, 64, 7, 7, (2, 2), (3, 3, 3, 3), (1, 1), 1),  # densenet121
+    ConvShape(64, 56, 56, 128, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), 1),  # densenet121
+    ConvShape(16, 27, 27, 32, 5, 5, (1, 1), (2, 2, 2, 2), (1, 1), 1),  # inception_v1
+    ConvShape(128, 28, 28, 160, 3, 3, (2, 2), (1, 1, 1, 1), (1, 1), 1),  # inception_v2
+    ConvShape(256, 56, 56, 512, 1, 1, (2, 2), (0, 0, 0, 0), (1, 1), 1),  # resnet50
+    ConvShape(24, 56, 56, 112, 1, 1, (1, 1), (0, 0, 0, 0), (1, 1), 4),  # shufflenet
+    ConvShape(112, 56, 56, 112, 3, 3, (2, 2), (1, 1, 1, 1), (1, 1), 112),  # shufflenet
+    ConvShape(136, 28, 28, 136, 3, 3, (1, 1), (1, 1, 1, 1), (1, 1), 136),  # shufflenet
+    ConvShape(3, 224, 224, 64, 3, 3, (2, 2), (0, 0, 0, 0), (1, 1), 1),  # squeezenet
+    ConvShape(3, 224, 224, 96, 7, 7, (2, 2), (0, 0, 0, 0), (1, 1), 1),  # zfnet512
+    ConvShape(96, 54, 54, 256, 5, 5, (2, 2), (0, 0, 0, 0), (1, 1), 1),  # zfnet512
+    ConvShape(96, 8, 8, 96, 5, 5, (2, 2), (2, 2, 2, 2), (1, 1), 96),  # mobilenetv3
+    ConvShape(240, 4, 4, 240, 5, 5, (1, 1), (2, 2, 2, 2), (1, 1), 240),  # mobilenetv3
+]
+
+
+def shape_class(s: ConvShape) -> tuple:
+    kind = "depthwise" if s.depthwise else ("grouped" if s.group > 1 else "dense")
+    return (s.r, s.s, s.stride, tuple(int(p > 0) for p in s.pads), s.dilation, kind)
+
+
+def reduced(s: ConvShape) -> ConvShape:
+    """The same class (kernel, stride, padding, dilation, grouping) with few channels and a small
+    image, so the numpy model stays fast; channel counts keep tiles partly filled."""
+    g = 1 if s.group == 1 else (s.group if s.depthwise else 2)
+    if s.depthwise:
+        c = k = 6
+        g = 6
+    else:
+        c, k = 3 * g + (g if s.cg > 1 else 0), 5 * g
+    size = max(s.dilation[0] * (s.r - 1) + 1, 2 * s.stride[0] + 5)
+    return ConvShape(c, size, size + 1, k, s.r, s.s, s.stride, s.pads, s.dilation, g)
+
+
+def ort_reference(shape: ConvShape, epi: Epilogue, x, w, b, z=None):
+    """onnxruntime (CPU, no graph optimizations) running Conv and the epilogue as ONNX ops."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=list(shape.stride), pads=list(shape.pads),
+                              dilations=list(shape.dilation), group=shape.group)]
+    v = "c"
+    act = epi.activation
+    if act != "none":
+        if act == "silu":
+            nodes += [helper.make_node("Sigmoid", [v], ["sg"]), helper.make_node("Mul", [v, "sg"], ["a"])]
+        elif act == "clip":
+            nodes += [helper.make_node("Clip", [v, "lo", "hi"], ["a"])]
+        else:
+            op = {"relu": "Relu", "leakyrelu": "LeakyRelu", "sigmoid": "Sigmoid", "hardsigmoid": "HardSigmoid",
+                  "tanh": "Tanh", "hardswish": "HardSwish"}[act]
+            attrs = {"leakyrelu": {"alpha": epi.alpha}, "hardsigmoid": {"alpha": epi.alpha, "beta": epi.beta}}.get(act, {})
+            nodes += [helper.make_node(op, [v], ["a"], **attrs)]
+        v = "a"
+    if epi.residual:
+        nodes += [helper.make_node("Add", [v, "z"], ["r"])]
+        v = "r"
+    if epi.post_relu:
+        nodes += [helper.make_node("Relu", [v], ["pr"])]
+        v = "pr"
+    nodes += [helper.make_node("Identity", [v], ["y"])]
+    inits = [helper.make_tensor("lo", TensorProto.FLOAT, [], [epi.alpha]),
+             helper.make_tensor("hi", TensorProto.FLOAT, [], [epi.beta])] if act == "clip" else []
+    names = ["x", "w", "b"] + (["z"] if epi.residual else [])
+    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    feeds = {"x": x, "w": w, "b": b, **({"z": z} if epi.residual else {})}
+    return make_session(m, with_library=False, level="disable").run(None, feeds)[0]
+
+
+def random_problem(shape: ConvShape, epi: Epilogue, batch: int = 2):
+    x = RNG.standard_normal((batch, shape.c, shape.h, shape.w)).astype(np.float32)
+    w = (RNG.standard_normal((shape.k, shape.cg, shape.r, shape.s)) / np.sqrt(shape.kred)).astype(np.float32)
+    b = RNG.standard_normal(shape.k).astype(np.float32)
+    z = RNG.standard_normal((batch, shape.k, shape.p, shape.q)).astype(np.float32) if epi.residual else None
+    return x, w, b, z
+
+
+EPILOGUES = [
+    Epilogue("relu"),
+    Epilogue("none", residual=True, post_relu=True),
+    Epilogue("leakyrelu", 0.1),
+    Epilogue("clip", 0.0, 6.0),
+    Epilogue("sigmoid"),
+    Epilogue("hardsigmoid", 0.2, 0.5),
+    Epilogue("hardswish", 1 / 6, 0.5, residual=True),
+    Epilogue("tanh"),
+    Epilogue("silu", residual=True),
+]
+
+# Classes the zoo lacks but the kernels must handle: dilation, asymmetric padding, channel multiplier.
+EXTRA_SHAPES = [
+    ConvShape(6, 13, 12, 10, 3, 3, (1, 1), (2, 2, 2, 2), (2, 2), 2),
+    ConvShape(5, 12, 11, 7, 3, 2, (2, 1), (0, 1, 1, 0), (1, 3), 1),
+    ConvShape(4, 9, 9, 8, 3, 3, (1, 2), (1, 1, 1, 1), (1, 1), 4),  # depthwise, 2 outputs per input channel
+    ConvShape(6, 7, 7, 6, 5, 5, (1, 1), (2, 2, 2, 2), (2, 2), 6),
+]
+
+
+@pytest.mark.slow
+def test_zoo_classes_are_all_listed():
+    """Every Conv of the zoo CNNs is matched, and ZOO_CLASS_LAYERS has exactly the zoo's classes."""
+    layers = zoo_layers()
+    assert len(layers) == 438
+    assert {shape_class(s) for _, _, s, _ in layers} == {shape_class(s) for s in ZOO_CLASS_LAYERS}
+    assert {shape_class(s) for s in ZOO_CLASS_LAYERS} and len(ZOO_CLASS_LAYERS) == len(
+        {shape_class(s) for s in ZOO_CLASS_LAYERS})
+
+
+def test_tiling_model_matches_onnxruntime_on_every_zoo_layer_class():
+    """For each class of zoo conv layer, the numpy model of the generated kernel (heuristic tile
+    and a second candidate) with a rotating epilogue equals onnxruntime's Conv + epilogue."""
+    shapes = [reduced(s) for s in ZOO_CLASS_LAYERS] + EXTRA_SHAPES
+    for i, shape in enumerate(shapes):
+        epi = EPILOGUES[i % len(EPILOGUES)]
+        x, w, b, z = random_problem(shape, epi)
+        expected = ort_reference(shape, epi, x, w, b, z)
+        tiles = {heuristic_tile(shape)}
+        tiles.add(DEPTHWISE_TILES[-1] if shape.depthwise else GEMM_TILES[(i % (len(GEMM_TILES) - 1)) + 1])
+        for tile in tiles:
+            got = conv_model.run(shape, epi, tile, x, w, b, z)
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4, err_msg=f"{shape} {epi} {tile}")
+
+
+@pytest.mark.parametrize("tile", GEMM_TILES, ids=lambda t: "x".join(map(str, t.as_list())))
+def test_every_gemm_tile_handles_partial_tiles(tile):
+    """Output channels, pixels and the reduction all end mid-tile."""
+    shape = ConvShape(7, 9, 10, 19, 3, 3, (1, 1), (1, 1, 1, 1))
+    epi = Epilogue("silu", residual=True, post_relu=True)
+    x, w, b, z = random_problem(shape, epi, batch=3)
+    np.testing.assert_allclose(conv_model.run(shape, epi, tile, x, w, b, z), ort_reference(shape, epi, x, w, b, z),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_a_tiling_mistake_is_caught_by_the_model():
+    """The model reads shared memory only where the kernel's load mapping wrote it: a slice that
+    leaves a hole is poison (NaN) in the result, not a silent zero."""
+    import onnxfuse.cuda.conv_codegen as cg
+
+    shape = ConvShape(4, 6, 6, 8, 3, 3, (1, 1), (1, 1, 1, 1))
+    x, w, b, _ = random_problem(shape, Epilogue())
+    good = dict(cg.INDEX)
+    try:
+        cg.INDEX["b_load"] = [(n, "DIV(e, BN) + 1" if n == "bkk" else e) for n, e in good["b_load"]]
+        got = conv_model.run(shape, Epilogue(), GemmTile(32, 32, 16, 2, 4), x, w, b)
+    except IndexError:
+        got = None  # writing past the slice is caught too
+    finally:
+        cg.INDEX.update(good)
+    assert got is None or not np.allclose(got, ort_reference(shape, Epilogue(), x, w, b), rtol=1e-3, atol=1e-3)
+
+
+def test_index_expressions_appear_verbatim_in_the_source():
+    s = ConvShape(16, 12, 12, 32, 3, 3, (2, 2), (1, 1, 1, 1))
+    gemm = generate_gemm(s, Epilogue("relu"), GEMM_TILES[3]).source
+    for table in ("a_load", "b_load", "thread", "store"):
+        for name, expr in INDEX[table]:
+            assert f"{name} = {expr};" in gemm
+    dw = generate_depthwise(ConvShape(8, 12, 12, 8, 3, 3, group=8), Epilogue("relu"), DEPTHWISE_TILES[0]).source
+    for table in ("dw_out", "dw_tap"):
+        for name, expr in INDEX[table]:
+            assert f"{name} = {expr};" in dw
+
+
+def test_heuristic_fills_the_gpu_when_the_layer_allows():
+    big = ConvShape(64, 112, 112, 256, 3, 3, (1, 1), (1, 1, 1, 1))
+    t = heuristic_tile(big)
+    assert t == GEMM_TILES[0]  # 128x128 tiles: 2 x 98 blocks already fill every SM
+    assert heuristic_tile(ConvShape(64, 56, 56, 256, 3, 3, (1, 1), (1, 1, 1, 1))) != GEMM_TILES[0]  # 50 blocks
+    small = ConvShape(512, 7, 7, 512, 3, 3, (1, 1), (1, 1, 1, 1))
+    t = heuristic_tile(small)
+    blocks = -(-512 // t.bm) * -(-49 // t.bn)
+    assert blocks >= max(-(-512 // g.bm) * -(-49 // g.bn) for g in GEMM_TILES if g.bn >= 64) or blocks >= H100_SMS
+    assert isinstance(heuristic_tile(ConvShape(96, 16, 16, 96, 5, 5, (1, 1), (2, 2, 2, 2), group=96)), DepthwiseTile)
+    kernel = generate(big, Epilogue("relu"))
+    assert kernel.grid(4) == (-(-4 * 112 * 112 // 128), 2, 1)
+
+
+def _representative_kernels():
+    kernels = [generate(s, EPILOGUES[i % len(EPILOGUES)]) for i, s in enumerate(ZOO_CLASS_LAYERS + EXTRA_SHAPES)]
+    # every tile candidate and every epilogue at least once
+    s = ConvShape(64, 28, 28, 128, 3, 3, (1, 1), (1, 1, 1, 1))
+    kernels += [generate_gemm(s, EPILOGUES[i % len(EPILOGUES)], t) for i, t in enumerate(GEMM_TILES)]
+    dw = ConvShape(96, 28, 28, 96, 3, 3, (2, 2), (1, 1, 1, 1), group=96)
+    kernels += [generate_depthwise(dw, e, t) for e, t in zip(EPILOGUES, DEPTHWISE_TILES * 3)]
+    return kernels
+
+
+@needs_nvcc
+def test_generated_kernels_compile_for_sm90_without_spills():
+    kernels = _representative_kernels()
+    report = ptxas_check(kernels, "sm_90")
+    assert set(report) == {k.entry for k in kernels}
+    for k in kernels:
+        info = report[k.entry]
+        assert info.spill_stores == 0 and info.spill_loads == 0, info
+        assert info.registers * k.threads <= 65536, info  # one block fits the register file
+        assert info.smem_bytes == k.smem_bytes, info
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_every_zoo_conv_layer_compiles_for_sm90():
+    kernels = [generate(s, e or Epilogue()) for _, _, s, e in zoo_layers()]
+    report = ptxas_check(kernels, "sm_90")
+    assert all(report[k.entry].spill_stores == 0 for k in kernels)
+
+
+# ------------------------------------------------------------------------------ on a GPU
+
+
+def _gpu():
+    try:
+        import pycuda.autoinit  # noqa: F401
+        import pycuda.driver as drv
+    except Exception as e:  # ImportError, or no driver / device
+        pytest.skip(f"needs pycuda and a CUDA device: {type(e).__name__}: {e}")
+    return drv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", EXTRA_SHAPES + [ConvShape(64, 56, 56, 64, 3, 3, (1, 1), (1, 1, 1, 1)),
+                                                   ConvShape(96, 28, 28, 96, 5, 5, (2, 2), (2, 2, 2, 2), group=96)])
+def test_kernel_on_gpu_matches_onnxruntime(shape):
+    drv = _gpu()
+    from pycuda.compiler import SourceModule
+
+    epi = Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True)
+    x, w, b, z = random_problem(shape, epi, batch=2)
+    expected = ort_reference(shape, epi, x, w, b, z)
+    for tile in (DEPTHWISE_TILES if shape.depthwise else GEMM_TILES):
+        k = generate(shape, epi, tile)
+        fn = SourceModule(k.source, no_extern_c=True, options=["-O3"]).get_function(k.entry)
+        y = np.zeros_like(expected)
+        bufs = [drv.to_device(a) for a in (x, w, b, z)]
+        yd = drv.mem_alloc(y.nbytes)
+        words = np.array([int(p) for p in bufs] + [int(yd), 2], dtype=np.uint64)
+        fn(np.frombuffer(words.tobytes(), dtype=np.dtype((np.void, words.nbytes)))[0],
+           block=(k.threads, 1, 1), grid=k.grid(2))
+        drv.memcpy_dtoh(y, yd)
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4, err_msg=str(tile))
+
+
+@pytest.mark.gpu
+def test_tune_times_every_candidate():
+    _gpu()
+    from onnxfuse.cuda.conv_codegen import tune
+
+    best, table = tune(ConvShape(64, 28, 28, 64, 3, 3, (1, 1), (1, 1, 1, 1)), Epilogue("relu"), batch=1, repeats=3)
+    assert len(table) == len(GEMM_TILES) and best in GEMM_TILES and all(ms > 0 for _, ms in table)
+
+
+def test_tune_without_a_gpu_says_so():
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "") != "" and shutil.which("nvidia-smi"):
+        pytest.skip("a GPU may be present")
+    from onnxfuse.cuda.conv_codegen import tune
+
+    try:
+        import pycuda.autoinit  # noqa: F401
+
+        pytest.skip("pycuda has a device here")
+    except Exception:
+        pass
+    with pytest.raises(RuntimeError, match="tuning needs pycuda and a CUDA device"):
+        tune(ConvShape(8, 8, 8, 8, 3, 3), Epilogue("relu"))
