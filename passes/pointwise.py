@@ -272,11 +272,19 @@ class Analysis:
         self.nodes = list(graph.nodes)
         self.index = {id(n): i for i, n in enumerate(self.nodes)}
         self.graph_outputs = {t.name for t in graph.outputs}
+        # A node inside an If/Loop/Scan body that reads a top-level value (outer-scope reference)
+        # makes the If/Loop/Scan node itself a consumer of that value.
+        owner: dict[int, gs.Node] = {}
+        for n in self.nodes:
+            for sub in _subgraphs(n):
+                for inner in _all_nodes(sub):
+                    owner[id(inner)] = n
         self.consumers: dict[int, list[gs.Node]] = {}
         for n in self.nodes:
             seen: dict[int, gs.Node] = {}
             for t in n.outputs:
                 for c in t.outputs:
+                    c = owner.get(id(c), c)
                     if id(c) in self.index:
                         seen[id(c)] = c
             self.consumers[id(n)] = list(seen.values())
@@ -319,6 +327,22 @@ class Analysis:
     def producer(self, t: gs.Tensor) -> gs.Node | None:
         p = gu.producer(t)
         return p if p is not None and id(p) in self.index else None
+
+
+def _subgraphs(n: gs.Node) -> list[gs.Graph]:
+    subs = []
+    for v in n.attrs.values():
+        subs += [v] if isinstance(v, gs.Graph) else [g for g in v if isinstance(g, gs.Graph)] if isinstance(v, list) else []
+    return subs
+
+
+def _all_nodes(g: gs.Graph) -> list[gs.Node]:
+    out = []
+    for n in g.nodes:
+        out.append(n)
+        for sub in _subgraphs(n):
+            out += _all_nodes(sub)
+    return out
 
 
 def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
