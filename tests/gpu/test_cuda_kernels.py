@@ -6,6 +6,7 @@ import zlib
 
 import numpy as np
 import pytest
+from gpu_helpers import arch, runner  # noqa: F401  (fixtures)
 
 from onnxfuse.cuda import codegen
 from onnxfuse.cuda.args import MODE_STRIDED, pack_args, plan_call

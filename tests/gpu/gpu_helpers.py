@@ -1,4 +1,5 @@
-"""Fixtures of the GPU tests: the device's architecture, a way to run a stored kernel on the
+"""Helpers and fixtures of the GPU tests (imported by name: a second conftest.py would clash
+with tests/conftest.py as module `conftest`): the device's architecture, a way to run a stored kernel on the
 device without onnxruntime (PyCUDA, or the driver API through ctypes with CuPy's memory when
 PyCUDA is missing), and CUDA-provider sessions. Every test here carries the `gpu` marker; the
 top-level conftest skips them all on machines without a CUDA device."""
