@@ -41,10 +41,10 @@ setup() {
   [ -f "$bundle/MANIFEST" ] || die "$bundle/MANIFEST missing: carry the last group of gpu/prepare.sh's output"
   step "checking the bundle against MANIFEST"
   local missing
-  missing=$(awk '$1 ~ /^[0-9a-f]{64}$/ {print $2}' "$bundle/MANIFEST" | while read -r f; do [ -f "$bundle/$f" ] || echo "$f"; done)
+  missing=$(awk 'length($1) == 64 && $1 ~ /^[0-9a-f]+$/ {print $2}' "$bundle/MANIFEST" | while read -r f; do [ -f "$bundle/$f" ] || echo "$f"; done)
   [ -z "$missing" ] || die "pieces missing from $bundle (the machine may have been given back between calls; stage every group again):
 $missing"
-  (cd "$bundle" && awk '$1 ~ /^[0-9a-f]{64}$/' MANIFEST | sha256sum -c --quiet) || die "a bundle piece is corrupt"
+  (cd "$bundle" && awk 'length($1) == 64 && $1 ~ /^[0-9a-f]+$/' MANIFEST | sha256sum -c --quiet) || die "a bundle piece is corrupt"
   echo "all pieces present and intact"
 
   step "python: $host_py ($pyver); CUDA_ROOT=$cuda_root"
@@ -196,7 +196,9 @@ status=0
 if [ "$phase" = all ] || [ "$phase" = test ]; then
   step "GPU tests: pytest -m gpu"
   set +e
-  "$py" -m pytest -m gpu tests -q -rs -p no:cacheprovider --timeout 300 \
+  timeout_opt=()
+  "$py" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout 300)
+  "$py" -m pytest -m gpu tests -q -rs -p no:cacheprovider "${timeout_opt[@]}" \
       --junitxml="$results/gpu_tests.xml" 2>&1 | tee /tmp/onnxfuse-gpu-tests.txt
   status=${PIPESTATUS[0]}
   set -e

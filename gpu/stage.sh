@@ -23,7 +23,7 @@ done
 say "$moved file(s) staged; $dest now holds:"
 ls -l "$dest" | sed 's/^/  /'
 if [ -f "$dest/MANIFEST" ]; then
-  missing=$(awk '$1 ~ /^[0-9a-f]{64}$/ {print $2}' "$dest/MANIFEST" | while read -r f; do [ -f "$dest/$f" ] || echo "$f"; done)
+  missing=$(awk 'length($1) == 64 && $1 ~ /^[0-9a-f]+$/ {print $2}' "$dest/MANIFEST" | while read -r f; do [ -f "$dest/$f" ] || echo "$f"; done)
   if [ -n "$missing" ]; then say "still missing:"; echo "$missing" | sed 's/^/  /'; else say "every piece of the bundle is here"; fi
 fi
 df -h /tmp | tail -1 | awk '{print "[stage] /tmp free: " $4}'

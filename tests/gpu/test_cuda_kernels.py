@@ -10,7 +10,7 @@ from gpu_helpers import arch, runner  # noqa: F401  (fixtures)
 
 from onnxfuse.cuda import codegen
 from onnxfuse.cuda.args import MODE_STRIDED, pack_args, plan_call
-from onnxfuse.cuda.compile import compile_source
+from onnxfuse.cuda.compile import compile_many, compile_source
 from onnxfuse.program import OPS, Program, _to_bf16
 
 pytestmark = pytest.mark.gpu
@@ -77,14 +77,28 @@ EXACT = {"neg", "abs", "sqrt", "recip", "relu", "floor", "ceil", "round", "sign"
          "gt", "ge", "and", "or", "xor", "where", "hardsigmoid", "hardswish", "softsign"}
 
 
-@pytest.mark.parametrize("ct", ["f32", "f64"])
-@pytest.mark.parametrize("name", sorted(OPS))
-def test_every_opcode_on_the_gpu_matches_the_reference(runner, arch, name, ct):
+def op_program(name: str, ct: str) -> Program:
     op = OPS[name]
     prog = Program()
     xs = [prog.add_input(ct) for _ in range(op.arity)]
     params = ("f16",) if name == "cast" else ((-1.0, 2.0) if name == "clip" else tuple([0.2, 1.5][: op.nparams]))
     prog.add_output(prog.emit(name, *xs, params=params), ct)
+    return prog
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled(arch):
+    """Every kernel of this module compiled up front, in parallel (the tests then hit the cache)."""
+    kernels = [codegen.generate(op_program(n, ct), 2) for n in OPS for ct in ("f32", "f64")]
+    kernels += [codegen.generate(Program.parse(text), 4) for text, _ in CASES]
+    compile_many([(k.source, k.entry) for k in kernels], arch=arch)
+
+
+@pytest.mark.parametrize("ct", ["f32", "f64"])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_opcode_on_the_gpu_matches_the_reference(runner, arch, name, ct):
+    prog = op_program(name, ct)
+    xs = prog.inputs
     rng = np.random.default_rng(zlib.crc32(f"{name}-{ct}".encode()))
     arrays = [_random(rng, (3, 1000), ct) for _ in xs]
     (got,), _ = run_on_device(runner, prog, arrays, 2, arch)
