@@ -56,7 +56,7 @@ class HostKernels:
         so = Path(self._dir) / f"kernels_{digest}.so"
         cc.write_text(src)
         cxx = os.environ.get("CXX", "g++")
-        cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
+        cmd = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
