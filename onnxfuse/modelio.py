@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import onnx
 from onnx import helper
 
@@ -259,6 +260,77 @@ def _node_label(node: onnx.NodeProto, index: int) -> str:
     return f"'{node.name}' ({node.op_type})" if node.name else f"#{index} ({node.op_type})"
 
 
+# Element types stored in int32_data (onnx.proto), and the bytes of each element type.
+_IN_INT32_DATA = {onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT16,
+                  onnx.TensorProto.UINT8, onnx.TensorProto.BOOL, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def _tensor_problem(t: onnx.TensorProto) -> str | None:
+    """Why an initializer's data cannot be its shape (negative dims, too few or too many values)."""
+    if any(d < 0 for d in t.dims):
+        return f"has a negative dimension {list(t.dims)}"
+    if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    count = 1
+    for d in t.dims:
+        count *= d
+    try:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    except Exception:  # float8/int4 and other packed types: left to onnxruntime
+        return None
+    if t.HasField("raw_data"):
+        have, need = len(t.raw_data), count * itemsize
+        unit = "bytes"
+    else:
+        typed = {onnx.TensorProto.FLOAT: t.float_data, onnx.TensorProto.DOUBLE: t.double_data,
+                 onnx.TensorProto.INT64: t.int64_data, onnx.TensorProto.UINT32: t.uint64_data,
+                 onnx.TensorProto.UINT64: t.uint64_data, onnx.TensorProto.COMPLEX64: t.float_data,
+                 onnx.TensorProto.COMPLEX128: t.double_data}
+        field = typed.get(t.data_type, t.int32_data if t.data_type in _IN_INT32_DATA else None)
+        if field is None:
+            return None
+        per = 2 if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128) else 1
+        have, need, unit = len(field), count * per, "values"
+    if have != need:
+        return f"holds {have} {unit} of data but its shape {list(t.dims)} needs {need}"
+    return None
+
+
+def _check_definitions_and_data(model: onnx.ModelProto, label: str) -> None:
+    """Names defined twice, negative input dims, initializers whose data does not fit their shape:
+    onnxruntime (or numpy, while verifying) would fail on them with an unclear message, or run
+    the original and the optimized model differently."""
+    graph = model.graph
+    for v in graph.input:
+        if v.type.HasField("tensor_type"):
+            dims = [d.dim_value for d in v.type.tensor_type.shape.dim if d.HasField("dim_value")]
+            if any(d < 0 for d in dims):
+                raise InputError(f"{label}: input '{v.name}' has a negative dimension")
+    for t in graph.initializer:
+        problem = _tensor_problem(t)
+        if problem:
+            raise InputError(f"{label}: initializer '{t.name}' {problem}")
+    seen: dict[str, str] = {}
+
+    def define(name: str, what: str) -> None:
+        if name in seen:
+            raise InputError(f"{label}: '{name}' is defined twice ({seen[name]} and {what})")
+        seen[name] = what
+
+    initializers = {t.name for t in graph.initializer}
+    for t in graph.initializer:
+        define(t.name, "an initializer")
+    for v in graph.input:
+        # Before IR 4 every initializer is also listed as an input; since then an input may
+        # share its initializer's name (an overridable default).
+        if v.name not in initializers:
+            define(v.name, "a graph input")
+    for i, node in enumerate(graph.node):
+        for o in node.output:
+            if o:
+                define(o, f"an output of node {_node_label(node, i)}")
+
+
 def check_model(model: onnx.ModelProto, label: str) -> None:
     """Reject graphs no runtime can run: opsets onnxruntime lacks, reads of values nothing
     produces, cycles, outputs nothing produces."""
@@ -272,6 +344,7 @@ def check_model(model: onnx.ModelProto, label: str) -> None:
             )
     if model.ir_version > onnx.IR_VERSION:
         raise InputError(f"{label}: IR version {model.ir_version} is newer than this onnx ({onnx.IR_VERSION}) knows")
+    _check_definitions_and_data(model, label)
     graph = model.graph
     available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     available |= {s.values.name for s in graph.sparse_initializer}
