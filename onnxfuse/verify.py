@@ -129,6 +129,10 @@ def _int_bounds(model: onnx.ModelProto, name: str) -> tuple[int, int]:
     return 0, max(1, high)
 
 
+# Random inputs beyond this many elements (4 GiB of float32) would exhaust memory or take minutes.
+MAX_RANDOM_INPUT_ELEMENTS = 2**30
+
+
 def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded random feeds for every graph input (initializers excluded), of the declared shapes."""
     dims = dict(dims or {})
@@ -144,6 +148,12 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
                              " fed random data")
         elem = value.type.tensor_type.elem_type
         shape = input_shape(value, dims)
+        if any(d < 0 for d in shape):
+            raise UnfeedableInputError(f"input '{value.name}' has a negative dimension {list(shape)}")
+        if int(np.prod(shape, dtype=object)) > MAX_RANDOM_INPUT_ELEMENTS:
+            raise UnfeedableInputError(
+                f"input '{value.name}' of shape {list(shape)} is too large to feed random data"
+                f" (more than {MAX_RANDOM_INPUT_ELEMENTS} elements)")
         if elem == onnx.TensorProto.STRING:
             feeds[value.name] = rng.choice(np.array(["a", "b", "c"], dtype=object), size=shape)
             continue
