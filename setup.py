@@ -15,7 +15,7 @@ native = Extension(
     sources=sorted(glob.glob("kernels/*.cc")),
     include_dirs=["kernels"],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-Wall"],
+    extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-fno-trapping-math", "-Wall"],
     extra_link_args=["-ldl", "-lpthread"],
 )
 

@@ -68,14 +68,17 @@ ONNXFUSE_INLINE uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(f != f ? nan : rounded);
 }
 
-// exp(x) for float within 2 ulp, subnormal results included. Cephes-style: x = n ln2 + r,
-// |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n applied in two steps so that
-// n in [-151, 129] neither overflows the exponent field nor loses subnormals.
+// exp(x) for float, within a few ulp for normal results. Cephes-style: x = n ln2 + r with
+// |r| <= ln2/2, exp(r) by a degree-6 polynomial, then 2^n added into the exponent field.
+// Subnormal results included; +inf gives inf, -inf gives 0, NaN propagates through the
+// arithmetic.
 ONNXFUSE_INLINE float exp_f32(float x) {
-  float xc = x < -104.0f ? -104.0f : x;
-  xc = xc > 89.0f ? 89.0f : xc;
-  xc = x == x ? xc : 0.0f;
-  float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+  float xc = x < -104.0f ? -104.0f : x;  // NaN passes both clamps
+  xc = xc > 88.7228f ? 88.7228f : xc;
+  // n = round(x / ln2) by the 1.5 * 2^23 trick: t holds n in its low mantissa bits.
+  const float magic = 12582912.0f;
+  float t = xc * 1.44269504088896341f + magic;
+  float n = t - magic;
   float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float r2 = r * r;
@@ -86,30 +89,35 @@ ONNXFUSE_INLINE float exp_f32(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   float y = p * r2 + r + 1.0f;
-  int32_t ni = static_cast<int32_t>(n);
+  // 2^n applied as 2^n1 * 2^n2 so that n in [-150, 128] keeps both exponent fields in range and
+  // subnormal results are rounded once, like libm's.
+  int32_t ni = static_cast<int32_t>(bits(t) - bits(magic));
   int32_t n1 = ni >> 1;
   int32_t n2 = ni - n1;
-  float s1 = from_bits(static_cast<uint32_t>(n1 + 127) << 23);
-  float s2 = from_bits(static_cast<uint32_t>(n2 + 127) << 23);
-  float res = y * s1 * s2;
-  return x == x ? res : x;
+  float res = y * from_bits(static_cast<uint32_t>(n1 + 127) << 23) * from_bits(static_cast<uint32_t>(n2 + 127) << 23);
+  return x > 88.7228f ? INFINITY : res;
 }
 
-// tanh(x) for float: odd polynomial near 0 (where 1 - 2/(e^2x + 1) would cancel), the
-// exponential form elsewhere; saturates to +-1 and keeps NaN.
+// tanh(x) for float: x P(x^2) / Q(x^2) on [-9, 9] (beyond, tanh rounds to +-1 in float), a
+// rational fit with absolute error below 4e-7 and the right limit near 0; NaN propagates.
 ONNXFUSE_INLINE float tanh_f32(float x) {
-  float ax = std::fabs(x);
-  float z = x * x;
-  float p = -5.70498872745e-3f;
-  p = p * z + 2.06390887954e-2f;
-  p = p * z + -5.37397155531e-2f;
-  p = p * z + 1.33314422036e-1f;
-  p = p * z + -3.33332819422e-1f;
-  float small = p * z * x + x;
-  float e = exp_f32(2.0f * (ax > 10.0f ? 10.0f : ax));
-  float large = 1.0f - 2.0f / (e + 1.0f);
-  large = x < 0.0f ? -large : large;
-  return ax < 0.625f ? small : (x == x ? large : x);
+  float xc = x < -9.0f ? -9.0f : x;
+  xc = xc > 9.0f ? 9.0f : xc;
+  float z = xc * xc;
+  float p = -8.489262523702124e-14f;
+  p = p * z + 5.2782458524004754e-11f;
+  p = p * z + -2.0226027843409983e-08f;
+  p = p * z + 1.1154547001772391e-05f;
+  p = p * z + 0.003103981597199744f;
+  p = p * z + 0.1308403360950085f;
+  p = p * z + 0.9999999934116282f;
+  float q = 0.0002546180636283338f;
+  q = q * z + 0.02449528195179353f;
+  q = q * z + 0.46417360730632895f;
+  q = q * z + 1.0f;
+  float r = xc * p / q;
+  r = r > 1.0f ? 1.0f : r;
+  return r < -1.0f ? -1.0f : r;
 }
 
 ONNXFUSE_INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
