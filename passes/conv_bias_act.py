@@ -15,8 +15,8 @@ replaced subgraph -- is the folded Conv and its activation chain. A Conv without
 zero bias first, so the node always reads (X, W, B[, Z]).
 
 The node carries the layer's generated CUDA kernel (onnxfuse/cuda/conv_codegen.py): the source,
-its entry, the launch rule and, when the CUDA toolkit is present, PTX for ctx.arch (default
-sm_90). Tiles come from the documented heuristic, or from timing the candidates on the GPU
+its entry and the launch rule; the cuda-compile pass (order 900) adds cubin and PTX for --arch,
+and kernels/cuda_conv.cc launches it on the CUDA execution provider. Tiles come from the documented heuristic, or from timing the candidates on the GPU
 when ctx.options["tune"] is set and one is present.
 
 Target policy (measured, bench/results/conv_cpu.md): on --target cpu this pass does nothing.
@@ -286,22 +286,6 @@ def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.N
     return node
 
 
-def _compile(nodes_kernels: list[tuple[gs.Node, Kernel]], ctx: Context) -> None:
-    """PTX for ctx.arch on every new node, when the CUDA toolkit is here (source alone otherwise:
-    the runtime side compiles what it is given). ctx.options["compile"] = False skips it."""
-    if not nodes_kernels or not ctx.options.get("compile", True):
-        return
-    try:
-        from onnxfuse.cuda.compile import CompileError, compile_many
-
-        done = compile_many([(k.source, k.entry) for _, k in nodes_kernels], arch=ctx.arch)
-    except (ImportError, CompileError, OSError):
-        return
-    for (node, _), ck in zip(nodes_kernels, done):
-        node.attrs["cuda_arch"] = ck.arch
-        node.attrs["cuda_ptx"] = ck.ptx
-
-
 def run(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target != "cuda":
         return 0
@@ -315,7 +299,6 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             continue
         kernel = _attach_kernel(graph, m, ctx)
         made.append((rewrite(graph, m, ctx, kernel), kernel))
-    _compile(made, ctx)
     return len(made)
 
 

@@ -39,7 +39,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA
 def zoo_layers() -> tuple:
     """(model, node, ConvShape, Epilogue or None) of every Conv of the zoo CNNs, after BN folding."""
     from onnxfuse.modelio import normalize, resolve_input
-    from passes.conv_bias_act import conv_layers
+    from onnxfuse.passes.conv_bias_act import conv_layers
 
     out = []
     for name in ZOO_CNNS:

@@ -32,7 +32,7 @@ Kernel ABI (shared with the launcher of stored CUDA kernels): every argument is 
                         float* y; long long batch; };
     extern "C" __global__ void ENTRY(const ENTRY_args a)
     block = (threads, 1, 1)
-    grid  = (ceil(batch * grid_cols / cols_per_block), grid_y, grid_z)   -- see Kernel.grid()
+    grid  = (ceil(batch * grid_cols / cols_per_block), grid_y, grid_z)   -- Kernel.grid(), Kernel.attrs()
     requires batch * grid_cols + cols_per_block < 2^31 (pixel indices are 32-bit)
 """
 from __future__ import annotations
@@ -276,21 +276,33 @@ class Kernel:
     grid_z: int
     smem_bytes: int
     tile: list[int] = field(default_factory=list)
+    input_chw: tuple[int, int, int] = (0, 0, 0)
+    output_kpq: tuple[int, int, int] = (0, 0, 0)
+    residual: bool = False
 
     def grid(self, batch: int) -> tuple[int, int, int]:
         return (-(-batch * self.grid_cols // self.cols_per_block), self.grid_y, self.grid_z)
 
     def attrs(self) -> dict:
-        """Launch description stored on the ConvBiasAct node."""
+        """Launch description stored on the ConvBiasAct node (read by kernels/cuda_conv.cc).
+        grid = (ceil(batch * cuda_grid_cols / cuda_cols_per_block), cuda_grid_y, cuda_grid_z),
+        block = (cuda_block, 1, 1); X must be [N, cuda_c, cuda_h, cuda_w], Y is
+        [N, cuda_k, cuda_p, cuda_q]."""
+        c, h, w = self.input_chw
+        k, p, q = self.output_kpq
         return {
             "cuda_abi": ABI_VERSION,
             "cuda_entry": self.entry,
             "cuda_source": self.source,
             "cuda_kind": self.kind,
-            "cuda_block": [self.threads, 1, 1],
-            # grid.x = ceil(batch * cuda_grid[0] / cuda_grid[1]); grid.y, grid.z = cuda_grid[2:]
-            "cuda_grid": [self.grid_cols, self.cols_per_block, self.grid_y, self.grid_z],
+            "cuda_block": self.threads,
+            "cuda_grid_cols": self.grid_cols,
+            "cuda_cols_per_block": self.cols_per_block,
+            "cuda_grid_y": self.grid_y,
+            "cuda_grid_z": self.grid_z,
             "cuda_tile": list(self.tile),
+            "cuda_c": c, "cuda_h": h, "cuda_w": w, "cuda_k": k, "cuda_p": p, "cuda_q": q,
+            "cuda_residual": int(self.residual),
         }
 
 
@@ -409,7 +421,7 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
     L += ["      a.y[dst] = v;", "    }", "  }", "}"]
     return Kernel(entry=entry, source="\n".join(L) + "\n", kind="gemm", threads=t.threads, cols_per_block=t.bn,
                   grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm), grid_z=shape.group,
-                  smem_bytes=t.smem_bytes, tile=t.as_list())
+                  smem_bytes=t.smem_bytes, tile=t.as_list(), **_io(shape, epi))
 
 
 def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> Kernel:
@@ -451,7 +463,12 @@ def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> 
     L += ["  a.y[dst] = v;", "}"]
     return Kernel(entry=entry, source="\n".join(L) + "\n", kind="depthwise", threads=tile.threads,
                   cols_per_block=tile.threads, grid_cols=shape.p * shape.q, grid_y=shape.k, grid_z=1,
-                  smem_bytes=4 * shape.r * shape.s, tile=[tile.threads])
+                  smem_bytes=4 * shape.r * shape.s, tile=[tile.threads], **_io(shape, epi))
+
+
+def _io(shape: ConvShape, epi: Epilogue) -> dict:
+    return {"input_chw": (shape.c, shape.h, shape.w), "output_kpq": (shape.k, shape.p, shape.q),
+            "residual": epi.residual}
 
 
 def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS):

@@ -1,0 +1,229 @@
+// onnxfuse.ConvBiasAct on the CUDA execution provider: launches the kernel generated for the
+// layer (onnxfuse/cuda/conv_codegen.py, implicit GEMM or direct depthwise) and stored with the
+// node by passes/cuda_compile.py, through the shared stored-kernel layer (cuda_launch.h).
+//
+// Inputs X [N, C, H, W], W, B [K], optional residual Z [N, K, P, Q]; output Y [N, K, P, Q];
+// float32. The kernel is specialised for C, H, W (and the conv's parameters); N is an argument,
+// so the grid's x dimension is computed per call: ceil(N * cuda_grid[0] / cuda_grid[1]).
+//
+// For the CUDA provider only, and (see the end of the file) not registered by default.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cuda_launch.h"
+#include "registry.h"
+
+namespace onnxfuse {
+namespace {
+
+constexpr const char* kConvBiasActOpName = "ConvBiasAct";
+
+struct CudaConvKernel {
+  OrtApiRef api;
+  std::string node_name;
+  cuda::StoredKernel kernel;
+  int64_t threads;
+  int64_t grid_cols, cols_per_block, grid_y, grid_z;
+  int64_t c, h, w, k, p, q;
+  bool residual;
+};
+
+std::string node_label(const std::string& name) { return "onnxfuse ConvBiasAct node '" + name + "' (CUDA): "; }
+
+OrtStatus* wrap(const OrtApiRef& api, OrtStatus* st, const std::string& context) {
+  std::string msg = context + api.GetErrorMessage(st);
+  OrtErrorCode code = api.GetErrorCode(st);
+  api.ReleaseStatus(st);
+  return api.CreateStatus(code, msg.c_str());
+}
+
+#define ONNXFUSE_CONV_RETURN_IF(call, context)                   \
+  do {                                                          \
+    if (OrtStatus* st_ = (call)) return wrap(api, st_, context); \
+  } while (0)
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
+  OrtApiRef api(raw);
+  try {
+    std::string name;
+    size_t size = 0;
+    ONNXFUSE_CONV_RETURN_IF(api.KernelInfo_GetNodeName(info, nullptr, &size), "onnxfuse ConvBiasAct (CUDA): ");
+    name.resize(size);
+    ONNXFUSE_CONV_RETURN_IF(api.KernelInfo_GetNodeName(info, name.data(), &size), "onnxfuse ConvBiasAct (CUDA): ");
+    name.resize(std::strlen(name.c_str()));
+    const std::string where = node_label(name);
+
+    std::string error;
+    cuda::KernelImage image;
+    if (!cuda::read_stored_kernel(api, info, &image, &error))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+    // Launch constants (conv_codegen.Kernel.attrs).
+    const char* names[] = {"cuda_block", "cuda_grid_cols", "cuda_cols_per_block", "cuda_grid_y", "cuda_grid_z",
+                           "cuda_c",     "cuda_h",         "cuda_w",              "cuda_k",      "cuda_p",
+                           "cuda_q"};
+    int64_t v[11];
+    for (int i = 0; i < 11; ++i) {
+      if (!cuda::int_attr(api, info, names[i], &v[i]) || v[i] < 1 || (i == 0 && v[i] > 1024))
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing or invalid attribute " + names[i] +
+                                                       " (optimize the model again)").c_str());
+    }
+    int64_t residual = 0;
+    if (!cuda::int_attr(api, info, "cuda_residual", &residual))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing attribute cuda_residual").c_str());
+    size_t n_in = 0;
+    ONNXFUSE_CONV_RETURN_IF(api.KernelInfo_GetInputCount(info, &n_in), where);
+    if ((residual != 0) != (n_in == 4))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (where + "the kernel's residual epilogue and the node's inputs disagree").c_str());
+    *out = new CudaConvKernel{api,  name, cuda::StoredKernel(std::move(image)),
+                              v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], residual != 0};
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, "onnxfuse ConvBiasAct (CUDA): out of memory");
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse ConvBiasAct (CUDA): ") + e.what()).c_str());
+  }
+}
+
+// Shape of input `i` (empty and nullptr data when the optional input is absent).
+OrtStatus* input(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, std::vector<int64_t>* shape,
+                 ONNXTensorElementDataType* type, const void** data) {
+  const OrtValue* value = nullptr;
+  if (OrtStatus* st = api.KernelContext_GetInput(ctx, i, &value)) return st;
+  shape->clear();
+  *data = nullptr;
+  if (value == nullptr) return nullptr;
+  OrtTensorTypeAndShapeInfo* ti = nullptr;
+  if (OrtStatus* st = api.GetTensorTypeAndShape(value, &ti)) return st;
+  size_t rank = 0;
+  OrtStatus* st = api.GetTensorElementType(ti, type);
+  if (!st) st = api.GetDimensionsCount(ti, &rank);
+  if (!st) {
+    shape->resize(rank);
+    st = api.GetDimensions(ti, shape->data(), rank);
+  }
+  api.ReleaseTensorTypeAndShapeInfo(ti);
+  if (st) return st;
+  void* ptr = nullptr;
+  if (OrtStatus* s = api.GetTensorMutableData(const_cast<OrtValue*>(value), &ptr)) return s;
+  *data = ptr;
+  return nullptr;
+}
+
+std::string dims_text(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
+  auto* k = static_cast<CudaConvKernel*>(kernel_ptr);
+  const OrtApiRef& api = k->api;
+  const std::string where = node_label(k->node_name);
+  try {
+    std::vector<int64_t> xs, ws, bs, zs;
+    ONNXTensorElementDataType xt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, wt = xt, bt = xt, zt = xt;
+    const void *x = nullptr, *w = nullptr, *b = nullptr, *z = nullptr;
+    ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 0, &xs, &xt, &x), where);
+    ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 1, &ws, &wt, &w), where);
+    ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 2, &bs, &bt, &b), where);
+    if (k->residual) ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 3, &zs, &zt, &z), where);
+    const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (xt != f32 || wt != f32 || bt != f32 || (k->residual && zt != f32))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the kernel reads float32 tensors only").c_str());
+    if (xs.size() != 4 || xs[1] != k->c || xs[2] != k->h || xs[3] != k->w)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (where + "input X is " + dims_text(xs) + ", the kernel was generated for [N, " +
+                               std::to_string(k->c) + ", " + std::to_string(k->h) + ", " + std::to_string(k->w) +
+                               "] (optimize the model again for this input size)")
+                                  .c_str());
+    if (bs.size() != 1 || bs[0] != k->k || ws.empty() || ws[0] != k->k)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "W or B does not match the kernel's channels").c_str());
+    const int64_t n = xs[0];
+    const std::vector<int64_t> ys = {n, k->k, k->p, k->q};
+    if (k->residual && (z == nullptr || zs != ys))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (where + "residual Z is " + dims_text(zs) + ", expected " + dims_text(ys)).c_str());
+    OrtValue* yv = nullptr;
+    ONNXFUSE_CONV_RETURN_IF(api.KernelContext_GetOutput(ctx, 0, ys.data(), ys.size(), &yv), where);
+    void* y = nullptr;
+    ONNXFUSE_CONV_RETURN_IF(api.GetTensorMutableData(yv, &y), where);
+    if (n == 0) return nullptr;
+    // Pixel indices in the kernel are 32-bit.
+    if (n * k->grid_cols + k->cols_per_block >= (int64_t{1} << 31))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "batch " + std::to_string(n) + " is too large").c_str());
+
+    // The argument struct of conv_codegen ABI 1: x, w, bias, z, y, batch, as 8-byte words.
+    int64_t words[6] = {
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(x)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(w)),
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(b)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(z)),
+        static_cast<int64_t>(reinterpret_cast<uintptr_t>(y)), n};
+    void* stream = nullptr;
+    ONNXFUSE_CONV_RETURN_IF(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+    auto cu_stream = static_cast<cuda::CUstream>(stream);
+    std::string error;
+    cuda::Dim3 grid, block;
+    grid.x = static_cast<unsigned int>((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block);
+    grid.y = static_cast<unsigned int>(k->grid_y);
+    grid.z = static_cast<unsigned int>(k->grid_z);
+    block.x = static_cast<unsigned int>(k->threads);
+    void* params[] = {words};
+    if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
+      return api.CreateStatus(ORT_FAIL, (where + error).c_str());
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
+  }
+}
+
+void destroy_kernel(void* kernel) { delete static_cast<CudaConvKernel*>(kernel); }
+
+const char* op_name(const OrtCustomOp*) { return kConvBiasActOpName; }
+const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
+ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+size_t four(const OrtCustomOp*) { return 4; }
+size_t one(const OrtCustomOp*) { return 1; }
+OrtCustomOpInputOutputCharacteristic input_kind(const OrtCustomOp*, size_t i) {
+  return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = kOrtApiVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = cuda_provider;
+  op.GetInputType = float_type;
+  op.GetInputTypeCount = four;
+  op.GetOutputType = float_type;
+  op.GetOutputTypeCount = one;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = input_kind;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = default_memory;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+// Not registered yet. Once the library registers a ConvBiasAct kernel for any provider,
+// onnxruntime stops falling back to the node's function: a CPU session with the library loaded
+// then fails with "Could not find an implementation for ConvBiasAct" (checked with onnxruntime
+// 1.31). Registering this op needs a CPU registration of ConvBiasAct beside it (for example one
+// that runs onnxruntime's own Conv through the C API's CreateOp/InvokeOp and applies the
+// epilogue); build with -DONNXFUSE_REGISTER_CUDA_CONV to register it anyway, on CUDA-only setups.
+[[maybe_unused]] const OrtCustomOp kCudaConvBiasActOp = make_op();
+#ifdef ONNXFUSE_REGISTER_CUDA_CONV
+ONNXFUSE_REGISTER_OP(kCudaConvBiasActOp);
+#endif
+
+}  // namespace
+}  // namespace onnxfuse
