@@ -115,6 +115,8 @@ class OnnxfuseGroup(click.Group):
                 traceback.print_exc()
             if isinstance(e, LibraryError):
                 _fail(EXIT_INTERNAL, f"error: {e}")
+            if type(e).__name__ == "CompileError":  # onnxfuse.cuda.compile: nvcc missing or failing
+                _fail(EXIT_INTERNAL, f"error: CUDA compilation failed: {str(e).strip().splitlines()[0]}")
             text = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _fail(EXIT_INTERNAL, f"internal error: {type(e).__name__}{': ' + text if text else ''}"
                                  " (rerun with --debug for the traceback)")

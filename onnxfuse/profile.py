@@ -87,13 +87,13 @@ class ModelReport:
 # --------------------------------------------------------------------------- sessions
 
 
-def _model_bytes(model: onnx.ModelProto | bytes | str) -> tuple[bytes | str, bool]:
-    """(what InferenceSession takes, whether the model holds fused ops)."""
+def _model_bytes(model: onnx.ModelProto | bytes | str, provider: str = "cpu") -> tuple[bytes | str, bool]:
+    """(what InferenceSession takes, whether our library runs its fused ops on this provider)."""
     if isinstance(model, onnx.ModelProto):
-        return model.SerializeToString(), needs_library(model)
+        return model.SerializeToString(), needs_library(model, provider)
     if isinstance(model, bytes):
-        return model, needs_library(onnx.load_from_string(model))
-    return str(model), needs_library(onnx.load(str(model), load_external_data=False))
+        return model, needs_library(onnx.load_from_string(model), provider)
+    return str(model), needs_library(onnx.load(str(model), load_external_data=False), provider)
 
 
 def open_session(
@@ -109,7 +109,7 @@ def open_session(
     it is an InputError, not a silent fallback to the CPU."""
     import onnxruntime as ort
 
-    data, fused = _model_bytes(model)
+    data, fused = _model_bytes(model, provider)
     if with_library is None:
         with_library = fused
     so = session_options(with_library=with_library, threads=threads, level=level, profile=profile_prefix is not None)

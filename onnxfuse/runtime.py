@@ -32,9 +32,26 @@ def library_path() -> str:
     return found[0]
 
 
-def needs_library(model: onnx.ModelProto) -> bool:
-    """True when the model holds fused ops our library implements."""
-    return any(n.domain == DOMAIN for n in model.graph.node)
+# Fused op types the library registers for the CUDA provider. Their CUDA kernel launches the
+# kernel compiled and stored with the node (--target cuda); a node without one must run its
+# fallback function instead. On the CPU provider, op types the library does not implement fall
+# back to their functions by themselves.
+CUDA_KERNELS = frozenset({"Pointwise", "ConvBiasAct"})
+
+
+def needs_library(model: onnx.ModelProto, provider: str = "cpu") -> bool:
+    """True when the model holds fused ops and registering our library lets them run our
+    kernels; False when it would bind a CUDA kernel to a node that has no compiled kernel
+    (a model optimized for --target cpu, run on the CUDA provider): the fallback functions
+    then run, which is always correct."""
+    fused = [n for n in model.graph.node if n.domain == DOMAIN]
+    if not fused:
+        return False
+    if provider == "cuda":
+        return all(
+            any(a.name == "cuda_entry" for a in n.attribute) for n in fused if n.op_type in CUDA_KERNELS
+        )
+    return True
 
 
 PROVIDERS = {
@@ -87,15 +104,15 @@ def make_session(
 
     if isinstance(model, onnx.ModelProto):
         if with_library is None:
-            with_library = needs_library(model)
+            with_library = needs_library(model, provider)
         data = model.SerializeToString()
     elif isinstance(model, bytes):
         if with_library is None:
-            with_library = needs_library(onnx.load_from_string(model))
+            with_library = needs_library(onnx.load_from_string(model), provider)
         data = model
     else:
         if with_library is None:
-            with_library = needs_library(onnx.load(model, load_external_data=False))
+            with_library = needs_library(onnx.load(model, load_external_data=False), provider)
         data = model
     so = session_options(with_library=with_library, threads=threads, level=level, profile=profile)
     return ort.InferenceSession(data, sess_options=so, providers=list(providers or PROVIDERS[provider]))

@@ -389,8 +389,9 @@ def verify(
     names = [o.name for o in original.graph.output]
     types = _output_types(original)
 
-    configs = [("with the onnxfuse library", None)] if needs_library(optimized) else [("optimized", False)]
-    if fallback and needs_library(optimized):
+    uses_library = needs_library(optimized, provider)
+    configs = [("with the onnxfuse library", None)] if uses_library else [("optimized", False)]
+    if fallback and uses_library:
         configs.append(("fallback functions, no library", False))
     for label, with_library in configs:
         run = RunCheck(label)
