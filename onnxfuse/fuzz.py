@@ -706,14 +706,16 @@ def near_tie(model: onnx.ModelProto, feeds, dtype: int) -> bool:
     return any(_jumps(n, [values.get(i) if i else None for i in n.input]) for n in watched)
 
 
-def compare(ref: dict, got: dict) -> str | None:
+def compare(ref: dict, got: dict, loose: bool = False) -> str | None:
+    """None when `got` matches `ref`; loose: float16 tolerances for every float output (a float16
+    case's values widened to float32 carry float16 rounding differences)."""
     for name, want in ref.items():
         have = got.get(name)
         if have is None or have.shape != want.shape or have.dtype != want.dtype:
             return (f"output {name}: shape/dtype {None if have is None else (have.shape, have.dtype)}"
                     f" != {(want.shape, want.dtype)}")
         if want.dtype.kind in "fc":
-            rtol, atol = tolerance(want.dtype)
+            rtol, atol = tolerance(np.float16 if loose else want.dtype)
             if not np.allclose(have, want, rtol=rtol, atol=atol, equal_nan=True):
                 with np.errstate(all="ignore"):
                     err = np.nanmax(np.abs(have.astype(np.float64) - want)) if want.size else 0.0
@@ -779,6 +781,7 @@ def run_case(seed: int, passes=None, idempotence: bool = True) -> Outcome:
         if len(again.graph.node) != len(opt.graph.node) or _fused_count(again) != out.fused or \
                 [n.op_type for n in again.graph.node] != [n.op_type for n in opt.graph.node]:
             return fail(f"not idempotent: {len(opt.graph.node)} nodes after one run, {len(again.graph.node)} after two")
+    level = "all"
     for draw in range(TIE_REDRAWS + 1):
         feeds = redraw_feeds(case, draw)
         if draw:
@@ -786,10 +789,24 @@ def run_case(seed: int, passes=None, idempotence: bool = True) -> Outcome:
         problem = None
         for with_library in (False, True):
             try:
-                got = _run(opt, feeds, with_library=with_library)
+                got = _run(opt, feeds, with_library=with_library, level=level)
             except Exception as e:
-                return fail(f"optimized model (library={with_library}) does not run: {str(e).splitlines()[0][:300]}")
-            msg = compare(ref, got)
+                err = f"optimized model (library={with_library}) does not run: {str(e).splitlines()[0][:300]}"
+                try:
+                    # onnxruntime's own graph rewrites fail on some valid models (e.g. its
+                    # Relu+Clip fusion on double Clip bounds): when they fail on the original
+                    # too, the optimized model is run without them.
+                    _run(model, feeds, with_library=False, level="all")
+                except Exception:
+                    level = "disable"
+                    try:
+                        got = _run(opt, feeds, with_library=with_library, level=level)
+                    except Exception as e2:
+                        return fail(f"optimized model (library={with_library}) does not run:"
+                                    f" {str(e2).splitlines()[0][:300]}")
+                else:
+                    return fail(err)
+            msg = compare(ref, got, loose=case.dtype == F16)
             if msg:
                 problem = f"{msg} (library={with_library}, draw {draw})"
                 break
