@@ -1,0 +1,210 @@
+"""The CPU Pointwise kernel vs the same op chain as separate onnxruntime nodes.
+
+Each chain is a run of elementwise ops that onnxruntime's own graph optimizer (ORT_ENABLE_ALL)
+does not fuse: arithmetic with a second input and constants, mixed with Tanh, Sigmoid and Exp.
+For every chain length, size and thread count both models run in onnxruntime's CPU provider,
+interleaved (A B B A per round, so drift on a shared host hits both alike), inputs and outputs
+bound once (IOBinding) so both sides pay the same fixed costs; the table shows medians and
+ratio = median(separate nodes) / median(Pointwise), above 1 when the fused kernel is faster.
+Outputs of the two models are compared before timing.
+
+    python bench/pointwise_cpu.py --out bench/results/pointwise_cpu.md
+    python bench/pointwise_cpu.py --sizes 1e5 1e6 --chains 4 --threads 1 --seconds 0.5
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse import runtime
+from onnxfuse.program import Program
+
+# One step of a chain: (ONNX op, second operand: "y" the second input, a float constant, or None;
+# program opcode). The cycle keeps values bounded for any length and never forms a pattern
+# onnxruntime fuses (x * sigmoid(a * x), Add + LayerNorm, Gelu forms...).
+CYCLE = [
+    ("Mul", 0.9, "mul"),
+    ("Add", "y", "add"),
+    ("Tanh", None, "tanh"),
+    ("Mul", "y", "mul"),
+    ("Sigmoid", None, "sigmoid"),
+    ("Sub", 0.25, "sub"),
+    ("Exp", None, "exp"),
+    ("Add", "y", "add"),
+]
+
+
+def chain_models(length: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """(separate nodes, one Pointwise node) computing the same chain over x and y: float[n]."""
+    nodes, inits = [], []
+    prog = Program()
+    x, y = prog.add_input("f32"), prog.add_input("f32")
+    cur_name, cur_val = "x", x
+    for k in range(length):
+        op, operand, opcode = CYCLE[k % len(CYCLE)]
+        out = "out" if k == length - 1 else f"t{k}"
+        if operand is None:
+            nodes.append(helper.make_node(op, [cur_name], [out]))
+            cur_val = prog.emit(opcode, cur_val)
+        elif operand == "y":
+            nodes.append(helper.make_node(op, [cur_name, "y"], [out]))
+            cur_val = prog.emit(opcode, cur_val, y)
+        else:
+            c = f"c{k}"
+            inits.append(numpy_helper.from_array(np.array(operand, np.float32), c))
+            nodes.append(helper.make_node(op, [cur_name, c], [out]))
+            cur_val = prog.emit(opcode, cur_val, float(np.float32(operand)))
+        cur_name = out
+    prog.add_output(cur_val, "f32")
+    io = (
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]), helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n"])],
+    )
+    opsets = [helper.make_opsetid("", 17)]
+    separate = helper.make_model(helper.make_graph(nodes, "chain", *io, inits), opset_imports=opsets)
+    fused_node = helper.make_node("Pointwise", ["x", "y"], ["out"], domain="onnxfuse", program=prog.to_text())
+    fused = helper.make_model(
+        helper.make_graph([fused_node], "chain_fused", *io), opset_imports=opsets + [helper.make_opsetid("onnxfuse", 1)]
+    )
+    separate.ir_version = fused.ir_version = 10
+    return separate, fused
+
+
+class Runner:
+    """A session with its inputs and output bound once."""
+
+    def __init__(self, model: onnx.ModelProto, threads: int, x: np.ndarray, y: np.ndarray):
+        self.session = runtime.make_session(model, threads=threads, level="all")
+        self.out = np.empty_like(x)
+        self.binding = self.session.io_binding()
+        for name, arr in (("x", x), ("y", y), ("out", self.out)):
+            value = ort.OrtValue.ortvalue_from_numpy(arr)
+            if name == "out":
+                self.binding.bind_ortvalue_output(name, value)
+                self._out_value = value
+            else:
+                self.binding.bind_ortvalue_input(name, value)
+
+    def run(self) -> float:
+        t0 = time.perf_counter_ns()
+        self.session.run_with_iobinding(self.binding)
+        return (time.perf_counter_ns() - t0) / 1e6
+
+    def result(self) -> np.ndarray:
+        self.session.run_with_iobinding(self.binding)
+        return self._out_value.numpy().copy()
+
+
+def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds: int, max_rounds: int) -> dict:
+    rng = np.random.default_rng(size + length)
+    x = rng.standard_normal(size).astype(np.float32)
+    y = rng.standard_normal(size).astype(np.float32)
+    separate, fused = chain_models(length)
+    a = Runner(separate, threads, x, y)
+    b = Runner(fused, threads, x, y)
+    np.testing.assert_allclose(b.result(), a.result(), rtol=1e-5, atol=1e-5)
+    for _ in range(2):
+        a.run()
+        b.run()
+    ta: list[float] = []
+    tb: list[float] = []
+    start = time.perf_counter()
+    while len(ta) < 2 * max_rounds and (len(ta) < 2 * min_rounds or time.perf_counter() - start < seconds):
+        ta.append(a.run())
+        tb.append(b.run())
+        tb.append(b.run())
+        ta.append(a.run())
+    ma, mb = statistics.median(ta), statistics.median(tb)
+    return {"length": length, "size": size, "threads": threads, "ms": (ma, mb), "ratio": ma / mb, "runs": len(ta)}
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    import os
+
+    return f"{platform.machine()}, {model}, {os.cpu_count()} logical CPUs"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chains", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1e3, 1e4, 1e5, 1e6, 1e7])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--seconds", type=float, default=1.0, help="time per case (each model), at least")
+    ap.add_argument("--min-rounds", type=int, default=5, help="A B B A rounds per case, at least")
+    ap.add_argument("--max-rounds", type=int, default=2000, help="rounds per case, at most")
+    ap.add_argument("--out", help="write the markdown report here")
+    args = ap.parse_args(argv)
+
+    rows = []
+    for threads in args.threads:
+        for size in (int(s) for s in args.sizes):
+            for length in args.chains:
+                # The 1e7 cases take 10-200 ms per run: a few rounds give a stable median.
+                rounds = (args.min_rounds, 10) if size >= 10**7 else (args.min_rounds, args.max_rounds)
+                r = bench_case(length, size, threads, args.seconds, *rounds)
+                rows.append(r)
+                print(f"threads {threads} n {size:>9} chain {length:>2}: separate {r['ms'][0]:9.3f} ms, "
+                      f"Pointwise {r['ms'][1]:9.3f} ms, x{r['ratio']:.2f} ({r['runs']} runs each)", file=sys.stderr)
+
+    cmd = "python bench/pointwise_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        "# Pointwise CPU kernel vs separate onnxruntime nodes",
+        "",
+        f"Command: `{cmd.strip()}`",
+        f"Date: {datetime.date.today().isoformat()}. Commit: {commit()}. Machine: {machine()} (shared host).",
+        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
+        "",
+        "Chains over x, y: float32[n] of ops onnxruntime does not fuse, cycling "
+        + ", ".join(f"{op}({'x' if o is None else 'x, ' + str(o)})" for op, o, _ in CYCLE)
+        + "; ORT_ENABLE_ALL for both models, intra-op threads as listed; inputs and output bound once"
+        " (IOBinding). Models timed interleaved (A B B A per round); median latency shown;"
+        " ratio = separate / Pointwise (> 1: Pointwise faster).",
+        "",
+        "| threads | elements | chain | separate nodes ms | Pointwise ms | ratio | runs each |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['size']:.0e} | {r['length']} | {r['ms'][0]:.4f} | {r['ms'][1]:.4f} | "
+                     f"{r['ratio']:.2f} | {r['runs']} |")
+    worst2 = min((r for r in rows if r["length"] == 2), key=lambda r: r["ratio"], default=None)
+    long_big = [r for r in rows if r["length"] >= 4 and r["size"] >= 10**5]
+    lines.append("")
+    if worst2:
+        lines.append(f"Worst 2-op ratio: {worst2['ratio']:.2f} (n {worst2['size']:.0e}, {worst2['threads']} threads).")
+    if long_big:
+        w = min(long_big, key=lambda r: r["ratio"])
+        lines.append(f"Worst ratio for chains >= 4 ops on >= 1e5 elements: {w['ratio']:.2f} "
+                     f"(chain {w['length']}, n {w['size']:.0e}, {w['threads']} threads).")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
