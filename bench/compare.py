@@ -1,0 +1,912 @@
+"""onnxfuse side by side with onnxruntime's own optimizer and the ONNX simplifiers.
+
+Every zoo model is run five ways, each under onnxruntime at ORT_ENABLE_ALL:
+
+    ort            the original model (onnxruntime's optimizer alone)
+    onnxsim        onnxsim.simplify(model), then onnxruntime
+    onnxslim       onnxslim.slim(model), then onnxruntime
+    onnxoptimizer  onnxoptimizer.optimize(model) (its default passes), then onnxruntime
+    onnxfuse       onnxfuse.api.optimize(model) (default CPU pipeline, verified), then
+                   onnxruntime with the onnxfuse custom-op library
+
+For each: kernels per inference (onnxruntime's profiler, CPU provider, 1 thread), latency
+(min / median / max) on the CPU provider at 1 and 2 intra-op threads (and on the CUDA
+provider where onnxruntime can use a GPU), optimize time, and ratios to the original.
+Every variant's outputs are compared with the original's on the same seeded inputs; a tool
+that fails, times out or changes the outputs is reported as failed for that model, with the
+reason, and the benchmark goes on.
+
+Optimizers run one at a time in a fresh Python process (a crash or a hang of a peer tool
+costs only that model), timed around the tool's API call alone (imports and file I/O
+excluded). Latency: all variants' sessions are warmed up, then timed in rounds, one sample
+per variant per round, the starting variant rotating from round to round (A B C, B C A, ...),
+so that a drifting shared machine does not favour any of them. A sample is the mean of k
+back-to-back inferences, k chosen per variant so that a sample lasts about --sample-ms.
+
+Also times `optimize` itself on the largest zoo model (most nodes) and on a generated
+GPT-2-small-sized model (bench/gpt2_small.py), and when a time goal is missed reports where
+the time goes (stages, passes, the hottest functions).
+
+    pip install -e '.[bench]'
+    python bench/compare.py                      # writes bench/RESULTS.md, bench/results/compare.{json,png}
+    python bench/compare.py --models char_rnn,gpt_stack --runs 50 --no-optimize-time
+    python bench/compare.py --render-only        # rewrite RESULTS.md and the chart from compare.json
+    python bench/readme_section.py               # README's benchmark section from compare.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_OUT = HERE / "RESULTS.md"
+DEFAULT_JSON = HERE / "results" / "compare.json"
+DEFAULT_CHART = HERE / "results" / "compare.png"
+FORMAT = 1
+
+VARIANTS = ("ort", "onnxsim", "onnxslim", "onnxoptimizer", "onnxfuse")
+PEERS = ("onnxsim", "onnxslim", "onnxoptimizer")
+DESCRIPTIONS = {
+    "ort": "the original model; onnxruntime's own graph optimizations (ORT_ENABLE_ALL) only",
+    "onnxsim": "onnxsim.simplify(model) with its defaults",
+    "onnxslim": "onnxslim.slim(model) with its defaults",
+    "onnxoptimizer": "onnxoptimizer.optimize(model): its default passes",
+    "onnxfuse": "onnxfuse.api.optimize(model): default pipeline, outputs verified (as `onnxfuse optimize` does)",
+}
+# Goals for `optimize` on this kind of 2-core machine (issue 8).
+GOAL_LARGEST_ZOO_S = 2.0
+GOAL_GPT2_SMALL_S = 10.0
+GPT2_DIMS = {"batch": 2, "seq": 32}
+RESULT_MARK = "@@onnxfuse-bench-result "
+INSTALL_HINT = "pip install -e '.[bench]'"
+
+
+# =========================================================================== optimizer workers
+# Run in a child process: `compare.py --worker JSON` optimizes one model with one tool.
+
+
+def _optimize_with(tool: str, model, dims: dict, target: str):
+    """(optimized ModelProto, details) for one tool."""
+    if tool == "onnxsim":
+        import onnxsim
+
+        out, ok = onnxsim.simplify(model)
+        if not ok:
+            raise RuntimeError("onnxsim's own check of the simplified model failed")
+        return out, {}
+    if tool == "onnxslim":
+        import onnxslim
+
+        return onnxslim.slim(model), {}
+    if tool == "onnxoptimizer":
+        import onnxoptimizer
+
+        return onnxoptimizer.optimize(model), {}
+    if tool == "onnxfuse":
+        from onnxfuse import api
+
+        result = api.optimize(model, target=target, dims=dims or None, label=model.graph.name or "model")
+        return result.model, {
+            "stages": result.summary["seconds"],
+            "passes": [{"pass": p.name, "matches": p.matches, "seconds": round(p.seconds, 4)} for p in result.passes],
+            "kernels_before": result.summary.get("kernels_before"),
+            "kernels_after": result.summary.get("kernels_after"),
+        }
+    raise ValueError(f"unknown tool '{tool}'")
+
+
+def _import_tool(tool: str) -> None:
+    """Import outside the timed call, so that import time is not optimize time."""
+    import importlib
+
+    try:
+        importlib.import_module({"onnxfuse": "onnxfuse.api"}.get(tool, tool))
+    except ImportError as e:
+        raise ImportError(f"{tool} is not installed ({INSTALL_HINT}): {e}") from None
+
+
+def _hot_functions(profiler, top: int) -> dict[str, list[dict]]:
+    """From a cProfile run: the functions with the most own time (often protobuf or onnx
+    internals), and onnxfuse's own functions (onnxfuse/, passes/) by cumulative time, which say
+    which pass or helper those calls come from."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (filename, line, func), (_cc, calls, tottime, cumtime, _callers) in stats.items():
+        short = _short_path(filename)
+        rows.append({"function": f"{short}:{line}({func})", "calls": calls, "own_s": round(tottime, 3),
+                     "cumulative_s": round(cumtime, 3), "ours": short.startswith(("onnxfuse/", "passes/"))})
+    by_own = sorted(rows, key=lambda r: -r["own_s"])[:top]
+    ours = sorted((r for r in rows if r["ours"]), key=lambda r: -r["cumulative_s"])[:top]
+    return {"by_own_time": by_own, "ours_by_cumulative_time": ours}
+
+
+def _short_path(filename: str) -> str:
+    for root in (str(REPO) + os.sep, *[p + os.sep for p in sys.path if p and "site-packages" in p]):
+        if filename.startswith(root):
+            return filename[len(root):]
+    return filename
+
+
+def worker(job: dict) -> dict:
+    import onnx
+
+    from onnxfuse.modelio import save_model
+
+    tool = job["tool"]
+    _import_tool(tool)
+    model = onnx.load(job["model"])
+    profiler = None
+    if job.get("profile_top"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    optimized, details = _optimize_with(tool, model, job.get("dims") or {}, job.get("target", "cpu"))
+    if profiler:
+        profiler.disable()
+    seconds = time.perf_counter() - t0
+    if job.get("out"):
+        save_model(optimized, job["out"])  # IR version onnxruntime loads; external data past 2 GB
+    result = {"seconds": seconds, "nodes": len(optimized.graph.node), **details}
+    if profiler:
+        result["hot_functions"] = _hot_functions(profiler, job["profile_top"])
+    return result
+
+
+def _worker_main(job_json: str) -> int:
+    job = json.loads(job_json)
+    try:
+        result = worker(job)
+    except Exception as e:  # any failure of a tool is a result to report, not a crash
+        result = {"error": _one_line(e)}
+    sys.stdout.flush()
+    print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(e).__name__}: {text}"
+
+
+@dataclass
+class ToolRun:
+    seconds: float | None = None
+    error: str | None = None
+    details: dict = field(default_factory=dict)
+
+
+def run_tool(tool: str, model_path, out_path, dims: dict | None = None, target: str = "cpu",
+             timeout: float = 900.0, profile_top: int = 0) -> ToolRun:
+    """Optimize model_path with `tool` in a fresh process; failures come back as ToolRun.error."""
+    job = {"tool": tool, "model": str(model_path), "out": str(out_path) if out_path else None,
+           "dims": dict(dims or {}), "target": target, "profile_top": profile_top}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+    except subprocess.TimeoutExpired:
+        return ToolRun(error=f"no result after {timeout:g} s (timed out)")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            result = json.loads(line[len(RESULT_MARK):])
+            if "error" in result:
+                return ToolRun(error=result["error"])
+            seconds = result.pop("seconds")
+            return ToolRun(seconds=seconds, details=result)
+    if proc.returncode < 0:
+        import signal
+
+        how = f"killed by {signal.Signals(-proc.returncode).name}"
+    else:
+        how = f"exited with status {proc.returncode}"
+    last = next((ln for ln in reversed(proc.stderr.splitlines()) if ln.strip()), "")
+    return ToolRun(error=f"the optimizer process {how}" + (f": {last.strip()[:300]}" if last else ""))
+
+
+# =========================================================================== measuring
+
+
+@dataclass(frozen=True)
+class Setting:
+    provider: str
+    threads: int | None
+
+    @property
+    def key(self) -> str:
+        return f"{self.provider}-{self.threads}t" if self.threads else self.provider
+
+    @property
+    def label(self) -> str:
+        if self.provider == "cpu":
+            return f"CPU, {self.threads} thread{'s' if self.threads != 1 else ''}"
+        return "CUDA"
+
+
+def interleaved_latency(sessions: dict, feeds: dict, rounds: int, min_rounds: int, budget_s: float,
+                        warmup: int, sample_ms: float, baseline: str | None = None) -> dict[str, dict]:
+    """Latency per session: warm-up, then rotating rounds: at least `min_rounds`, then until
+    `rounds` or the time budget, whichever comes first. With a baseline session, each entry's
+    "ratio" is the median over rounds of (its sample / the baseline's sample of the same round):
+    a paired figure that load changes between rounds do not move."""
+    clock = time.perf_counter
+    min_rounds = min(min_rounds, rounds)
+    inner = {}
+    for name, sess in sessions.items():
+        times = []
+        for _ in range(max(1, warmup)):
+            t0 = clock()
+            sess.run(None, feeds)
+            times.append(clock() - t0)
+        inner[name] = max(1, math.ceil(sample_ms / 1e3 / max(min(times), 1e-7)))
+    order = list(sessions)
+    samples = {name: [] for name in order}
+    start = clock()
+    for r in range(max(1, rounds)):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            sess, k = sessions[name], inner[name]
+            t0 = clock()
+            for _ in range(k):
+                sess.run(None, feeds)
+            samples[name].append((clock() - t0) / k * 1e3)
+        if r + 1 >= min_rounds and clock() - start > budget_s:
+            break  # enough rounds and the time budget spent; fast models reach `rounds` first
+    result = {}
+    for name, ms in samples.items():
+        result[name] = {"min_ms": min(ms), "median_ms": statistics.median(ms), "max_ms": max(ms), "runs": len(ms),
+                        "inferences_per_sample": inner[name]}
+        if baseline in samples:
+            result[name]["ratio"] = statistics.median(a / b for a, b in zip(ms, samples[baseline]))
+    return result
+
+
+def _check_outputs(original, expected, actual) -> str | None:
+    from onnxfuse.verify import compare_output
+
+    if len(actual) != len(expected):
+        return f"{len(actual)} outputs instead of {len(expected)}"
+    for out, e, a in zip(original.graph.output, expected, actual):
+        check = compare_output(out.name, out.type.tensor_type.elem_type, e, a)
+        if not check.ok:
+            return f"outputs differ from the original's: '{out.name}': {check.problem}"
+    return None
+
+
+def bench_model(name: str, path: Path, dims: dict, settings: list[Setting], tools: list[str], args,
+                workdir: Path, log) -> dict:
+    """Every variant of one model: optimize, check, count kernels, time."""
+    import onnx
+
+    from onnxfuse.modelio import ort_error_text
+    from onnxfuse.profile import open_session, profiled_run
+    from onnxfuse.verify import random_inputs
+
+    original = onnx.load(str(path), load_external_data=False)
+    entry = {"model": name, "nodes": len(original.graph.node), "dims": dict(dims), "variants": {}}
+    variants = entry["variants"]
+    targets = sorted({"cuda" if s.provider == "cuda" else "cpu" for s in settings})
+    paths: dict[str, dict[str, Path]] = {}  # variant -> target -> model file
+    for variant in ["ort", *tools]:
+        variants[variant] = {"status": "ok", "error": None, "optimize_s": None, "nodes": None,
+                             "kernels": {}, "latency": {}}
+        if variant == "ort":
+            variants[variant]["nodes"] = len(original.graph.node)
+            paths[variant] = {t: path for t in targets}
+            continue
+        paths[variant] = {}
+        for target in targets if variant == "onnxfuse" else ["cpu"]:
+            out = workdir / f"{name}.{variant}.{target}.onnx"
+            run = run_tool(variant, path, out, dims, target, timeout=args.tool_timeout)
+            if run.error:
+                variants[variant].update(status="failed", error=run.error)
+                break
+            if target == "cpu":
+                variants[variant].update(optimize_s=round(run.seconds, 4), nodes=run.details.get("nodes"))
+                if variant == "onnxfuse":
+                    variants[variant]["stages"] = run.details.get("stages")
+            paths[variant][target] = out
+        if variant != "onnxfuse" and variants[variant]["status"] == "ok":
+            paths[variant] = {t: paths[variant]["cpu"] for t in targets}
+        log(f"  {name}: {variant}: " + (f"optimized in {variants[variant]['optimize_s']:.2f} s"
+                                        if variants[variant]["status"] == "ok" else variants[variant]["error"]))
+
+    feeds = random_inputs(original, dims, args.seed)
+    for provider in targets:
+        # Kernels per inference and outputs: one profiled inference per variant (1 CPU thread).
+        threads = 1 if provider == "cpu" else None
+        expected = None
+        for variant in variants:
+            info = variants[variant]
+            if info["status"] != "ok":
+                continue
+            try:
+                outputs, prof = profiled_run(str(paths[variant][provider]), feeds, provider, threads=threads)
+            except Exception as e:  # onnxruntime's exception types
+                if variant == "ort":
+                    raise RuntimeError(f"{name}: onnxruntime cannot run the original: {ort_error_text(e)}") from None
+                info.update(status="failed", error=f"onnxruntime cannot run the {variant} model: {ort_error_text(e)}")
+                continue
+            if variant == "ort":
+                expected = outputs
+            else:
+                problem = _check_outputs(original, expected, outputs)
+                if problem:
+                    info.update(status="failed", error=problem)
+                    continue
+            info["kernels"][provider] = prof.kernels_per_inference
+
+        for setting in (s for s in settings if s.provider == provider):
+            ok = [v for v in variants if variants[v]["status"] == "ok"]
+            sessions = {v: open_session(str(paths[v][provider]), provider, setting.threads)[0] for v in ok}
+            latency = interleaved_latency(sessions, feeds, args.runs, args.min_runs, args.budget, args.warmup,
+                                          args.sample_ms, baseline="ort")
+            del sessions
+            for v, lat in latency.items():
+                variants[v]["latency"][setting.key] = {k: (round(x, 4) if isinstance(x, float) else x)
+                                                      for k, x in lat.items()}
+            log(f"  {name}: {setting.label}: " + ", ".join(
+                f"{v} {lat['median_ms']:.3f} ms ({lat['ratio']:.2f}x, {lat['runs']} runs)" for v, lat in latency.items()))
+    return entry
+
+
+def time_optimize(label: str, path: Path, dims: dict, goal_s: float, reps: int, args, workdir: Path, log,
+                  nodes: int, parameters: int | None = None) -> dict:
+    """`optimize` (onnxfuse.api.optimize, CLI defaults) in fresh processes; where the time goes
+    when the goal is missed."""
+    runs = []
+    for i in range(reps):
+        run = run_tool("onnxfuse", path, None, dims, "cpu", timeout=args.tool_timeout)
+        if run.error:
+            log(f"  optimize {label}: {run.error}")
+            return {"model": label, "nodes": nodes, "parameters": parameters, "goal_s": goal_s, "error": run.error}
+        runs.append(run)
+        log(f"  optimize {label}: run {i + 1}/{reps}: {run.seconds:.2f} s")
+    best = min(runs, key=lambda r: r.seconds)
+    entry = {
+        "model": label, "nodes": nodes, "parameters": parameters, "dims": dims, "goal_s": goal_s,
+        "seconds": [round(r.seconds, 3) for r in runs],
+        "min_s": round(best.seconds, 3), "median_s": round(statistics.median(r.seconds for r in runs), 3),
+        "met": best.seconds <= goal_s,
+        "stages": best.details.get("stages"),
+        "passes": sorted(best.details.get("passes", []), key=lambda p: -p["seconds"]),
+    }
+    if not entry["met"] and args.profile_top:
+        run = run_tool("onnxfuse", path, None, dims, "cpu", timeout=args.tool_timeout, profile_top=args.profile_top)
+        if not run.error:
+            entry["profiled_s"] = round(run.seconds, 3)
+            entry["hot_functions"] = run.details.get("hot_functions", [])
+    return entry
+
+
+# =========================================================================== environment
+
+
+def _git(*argv) -> str:
+    try:
+        return subprocess.run(["git", *argv], capture_output=True, text=True, cwd=str(REPO), timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _version(module: str) -> str:
+    from importlib import metadata
+
+    names = {"onnxruntime": ("onnxruntime-gpu", "onnxruntime")}.get(module, (module,))
+    for dist in names:
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"{module} not installed"
+
+
+def environment(argv: list[str]) -> dict:
+    modified = [ln for ln in _git("status", "--porcelain", "--untracked-files=no").splitlines() if ln.strip()]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python bench/compare.py" + "".join(f" {a}" for a in argv),
+        "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, {_memory_gib()} GiB;"
+                   f" {platform.platform()}",
+        "python": platform.python_version(),
+        "versions": [_version(m) for m in ("onnxruntime", "onnx", "onnxsim", "onnxslim", "onnxoptimizer")],
+        "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
+        "modified_tracked_files": len(modified),
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# =========================================================================== rendering
+
+
+def _ms(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _ratio(a, b) -> float | None:
+    return None if a in (None, 0) or b is None else b / a
+
+
+def kernel_ratio(model: dict, variant: str, provider: str = "cpu") -> float | None:
+    return _ratio(model["variants"]["ort"]["kernels"].get(provider), model["variants"].get(variant, {}).get("kernels", {}).get(provider))
+
+
+def latency_ratio(model: dict, variant: str, key: str, stat: str = "ratio") -> float | None:
+    """The paired latency ratio to onnxruntime alone (stat "ratio"), or the ratio of a statistic."""
+    base = model["variants"]["ort"]["latency"].get(key)
+    mine = model["variants"].get(variant, {}).get("latency", {}).get(key)
+    if stat == "ratio":
+        return mine.get("ratio") if mine else None
+    return _ratio(base and base[stat], mine and mine[stat])
+
+
+def _geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def variants_of(results: dict) -> list[str]:
+    seen = [v for v in VARIANTS if any(v in m["variants"] for m in results["models"])]
+    return seen
+
+
+def summary_tables(results: dict) -> str:
+    """The two summary tables (also the README's benchmark section)."""
+    variants = variants_of(results)
+    keys = [s["key"] for s in results["settings"] if s["provider"] == "cpu"]
+    lines = ["Kernels per inference (CPU provider; in brackets: ratio to onnxruntime alone; lower is better):", "",
+             "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+    for m in results["models"]:
+        cells = []
+        for v in variants:
+            info = m["variants"].get(v)
+            if info is None:
+                cells.append("")
+            elif info["status"] != "ok":
+                cells.append("failed")
+            else:
+                k = info["kernels"].get("cpu")
+                r = kernel_ratio(m, v)
+                cells.append(f"{k}" if v == "ort" else f"{k} ({r:.2f})")
+        lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+    lines.append("| geometric mean of ratios | " + " | ".join(
+        _cell(_geomean(kernel_ratio(m, v) for m in results["models"])) for v in variants) + " |")
+    lines += ["", "Median latency, ratio to onnxruntime alone (" + " / ".join(
+        s["label"] for s in results["settings"] if s["provider"] == "cpu") + "; lower is better; onnxruntime alone:"
+        " median ms):", "",
+        "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+    for m in results["models"]:
+        cells = []
+        for v in variants:
+            info = m["variants"].get(v)
+            if info is None:
+                cells.append("")
+            elif info["status"] != "ok":
+                cells.append("failed")
+            elif v == "ort":
+                cells.append(" / ".join(_ms(info["latency"][k]["median_ms"]) + " ms" for k in keys if k in info["latency"]))
+            else:
+                cells.append(" / ".join(_cell(latency_ratio(m, v, k)) for k in keys))
+        lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+    lines.append("| geometric mean of ratios | " + " | ".join(
+        "" if v == "ort" else " / ".join(_cell(_geomean(latency_ratio(m, v, k) for m in results["models"])) for k in keys)
+        for v in variants) + " |")
+    return "\n".join(lines)
+
+
+def _cell(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+def model_table(m: dict, settings: list[dict]) -> str:
+    variants = [v for v in VARIANTS if v in m["variants"]]
+    head = ["variant", "nodes", "kernels (ratio)"]
+    for s in settings:
+        head += [f"{s['label']}: ms min / median / max (runs)", "ratio: paired / of mins"]
+    head.append("optimize s")
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    providers = sorted({s["provider"] for s in settings})
+    for v in variants:
+        info = m["variants"][v]
+        if info["status"] != "ok":
+            lines.append(f"| {v} | failed: {info['error']} |" + " |" * (len(head) - 2))
+            continue
+        kernels = " / ".join(
+            f"{info['kernels'][p]}" + ("" if v == "ort" else f" ({_cell(kernel_ratio(m, v, p))})")
+            for p in providers if p in info["kernels"])
+        row = [v, "-" if info["nodes"] is None else str(info["nodes"]), kernels]
+        for s in settings:
+            lat = info["latency"].get(s["key"])
+            if lat is None:
+                row += ["-", "-"]
+                continue
+            row.append(f"{_ms(lat['min_ms'])} / {_ms(lat['median_ms'])} / {_ms(lat['max_ms'])} ({lat['runs']})")
+            row.append("1" if v == "ort" else
+                       f"{_cell(latency_ratio(m, v, s['key']))} / {_cell(latency_ratio(m, v, s['key'], 'min_ms'))}")
+        row.append("-" if info["optimize_s"] is None else f"{info['optimize_s']:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def optimize_time_section(results: dict) -> str:
+    entries = results.get("optimize_time") or []
+    lines = ["## Time of `optimize`", "",
+             "`onnxfuse.api.optimize` with the CLI's defaults (default CPU pipeline, outputs verified, kernels"
+             " counted), each run in a fresh process, imports and file reading excluded. Goals on this 2-core"
+             f" machine: under {GOAL_LARGEST_ZOO_S:g} s for the largest zoo model (most nodes), under"
+             f" {GOAL_GPT2_SMALL_S:g} s for a GPT-2-small-sized model (bench/gpt2_small.py: gpt_stack's graph with"
+             " 12 blocks, d_model 768, 12 heads, vocabulary 50257, 1024 positions, per-block weights; the LM head"
+             " is stored transposed beside the embedding, hence more parameters than GPT-2 small's 124M;"
+             f" dims {', '.join(f'{k}={v}' for k, v in GPT2_DIMS.items())}).", ""]
+    if not entries:
+        return "\n".join(lines + ["Not measured in this run (--no-optimize-time).", ""])
+    meta = results.get("optimize_meta") or {}
+    if meta:
+        lines += [f"Measured {meta['date']}, commit {meta['commit']}, with `{meta['command']}`; load average at the"
+                  f" start {', '.join(map(str, meta['load_average_start']))}, at the end"
+                  f" {', '.join(map(str, meta.get('load_average_end', [])))}.", ""]
+    lines += ["| model | nodes | parameters | goal | min s | runs s | load | passes | verify | goal met |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    for e in entries:
+        params = "-" if not e.get("parameters") else f"{e['parameters'] / 1e6:.1f}M"
+        if e.get("error"):
+            lines.append(f"| {e['model']} | {e['nodes']} | {params} | {e['goal_s']:g} s | failed: {e['error']} | | | | | |")
+            continue
+        st = e.get("stages") or {}
+        lines.append(
+            f"| {e['model']} | {e['nodes']} | {params} | {e['goal_s']:g} s | {e['min_s']:.2f} |"
+            f" {', '.join(f'{s:.2f}' for s in e['seconds'])} | {st.get('load', 0):.2f} | {st.get('passes', 0):.2f} |"
+            f" {st.get('verify', 0):.2f} | {'yes' if e['met'] else '**no**'} |")
+    for e in entries:
+        if e.get("error") or e["met"]:
+            continue
+        lines += ["", f"### Where the time goes: {e['model']} ({e['min_s']:.2f} s, goal {e['goal_s']:g} s)", ""]
+        st = e.get("stages") or {}
+        lines.append(f"Stages of the fastest run: load and check {st.get('load', 0):.2f} s, passes"
+                     f" {st.get('passes', 0):.2f} s, verification and kernel counts {st.get('verify', 0):.2f} s.")
+        lines += ["", "Passes, slowest first (the fastest run):", "", "| pass | matches | seconds |", "|---|---:|---:|"]
+        for p in e["passes"]:
+            if p["seconds"] >= 0.01:
+                lines.append(f"| {p['pass']} | {p['matches']} | {p['seconds']:.2f} |")
+        hot = e.get("hot_functions") or {}
+        for key, title in (("ours_by_cumulative_time", "onnxfuse's functions by cumulative time"),
+                           ("by_own_time", "Functions with the most own time")):
+            if not hot.get(key):
+                continue
+            lines += ["", f"{title} (one run under cProfile, {e['profiled_s']:.2f} s with the profiler's overhead):",
+                      "", "| function | calls | own s | cumulative s |", "|---|---:|---:|---:|"]
+            for f in hot[key]:
+                lines.append(f"| `{f['function']}` | {f['calls']} | {f['own_s']:.2f} | {f['cumulative_s']:.2f} |")
+    return "\n".join(lines + [""])
+
+
+def render_markdown(results: dict, chart_name: str | None) -> str:
+    meta = results["meta"]
+    settings = results["settings"]
+    out = [
+        "# onnxfuse beside onnxruntime's optimizer and the ONNX simplifiers",
+        "",
+        "Generated by `bench/compare.py` (do not edit by hand; `python bench/compare.py --render-only` rewrites it"
+        " from `bench/results/compare.json`).",
+        "",
+        f"- Command: `{meta['command']}`",
+        f"- Date: {meta['date']}; commit {meta['commit']}"
+        + (f" (plus uncommitted changes to {meta['modified_tracked_files']} tracked files of the shared checkout)"
+           if meta.get("modified_tracked_files") else ""),
+        f"- Machine: {meta['machine']}",
+        f"- Python {meta['python']}; " + ", ".join(meta["versions"]),
+        f"- Load average (1, 5, 15 min) at the start {', '.join(map(str, meta['load_average_start']))},"
+        f" at the end {', '.join(map(str, meta.get('load_average_end', [])))}: the machine is shared, so latencies are"
+        " noisy; the min is the least disturbed figure, ratios are of medians of interleaved runs.",
+        f"- Latency: {meta['warmup']} warm-up inferences per variant, then up to {meta['runs']} rotating rounds"
+        f" (at least {meta['min_runs']}, stopping after {meta['budget_s']:g} s per model and setting); a sample is the"
+        f" mean of back-to-back inferences lasting about {meta['sample_ms']:g} ms. Seeded random inputs (seed"
+        f" {meta['seed']}), the zoo's default sizes of symbolic dimensions.",
+        f"- Kernels per inference: onnxruntime's profiler, one inference, CPU provider, 1 thread, ORT_ENABLE_ALL.",
+        f"- CUDA provider: {meta['cuda']}",
+        "",
+        "Variants (each then run by onnxruntime, ORT_ENABLE_ALL):",
+        "",
+    ]
+    out += [f"- `{v}`: {DESCRIPTIONS[v]}" for v in variants_of(results)]
+    out += ["", "Every variant's outputs were compared with the original's (onnxfuse's tolerances); a variant"
+            " that failed or changed the outputs is listed as failed with the reason.", ""]
+    if chart_name:
+        out += [f"![kernels per inference and latency ratio per model]({chart_name})", ""]
+    out += ["## Summary", "", summary_tables(results), ""]
+    out += ["## Per model", "",
+            "Optimize time: wall time of the tool's Python call, in a fresh process (onnxfuse's includes its"
+            " verification run of both models in onnxruntime; its passes alone are in the last column's note)."]
+    for m in results["models"]:
+        dims = ", ".join(f"{k}={v}" for k, v in m["dims"].items()) or "static shapes"
+        out += ["", f"### {m['model']}", "", f"{m['nodes']} nodes; {dims}.", "", model_table(m, settings)]
+        fuse = m["variants"].get("onnxfuse", {})
+        if fuse.get("status") == "ok" and fuse.get("stages"):
+            st = fuse["stages"]
+            out += ["", f"onnxfuse optimize: load {st['load']:.2f} s, passes {st['passes']:.2f} s,"
+                        f" verify {st['verify']:.2f} s."]
+    failures = [(m["model"], v, i["error"]) for m in results["models"] for v, i in m["variants"].items()
+                if i["status"] != "ok"]
+    out += ["", "## Failures", ""]
+    out += [f"- {model}, {v}: {err}" for model, v, err in failures] or ["None."]
+    out += ["", optimize_time_section(results)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def render_chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m["model"] for m in results["models"]]
+    variants = variants_of(results)
+    keys = [s for s in results["settings"] if s["provider"] == "cpu"]
+    panels = 1 + len(keys)
+    fig, axes = plt.subplots(panels, 1, figsize=(max(8, 1.0 * len(models) + 3), 3.2 * panels), squeeze=False)
+    width = 0.8 / len(variants)
+    colors = {"ort": "#7f7f7f", "onnxsim": "#1f77b4", "onnxslim": "#2ca02c", "onnxoptimizer": "#ff7f0e",
+              "onnxfuse": "#d62728"}
+
+    def bars(ax, values_of, title, ylabel, log=False, unit_line=False):
+        for i, v in enumerate(variants):
+            xs, ys, failed = [], [], []
+            for j, m in enumerate(results["models"]):
+                info = m["variants"].get(v)
+                x = j + (i - (len(variants) - 1) / 2) * width
+                if info is None:
+                    continue
+                if info["status"] != "ok":
+                    failed.append(x)
+                    continue
+                y = values_of(m, v)
+                if y is not None:
+                    xs.append(x)
+                    ys.append(y)
+            ax.bar(xs, ys, width, label=v, color=colors.get(v))
+            if failed:
+                ax.plot(failed, [0] * len(failed) if not log else [1] * len(failed), "x", color=colors.get(v),
+                        markersize=7, label=f"{v} failed")
+        if log:
+            ax.set_yscale("log")
+        if unit_line:
+            ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, rotation=30, ha="right", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+
+    bars(axes[0][0], lambda m, v: m["variants"][v]["kernels"].get("cpu"),
+         "Kernels per inference (onnxruntime CPU provider, ORT_ENABLE_ALL)", "kernels", log=True)
+    for ax, s in zip(axes[1:], keys):
+        bars(ax[0], lambda m, v, k=s["key"]: latency_ratio(m, v, k),
+             f"Median latency / onnxruntime alone, {s['label']} (lower is better)", "ratio", unit_line=True)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+    meta = results["meta"]
+    fig.text(0.01, 0.005, f"{meta['date']}, commit {meta['commit']}; {meta['machine'].split(';')[0]}", fontsize=7,
+             color="#555555")
+    fig.tight_layout(rect=(0, 0.02, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(results: dict, out: Path, json_path: Path, chart: Path | None) -> None:
+    from onnxfuse.modelio import write_text_atomic
+
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(json_path, json.dumps(results, indent=1) + "\n")
+    chart_ref = None
+    if chart:
+        render_chart(results, chart)
+        chart_ref = os.path.relpath(chart, out.parent)
+    write_text_atomic(out, render_markdown(results, chart_ref))
+
+
+# =========================================================================== command line
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=_csv, default=None, help="comma-separated zoo names (default: every zoo model)")
+    p.add_argument("--tools", type=_csv, default=list(VARIANTS[1:]),
+                   help=f"optimizers beside onnxruntime alone (default: {','.join(VARIANTS[1:])})")
+    p.add_argument("--threads", type=lambda t: [int(x) for x in _csv(t)], default=[1, 2],
+                   help="CPU intra-op thread counts (default: 1,2)")
+    p.add_argument("--runs", type=int, default=200, help="most timed rounds per model and setting (default 200)")
+    p.add_argument("--min-runs", type=int, default=10, help="fewest timed rounds, whatever the budget (default 10)")
+    p.add_argument("--budget", type=float, default=20.0,
+                   help="seconds of timed rounds per model and setting, after --min-runs (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up inferences per variant (default 3)")
+    p.add_argument("--sample-ms", type=float, default=1.0, help="about how long one latency sample lasts (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-timeout", type=float, default=900.0, help="seconds one optimizer run may take (default 900)")
+    p.add_argument("--no-optimize-time", action="store_true",
+                   help="skip timing `optimize` on the largest zoo model and a GPT-2-small-sized model")
+    p.add_argument("--optimize-reps", type=int, default=3, help="runs of each `optimize` timing (default 3)")
+    p.add_argument("--profile-top", type=int, default=15,
+                   help="functions listed when an optimize-time goal is missed (0: no profiled run)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"markdown report (default {DEFAULT_OUT.relative_to(REPO)})")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="results data (default bench/results/compare.json)")
+    p.add_argument("--chart", type=Path, default=DEFAULT_CHART, help="PNG chart (default bench/results/compare.png)")
+    p.add_argument("--no-chart", action="store_true")
+    p.add_argument("--optimize-only", action="store_true",
+                   help="only time `optimize` (largest zoo model, GPT-2 small) and update --json, --out and --chart")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite --out and --chart from --json without measuring")
+    args = p.parse_args(argv)
+    unknown = [t for t in args.tools if t not in VARIANTS[1:]]
+    if unknown:
+        p.error(f"--tools: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS[1:])})")
+    if not args.threads or any(t < 1 for t in args.threads):
+        p.error("--threads: positive thread counts, comma-separated")
+    if args.runs < 1 or args.min_runs < 1:
+        p.error("--runs and --min-runs must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker_main(argv[1])
+    args = parse_args(argv)
+    chart = None if args.no_chart else args.chart
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.render_only or args.optimize_only:
+        if not args.json.is_file():
+            log(f"error: {args.json} does not exist; run the benchmark first")
+            return 2
+        results = json.loads(args.json.read_text())
+        if args.optimize_only:
+            with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as tmp:
+                results["optimize_meta"], results["optimize_time"] = optimize_times(args, argv, Path(tmp), log)
+        write_outputs(results, args.out, args.json if args.optimize_only else None, chart)
+        print(optimize_time_section(results) if args.optimize_only else summary_tables(results))
+        return 0
+
+    import onnxruntime
+
+    from onnxfuse import zoo
+    from onnxfuse.profile import cuda_usable
+
+    # Failures reach us as exceptions (and are reported); onnxruntime's own log of them, and of
+    # its CUDA provider failing to load on a machine without a GPU, would be noise.
+    onnxruntime.set_default_logger_severity(4)
+
+    try:
+        members = zoo.list_models()
+        if args.models:
+            members = [zoo.get(n) for n in args.models]
+    except zoo.ZooError as e:
+        log(f"error: {e}")
+        return 2
+    missing = [t for t in args.tools if t != "onnxfuse" and not _installed(t)]
+    for t in missing:
+        log(f"note: {t} is not installed ({INSTALL_HINT}); it is reported as failed")
+
+    settings = [Setting("cpu", t) for t in args.threads]
+    if cuda_usable():
+        settings.append(Setting("cuda", None))
+        cuda_note = "measured (onnxfuse variant optimized with --target cuda)"
+    else:
+        cuda_note = "skipped: onnxruntime cannot use a GPU on this machine"
+        log(f"CUDA provider {cuda_note}")
+    meta = environment(argv)
+    meta.update(runs=args.runs, min_runs=args.min_runs, budget_s=args.budget, warmup=args.warmup,
+                sample_ms=args.sample_ms, seed=args.seed, cuda=cuda_note)
+    results = {"format": FORMAT, "meta": meta,
+               "settings": [{"provider": s.provider, "threads": s.threads, "key": s.key, "label": s.label}
+                            for s in settings],
+               "models": [], "optimize_time": []}
+
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-bench-") as tmp:
+        workdir = Path(tmp)
+        for m in members:
+            log(f"{m.name} ...")
+            clear_dir(workdir)
+            results["models"].append(bench_model(m.name, m.path, m.dims, settings, args.tools, args, workdir, log))
+        meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+        if not args.no_optimize_time:
+            clear_dir(workdir)
+            results["optimize_meta"], results["optimize_time"] = optimize_times(args, argv, workdir, log)
+    write_outputs(results, args.out, args.json, chart)
+    print(summary_tables(results))
+    print()
+    print(optimize_time_section(results))
+    log(f"wrote {args.out}" + (f", {args.json}" if args.json else "") + (f", {chart}" if chart else ""))
+    return 0
+
+
+def optimize_times(args, argv: list[str], workdir: Path, log) -> tuple[dict, list[dict]]:
+    """(when and how measured, entries): `optimize` on the largest zoo model and on GPT-2 small."""
+    import onnx
+
+    from onnxfuse import zoo
+
+    sys.path.insert(0, str(HERE))
+    import gpt2_small
+
+    env = environment(argv)
+    meta = {k: env[k] for k in ("date", "command", "commit", "modified_tracked_files", "load_average_start")}
+    entries = []
+    members = [m for m in zoo.list_models() if m.path.is_file()]
+    sizes = {m.name: len(onnx.load(str(m.path), load_external_data=False).graph.node) for m in members}
+    largest = max(members, key=lambda m: sizes[m.name])
+    log(f"optimize time: {largest.name} (largest zoo model, {sizes[largest.name]} nodes)")
+    entries.append(time_optimize(f"{largest.name} (largest zoo model)", largest.path, largest.dims,
+                                 GOAL_LARGEST_ZOO_S, args.optimize_reps, args, workdir, log, sizes[largest.name]))
+    clear_dir(workdir)
+    log("optimize time: generating a GPT-2-small-sized model")
+    model = gpt2_small.build()
+    nodes, params = len(model.graph.node), gpt2_small.parameters(model)
+    path = workdir / "gpt2_small.onnx"
+    onnx.save(model, str(path))
+    del model
+    entries.append(time_optimize("gpt2_small (12 blocks, d_model 768, generated)", path, GPT2_DIMS,
+                                 GOAL_GPT2_SMALL_S, args.optimize_reps, args, workdir, log, nodes, params))
+    meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    return meta, entries
+
+
+def clear_dir(workdir: Path) -> None:
+    """Remove the previous model's optimized files (some are hundreds of MB)."""
+    for f in workdir.iterdir():
+        if f.is_file():
+            f.unlink()
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
