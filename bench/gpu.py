@@ -64,7 +64,7 @@ def device_arch() -> str:
 def make_session(ort, model: onnx.ModelProto, library: bool, graph: bool, profile_prefix: str | None = None):
     from onnxfuse.runtime import session_options
 
-    so = session_options(with_library=library, level="all", profile=profile_prefix is not None)
+    so = session_options(with_library=library, level="all", profile=profile_prefix is not None, provider="cuda")
     if profile_prefix:
         so.profile_file_prefix = profile_prefix
     cuda = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if graph else "CUDAExecutionProvider"

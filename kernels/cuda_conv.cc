@@ -214,16 +214,10 @@ OrtCustomOp make_op() {
   return op;
 }
 
-// Not registered yet. Once the library registers a ConvBiasAct kernel for any provider,
-// onnxruntime stops falling back to the node's function: a CPU session with the library loaded
-// then fails with "Could not find an implementation for ConvBiasAct" (checked with onnxruntime
-// 1.31). Registering this op needs a CPU registration of ConvBiasAct beside it (for example one
-// that runs onnxruntime's own Conv through the C API's CreateOp/InvokeOp and applies the
-// epilogue); build with -DONNXFUSE_REGISTER_CUDA_CONV to register it anyway, on CUDA-only setups.
-[[maybe_unused]] const OrtCustomOp kCudaConvBiasActOp = make_op();
-#ifdef ONNXFUSE_REGISTER_CUDA_CONV
+// Registered for CUDA sessions only (registry.cc): a CPU session does not get this op, so its
+// ConvBiasAct nodes run their fallback functions there.
+const OrtCustomOp kCudaConvBiasActOp = make_op();
 ONNXFUSE_REGISTER_OP(kCudaConvBiasActOp);
-#endif
 
 }  // namespace
 }  // namespace onnxfuse

@@ -145,6 +145,8 @@ enum class OrtApiSlot : size_t {
   KernelContext_GetGPUComputeStream = 193,  // CUDA kernels only
   KernelInfo_GetInputCount = 230,
   KernelInfo_GetOutputCount = 231,
+  HasSessionConfigEntry = 237,
+  GetSessionConfigEntry = 238,
   KernelInfo_GetNodeName = 244,
   KernelContext_ParallelFor = 274,
 };
@@ -202,6 +204,14 @@ class OrtApiRef {
   OrtStatus* KernelInfoGetAttribute_string(const OrtKernelInfo* info, const char* name, char* out, size_t* size) const {
     return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, char*, size_t*)>(
         OrtApiSlot::KernelInfoGetAttribute_string)(info, name, out, size);
+  }
+  OrtStatus* HasSessionConfigEntry(const OrtSessionOptions* options, const char* key, int* out) const {
+    return slot<OrtStatus* (*)(const OrtSessionOptions*, const char*, int*)>(OrtApiSlot::HasSessionConfigEntry)(
+        options, key, out);
+  }
+  OrtStatus* GetSessionConfigEntry(const OrtSessionOptions* options, const char* key, char* value, size_t* size) const {
+    return slot<OrtStatus* (*)(const OrtSessionOptions*, const char*, char*, size_t*)>(
+        OrtApiSlot::GetSessionConfigEntry)(options, key, value, size);
   }
   OrtStatus* KernelInfo_GetInputCount(const OrtKernelInfo* info, size_t* out) const {
     return slot<OrtStatus* (*)(const OrtKernelInfo*, size_t*)>(OrtApiSlot::KernelInfo_GetInputCount)(info, out);

@@ -2,6 +2,7 @@
 // SessionOptions.register_custom_ops_library.
 #include "registry.h"
 
+#include <cstring>
 #include <mutex>
 #include <new>
 #include <string>
@@ -38,11 +39,27 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     return oldest ? oldest.CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   OrtApiRef api(raw);
+  // Which kernels a session gets. An op registered for any provider stops onnxruntime from
+  // running that node's fallback function on every other provider ("could not find an
+  // implementation"), so a session gets only the kernels of the providers it asks for:
+  // onnxfuse.runtime sets the config entry `onnxfuse.providers` to "cuda" for CUDA sessions;
+  // without it, a session gets the CPU kernels alone.
+  bool with_cuda = false;
+  int has_entry = 0;
+  if (OrtStatus* st = api.HasSessionConfigEntry(options, kProvidersConfigKey, &has_entry)) return st;
+  if (has_entry) {
+    char value[64] = {0};
+    size_t size = sizeof(value);
+    if (OrtStatus* st = api.GetSessionConfigEntry(options, kProvidersConfigKey, value, &size)) return st;
+    with_cuda = std::strstr(value, "cuda") != nullptr;
+  }
   // onnxruntime keeps a pointer to the domain for the lifetime of every session that uses these
-  // options and never frees it; one domain shared by all registrations bounds what we keep.
+  // options and never frees it; one domain per provider set, shared by all registrations,
+  // bounds what we keep.
   static std::mutex mu;
-  static OrtCustomOpDomain* domain = nullptr;
+  static OrtCustomOpDomain* domains[2] = {nullptr, nullptr};
   std::lock_guard<std::mutex> lock(mu);
+  OrtCustomOpDomain*& domain = domains[with_cuda ? 1 : 0];
   try {
     if (domain == nullptr) {
       OrtCustomOpDomain* created = nullptr;
@@ -50,6 +67,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
       size_t count = 0;
       const OrtCustomOp* const* ops = registered_ops(&count);
       for (size_t i = 0; i < count; ++i) {
+        const char* provider = ops[i]->GetExecutionProviderType(ops[i]);
+        const bool is_cpu = provider == nullptr || std::strcmp(provider, "CPUExecutionProvider") == 0;
+        if (!is_cpu && !with_cuda) continue;
         if (OrtStatus* st = api.CustomOpDomain_Add(created, ops[i])) return st;
       }
       domain = created;

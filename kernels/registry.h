@@ -18,6 +18,10 @@ namespace onnxfuse {
 // The custom-op domain of every op in this library (onnxfuse/fused.py: DOMAIN).
 constexpr const char* kDomain = "onnxfuse";
 
+// Session config entry naming the providers whose kernels a session gets ("cpu" or "cuda";
+// onnxfuse/runtime.py: PROVIDERS_CONFIG_KEY). Absent: CPU kernels only.
+constexpr const char* kProvidersConfigKey = "onnxfuse.providers";
+
 // Adds an op to the set registered with every session. `op` must live as long as the library.
 void register_op(const OrtCustomOp* op);
 

@@ -112,7 +112,9 @@ def open_session(
     data, fused = _model_bytes(model, provider)
     if with_library is None:
         with_library = fused
-    so = session_options(with_library=with_library, threads=threads, level=level, profile=profile_prefix is not None)
+    so = session_options(
+        with_library=with_library, threads=threads, level=level, profile=profile_prefix is not None, provider=provider
+    )
     if profile_prefix is not None:
         so.profile_file_prefix = profile_prefix
     # Failures reach the caller as exceptions; onnxruntime's own error log (for example a

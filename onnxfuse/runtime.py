@@ -60,10 +60,23 @@ PROVIDERS = {
 }
 
 
-def session_options(with_library: bool = True, threads: int | None = None, level: str = "all", profile: bool = False):
+# Session config entry telling the library which providers' kernels to register (registry.h).
+PROVIDERS_CONFIG_KEY = "onnxfuse.providers"
+
+
+def session_options(
+    with_library: bool = True,
+    threads: int | None = None,
+    level: str = "all",
+    profile: bool = False,
+    provider: str = "cpu",
+):
     """onnxruntime SessionOptions, with our custom-op library registered when asked.
 
     level: "disable", "basic", "extended" or "all" (onnxruntime's graph optimization level).
+    provider: "cpu" registers our CPU kernels only; "cuda" also registers the CUDA kernels.
+    A kernel registered for one provider stops onnxruntime from running the node's fallback
+    function on the others, so a session gets the kernels of its own providers alone.
     """
     import onnxruntime as ort
 
@@ -81,6 +94,7 @@ def session_options(with_library: bool = True, threads: int | None = None, level
     if profile:
         so.enable_profiling = True
     if with_library:
+        so.add_session_config_entry(PROVIDERS_CONFIG_KEY, provider)
         path = library_path()
         try:
             so.register_custom_ops_library(path)
@@ -114,5 +128,5 @@ def make_session(
         if with_library is None:
             with_library = needs_library(onnx.load(model, load_external_data=False), provider)
         data = model
-    so = session_options(with_library=with_library, threads=threads, level=level, profile=profile)
+    so = session_options(with_library=with_library, threads=threads, level=level, profile=profile, provider=provider)
     return ort.InferenceSession(data, sess_options=so, providers=list(providers or PROVIDERS[provider]))

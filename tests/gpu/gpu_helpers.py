@@ -132,7 +132,7 @@ def cuda_session(ort, model, with_library: bool, graph: bool = False, profile_pr
     """A session on the CUDA provider (ORT_ENABLE_ALL); `graph` turns on CUDA graph capture."""
     from onnxfuse.runtime import session_options
 
-    so = session_options(with_library=with_library, level="all", profile=profile_prefix is not None)
+    so = session_options(with_library=with_library, level="all", profile=profile_prefix is not None, provider="cuda")
     if profile_prefix:
         so.profile_file_prefix = profile_prefix
     cuda = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}) if graph else "CUDAExecutionProvider"
