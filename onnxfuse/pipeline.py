@@ -49,6 +49,8 @@ class Context:
     arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90"
     registry: FusedRegistry = field(default_factory=FusedRegistry)
     options: dict = field(default_factory=dict)
+    # Attributes graphsurgeon cannot carry, set aside at import and restored at export.
+    binary_attributes: dict = field(default_factory=dict)
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function."""
@@ -116,8 +118,39 @@ def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[o
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)
     del stripped.functions[:]
+    ctx.binary_attributes = _set_aside_binary_attributes(stripped, ctx)
     graph = gs.import_onnx(stripped)
     return graph, kept, overloads
+
+
+def _set_aside_binary_attributes(model: onnx.ModelProto, ctx: Context) -> dict[str, list[onnx.AttributeProto]]:
+    """Remove string attributes that are not text (a stored cubin, say) from the model's nodes,
+    keyed by node name: graphsurgeon decodes every string attribute as UTF-8."""
+
+    def is_text(b: bytes) -> bool:
+        try:
+            b.decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    aside: dict[str, list[onnx.AttributeProto]] = {}
+    for node in model.graph.node:
+        binary = [
+            a
+            for a in node.attribute
+            if (a.type == onnx.AttributeProto.STRING and not is_text(a.s))
+            or (a.type == onnx.AttributeProto.STRINGS and not all(is_text(x) for x in a.strings))
+        ]
+        if not binary:
+            continue
+        if not node.name:
+            node.name = ctx.registry.unique_node_name(f"{node.op_type}_node")
+        aside[node.name] = [onnx.AttributeProto.FromString(a.SerializeToString()) for a in binary]
+        keep = [a for a in node.attribute if all(a is not b for b in binary)]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+    return aside
 
 
 def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, overloads) -> onnx.ModelProto:
@@ -134,22 +167,37 @@ def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, ov
     for node in out.graph.node:
         if node.name in overloads and node.name not in ctx.registry.by_node:
             node.overload = overloads[node.name]
+        node.attribute.extend(ctx.binary_attributes.get(node.name, []))
     del out.opset_import[:]
     out.opset_import.extend(model.opset_import)
     attach_functions(out, ctx.registry, kept)
     return out
 
 
+# The pipeline runs until a round of all passes rewrites nothing, so that optimizing an
+# optimized model changes nothing: one pass can open a match for an earlier one (the pointwise
+# pass frees a Slice that merge-slices could not merge while it had two readers).
+MAX_ROUNDS = 3
+
+
 def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context) -> tuple[onnx.ModelProto, list[PassStats]]:
     graph, kept, overloads = import_graph(model, ctx)
-    stats: list[PassStats] = []
-    for p in passes:
-        st = PassStats(p.name, nodes_before=len(graph.nodes))
-        t0 = time.perf_counter()
-        st.matches = int(p.run(graph, ctx) or 0)
-        if st.matches:
-            graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        st.seconds = time.perf_counter() - t0
-        st.nodes_after = len(graph.nodes)
-        stats.append(st)
-    return export_graph(graph, model, ctx, kept, overloads), stats
+    ctx.options.setdefault("pipeline", [p.name for p in passes])
+    stats = {p.name: PassStats(p.name) for p in passes}
+    for round_ in range(MAX_ROUNDS):
+        rewrites = 0
+        for p in passes:
+            st = stats[p.name]
+            if round_ == 0:
+                st.nodes_before = len(graph.nodes)
+            t0 = time.perf_counter()
+            matches = int(p.run(graph, ctx) or 0)
+            if matches:
+                graph.cleanup(remove_unused_graph_inputs=False).toposort()
+            st.seconds += time.perf_counter() - t0
+            st.matches += matches
+            st.nodes_after = len(graph.nodes)
+            rewrites += matches
+        if not rewrites:
+            break
+    return export_graph(graph, model, ctx, kept, overloads), list(stats.values())

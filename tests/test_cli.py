@@ -29,7 +29,9 @@ def run_plain(model, feeds):
 def fuse_relu_sigmoid(graph, ctx):
     """Test-only fusion: Relu -> Sigmoid becomes one onnxfuse node (an op type our library does
     not implement, so it always runs on its fallback function)."""
-    relu = next(n for n in graph.nodes if n.op == "Relu")
+    relu = next((n for n in graph.nodes if n.op == "Relu"), None)
+    if relu is None:  # nothing (left) to match
+        return 0
     sigmoid = relu.outputs[0].outputs[0]
     ctx.fuse(graph, "TestOnlyReluSigmoid", [relu, sigmoid], [relu.inputs[0]], [sigmoid.outputs[0]])
     return 1

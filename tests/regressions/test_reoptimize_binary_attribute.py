@@ -5,14 +5,11 @@ Any model with a non-UTF-8 string attribute fails the same way."""
 from __future__ import annotations
 
 import onnx
-import pytest
 
 from conftest import pointwise_chain_model
 from onnxfuse.fuzz import optimize_model
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline.import_graph: graphsurgeon decodes binary string attributes "
-                                       "(cuda_cubin) as UTF-8; optimizing a --target cuda model again crashes")
 def test_model_with_binary_string_attribute_optimizes_again():
     once = optimize_model(pointwise_chain_model())
     fused = next(n for n in once.graph.node if n.domain == "onnxfuse")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.fuzz import compare, optimize_model, _run
@@ -42,8 +41,6 @@ def test_shared_slice_model_is_optimized_correctly():
         assert compare(ref, _run(opt, feeds, with_library=with_library)) is None
 
 
-@pytest.mark.xfail(strict=True, reason="merge-slices runs before the pointwise pass frees the shared Slice "
-                                       "(passes/slice_split_cleanup.py keeps a Slice read twice)")
 def test_optimizing_twice_changes_nothing():
     once = optimize_model(shared_slice_model())
     twice = optimize_model(once)
