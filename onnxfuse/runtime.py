@@ -93,6 +93,10 @@ def session_options(
     so.log_severity_level = 3
     if profile:
         so.enable_profiling = True
+        # onnxruntime writes its trace into the working directory unless told otherwise.
+        import tempfile
+
+        so.profile_file_prefix = os.path.join(tempfile.gettempdir(), f"onnxfuse_profile_{os.getpid()}")
     if with_library:
         so.add_session_config_entry(PROVIDERS_CONFIG_KEY, provider)
         path = library_path()
