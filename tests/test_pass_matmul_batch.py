@@ -31,7 +31,10 @@ def model(nodes, inits, inputs, outputs, opset=17):
 
 
 def optimize(m, names, target="cpu", **options):
+    """Run the named passes; unless `pipeline` says otherwise, they decide as they would inside
+    the default pipeline (where the pointwise pass follows them)."""
     ctx = Context(target=target)
+    ctx.options["pipeline"] = [p.name for p in select_passes(None, target)]
     ctx.options.update(options)
     out, stats = run_passes(m, select_passes(names, target), ctx)
     onnx.checker.check_model(out)
