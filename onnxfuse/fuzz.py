@@ -725,6 +725,65 @@ def ill_conditioned(model: onnx.ModelProto, feeds, ref: dict, dtype: int) -> boo
     return compare(ref, _run(model, moved, with_library=False, level="disable"), loose=dtype == F16) is not None
 
 
+def _to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model computing in float64: float32 tensors, values and Casts become double."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    f32, f64 = TensorProto.FLOAT, TensorProto.DOUBLE
+
+    def tensor64(t: TensorProto) -> TensorProto:
+        if t.data_type != f32:
+            return t
+        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name)
+
+    def graph64(g: onnx.GraphProto) -> None:
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.tensor_type.elem_type == f32:
+                vi.type.tensor_type.elem_type = f64
+        for i, t in enumerate(g.initializer):
+            g.initializer[i].CopyFrom(tensor64(t))
+        for node in g.node:
+            for a in node.attribute:
+                if node.op_type == "Cast" and a.name == "to" and a.i == f32:
+                    a.i = f64
+                elif a.type == onnx.AttributeProto.TENSOR:
+                    a.t.CopyFrom(tensor64(a.t))
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    graph64(a.g)
+
+    graph64(m.graph)
+    return m
+
+
+def as_accurate_as_onnxruntime(model: onnx.ModelProto, feeds, ref: dict, got: dict) -> bool:
+    """True when the optimized model's outputs are no farther from the exact result than the
+    original's own onnxruntime outputs (within 2x, plus 1e-6): the mismatch is rounding noise of
+    an ill-conditioned expression (exp(x)-1 over a tiny x, tanh near 1 raised to a huge power),
+    which no two float32 implementations agree on. The exact result is the original evaluated in
+    float64 by onnx's reference evaluator."""
+    from onnx.reference import ReferenceEvaluator
+
+    m64 = _to_float64(model)
+    feeds64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+    names = [o.name for o in m64.graph.output]
+    exact = dict(zip(names, ReferenceEvaluator(m64).run(None, feeds64)))
+    with np.errstate(all="ignore"):
+        for name, want in ref.items():
+            if want.dtype.kind != "f" or name not in exact:
+                if not np.array_equal(got[name], want):
+                    return False
+                continue
+            truth = np.asarray(exact[name], np.float64)
+            err_ort = np.abs(want.astype(np.float64) - truth)
+            err_ours = np.abs(got[name].astype(np.float64) - truth)
+            finite = np.isfinite(truth)
+            if not np.array_equal(np.isnan(got[name]), np.isnan(want)):
+                return False
+            if finite.any() and np.max(err_ours[finite]) > 2 * np.max(err_ort[finite]) + 1e-6:
+                return False
+    return True
+
+
 def compare(ref: dict, got: dict, loose: bool = False) -> str | None:
     """None when `got` matches `ref`; loose: float16 tolerances for every float output (a float16
     case's values widened to float32 carry float16 rounding differences)."""
@@ -827,6 +886,15 @@ def run_case(seed: int, passes=None, idempotence: bool = True) -> Outcome:
                     return fail(err)
             msg = compare(ref, got, loose=case.dtype == F16)
             if msg:
+                try:
+                    accurate = as_accurate_as_onnxruntime(model, feeds, ref, got)
+                except Exception:  # the reference evaluator lacks an op or a dtype: no excuse
+                    accurate = False
+                if accurate:
+                    out.status = "tie"
+                    out.message = (f"seed {seed}: {msg} (library={with_library}), ill-conditioned: as close to"
+                                   " the float64 result as onnxruntime's own output")
+                    return out
                 problem = f"{msg} (library={with_library}, draw {draw})"
                 break
         if problem is None:

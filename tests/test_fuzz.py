@@ -117,3 +117,24 @@ def test_compare_is_exact_for_bool_and_integer_outputs():
     f = {"y": np.array([1.0, np.nan], np.float32)}
     assert fuzz.compare(f, {"y": np.array([1.00001, np.nan], np.float32)}) is None
     assert fuzz.compare(f, {"y": np.array([1.01, np.nan], np.float32)}) is not None
+
+
+def test_an_ill_conditioned_mismatch_is_excused_only_when_as_accurate_as_onnxruntime():
+    """Selu(x)/x near 0 magnifies last-ulp differences of exp: a result as close to the float64
+    truth as onnxruntime's own is excused; a result farther from it is not."""
+    from onnx import TensorProto, helper
+
+    from onnxfuse.fuzz import _run, as_accurate_as_onnxruntime
+
+    g = helper.make_graph(
+        [helper.make_node("Selu", ["x"], ["s"]), helper.make_node("Div", ["s", "x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    feeds = {"x": -np.geomspace(1e-6, 1e-3, 64).astype(np.float32)}
+    ref = _run(model, feeds, with_library=False, level="disable")
+    exact = 1.0507009873554805 * 1.6732632423543772 * np.expm1(feeds["x"].astype(np.float64)) / feeds["x"]
+    assert as_accurate_as_onnxruntime(model, feeds, ref, {"y": exact.astype(np.float32)})
+    off = exact.astype(np.float32) * np.float32(1 + 1e-3)
+    assert not as_accurate_as_onnxruntime(model, feeds, ref, {"y": off})
