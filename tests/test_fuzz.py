@@ -136,5 +136,5 @@ def test_an_ill_conditioned_mismatch_is_excused_only_when_as_accurate_as_onnxrun
     ref = _run(model, feeds, with_library=False, level="disable")
     exact = 1.0507009873554805 * 1.6732632423543772 * np.expm1(feeds["x"].astype(np.float64)) / feeds["x"]
     assert as_accurate_as_onnxruntime(model, feeds, ref, {"y": exact.astype(np.float32)})
-    off = exact.astype(np.float32) * np.float32(1 + 1e-3)
+    off = exact.astype(np.float32) * np.float32(1.2)  # onnxruntime itself is ~1% off here
     assert not as_accurate_as_onnxruntime(model, feeds, ref, {"y": off})
