@@ -10,10 +10,6 @@ namespace onnxfuse {
 namespace cuda {
 namespace {
 
-// OrtApi::KernelInfoGetAttribute_int64 sits between _float (85) and _string (87) in the C API's
-// function table; ort_api.h names only the slots the CPU kernels call.
-constexpr size_t kKernelInfoGetAttributeInt64Slot = 86;
-
 uint64_t fnv1a(uint64_t h, const std::string& s) {
   for (unsigned char c : s) {
     h ^= c;
@@ -148,9 +144,7 @@ bool string_attr(const OrtApiRef& api, const OrtKernelInfo* info, const char* na
 }
 
 bool int_attr(const OrtApiRef& api, const OrtKernelInfo* info, const char* name, int64_t* out) {
-  using Fn = OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*);
-  auto fn = reinterpret_cast<Fn>(reinterpret_cast<void* const*>(api.raw())[kKernelInfoGetAttributeInt64Slot]);
-  if (OrtStatus* st = fn(info, name, out)) {
+  if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, out)) {
     api.ReleaseStatus(st);
     return false;
   }

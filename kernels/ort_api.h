@@ -15,8 +15,10 @@
 // unnoticed. Slots only a CUDA kernel calls are marked so; their tests live with that kernel.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 extern "C" {
 
@@ -135,6 +137,7 @@ enum class OrtApiSlot : size_t {
   GetDimensionsCount = 61,
   GetDimensions = 62,
   GetTensorTypeAndShape = 65,
+  KernelInfoGetAttribute_int64 = 86,  // CUDA kernels only
   KernelInfoGetAttribute_string = 87,
   KernelContext_GetInputCount = 88,
   KernelContext_GetOutputCount = 89,
@@ -149,6 +152,8 @@ enum class OrtApiSlot : size_t {
   GetSessionConfigEntry = 238,
   KernelInfo_GetNodeName = 244,
   KernelContext_ParallelFor = 274,
+  // API version 24 (onnxruntime 1.24): call only when runtime_serves_api(24).
+  GetTensorElementTypeAndShapeDataReference = 414,
 };
 
 // Typed access to the slots we call. Holds the table onnxruntime handed us.
@@ -213,6 +218,11 @@ class OrtApiRef {
     return slot<OrtStatus* (*)(const OrtSessionOptions*, const char*, char*, size_t*)>(
         OrtApiSlot::GetSessionConfigEntry)(options, key, value, size);
   }
+  // CUDA kernels only.
+  OrtStatus* KernelInfoGetAttribute_int64(const OrtKernelInfo* info, const char* name, int64_t* out) const {
+    return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
+        OrtApiSlot::KernelInfoGetAttribute_int64)(info, name, out);
+  }
   OrtStatus* KernelInfo_GetInputCount(const OrtKernelInfo* info, size_t* out) const {
     return slot<OrtStatus* (*)(const OrtKernelInfo*, size_t*)>(OrtApiSlot::KernelInfo_GetInputCount)(info, out);
   }
@@ -251,6 +261,13 @@ class OrtApiRef {
     return slot<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
         OrtApiSlot::KernelContext_ParallelFor)(ctx, fn, total, num_batch, usr_data);
   }
+  // A tensor's element type and a pointer to its own dimensions (valid as long as the value),
+  // without allocating: GetTensorTypeAndShape allocates an info object per call. API version 24.
+  OrtStatus* GetTensorElementTypeAndShapeDataReference(const OrtValue* value, ONNXTensorElementDataType* type,
+                                                       const int64_t** dims, size_t* count) const {
+    return slot<OrtStatus* (*)(const OrtValue*, ONNXTensorElementDataType*, const int64_t**, size_t*)>(
+        OrtApiSlot::GetTensorElementTypeAndShapeDataReference)(value, type, dims, count);
+  }
 
  private:
   template <typename Fn>
@@ -259,5 +276,28 @@ class OrtApiRef {
   }
   const OrtApi* api_ = nullptr;
 };
+
+// The C API version of the onnxruntime this library registered with, recorded by
+// RegisterCustomOps; slots newer than kOrtApiVersion are called only when it is high enough. The
+// function table does not record its own length, and onnxruntime logs an error when asked for a
+// version it lacks, so the version is read from GetVersionString ("1.N.P" serves API N) and
+// confirmed with GetApi(N). Anything unexpected leaves it at kOrtApiVersion.
+inline std::atomic<uint32_t> runtime_api_version{kOrtApiVersion};
+
+inline void record_runtime_api_version(const OrtApiBase* base) {
+  uint32_t version = kOrtApiVersion;
+  const char* text = base->GetVersionString();
+  if (text != nullptr && text[0] == '1' && text[1] == '.') {
+    char* end = nullptr;
+    const unsigned long minor = std::strtoul(text + 2, &end, 10);
+    if (end != text + 2 && minor > kOrtApiVersion && minor < 1000 && base->GetApi(static_cast<uint32_t>(minor)))
+      version = static_cast<uint32_t>(minor);
+  }
+  runtime_api_version.store(version, std::memory_order_relaxed);
+}
+
+inline bool runtime_serves_api(uint32_t version) {
+  return runtime_api_version.load(std::memory_order_relaxed) >= version;
+}
 
 }  // namespace onnxfuse

@@ -39,6 +39,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     return oldest ? oldest.CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
   }
   OrtApiRef api(raw);
+  record_runtime_api_version(api_base);
   // Which kernels a session gets. An op registered for any provider stops onnxruntime from
   // running that node's fallback function on every other provider ("could not find an
   // implementation"), so a session gets only the kernels of the providers it asks for:
