@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -105,11 +106,108 @@ RunTaskFn select_run_task() {
 
 namespace {
 
+// The C API version that lets a kernel read an input's type and shape without an allocation.
+constexpr uint32_t kShapeReferenceApi = 24;
+
+// Inputs/outputs up to this count and ranks up to kInlineRank live in fixed arrays on the stack;
+// larger nodes fall back to the heap.
+constexpr size_t kInlineValues = 16;
+constexpr size_t kInlineRank = 8;
+
+// n values of T in place when n <= N, on the heap beyond.
+template <class T, size_t N>
+class InlineArray {
+ public:
+  explicit InlineArray(size_t n) {
+    if (n > N) {
+      heap_.reset(new T[n]);
+      data_ = heap_.get();
+    }
+  }
+  T& operator[](size_t i) { return data_[i]; }
+  T* data() { return data_; }
+
+ private:
+  T inline_[N];
+  std::unique_ptr<T[]> heap_;
+  T* data_ = inline_;
+};
+
+// The iteration plan for one combination of input shapes, ready to run: resolve_plan's result in
+// flat arrays plus the executor's block geometry.
+struct ResolvedPlan {
+  std::vector<int64_t> key;  // per input: rank, then its dimensions
+  std::vector<int64_t> out_shape;
+  std::vector<int64_t> shape;    // collapsed iteration shape
+  std::vector<int64_t> offsets;  // per input
+  std::vector<int64_t> strides;  // per input, shape.size() each
+  int64_t numel = 0;
+  ExecJob job;  // prog, shape and geometry; inputs and outputs are set per run
+
+  bool matches(size_t n, const size_t* ranks, const int64_t* const* dims) const {
+    const int64_t* k = key.data();
+    for (size_t i = 0; i < n; ++i) {
+      if (static_cast<size_t>(*k++) != ranks[i]) return false;
+      if (ranks[i] && std::memcmp(k, dims[i], ranks[i] * sizeof(int64_t)) != 0) return false;
+      k += ranks[i];
+    }
+    return true;
+  }
+};
+
+// Plans of the input shapes a kernel has seen. A model runs with the same shapes again and again,
+// so Compute resolves views and broadcasting once per shape combination. onnxruntime may call
+// Compute of one kernel concurrently (several threads running one session), so entries are
+// published once with compare-and-swap and never replaced or freed before the kernel: readers
+// need no lock. Past kSlots distinct shape combinations, plans are resolved per call.
+class PlanCache {
+ public:
+  static constexpr int kSlots = 8;
+  PlanCache() {
+    for (auto& s : slots_) s.store(nullptr, std::memory_order_relaxed);
+  }
+  PlanCache(const PlanCache&) = delete;
+  PlanCache& operator=(const PlanCache&) = delete;
+  ~PlanCache() {
+    for (auto& s : slots_) delete s.load(std::memory_order_relaxed);
+  }
+  const ResolvedPlan* find(size_t n, const size_t* ranks, const int64_t* const* dims) const {
+    for (const auto& s : slots_) {
+      const ResolvedPlan* p = s.load(std::memory_order_acquire);
+      if (p == nullptr) return nullptr;  // slots fill in order
+      if (p->matches(n, ranks, dims)) return p;
+    }
+    return nullptr;
+  }
+  // True when the cache took ownership of `plan`.
+  bool publish(const ResolvedPlan* plan) {
+    for (auto& s : slots_) {
+      const ResolvedPlan* expected = nullptr;
+      if (s.compare_exchange_strong(expected, plan, std::memory_order_acq_rel)) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::atomic<const ResolvedPlan*> slots_[kSlots];
+};
+
 struct PointwiseKernel {
   OrtApiRef api;
   CompiledProgram prog;
   std::string node_name;
   RunTaskFn run_task;
+  bool shape_reference;  // the runtime serves GetTensorElementTypeAndShapeDataReference
+  std::vector<ONNXTensorElementDataType> input_types;
+  // Output element types are fixed by the graph: checked on the first run that gets them all.
+  std::atomic<bool> outputs_checked{false};
+  PlanCache plans;
+
+  PointwiseKernel(OrtApiRef a, Program p, std::string name)
+      : api(a), prog(std::move(p)), node_name(std::move(name)), run_task(select_run_task()) {
+    shape_reference = runtime_serves_api(kShapeReferenceApi) && std::getenv("ONNXFUSE_NO_SHAPE_REFERENCE") == nullptr;
+    for (const ProgramInput& in : prog.program.inputs) input_types.push_back(dtype_to_onnx(in.dtype));
+  }
 };
 
 std::string node_label(const std::string& name) {
@@ -152,6 +250,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     if (!Program::parse(text, &program, &error))
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
 
+    // Compute relies on these counts: onnxruntime passes the node's inputs and outputs.
     size_t n_in = 0, n_out = 0;
     ONNXFUSE_RETURN_IF(api.KernelInfo_GetInputCount(info, &n_in), where);
     ONNXFUSE_RETURN_IF(api.KernelInfo_GetOutputCount(info, &n_out), where);
@@ -161,7 +260,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                         " and " + std::to_string(n_out);
       return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
     }
-    *kernel = new PointwiseKernel{api, CompiledProgram(std::move(program)), name, select_run_task()};
+    *kernel = new PointwiseKernel(api, std::move(program), name);
     return nullptr;
   } catch (const std::bad_alloc&) {
     return api.CreateStatus(ORT_FAIL, "onnxfuse Pointwise: out of memory");
@@ -181,6 +280,74 @@ const char* type_name(ONNXTensorElementDataType t) {
   }
 }
 
+// Error statuses of Compute: messages are built only when a run fails.
+[[gnu::cold, gnu::noinline]] OrtStatus* run_error(const PointwiseKernel& k, OrtErrorCode code, const std::string& what) {
+  return k.api.CreateStatus(code, (node_label(k.node_name) + what).c_str());
+}
+[[gnu::cold, gnu::noinline]] OrtStatus* run_error(const PointwiseKernel& k, OrtStatus* st) {
+  return wrap(k.api, st, node_label(k.node_name));
+}
+[[gnu::cold, gnu::noinline]] OrtStatus* type_error(const PointwiseKernel& k, const char* what, size_t index,
+                                                   ONNXTensorElementDataType got, DType want) {
+  return run_error(k, ORT_INVALID_ARGUMENT,
+                   std::string(what) + " " + std::to_string(index) + " is " + type_name(got) +
+                       (what[0] == 'i' ? ", the program reads " : ", the program writes ") + dtype_name(want));
+}
+
+#define ONNXFUSE_RUN_CHECK(call)                             \
+  do {                                                       \
+    if (OrtStatus* st_ = (call)) return run_error(*kernel, st_); \
+  } while (0)
+
+// Reads one input's element type and dimensions through the info object (runtimes before C API
+// 24). Dimensions go to `store` (kInlineRank slots) or, for higher ranks, to `overflow`.
+OrtStatus* legacy_type_and_shape(const OrtApiRef& api, const OrtValue* value, ONNXTensorElementDataType* type,
+                                 int64_t* store, std::vector<int64_t>* overflow, const int64_t** dims,
+                                 size_t* rank) {
+  OrtTensorTypeAndShapeInfo* ti = nullptr;
+  if (OrtStatus* st = api.GetTensorTypeAndShape(value, &ti)) return st;
+  OrtStatus* st = api.GetTensorElementType(ti, type);
+  if (!st) st = api.GetDimensionsCount(ti, rank);
+  if (!st) {
+    int64_t* dst = store;
+    if (*rank > kInlineRank) {
+      overflow->resize(*rank);
+      dst = overflow->data();
+    }
+    st = api.GetDimensions(ti, dst, *rank);
+    *dims = dst;
+  }
+  api.ReleaseTensorTypeAndShapeInfo(ti);
+  return st;
+}
+
+// Resolves views and broadcasting for these shapes (the slow path, once per shape combination).
+bool build_plan(const PointwiseKernel& k, size_t n, const size_t* ranks, const int64_t* const* dims,
+                ResolvedPlan* out, std::string* error) {
+  std::vector<std::vector<int64_t>> shapes(n);
+  for (size_t i = 0; i < n; ++i) {
+    shapes[i].assign(dims[i], dims[i] + ranks[i]);
+    out->key.push_back(static_cast<int64_t>(ranks[i]));
+    out->key.insert(out->key.end(), dims[i], dims[i] + ranks[i]);
+  }
+  IterPlan plan;
+  if (!resolve_plan(k.prog.program, shapes, &plan, error)) return false;
+  out->out_shape = plan.out_shape;
+  out->shape = plan.shape;
+  out->numel = plan.numel;
+  for (size_t i = 0; i < n; ++i) {
+    out->offsets.push_back(plan.inputs[i].offset);
+    out->strides.insert(out->strides.end(), plan.inputs[i].strides.begin(), plan.inputs[i].strides.end());
+  }
+  out->job.prog = &k.prog;
+  out->job.shape = out->shape.data();
+  out->job.rank = static_cast<int>(out->shape.size());
+  out->job.inputs = nullptr;
+  out->job.outputs = nullptr;
+  init_geometry(&out->job);
+  return true;
+}
+
 struct ParallelRun {
   const ExecJob* job;
   RunTaskFn run_task;
@@ -197,99 +364,104 @@ void run_one_task(void* data, size_t task) {
   }
 }
 
+// The per-run path. It allocates nothing for nodes within the inline limits once the plan of the
+// input shapes is cached: types and shapes are read by reference, the plan is looked up, the
+// outputs are fetched and the blocks run (inline when there is one task).
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   auto* kernel = static_cast<PointwiseKernel*>(kernel_ptr);
   const OrtApiRef& api = kernel->api;
   const Program& prog = kernel->prog.program;
-  const std::string where = node_label(kernel->node_name);
+  const size_t n_in = prog.inputs.size(), n_out = prog.outputs.size();
   try {
-    size_t n_in = 0, n_out = 0;
-    ONNXFUSE_RETURN_IF(api.KernelContext_GetInputCount(ctx, &n_in), where);
-    ONNXFUSE_RETURN_IF(api.KernelContext_GetOutputCount(ctx, &n_out), where);
-    if (n_in != prog.inputs.size() || n_out != prog.outputs.size())
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "input/output count differs from the program").c_str());
-
-    std::vector<std::vector<int64_t>> shapes(n_in);
-    std::vector<ExecInput> inputs(n_in);
+    InlineArray<const unsigned char*, kInlineValues> data(n_in);
+    InlineArray<const int64_t*, kInlineValues> dims(n_in);
+    InlineArray<size_t, kInlineValues> ranks(n_in);
     for (size_t i = 0; i < n_in; ++i) {
       const OrtValue* value = nullptr;
-      ONNXFUSE_RETURN_IF(api.KernelContext_GetInput(ctx, i, &value), where);
-      if (value == nullptr)
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "input " + std::to_string(i) + " is missing").c_str());
-      OrtTensorTypeAndShapeInfo* ti = nullptr;
-      ONNXFUSE_RETURN_IF(api.GetTensorTypeAndShape(value, &ti), where);
+      ONNXFUSE_RUN_CHECK(api.KernelContext_GetInput(ctx, i, &value));
+      if (value == nullptr) return run_error(*kernel, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
       ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      size_t rank = 0;
-      OrtStatus* st = api.GetTensorElementType(ti, &et);
-      if (!st) st = api.GetDimensionsCount(ti, &rank);
-      if (!st) {
-        shapes[i].resize(rank);
-        st = api.GetDimensions(ti, shapes[i].data(), rank);
+      if (kernel->shape_reference) {
+        ONNXFUSE_RUN_CHECK(api.GetTensorElementTypeAndShapeDataReference(value, &et, &dims[i], &ranks[i]));
+      } else {
+        // Older runtimes: dimensions are copied out (one fixed slot per input within the limits).
+        thread_local std::vector<int64_t> legacy_store;
+        thread_local std::vector<std::vector<int64_t>> legacy_overflow;
+        if (i == 0) {
+          legacy_store.resize(n_in * kInlineRank);
+          legacy_overflow.resize(n_in);
+        }
+        ONNXFUSE_RUN_CHECK(legacy_type_and_shape(api, value, &et, legacy_store.data() + i * kInlineRank,
+                                                 &legacy_overflow[i], &dims[i], &ranks[i]));
       }
-      api.ReleaseTensorTypeAndShapeInfo(ti);
-      if (st) return wrap(api, st, where);
-      if (et != dtype_to_onnx(prog.inputs[i].dtype)) {
-        std::string msg = where + "input " + std::to_string(i) + " is " + type_name(et) + ", the program reads " +
-                          dtype_name(prog.inputs[i].dtype);
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
-      }
-      void* data = nullptr;
-      ONNXFUSE_RETURN_IF(api.GetTensorMutableData(const_cast<OrtValue*>(value), &data), where);
-      inputs[i].data = static_cast<const unsigned char*>(data);
-      inputs[i].dtype = prog.inputs[i].dtype;
+      if (et != kernel->input_types[i]) return type_error(*kernel, "input", i, et, prog.inputs[i].dtype);
+      void* p = nullptr;
+      ONNXFUSE_RUN_CHECK(api.GetTensorMutableData(const_cast<OrtValue*>(value), &p));
+      data[i] = static_cast<const unsigned char*>(p);
     }
 
-    IterPlan plan;
-    std::string error;
-    if (!resolve_plan(prog, shapes, &plan, &error))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
-    for (size_t i = 0; i < n_in; ++i) {
-      inputs[i].offset = plan.inputs[i].offset;
-      inputs[i].strides = plan.inputs[i].strides.data();
+    const ResolvedPlan* plan = kernel->plans.find(n_in, ranks.data(), dims.data());
+    std::unique_ptr<ResolvedPlan> uncached;
+    if (plan == nullptr) {
+      auto fresh = std::make_unique<ResolvedPlan>();
+      std::string error;
+      if (!build_plan(*kernel, n_in, ranks.data(), dims.data(), fresh.get(), &error))
+        return run_error(*kernel, ORT_INVALID_ARGUMENT, error);
+      plan = fresh.get();
+      if (kernel->plans.publish(plan))
+        fresh.release();
+      else
+        uncached = std::move(fresh);
     }
 
-    std::vector<ExecOutput> outputs(n_out);
+    InlineArray<ExecInput, kInlineValues> inputs(n_in);
+    const size_t rank = plan->shape.size();
+    for (size_t i = 0; i < n_in; ++i)
+      inputs[i] = {data[i], prog.inputs[i].dtype, plan->offsets[i], plan->strides.data() + i * rank};
+
+    InlineArray<ExecOutput, kInlineValues> outputs(n_out);
+    const bool check_types = !kernel->outputs_checked.load(std::memory_order_relaxed);
+    bool unallocated = false;
     for (size_t o = 0; o < n_out; ++o) {
       OrtValue* value = nullptr;
-      ONNXFUSE_RETURN_IF(
-          api.KernelContext_GetOutput(ctx, o, plan.out_shape.data(), plan.out_shape.size(), &value), where);
-      if (value == nullptr) continue;  // an output nobody reads
-      OrtTensorTypeAndShapeInfo* ti = nullptr;
-      ONNXFUSE_RETURN_IF(api.GetTensorTypeAndShape(value, &ti), where);
-      ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      OrtStatus* st = api.GetTensorElementType(ti, &et);
-      api.ReleaseTensorTypeAndShapeInfo(ti);
-      if (st) return wrap(api, st, where);
-      if (et != dtype_to_onnx(prog.outputs[o].dtype)) {
-        std::string msg = where + "output " + std::to_string(o) + " is " + type_name(et) +
-                          ", the program writes " + dtype_name(prog.outputs[o].dtype);
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
+      ONNXFUSE_RUN_CHECK(
+          api.KernelContext_GetOutput(ctx, o, plan->out_shape.data(), plan->out_shape.size(), &value));
+      outputs[o] = {nullptr, prog.outputs[o].dtype};
+      if (value == nullptr) {  // an output nobody reads
+        unallocated = true;
+        continue;
       }
-      void* data = nullptr;
-      ONNXFUSE_RETURN_IF(api.GetTensorMutableData(value, &data), where);
-      outputs[o].data = static_cast<unsigned char*>(data);
-      outputs[o].dtype = prog.outputs[o].dtype;
+      if (check_types) {
+        OrtTensorTypeAndShapeInfo* ti = nullptr;
+        ONNXFUSE_RUN_CHECK(api.GetTensorTypeAndShape(value, &ti));
+        ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+        OrtStatus* st = api.GetTensorElementType(ti, &et);
+        api.ReleaseTensorTypeAndShapeInfo(ti);
+        if (st) return run_error(*kernel, st);
+        if (et != dtype_to_onnx(prog.outputs[o].dtype)) return type_error(*kernel, "output", o, et, prog.outputs[o].dtype);
+      }
+      void* p = nullptr;
+      ONNXFUSE_RUN_CHECK(api.GetTensorMutableData(value, &p));
+      outputs[o].data = static_cast<unsigned char*>(p);
     }
-    if (plan.numel == 0) return nullptr;
+    if (check_types && !unallocated) kernel->outputs_checked.store(true, std::memory_order_relaxed);
+    if (plan->numel == 0) return nullptr;
 
     // Outputs onnxruntime did not allocate (unused optional results) get a throwaway buffer, so
     // the executor never branches on them.
     std::vector<std::vector<unsigned char>> discard;
-    for (size_t o = 0; o < n_out; ++o) {
-      if (outputs[o].data) continue;
-      discard.emplace_back(static_cast<size_t>(plan.numel) * dtype_size(prog.outputs[o].dtype));
-      outputs[o].data = discard.back().data();
-      outputs[o].dtype = prog.outputs[o].dtype;
+    if (unallocated) {
+      discard.reserve(n_out);
+      for (size_t o = 0; o < n_out; ++o) {
+        if (outputs[o].data) continue;
+        discard.emplace_back(static_cast<size_t>(plan->numel) * dtype_size(prog.outputs[o].dtype));
+        outputs[o].data = discard.back().data();
+      }
     }
 
-    ExecJob job;
-    job.prog = &kernel->prog;
-    job.shape = plan.shape.data();
-    job.rank = static_cast<int>(plan.shape.size());
+    ExecJob job = plan->job;
     job.inputs = inputs.data();
     job.outputs = outputs.data();
-    init_geometry(&job);
-
     if (job.num_tasks == 1) {
       kernel->run_task(job, 0);
       return nullptr;
@@ -297,14 +469,13 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     ParallelRun pr;
     pr.job = &job;
     pr.run_task = kernel->run_task;
-    ONNXFUSE_RETURN_IF(
-        api.KernelContext_ParallelFor(ctx, run_one_task, static_cast<size_t>(job.num_tasks), 0, &pr), where);
-    if (pr.failed.load()) return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
+    ONNXFUSE_RUN_CHECK(api.KernelContext_ParallelFor(ctx, run_one_task, static_cast<size_t>(job.num_tasks), 0, &pr));
+    if (pr.failed.load()) return run_error(*kernel, ORT_FAIL, "out of memory");
     return nullptr;
   } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
+    return run_error(*kernel, ORT_FAIL, "out of memory");
   } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
+    return run_error(*kernel, ORT_FAIL, e.what());
   }
 }
 

@@ -417,3 +417,100 @@ def test_input_element_type_must_match_the_program():
     session = runtime.make_session(model, with_library=True)
     with pytest.raises(Exception, match="input 0 is f64, the program reads f32"):
         session.run(None, {"in0": np.zeros(3, np.float64)})
+
+
+# ------------------------------------------------------------------------------ per-call path
+
+
+def test_plans_of_many_shape_combinations_on_one_kernel_stay_correct():
+    # The kernel caches the plans of the first input-shape combinations it sees and resolves the
+    # others per run; both, in any order, must give the reference result.
+    rng = np.random.default_rng(11)
+    text = "in x0 f32\nin x1 f32 view=0:1:-1:1\nt0 = mul x0 x1\nt1 = sigmoid t0\nout t1 f32\n"
+    shapes = [((r, c), (c + 2,)) for r in (1, 2, 3, 5) for c in (1, 4, 9)]  # 12 combinations
+    for s0, s1 in shapes + shapes[::-1]:
+        check(text, [sample(s0, rng), sample(s1, rng)], threads=1)
+
+
+def test_concurrent_runs_of_one_session_with_different_shapes():
+    from concurrent.futures import ThreadPoolExecutor
+
+    text = "in x0 f32\nin x1 f32\nt0 = add x0 x1\nt1 = tanh t0\nt2 = exp t1\nout t2 f32\n"
+    session = _session(text, 1)
+    prog = Program.parse(text)
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for k in range(30):
+            n = 1 + (seed * 7 + k) % 11
+            a, b = sample((n, 33), rng).astype(np.float32), sample((33,), rng).astype(np.float32)
+            got = session.run(None, {"in0": a, "in1": b})[0]
+            np.testing.assert_allclose(got, prog.evaluate(a, b)[0], rtol=1e-5, atol=1e-6)
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
+
+
+def test_shape_reading_without_the_reference_api_gives_the_same_results(monkeypatch):
+    # onnxruntime before C API 24 has no GetTensorElementTypeAndShapeDataReference; the kernel then
+    # reads shapes through GetTensorTypeAndShape (forced here by the environment switch).
+    rng = np.random.default_rng(5)
+    text = "in x0 f32 view=1:0:6:2\nin x1 f16\nin x2 f64\nt0 = add x0 x1\nt1 = mul t0 x2\nout t1 f32\nout t0 f16\n"
+    arrays = [sample((4, 12), rng), sample((4, 3), rng), sample((3,), rng)]
+    fast, _ = run_kernel(text, arrays, threads=1)
+    monkeypatch.setenv("ONNXFUSE_NO_SHAPE_REFERENCE", "1")
+    legacy, _ = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(
+        None, {f"in{i}": feed_value(a, s.dtype) for i, (a, s) in enumerate(zip(arrays, Program.parse(text).inputs))}
+    ), None
+    for a, b in zip(fast, legacy):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["exp", "log", "erf", "tanh", "sigmoid"])
+def test_vectorized_and_baseline_transcendentals_agree_with_the_reference(name, monkeypatch):
+    # The AVX2 build evaluates these with intrinsics; the baseline build (ONNXFUSE_NO_AVX2) with the
+    # portable code. Both against the reference, over a wide range with subnormals and specials.
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    x = np.concatenate([
+        rng.uniform(-110, 110, 20000), rng.standard_normal(20000) * 3, np.exp(rng.uniform(-103, 88, 20000)),
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.4e-45, 3.4e38, -3.4e38, 88.72, 88.73, -103.9, 1.0, 4.0],
+    ]).astype(np.float32)
+    text = f"in x0 f32\nt0 = {name} x0\nout t0 f32\n"
+    want = Program.parse(text).evaluate(x)[0]
+    for no_avx2 in (False, True):
+        if no_avx2:
+            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
+        got = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(None, {"in0": x})[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"no_avx2={no_avx2}")
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
+def test_output_only_floor_op_reads_int_attributes(tmp_path):
+    # bench/overhead_floor.cc (the benchmark's floor of the custom-op path) is built against
+    # kernels/ort_api.h and reads its output shape with KernelInfoGetAttribute_int64.
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    try:
+        import pointwise_overhead
+    finally:
+        sys.path.pop(0)
+    lib = pointwise_overhead.build_floor_library(tmp_path)
+    model = pointwise_overhead.chain_model("floor", 3)
+    for node in model.graph.node:
+        for attr in node.attribute:
+            attr.i = {"rows": 3, "cols": 7}[attr.name]
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 3
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 7
+    del model.graph.value_info[:]
+    import onnxruntime as ort
+
+    so = runtime.session_options(with_library=False, threads=1)
+    so.register_custom_ops_library(lib)
+    session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+    assert session.run(None, {"x": np.zeros((1, 128), np.float32)})[0].shape == (3, 7)
