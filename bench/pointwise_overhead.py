@@ -1,0 +1,289 @@
+"""Per-call cost of the CPU Pointwise kernel against onnxruntime's own kernels and against the
+floor of onnxruntime's custom-op path.
+
+Chains of N nodes on float32[1, 128], each node reading the previous node's output, one intra-op
+thread, ORT_ENABLE_ALL, input and output bound once (IOBinding):
+
+  ort-sigmoid        N onnxruntime Sigmoid nodes
+  floor              N custom ops that only get their output and return (bench/overhead_floor.cc,
+                     built here with g++): what onnxruntime's custom-op path costs by itself
+  pointwise-sigmoid  N Pointwise nodes running `t0 = sigmoid x0`
+  ort-cell           N char-rnn LSTM cell steps as onnxruntime nodes: Add, Split, 3 Sigmoid,
+                     2 Tanh, 3 Mul, Add (c), then Add(c, h) feeding the next step: 12 kernels
+  pointwise-cell     the same steps as the Pointwise node the pointwise pass makes of a cell
+                     (9 inputs through views, 13 instructions) plus the Add(c, h): 2 kernels
+
+Every model also runs as a 1-node (1-step) chain; cost per node = (median(N) - median(1)) / (N-1),
+which removes the fixed cost of a session run. All models are timed interleaved, in a rotating
+order, many rounds, so drift on a shared host hits all alike. --baseline LIB adds the Pointwise
+models once more with another build of the library (both loaded in one process, one per session):
+a before/after comparison under the same load.
+
+    python bench/pointwise_overhead.py --out bench/results/pointwise_overhead.md
+    python bench/pointwise_overhead.py --baseline /tmp/old/_onnxfuse_ops.so --seconds 20
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse import runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOOR_SOURCE = ROOT / "bench" / "overhead_floor.cc"
+COLS = 128
+CELL_PROGRAM = """\
+in x0 f32 view=1:128:256:1
+in x1 f32 view=0:128:256:1
+in x2 f32
+in x3 f32 view=1:0:128:1
+in x4 f32 view=0:0:128:1
+in x5 f32 view=1:256:384:1
+in x6 f32 view=0:256:384:1
+in x7 f32 view=1:384:512:1
+in x8 f32 view=0:384:512:1
+t0 = add x0 x1
+t1 = sigmoid t0
+t2 = mul t1 x2
+t3 = add x3 x4
+t4 = sigmoid t3
+t5 = add x5 x6
+t6 = tanh t5
+t7 = mul t4 t6
+t8 = add t2 t7
+t9 = add x7 x8
+t10 = sigmoid t9
+t11 = tanh t8
+t12 = mul t10 t11
+out t8 f32
+out t12 f32
+"""
+
+
+def build_floor_library(cache_dir: Path) -> str:
+    """Compiles bench/overhead_floor.cc (cached by the hash of its sources)."""
+    sources = [FLOOR_SOURCE, ROOT / "kernels" / "ort_api.h"]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
+    out = cache_dir / f"overhead_floor_{digest}.so"
+    if not out.exists():
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run(["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{ROOT / 'kernels'}",
+                        str(FLOOR_SOURCE), "-o", str(tmp), "-ldl"], check=True)
+        tmp.rename(out)
+    return str(out)
+
+
+def _model(nodes, inputs, outputs, inits=(), domains=()) -> onnx.ModelProto:
+    # Custom ops' outputs get no type inference: their intermediate values are declared.
+    declared = {v.name for v in inputs + outputs}
+    value_info = [_vi(o, [1, COLS]) for node in nodes if node.domain for o in node.output if o not in declared]
+    graph = helper.make_graph(nodes, "chain", inputs, outputs, list(inits), value_info=value_info)
+    opsets = [helper.make_opsetid("", 17)] + [helper.make_opsetid(d, 1) for d in domains]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10
+    return model
+
+
+def _vi(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def chain_model(kind: str, n: int) -> onnx.ModelProto:
+    """A chain of n nodes of `kind` ("ort-sigmoid", "floor", "pointwise-sigmoid") on x: [1, 128]."""
+    nodes = []
+    prev = "x"
+    for k in range(n):
+        out = "y" if k == n - 1 else f"t{k}"
+        if kind == "ort-sigmoid":
+            nodes.append(helper.make_node("Sigmoid", [prev], [out]))
+        elif kind == "floor":
+            nodes.append(helper.make_node("OutputOnly", [prev], [out], domain="onnxfuse.bench", rows=1, cols=COLS))
+        elif kind == "pointwise-sigmoid":
+            nodes.append(helper.make_node("Pointwise", [prev], [out], domain="onnxfuse",
+                                          program="in x0 f32\nt0 = sigmoid x0\nout t0 f32\n"))
+        else:
+            raise ValueError(kind)
+        prev = out
+    domains = {"floor": ["onnxfuse.bench"], "pointwise-sigmoid": ["onnxfuse"]}.get(kind, [])
+    return _model(nodes, [_vi("x", [1, COLS])], [_vi("y", [1, COLS])], domains=domains)
+
+
+def cell_model(kind: str, n: int) -> onnx.ModelProto:
+    """n LSTM cell steps (the char-rnn cell) over gates: [1, 512] and bias [512], c chained."""
+    rng = np.random.default_rng(0)
+    bias = numpy_helper.from_array((rng.standard_normal(4 * COLS) * 0.1).astype(np.float32), "bias")
+    nodes = []
+    c = "c"
+    for k in range(n):
+        cn, h, nxt = f"c{k}", f"h{k}", ("y" if k == n - 1 else f"s{k}")
+        if kind == "ort-cell":
+            p = f"k{k}_"
+            nodes += [
+                helper.make_node("Add", ["gates", "bias"], [p + "a"]),
+                helper.make_node("Split", [p + "a"], [p + "i", p + "o", p + "f", p + "g"], axis=1),
+                helper.make_node("Sigmoid", [p + "o"], [p + "so"]),
+                helper.make_node("Sigmoid", [p + "i"], [p + "si"]),
+                helper.make_node("Tanh", [p + "f"], [p + "tf"]),
+                helper.make_node("Sigmoid", [p + "g"], [p + "sg"]),
+                helper.make_node("Mul", [p + "so", c], [p + "m1"]),
+                helper.make_node("Mul", [p + "si", p + "tf"], [p + "m2"]),
+                helper.make_node("Add", [p + "m1", p + "m2"], [cn]),
+                helper.make_node("Tanh", [cn], [p + "tc"]),
+                helper.make_node("Mul", [p + "sg", p + "tc"], [h]),
+            ]
+        else:
+            nodes.append(helper.make_node(
+                "Pointwise", ["gates", "bias", c, "gates", "bias", "gates", "bias", "gates", "bias"], [cn, h],
+                domain="onnxfuse", program=CELL_PROGRAM))
+        nodes.append(helper.make_node("Add", [cn, h], [nxt]))
+        c = nxt
+    domains = ["onnxfuse"] if kind == "pointwise-cell" else []
+    return _model(nodes, [_vi("gates", [1, 4 * COLS]), _vi("c", [1, COLS])], [_vi("y", [1, COLS])], [bias], domains)
+
+
+class Runner:
+    """One session, inputs and output bound once."""
+
+    def __init__(self, model: onnx.ModelProto, library: str | None, feeds: dict[str, np.ndarray]):
+        so = runtime.session_options(with_library=False, threads=1, level="all")
+        if library:
+            so.register_custom_ops_library(library)
+        self.session = ort.InferenceSession(model.SerializeToString(), sess_options=so,
+                                            providers=["CPUExecutionProvider"])
+        self.binding = self.session.io_binding()
+        self._keep = []
+        for name, arr in feeds.items():
+            v = ort.OrtValue.ortvalue_from_numpy(arr)
+            self._keep.append(v)
+            self.binding.bind_ortvalue_input(name, v)
+        self.out = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, COLS), np.float32))
+        self.binding.bind_ortvalue_output("y", self.out)
+
+    def run(self) -> float:
+        t0 = time.perf_counter_ns()
+        self.session.run_with_iobinding(self.binding)
+        return (time.perf_counter_ns() - t0) / 1e3
+
+    def result(self) -> np.ndarray:
+        self.session.run_with_iobinding(self.binding)
+        return self.out.numpy().copy()
+
+
+def machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    return f"{platform.machine()}, {model}, {os.cpu_count()} logical CPUs"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=100, help="chain length N")
+    ap.add_argument("--seconds", type=float, default=30.0, help="total timing budget")
+    ap.add_argument("--runs-per-turn", type=int, default=5, help="consecutive runs of one model per turn")
+    ap.add_argument("--baseline", help="another build of the custom-op library to compare with (before/after)")
+    ap.add_argument("--out", help="write the markdown report here")
+    args = ap.parse_args(argv)
+
+    rng = np.random.default_rng(1)
+    x = {"x": rng.standard_normal((1, COLS)).astype(np.float32)}
+    cell = {"gates": rng.standard_normal((1, 4 * COLS)).astype(np.float32),
+            "c": rng.standard_normal((1, COLS)).astype(np.float32)}
+    ours = runtime.library_path()
+    floor_lib = build_floor_library(Path(tempfile.gettempdir()))
+    cases = [  # (label, model builder, kind, library, feeds)
+        ("ort-sigmoid", chain_model, "ort-sigmoid", None, x),
+        ("floor", chain_model, "floor", floor_lib, x),
+        ("pointwise-sigmoid", chain_model, "pointwise-sigmoid", ours, x),
+        ("ort-cell", cell_model, "ort-cell", None, cell),
+        ("pointwise-cell", cell_model, "pointwise-cell", ours, cell),
+    ]
+    if args.baseline:
+        cases += [("pointwise-sigmoid (baseline)", chain_model, "pointwise-sigmoid", args.baseline, x),
+                  ("pointwise-cell (baseline)", cell_model, "pointwise-cell", args.baseline, cell)]
+
+    runners = {}
+    for label, build, kind, lib, feeds in cases:
+        for n in (1, args.nodes):
+            runners[(label, n)] = Runner(build(kind, n), lib, feeds)
+    # Same results where the computation is the same (floor computes nothing).
+    for a, b in (("ort-sigmoid", "pointwise-sigmoid"), ("ort-cell", "pointwise-cell")):
+        for n in (1, args.nodes):
+            np.testing.assert_allclose(runners[(b, n)].result(), runners[(a, n)].result(), rtol=1e-5, atol=1e-6)
+    keys = list(runners)
+    times: dict = {k: [] for k in keys}
+    for r in runners.values():
+        for _ in range(20):
+            r.run()
+    start = time.perf_counter()
+    turn = 0
+    while time.perf_counter() - start < args.seconds or turn < 3 * len(keys):
+        key = keys[(turn * 7 + turn // len(keys)) % len(keys)]  # rotating order
+        r = runners[key]
+        times[key] += [r.run() for _ in range(args.runs_per_turn)]
+        turn += 1
+
+    n = args.nodes
+    med = {k: statistics.median(v) for k, v in times.items()}
+    per_node = {label: (med[(label, n)] - med[(label, 1)]) / (n - 1) for label, *_ in cases}
+    lines = [
+        "# Pointwise CPU kernel: per-call cost",
+        "",
+        f"Command: `python bench/pointwise_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`", 0),
+        f"Date: {datetime.date.today().isoformat()}. Commit: {commit()}. Machine: {machine()} (shared host).",
+        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, Python {platform.python_version()}.",
+        "",
+        f"Chains of N = {n} nodes on float32[1, {COLS}] (cell: N LSTM cell steps), 1 intra-op thread, ORT_ENABLE_ALL,"
+        " IOBinding; all models interleaved in rotating order; cost per node (step) = (median(N) - median(1)) / (N - 1).",
+        "",
+        "| model | median run, N=1 (us) | median run, N (us) | per node / step (us) | runs each |",
+        "|---|---|---|---|---|",
+    ]
+    for label, *_ in cases:
+        lines.append(f"| {label} | {med[(label, 1)]:.1f} | {med[(label, n)]:.1f} | {per_node[label]:.2f} | "
+                     f"{len(times[(label, n)])} |")
+    pw, fl, os_ = per_node["pointwise-sigmoid"], per_node["floor"], per_node["ort-sigmoid"]
+    lines += [
+        "",
+        f"Pointwise sigmoid per call: {pw:.2f} us = floor {fl:.2f} us + ours {pw - fl:.2f} us;"
+        f" onnxruntime Sigmoid {os_:.2f} us (Pointwise / Sigmoid = {pw / os_:.2f}).",
+        f"LSTM cell step: Pointwise {per_node['pointwise-cell']:.2f} us vs onnxruntime nodes"
+        f" {per_node['ort-cell']:.2f} us (ratio {per_node['pointwise-cell'] / per_node['ort-cell']:.2f}).",
+    ]
+    if args.baseline:
+        b1, b2 = per_node["pointwise-sigmoid (baseline)"], per_node["pointwise-cell (baseline)"]
+        lines.append(f"Against the baseline library: sigmoid node {b1:.2f} -> {pw:.2f} us (ours above the floor"
+                     f" {b1 - fl:.2f} -> {pw - fl:.2f} us); cell step {b2:.2f} -> {per_node['pointwise-cell']:.2f} us.")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
