@@ -21,9 +21,9 @@ def test_tanh_is_exactly_one_where_float32_tanh_rounds_to_one(no_avx2, monkeypat
     x = np.array([9.02, 11.87, 20.0, 88.0, 1e30, -9.02, -11.87, -1e30] * 4, np.float32)
     y = make_session(m).run(None, {"x": x})[0]
     assert np.array_equal(y, np.sign(x)), y
-    # Below saturation, within a few ulps of the correctly rounded value.
+    # Below saturation, within the rational fit's 6 ulps of the correctly rounded value.
     x = np.linspace(-9, 9, 4001, dtype=np.float32)
     y = make_session(m).run(None, {"x": x})[0]
     want = np.tanh(x.astype(np.float64)).astype(np.float32)
-    assert np.max(np.abs(y - want) / np.spacing(np.abs(want) + np.float32(1e-30))) <= 4
+    assert np.max(np.abs(y - want) / np.spacing(np.abs(want) + np.float32(1e-30))) <= 6
     assert os.environ.get("ONNXFUSE_NO_AVX2", "") == no_avx2
