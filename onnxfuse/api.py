@@ -94,9 +94,8 @@ def optimize(
     t_loaded = time.perf_counter()
 
     ctx = Context(target=target, arch=arch)
-    work = onnx.ModelProto()
-    work.CopyFrom(original)
-    optimized, stats = run_passes(work, chosen, ctx)
+    # run_passes works on its own copy (pipeline.import_graph) and leaves `original` as it is.
+    optimized, stats = run_passes(original, chosen, ctx)
     t_passes = time.perf_counter()
 
     verification = None

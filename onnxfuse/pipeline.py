@@ -14,6 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
+from .graphutil import cleanup, export_model, toposort
 
 TARGETS = ("cpu", "cuda")
 
@@ -154,8 +155,8 @@ def _set_aside_binary_attributes(model: onnx.ModelProto, ctx: Context) -> dict[s
 
 
 def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, overloads) -> onnx.ModelProto:
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
-    out = gs.export_onnx(graph, do_type_check=False)
+    toposort(cleanup(graph))
+    out, _ = export_model(graph)  # gs.export_onnx's model, copying each weight once
     # Restore what graphsurgeon does not carry: model metadata, overloads of nodes we kept.
     out.ir_version = model.ir_version
     out.producer_name = model.producer_name or "onnxfuse"
@@ -193,7 +194,7 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context) -> 
             t0 = time.perf_counter()
             matches = int(p.run(graph, ctx) or 0)
             if matches:
-                graph.cleanup(remove_unused_graph_inputs=False).toposort()
+                toposort(cleanup(graph))
             st.seconds += time.perf_counter() - t0
             st.matches += matches
             st.nodes_after = len(graph.nodes)

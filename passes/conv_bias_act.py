@@ -312,7 +312,7 @@ def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
     ctx = Context(target="cuda")
     graph, _, _ = import_graph(model, ctx)
     fold_batchnorm.run(graph, ctx)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    gu.toposort(gu.cleanup(graph))
     shapes = gu.ShapeTable(graph)
     out = []
     for conv in graph.nodes:

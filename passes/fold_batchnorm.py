@@ -81,20 +81,20 @@ def resolve_constant(tensor: gs.Tensor | None) -> np.ndarray | None:
     return None
 
 
-def write_constant(graph: gs.Graph, base: str, value: np.ndarray) -> gs.Tensor:
+def write_constant(graph: gs.Graph, base: str, value: np.ndarray, taken: set[str] | None = None) -> gs.Tensor:
     """A tensor holding `value`: an initializer, or a ConstantOfShape node when it is one repeated
-    value (so a fill stays a fill)."""
+    value (so a fill stays a fill). `taken`: the names in use (see graphutil.unique_name)."""
     value = np.ascontiguousarray(value)
     if value.size >= _COMPACT_FILL_ELEMENTS and np.all(value == value.flat[0]):
-        shape = gu.make_constant(graph, f"{base}_shape", np.array(value.shape, dtype=np.int64))
-        out = gs.Variable(gu.unique_name(graph, base), dtype=value.dtype, shape=list(value.shape))
+        shape = gu.make_constant(graph, f"{base}_shape", np.array(value.shape, dtype=np.int64), taken)
+        out = gs.Variable(gu.unique_name(graph, base, taken), dtype=value.dtype, shape=list(value.shape))
         fill = gs.Constant(f"{out.name}_value", np.array([value.flat[0]], dtype=value.dtype))
         graph.nodes.append(
-            gs.Node("ConstantOfShape", name=gu.unique_name(graph, f"{out.name}_fill"), attrs={"value": fill},
+            gs.Node("ConstantOfShape", name=gu.unique_name(graph, f"{out.name}_fill", taken), attrs={"value": fill},
                     inputs=[shape], outputs=[out])
         )
         return out
-    return gu.make_constant(graph, base, value)
+    return gu.make_constant(graph, base, value, taken)
 
 
 def _conv_params(conv: gs.Node) -> tuple[np.ndarray, np.ndarray] | None:
@@ -128,7 +128,7 @@ def per_channel(value: np.ndarray | None, channels: int, rank: int) -> np.ndarra
     return np.broadcast_to(value.reshape(-1) if value.size > 1 else value.reshape(1), (channels,))
 
 
-def _fold_one(graph: gs.Graph, conv: gs.Node) -> bool:
+def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
     out = conv.outputs[0]
     reader = gu.single_consumer(out)
     if reader is None or gu.is_graph_output(graph, out) or not gu.is_default_domain(reader):
@@ -171,9 +171,13 @@ def _fold_one(graph: gs.Graph, conv: gs.Node) -> bool:
     result = reader.outputs[0]
     base = conv.name or "conv"
     if new_w is not None:
-        conv.inputs[1] = write_constant(graph, f"{base}_W_folded", new_w.astype(w.dtype))
-    bias = write_constant(graph, f"{base}_B_folded", new_b.astype(w.dtype))
+        old_w = conv.inputs[1]
+        conv.inputs[1] = write_constant(graph, f"{base}_W_folded", new_w.astype(w.dtype), taken)
+        gu.release_names(graph, taken, [old_w])
+    bias = write_constant(graph, f"{base}_B_folded", new_b.astype(w.dtype), taken)
+    dropped = [out, *reader.inputs, *reader.outputs[1:]]
     if len(conv.inputs) > 2:
+        dropped.append(conv.inputs[2])
         conv.inputs[2] = bias
     else:
         conv.inputs.append(bias)
@@ -184,16 +188,20 @@ def _fold_one(graph: gs.Graph, conv: gs.Node) -> bool:
         result.dtype = out.dtype
     if result.shape is None:
         result.shape = out.shape
+    gu.release_names(graph, taken, dropped)
     return True
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
     folds = 0
+    # Names in use are collected once and kept current (collecting them for every new tensor
+    # was most of the pass's time on densenet121: 877 walks over the whole graph).
+    taken = gu.taken_names(graph)
     changed = True
     while changed:
         changed = False
         for conv in list(graph.nodes):
-            if gu.is_op(conv, "Conv") and conv.outputs and _fold_one(graph, conv):
+            if gu.is_op(conv, "Conv") and conv.outputs and _fold_one(graph, conv, taken):
                 folds += 1
                 changed = True
     return folds

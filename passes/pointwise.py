@@ -72,18 +72,19 @@ def elem_type(t: gs.Tensor) -> int | None:
 def refresh_shapes(graph: gs.Graph) -> None:
     """Run onnx shape inference on the current graph and record dtypes/shapes that the graph
     does not know yet (tensors made by earlier passes have none)."""
-    from onnxfuse.modelio import infer_shapes
+    from onnxfuse.modelio import infer_light_model
 
     try:
-        model = gs.export_onnx(graph, do_type_check=False)
+        # Large weights are described by type and shape: inferring on them costs their copies.
+        model, left_out = gu.inference_model(graph)
     except Exception:
         return
-    model = infer_shapes(model)
+    model = infer_light_model(model, left_out) or model
     infos = {}
     for vi in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input):
         if vi.type.HasField("tensor_type"):
             infos[vi.name] = vi.type.tensor_type
-    for name, t in graph.tensors().items():
+    for name, t in gu.tensor_map(graph).items():
         if isinstance(t, gs.Constant) or name not in infos:
             continue
         tt = infos[name]
@@ -629,7 +630,7 @@ def _detached_copy(n: gs.Node) -> gs.Node:
 
 def run(graph: gs.Graph, ctx: Context) -> int:
     refresh_shapes(graph)
-    graph.toposort()
+    gu.toposort(graph)
     a = Analysis(graph, ctx)
     regions = build_regions(a)
     # Decide which regions pay; a region whose only work is one op pays when a Slice/Split

@@ -134,6 +134,8 @@ class ShapeEvaluator:
         return result
 
     def _evaluate(self, tensor: gs.Tensor, depth: int) -> ShapeValue | None:
+        if isinstance(tensor, gs.Constant) and not _may_be_shape(tensor):
+            return None  # a weight: its type and shape say so without reading its values
         v = gu.constant_value(tensor)
         if v is not None:
             if v.dtype not in _INT_TYPES or v.ndim > 1 or v.size > MAX_ELEMENTS:
@@ -383,12 +385,23 @@ def _numpy_dtype(dtype) -> np.dtype | None:
         return None
 
 
+def _may_be_shape(tensor: gs.Constant) -> bool:
+    """False when an initializer's recorded type or shape already rules out a shape value."""
+    shape = tensor.shape
+    return (
+        _numpy_dtype(tensor.dtype) in _INT_TYPES
+        and shape is not None
+        and len(shape) <= 1
+        and int(np.prod(shape, dtype=np.int64)) <= MAX_ELEMENTS
+    )
+
+
 def _is_computed(tensor: gs.Tensor) -> bool:
-    return gu.constant_value(tensor) is None
+    return not gu.is_constant(tensor)
 
 
 def _rewrite_round(graph: gs.Graph) -> int:
-    graph.toposort()
+    gu.toposort(graph)
     shapes = gu.ShapeTable(graph)
     ev = ShapeEvaluator(graph, shapes)
     for _ in range(MAX_ROUNDS):
@@ -418,7 +431,7 @@ def _rewrite_round(graph: gs.Graph) -> int:
     # earlier (the same dims read from another tensor of the same shape, as every block of a
     # transformer does) are read from the earlier one. Earlier in topological order, so no
     # cycle can form.
-    graph.toposort()
+    gu.toposort(graph)
     seen: dict[tuple, gs.Tensor] = {}
     for node in list(graph.nodes):
         if not gu.is_default_domain(node) or node.op == "Constant":
@@ -450,7 +463,7 @@ def shape_plumbing(graph: gs.Graph, ctx: Context) -> int:
         total += n
         if not n:
             break
-        graph.cleanup(remove_unused_graph_inputs=False)
+        gu.cleanup(graph)
     return total
 
 

@@ -148,8 +148,21 @@ def _write_slice(graph: gs.Graph, node: gs.Node, data: gs.Tensor, params: dict[i
 # Passes -------------------------------------------------------------------------------------
 
 
+def _shapes_if(graph: gs.Graph, needed: bool) -> gu.ShapeTable | None:
+    """A ShapeTable when the pass has a candidate to look at (inferring shapes is most of what
+    these passes cost, and most graphs hold no candidate for most of them), else None."""
+    return gu.ShapeTable(graph) if needed else None
+
+
+def _fed_by(graph: gs.Graph, op: str, producer_op: str) -> bool:
+    """Whether some `op` node reads an output of a `producer_op` node."""
+    return any(
+        gu.is_op(n, op) and any(gu.is_op(gu.producer(t), producer_op) for t in n.inputs) for n in graph.nodes
+    )
+
+
 def remove_noop_slice(graph: gs.Graph, ctx: Context) -> int:
-    shapes = gu.ShapeTable(graph)
+    shapes = _shapes_if(graph, any(gu.is_op(n, "Slice") for n in graph.nodes))
     opset = graph.opset or 1
     removed = 0
     for node in list(graph.nodes):
@@ -170,7 +183,7 @@ def remove_noop_slice(graph: gs.Graph, ctx: Context) -> int:
 
 
 def merge_slices(graph: gs.Graph, ctx: Context) -> int:
-    shapes = gu.ShapeTable(graph)
+    shapes = _shapes_if(graph, _fed_by(graph, "Slice", "Slice"))
     opset = graph.opset or 1
     merged = 0
     for outer in list(graph.nodes):
@@ -220,7 +233,7 @@ def _split_sizes(node: gs.Node, opset: int) -> list[int] | None | bool:
 
 
 def remove_split_concat(graph: gs.Graph, ctx: Context) -> int:
-    shapes = gu.ShapeTable(graph)
+    shapes = _shapes_if(graph, _fed_by(graph, "Concat", "Split"))
     rewrites = 0
     for concat in list(graph.nodes):
         if not gu.is_op(concat, "Concat"):
@@ -252,7 +265,7 @@ def remove_split_concat(graph: gs.Graph, ctx: Context) -> int:
 
 
 def remove_concat_split(graph: gs.Graph, ctx: Context) -> int:
-    shapes = gu.ShapeTable(graph)
+    shapes = _shapes_if(graph, _fed_by(graph, "Split", "Concat"))
     opset = graph.opset or 1
     rewrites = 0
     for split in list(graph.nodes):
