@@ -74,6 +74,9 @@ def refresh_shapes(graph: gs.Graph) -> None:
     does not know yet (tensors made by earlier passes have none)."""
     from onnxfuse.modelio import infer_light_model
 
+    if all(t.dtype is not None and t.shape is not None
+           for t in gu.tensor_map(graph).values() if not isinstance(t, gs.Constant)):
+        return  # nothing to fill in
     try:
         # Large weights are described by type and shape: inferring on them costs their copies.
         model, left_out = gu.inference_model(graph)

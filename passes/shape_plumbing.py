@@ -392,7 +392,7 @@ def _may_be_shape(tensor: gs.Constant) -> bool:
         _numpy_dtype(tensor.dtype) in _INT_TYPES
         and shape is not None
         and len(shape) <= 1
-        and int(np.prod(shape, dtype=np.int64)) <= MAX_ELEMENTS
+        and (not shape or int(shape[0]) <= MAX_ELEMENTS)
     )
 
 
@@ -400,16 +400,38 @@ def _is_computed(tensor: gs.Tensor) -> bool:
     return not gu.is_constant(tensor)
 
 
+def _reads_dims(graph: gs.Graph) -> bool:
+    """Whether this round can read a tensor's dims: a Shape or Size node, a Reshape or Expand
+    with a computed target, or a Slice or Range (the only nodes whose dims facts refine). A
+    graph without any needs no shape inference, which is most of what the pass costs there."""
+    opset = graph.opset or 1
+    for node in graph.nodes:
+        if gu.is_op(node, "Shape", "Size", "Slice", "Range"):
+            return True
+        if (
+            ((gu.is_op(node, "Reshape") and opset >= 5) or gu.is_op(node, "Expand"))
+            and len(node.inputs) >= 2
+            and gu.is_present(node.inputs[1])
+            and _is_computed(node.inputs[1])
+        ):
+            return True
+    return False
+
+
 def _rewrite_round(graph: gs.Graph) -> int:
     gu.toposort(graph)
-    shapes = gu.ShapeTable(graph)
-    ev = ShapeEvaluator(graph, shapes)
-    for _ in range(MAX_ROUNDS):
-        facts = _dim_facts(graph, shapes, ev)
-        if not facts:
-            break
-        shapes = shapes.refined(graph, facts)
+    if not _reads_dims(graph):
+        shapes = gu.ShapeTable(graph, infer=False)  # never consulted (see _reads_dims)
         ev = ShapeEvaluator(graph, shapes)
+    else:
+        shapes = gu.ShapeTable(graph)
+        ev = ShapeEvaluator(graph, shapes)
+        for _ in range(MAX_ROUNDS):
+            facts = _dim_facts(graph, shapes, ev)
+            if not facts:
+                break
+            shapes = shapes.refined(graph, facts)
+            ev = ShapeEvaluator(graph, shapes)
     taken = gu.tensor_names(graph) | {n.name for n in graph.nodes}
     rewrites = 0
     for node in list(graph.nodes):
