@@ -199,14 +199,19 @@ struct PointwiseKernel {
   RunTaskFn run_task;
   bool shape_reference;  // the runtime serves GetTensorElementTypeAndShapeDataReference
   std::vector<ONNXTensorElementDataType> input_types;
-  // Output element types are fixed by the graph: checked on the first run that gets them all.
+  // Output element types are fixed by the graph: checked on the first run that gets them all,
+  // which records the type each output is stored as (the program's, or a float substitute).
   std::atomic<bool> outputs_checked{false};
+  std::unique_ptr<std::atomic<uint8_t>[]> output_dtypes;
   PlanCache plans;
 
   PointwiseKernel(OrtApiRef a, Program p, std::string name)
       : api(a), prog(std::move(p)), node_name(std::move(name)), run_task(select_run_task()) {
     shape_reference = runtime_serves_api(kShapeReferenceApi) && std::getenv("ONNXFUSE_NO_SHAPE_REFERENCE") == nullptr;
     for (const ProgramInput& in : prog.program.inputs) input_types.push_back(dtype_to_onnx(in.dtype));
+    output_dtypes.reset(new std::atomic<uint8_t>[prog.program.outputs.size()]);
+    for (size_t o = 0; o < prog.program.outputs.size(); ++o)
+      output_dtypes[o].store(static_cast<uint8_t>(prog.program.outputs[o].dtype), std::memory_order_relaxed);
   }
 };
 
@@ -287,6 +292,22 @@ const char* type_name(ONNXTensorElementDataType t) {
 [[gnu::cold, gnu::noinline]] OrtStatus* run_error(const PointwiseKernel& k, OrtStatus* st) {
   return wrap(k.api, st, node_label(k.node_name));
 }
+// onnxruntime runs float16 ops without a CPU float16 kernel in float32, inserting Casts around
+// them, and then drops Casts next to ops that take any type, such as ours: an input the program
+// reads as f16 (or bf16, or f32) can arrive in another of these types. When the program computes
+// in f32, such an input is loaded by its actual type, which is the value the dropped Cast would
+// have widened (or, in the f32 -> f16 direction, would have rounded: onnxruntime's own float16
+// emulation skips that rounding the same way).
+bool float_substitute(const Program& prog, DType declared, ONNXTensorElementDataType actual, DType* load_as) {
+  if (prog.compute != DType::F32 || declared == DType::Bool || declared == DType::F64) return false;
+  switch (actual) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: *load_as = DType::F32; return true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: *load_as = DType::F16; return true;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: *load_as = DType::BF16; return true;
+    default: return false;
+  }
+}
+
 [[gnu::cold, gnu::noinline]] OrtStatus* type_error(const PointwiseKernel& k, const char* what, size_t index,
                                                    ONNXTensorElementDataType got, DType want) {
   return run_error(k, ORT_INVALID_ARGUMENT,
@@ -374,6 +395,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   const size_t n_in = prog.inputs.size(), n_out = prog.outputs.size();
   try {
     InlineArray<const unsigned char*, kInlineValues> data(n_in);
+    InlineArray<DType, kInlineValues> in_dtypes(n_in);
     InlineArray<const int64_t*, kInlineValues> dims(n_in);
     InlineArray<size_t, kInlineValues> ranks(n_in);
     for (size_t i = 0; i < n_in; ++i) {
@@ -394,7 +416,12 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         ONNXFUSE_RUN_CHECK(legacy_type_and_shape(api, value, &et, legacy_store.data() + i * kInlineRank,
                                                  &legacy_overflow[i], &dims[i], &ranks[i]));
       }
-      if (et != kernel->input_types[i]) return type_error(*kernel, "input", i, et, prog.inputs[i].dtype);
+      if (et != kernel->input_types[i]) {
+        if (!float_substitute(prog, prog.inputs[i].dtype, et, &in_dtypes[i]))
+          return type_error(*kernel, "input", i, et, prog.inputs[i].dtype);
+      } else {
+        in_dtypes[i] = prog.inputs[i].dtype;
+      }
       void* p = nullptr;
       ONNXFUSE_RUN_CHECK(api.GetTensorMutableData(const_cast<OrtValue*>(value), &p));
       data[i] = static_cast<const unsigned char*>(p);
@@ -417,7 +444,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     InlineArray<ExecInput, kInlineValues> inputs(n_in);
     const size_t rank = plan->shape.size();
     for (size_t i = 0; i < n_in; ++i)
-      inputs[i] = {data[i], prog.inputs[i].dtype, plan->offsets[i], plan->strides.data() + i * rank};
+      inputs[i] = {data[i], in_dtypes[i], plan->offsets[i], plan->strides.data() + i * rank};
 
     InlineArray<ExecOutput, kInlineValues> outputs(n_out);
     const bool check_types = !kernel->outputs_checked.load(std::memory_order_relaxed);
@@ -426,7 +453,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       OrtValue* value = nullptr;
       ONNXFUSE_RUN_CHECK(
           api.KernelContext_GetOutput(ctx, o, plan->out_shape.data(), plan->out_shape.size(), &value));
-      outputs[o] = {nullptr, prog.outputs[o].dtype};
+      outputs[o] = {nullptr, static_cast<DType>(kernel->output_dtypes[o].load(std::memory_order_relaxed))};
       if (value == nullptr) {  // an output nobody reads
         unallocated = true;
         continue;
@@ -438,7 +465,16 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         OrtStatus* st = api.GetTensorElementType(ti, &et);
         api.ReleaseTensorTypeAndShapeInfo(ti);
         if (st) return run_error(*kernel, st);
-        if (et != dtype_to_onnx(prog.outputs[o].dtype)) return type_error(*kernel, "output", o, et, prog.outputs[o].dtype);
+        if (et != dtype_to_onnx(prog.outputs[o].dtype)) {
+          // A float substitute (see float_substitute) unless the program computes this output
+          // straight into the output buffer, which must then be of the compute type.
+          DType stored;
+          const bool direct = kernel->prog.direct_output[prog.outputs[o].value] == static_cast<int>(o);
+          if (direct || !float_substitute(prog, prog.outputs[o].dtype, et, &stored))
+            return type_error(*kernel, "output", o, et, prog.outputs[o].dtype);
+          kernel->output_dtypes[o].store(static_cast<uint8_t>(stored), std::memory_order_relaxed);
+          outputs[o].dtype = stored;
+        }
       }
       void* p = nullptr;
       ONNXFUSE_RUN_CHECK(api.GetTensorMutableData(value, &p));
