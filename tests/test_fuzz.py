@@ -138,3 +138,22 @@ def test_an_ill_conditioned_mismatch_is_excused_only_when_as_accurate_as_onnxrun
     assert as_accurate_as_onnxruntime(model, feeds, ref, {"y": exact.astype(np.float32)})
     off = exact.astype(np.float32) * np.float32(1.2)  # onnxruntime itself is ~1% off here
     assert not as_accurate_as_onnxruntime(model, feeds, ref, {"y": off})
+
+
+def test_nan_is_judged_against_the_float64_result():
+    """Ours may be NaN where the exact result is NaN even if onnxruntime's is not (seed 25019:
+    onnxruntime's double Sigmoid flushes 1e-32 to 0, so its Pow gives 1 where the truth is NaN),
+    but never NaN where onnxruntime's output is right and finite."""
+    from onnx import TensorProto, helper
+
+    from onnxfuse.fuzz import as_accurate_as_onnxruntime
+
+    g = helper.make_graph([helper.make_node("Sqrt", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.array([-1.0, 4.0], np.float32)}
+    onnxruntime_wrong = {"y": np.array([1.0, 2.0], np.float32)}
+    assert as_accurate_as_onnxruntime(model, feeds, onnxruntime_wrong, {"y": np.array([np.nan, 2.0], np.float32)})
+    onnxruntime_right = {"y": np.array([np.nan, 2.0], np.float32)}
+    assert not as_accurate_as_onnxruntime(model, feeds, onnxruntime_right, {"y": np.array([np.nan, np.nan], np.float32)})
