@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda_launch.h"
+#include "kernel_util.h"
 #include "registry.h"
 
 namespace onnxfuse {
@@ -34,27 +35,11 @@ struct CudaConvKernel {
 
 std::string node_label(const std::string& name) { return "onnxfuse ConvBiasAct node '" + name + "' (CUDA): "; }
 
-OrtStatus* wrap(const OrtApiRef& api, OrtStatus* st, const std::string& context) {
-  std::string msg = context + api.GetErrorMessage(st);
-  OrtErrorCode code = api.GetErrorCode(st);
-  api.ReleaseStatus(st);
-  return api.CreateStatus(code, msg.c_str());
-}
-
-#define ONNXFUSE_CONV_RETURN_IF(call, context)                   \
-  do {                                                          \
-    if (OrtStatus* st_ = (call)) return wrap(api, st_, context); \
-  } while (0)
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   OrtApiRef api(raw);
   try {
     std::string name;
-    size_t size = 0;
-    ONNXFUSE_CONV_RETURN_IF(api.KernelInfo_GetNodeName(info, nullptr, &size), "onnxfuse ConvBiasAct (CUDA): ");
-    name.resize(size);
-    ONNXFUSE_CONV_RETURN_IF(api.KernelInfo_GetNodeName(info, name.data(), &size), "onnxfuse ConvBiasAct (CUDA): ");
-    name.resize(std::strlen(name.c_str()));
+    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse ConvBiasAct (CUDA): ");
     const std::string where = node_label(name);
 
     std::string error;
@@ -75,7 +60,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     if (!cuda::int_attr(api, info, "cuda_residual", &residual))
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing attribute cuda_residual").c_str());
     size_t n_in = 0;
-    ONNXFUSE_CONV_RETURN_IF(api.KernelInfo_GetInputCount(info, &n_in), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
     if ((residual != 0) != (n_in == 4))
       return api.CreateStatus(ORT_INVALID_ARGUMENT,
                               (where + "the kernel's residual epilogue and the node's inputs disagree").c_str());
@@ -128,10 +113,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     std::vector<int64_t> xs, ws, bs, zs;
     ONNXTensorElementDataType xt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, wt = xt, bt = xt, zt = xt;
     const void *x = nullptr, *w = nullptr, *b = nullptr, *z = nullptr;
-    ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 0, &xs, &xt, &x), where);
-    ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 1, &ws, &wt, &w), where);
-    ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 2, &bs, &bt, &b), where);
-    if (k->residual) ONNXFUSE_CONV_RETURN_IF(input(api, ctx, 3, &zs, &zt, &z), where);
+    ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 0, &xs, &xt, &x), where);
+    ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 1, &ws, &wt, &w), where);
+    ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 2, &bs, &bt, &b), where);
+    if (k->residual) ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 3, &zs, &zt, &z), where);
     const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if (xt != f32 || wt != f32 || bt != f32 || (k->residual && zt != f32))
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the kernel reads float32 tensors only").c_str());
@@ -149,9 +134,9 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       return api.CreateStatus(ORT_INVALID_ARGUMENT,
                               (where + "residual Z is " + dims_text(zs) + ", expected " + dims_text(ys)).c_str());
     OrtValue* yv = nullptr;
-    ONNXFUSE_CONV_RETURN_IF(api.KernelContext_GetOutput(ctx, 0, ys.data(), ys.size(), &yv), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, ys.data(), ys.size(), &yv), where);
     void* y = nullptr;
-    ONNXFUSE_CONV_RETURN_IF(api.GetTensorMutableData(yv, &y), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(yv, &y), where);
     if (n == 0) return nullptr;
     // Pixel indices in the kernel are 32-bit.
     if (n * k->grid_cols + k->cols_per_block >= (int64_t{1} << 31))
@@ -163,7 +148,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(b)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(z)),
         static_cast<int64_t>(reinterpret_cast<uintptr_t>(y)), n};
     void* stream = nullptr;
-    ONNXFUSE_CONV_RETURN_IF(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
     auto cu_stream = static_cast<cuda::CUstream>(stream);
     std::string error;
     cuda::Dim3 grid, block;

@@ -13,6 +13,7 @@
 
 #include "cuda_launch.h"
 #include "pointwise_plan.h"
+#include "kernel_util.h"
 #include "registry.h"
 
 namespace onnxfuse {
@@ -30,27 +31,11 @@ struct CudaPointwiseKernel {
 
 std::string node_label(const std::string& name) { return "onnxfuse Pointwise node '" + name + "' (CUDA): "; }
 
-OrtStatus* wrap(const OrtApiRef& api, OrtStatus* st, const std::string& context) {
-  std::string msg = context + api.GetErrorMessage(st);
-  OrtErrorCode code = api.GetErrorCode(st);
-  api.ReleaseStatus(st);
-  return api.CreateStatus(code, msg.c_str());
-}
-
-#define ONNXFUSE_CUDA_RETURN_IF(call, context)                   \
-  do {                                                          \
-    if (OrtStatus* st_ = (call)) return wrap(api, st_, context); \
-  } while (0)
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   OrtApiRef api(raw);
   try {
     std::string name;
-    size_t size = 0;
-    ONNXFUSE_CUDA_RETURN_IF(api.KernelInfo_GetNodeName(info, nullptr, &size), "onnxfuse Pointwise (CUDA): ");
-    name.resize(size);
-    ONNXFUSE_CUDA_RETURN_IF(api.KernelInfo_GetNodeName(info, name.data(), &size), "onnxfuse Pointwise (CUDA): ");
-    name.resize(std::strlen(name.c_str()));
+    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse Pointwise (CUDA): ");
     const std::string where = node_label(name);
 
     std::string text;
@@ -60,8 +45,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     std::string error;
     if (!Program::parse(text, &program, &error)) return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
     size_t n_in = 0, n_out = 0;
-    ONNXFUSE_CUDA_RETURN_IF(api.KernelInfo_GetInputCount(info, &n_in), where);
-    ONNXFUSE_CUDA_RETURN_IF(api.KernelInfo_GetOutputCount(info, &n_out), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetOutputCount(info, &n_out), where);
     if (n_in != program.inputs.size() || n_out != program.outputs.size())
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "input/output count differs from the program").c_str());
 
@@ -102,11 +87,11 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     std::vector<const unsigned char*> in_ptr(n_in);
     for (size_t i = 0; i < n_in; ++i) {
       const OrtValue* value = nullptr;
-      ONNXFUSE_CUDA_RETURN_IF(api.KernelContext_GetInput(ctx, i, &value), where);
+      ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetInput(ctx, i, &value), where);
       if (value == nullptr)
         return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "input " + std::to_string(i) + " is missing").c_str());
       OrtTensorTypeAndShapeInfo* ti = nullptr;
-      ONNXFUSE_CUDA_RETURN_IF(api.GetTensorTypeAndShape(value, &ti), where);
+      ONNXFUSE_RETURN_IF_ERROR(api.GetTensorTypeAndShape(value, &ti), where);
       ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
       size_t r = 0;
       OrtStatus* st = api.GetTensorElementType(ti, &et);
@@ -116,14 +101,14 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         st = api.GetDimensions(ti, shapes[i].data(), r);
       }
       api.ReleaseTensorTypeAndShapeInfo(ti);
-      if (st) return wrap(api, st, where);
+      if (st) return with_context(api, st, where);
       if (et != dtype_to_onnx(prog.inputs[i].dtype)) {
         std::string msg = where + "input " + std::to_string(i) + " has element type " + std::to_string(et) +
                           ", the program reads " + dtype_name(prog.inputs[i].dtype);
         return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
       }
       void* data = nullptr;
-      ONNXFUSE_CUDA_RETURN_IF(api.GetTensorMutableData(const_cast<OrtValue*>(value), &data), where);
+      ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(const_cast<OrtValue*>(value), &data), where);
       in_ptr[i] = static_cast<const unsigned char*>(data);
     }
 
@@ -134,11 +119,11 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     std::vector<unsigned char*> out_ptr(n_out, nullptr);
     for (size_t o = 0; o < n_out; ++o) {
       OrtValue* value = nullptr;
-      ONNXFUSE_CUDA_RETURN_IF(
+      ONNXFUSE_RETURN_IF_ERROR(
           api.KernelContext_GetOutput(ctx, o, plan.out_shape.data(), plan.out_shape.size(), &value), where);
       if (value == nullptr) continue;  // not materialized: the kernel skips its stores
       void* data = nullptr;
-      ONNXFUSE_CUDA_RETURN_IF(api.GetTensorMutableData(value, &data), where);
+      ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(value, &data), where);
       out_ptr[o] = static_cast<unsigned char*>(data);
     }
     if (plan.numel == 0) return nullptr;
@@ -200,7 +185,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     for (size_t o = 0; o < n_out; ++o) words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_ptr[o])));
 
     void* stream = nullptr;
-    ONNXFUSE_CUDA_RETURN_IF(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
     auto cu_stream = static_cast<cuda::CUstream>(stream);
     cuda::DeviceInfo device;
     if (!k->kernel.prepare(cu_stream, &device, &error)) return api.CreateStatus(ORT_FAIL, (where + error).c_str());
@@ -224,40 +209,9 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
 
 void destroy_kernel(void* kernel) { delete static_cast<CudaPointwiseKernel*>(kernel); }
 
-const char* op_name(const OrtCustomOp*) { return kPointwiseOpName; }
 const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
-ONNXTensorElementDataType any_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int min_inputs(const OrtCustomOp*) { return kPointwiseMinInputs; }
-int min_outputs(const OrtCustomOp*) { return kPointwiseMinOutputs; }
-int heterogeneous(const OrtCustomOp*) { return 0; }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kOrtApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = cuda_provider;
-  op.GetInputType = any_type;
-  op.GetInputTypeCount = one;
-  op.GetOutputType = any_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = variadic;
-  op.GetOutputCharacteristic = variadic;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = min_inputs;
-  op.GetVariadicInputHomogeneity = heterogeneous;
-  op.GetVariadicOutputMinArity = min_outputs;
-  op.GetVariadicOutputHomogeneity = heterogeneous;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
-}
-
-const OrtCustomOp kCudaPointwiseOp = make_op();
+const OrtCustomOp kCudaPointwiseOp = make_pointwise_op(cuda_provider, create_kernel, compute, destroy_kernel);
 ONNXFUSE_REGISTER_OP(kCudaPointwiseOp);
 
 }  // namespace

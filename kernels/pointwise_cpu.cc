@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "numeric.h"
+#include "kernel_util.h"
 #include "registry.h"
 
 namespace onnxfuse {
@@ -219,35 +220,18 @@ std::string node_label(const std::string& name) {
   return "onnxfuse Pointwise node '" + name + "': ";
 }
 
-// Turns a failed status from onnxruntime into one with our context prepended.
-OrtStatus* wrap(const OrtApiRef& api, OrtStatus* st, const std::string& context) {
-  std::string msg = context + api.GetErrorMessage(st);
-  OrtErrorCode code = api.GetErrorCode(st);
-  api.ReleaseStatus(st);
-  return api.CreateStatus(code, msg.c_str());
-}
-
-#define ONNXFUSE_RETURN_IF(call, context)              \
-  do {                                                  \
-    if (OrtStatus* st_ = (call)) return wrap(api, st_, context); \
-  } while (0)
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** kernel) noexcept {
   OrtApiRef api(raw);
   try {
     std::string name;
-    size_t size = 0;
-    ONNXFUSE_RETURN_IF(api.KernelInfo_GetNodeName(info, nullptr, &size), "onnxfuse Pointwise: ");
-    name.resize(size);
-    ONNXFUSE_RETURN_IF(api.KernelInfo_GetNodeName(info, name.data(), &size), "onnxfuse Pointwise: ");
-    name.resize(std::strlen(name.c_str()));
+    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse Pointwise: ");
     const std::string where = node_label(name);
 
-    size = 0;
-    ONNXFUSE_RETURN_IF(api.KernelInfoGetAttribute_string(info, kProgramAttr, nullptr, &size),
+    size_t size = 0;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_string(info, kProgramAttr, nullptr, &size),
                        where + "string attribute 'program': ");
     std::string text(size, '\0');
-    ONNXFUSE_RETURN_IF(api.KernelInfoGetAttribute_string(info, kProgramAttr, text.data(), &size), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_string(info, kProgramAttr, text.data(), &size), where);
     text.resize(std::strlen(text.c_str()));
 
     Program program;
@@ -257,8 +241,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
 
     // Compute relies on these counts: onnxruntime passes the node's inputs and outputs.
     size_t n_in = 0, n_out = 0;
-    ONNXFUSE_RETURN_IF(api.KernelInfo_GetInputCount(info, &n_in), where);
-    ONNXFUSE_RETURN_IF(api.KernelInfo_GetOutputCount(info, &n_out), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetOutputCount(info, &n_out), where);
     if (n_in != program.inputs.size() || n_out != program.outputs.size()) {
       std::string msg = where + "program declares " + std::to_string(program.inputs.size()) + " inputs and " +
                         std::to_string(program.outputs.size()) + " outputs, the node has " + std::to_string(n_in) +
@@ -290,7 +274,7 @@ const char* type_name(ONNXTensorElementDataType t) {
   return k.api.CreateStatus(code, (node_label(k.node_name) + what).c_str());
 }
 [[gnu::cold, gnu::noinline]] OrtStatus* run_error(const PointwiseKernel& k, OrtStatus* st) {
-  return wrap(k.api, st, node_label(k.node_name));
+  return with_context(k.api, st, node_label(k.node_name));
 }
 // onnxruntime runs float16 ops without a CPU float16 kernel in float32, inserting Casts around
 // them, and then drops Casts next to ops that take any type, such as ours: an input the program
@@ -517,40 +501,9 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
 
 void destroy_kernel(void* kernel) { delete static_cast<PointwiseKernel*>(kernel); }
 
-const char* op_name(const OrtCustomOp*) { return kPointwiseOpName; }
 const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-ONNXTensorElementDataType any_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int min_inputs(const OrtCustomOp*) { return kPointwiseMinInputs; }
-int min_outputs(const OrtCustomOp*) { return kPointwiseMinOutputs; }
-int heterogeneous(const OrtCustomOp*) { return 0; }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kOrtApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = cpu_provider;
-  op.GetInputType = any_type;
-  op.GetInputTypeCount = one;
-  op.GetOutputType = any_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = variadic;
-  op.GetOutputCharacteristic = variadic;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = min_inputs;
-  op.GetVariadicInputHomogeneity = heterogeneous;
-  op.GetVariadicOutputMinArity = min_outputs;
-  op.GetVariadicOutputHomogeneity = heterogeneous;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
-}
-
-OrtCustomOp pointwise_cpu_op = make_op();
+OrtCustomOp pointwise_cpu_op = make_pointwise_op(cpu_provider, create_kernel, compute, destroy_kernel);
 ONNXFUSE_REGISTER_OP(pointwise_cpu_op);
 
 }  // namespace

@@ -28,6 +28,14 @@ constexpr const char* kProgramAttr = "program";
 constexpr int kPointwiseMinInputs = 1;
 constexpr int kPointwiseMinOutputs = 1;
 
+// The OrtCustomOp of Pointwise for one execution provider. Every registration of the op is built
+// here, so all share one schema (variadic, heterogeneous inputs and outputs of any element type,
+// the minimum arities above), as onnxruntime requires of the registrations of one name.
+OrtCustomOp make_pointwise_op(decltype(OrtCustomOp::GetExecutionProviderType) provider,
+                              decltype(OrtCustomOp::CreateKernelV2) create,
+                              decltype(OrtCustomOp::KernelComputeV2) compute,
+                              decltype(OrtCustomOp::KernelDestroy) destroy);
+
 enum class DType : uint8_t { F16, BF16, F32, F64, Bool };
 
 const char* dtype_name(DType d);
