@@ -72,9 +72,13 @@ ONNXFUSE_INLINE uint16_t float_to_bf16(float f) {
 // |r| <= ln2/2, exp(r) by a degree-6 polynomial, then 2^n added into the exponent field.
 // Subnormal results included; +inf gives inf, -inf gives 0, NaN propagates through the
 // arithmetic.
+// The largest float whose exp is finite (88.72283172607421875; the next float, 88.72284, gives
+// more than FLT_MAX). A shorter literal such as 88.7228f sends 88.72281..88.72283 to inf.
+constexpr float kExpMaxFinite = 88.72283172607421875f;
+
 ONNXFUSE_INLINE float exp_f32(float x) {
   float xc = x < -104.0f ? -104.0f : x;  // NaN passes both clamps
-  xc = xc > 88.7228f ? 88.7228f : xc;
+  xc = xc > kExpMaxFinite ? kExpMaxFinite : xc;
   // n = round(x / ln2) by the 1.5 * 2^23 trick: t holds n in its low mantissa bits.
   const float magic = 12582912.0f;
   float t = xc * 1.44269504088896341f + magic;
@@ -95,7 +99,7 @@ ONNXFUSE_INLINE float exp_f32(float x) {
   int32_t n1 = ni >> 1;
   int32_t n2 = ni - n1;
   float res = y * from_bits(static_cast<uint32_t>(n1 + 127) << 23) * from_bits(static_cast<uint32_t>(n2 + 127) << 23);
-  return x > 88.7228f ? INFINITY : res;
+  return x > kExpMaxFinite ? INFINITY : res;
 }
 
 // Past this |x|, float32 tanh(x) rounds to +-1 (atanh(1 - 2^-25) = 9.01091...).

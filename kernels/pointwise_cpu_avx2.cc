@@ -41,11 +41,11 @@ ONNXFUSE_INLINE V reciprocal(V d) {
   return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, splat(2.0f)));
 }
 
-// exp for x <= 88.7228 (no overflow handling): the scheme of num::exp_f32 (x = n ln2 + r,
+// exp for x <= num::kExpMaxFinite (no overflow handling): the scheme of num::exp_f32 (x = n ln2 + r,
 // degree-6 polynomial, 2^n applied in two halves so subnormal results round once).
 ONNXFUSE_INLINE V exp_no_overflow(V x) {
   const V magic = splat(12582912.0f);
-  V xc = max_keep_nan(-104.0f, min_keep_nan(88.7228f, x));
+  V xc = max_keep_nan(-104.0f, min_keep_nan(num::kExpMaxFinite, x));
   V t = _mm256_fmadd_ps(xc, splat(1.44269504088896341f), magic);
   V n = _mm256_sub_ps(t, magic);
   V r = _mm256_fnmadd_ps(n, splat(0.693359375f), xc);
@@ -67,7 +67,7 @@ ONNXFUSE_INLINE V exp_no_overflow(V x) {
 }
 
 ONNXFUSE_INLINE V exp8(V x) {
-  V big = _mm256_cmp_ps(x, splat(88.7228f), _CMP_GT_OQ);
+  V big = _mm256_cmp_ps(x, splat(num::kExpMaxFinite), _CMP_GT_OQ);
   return _mm256_blendv_ps(exp_no_overflow(x), splat(INFINITY), big);
 }
 
