@@ -160,7 +160,7 @@ PY
 
 env_report() {
   local commit
-  commit=${ONNXFUSE_COMMIT:-$(git -C "$repo" rev-parse HEAD 2>/dev/null || awk '$1 == "commit" {print $2 " (at prepare time)"}' "$bundle/MANIFEST" 2>/dev/null || echo unknown)}
+  commit=${ONNXFUSE_COMMIT:-$(git -C "$repo" rev-parse --verify -q HEAD 2>/dev/null || awk '$1 == "commit" {print $2 " (at prepare time)"}' "$bundle/MANIFEST" 2>/dev/null || echo unknown)}
   "$py" - "$commit" <<'PY'
 import platform, subprocess, sys
 def sh(cmd):
