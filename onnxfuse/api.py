@@ -68,6 +68,8 @@ def optimize(
     threads: int | None = None,
     fallback_check: bool = True,
     label: str | None = None,
+    tune: bool = False,
+    options: Mapping[str, object] | None = None,
 ) -> OptimizeResult:
     """Optimize a model (ModelProto, serialized bytes, a path or "zoo:NAME").
 
@@ -76,6 +78,9 @@ def optimize(
         (symbolic dims from `dims`, default 1) and raise VerificationError on a mismatch.
     count_kernels: put kernels per inference before/after (onnxruntime profiler, CPU,
         ORT_ENABLE_ALL) into the summary.
+    tune: --target cuda: choose each Conv layer's tile by timing the candidates on this
+        machine's GPU (needs pycuda and a CUDA device; the documented heuristic otherwise).
+    options: further pass options (Context.options), for benchmarks and tests.
     Raises InputError for bad input (bad model, unknown pass, bad dims).
     """
     t_start = time.perf_counter()
@@ -93,7 +98,7 @@ def optimize(
     original = loaded.model
     t_loaded = time.perf_counter()
 
-    ctx = Context(target=target, arch=arch)
+    ctx = Context(target=target, arch=arch, options={**dict(options or {}), **({"tune": True} if tune else {})})
     # run_passes works on its own copy (pipeline.import_graph) and leaves `original` as it is.
     optimized, stats = run_passes(original, chosen, ctx)
     t_passes = time.perf_counter()
@@ -126,6 +131,9 @@ def optimize(
         kernel_note = note or kernel_note
     t_verified = time.perf_counter()
 
+    notes = list(loaded.notes)
+    if ctx.options.get("tune_unavailable"):
+        notes.append(f"--tune: heuristic tiles used ({ctx.options['tune_unavailable']})")
     summary = {
         "input": loaded.label,
         "target": target,
@@ -142,7 +150,7 @@ def optimize(
         "kernel_note": kernel_note,
         "dims": merged_dims,
         "verification": verification.as_dict() if verification else None,
-        "notes": list(loaded.notes),
+        "notes": notes,
         "seconds": {
             "load": round(t_loaded - t_start, 4),
             "passes": round(t_passes - t_loaded, 4),
@@ -150,7 +158,7 @@ def optimize(
             "total": round(t_verified - t_start, 4),
         },
     }
-    result = OptimizeResult(optimized, stats, summary, verification, list(loaded.notes))
+    result = OptimizeResult(optimized, stats, summary, verification, notes)
     if verification is not None and not verification.ok:
         raise VerificationError(f"verification failed: {verification.first_problem()}", result=verification)
     return result

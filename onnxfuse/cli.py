@@ -210,6 +210,9 @@ def main():
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Which kernels fused ops get.")
 @click.option("--arch", default=None, metavar="SM", help="CUDA architecture for --target cuda, e.g. sm_90.")
+@click.option("--tune", is_flag=True, default=False,
+              help="--target cuda: choose each Conv layer's kernel tile by timing the candidates on this "
+                   "machine's GPU (needs pycuda and a CUDA device; without one, the documented heuristic).")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Compare original and optimized outputs in onnxruntime before writing OUT.")
 @click.option("--fallback-check/--no-fallback-check", default=True, show_default=True,
@@ -221,7 +224,7 @@ def main():
               help="Write per-pass statistics and the summary to FILE.json.")
 @json_option
 @debug_option
-def optimize(source, dest, pass_names, target, arch, verify, fallback_check, dims, seed, threads, report_path, as_json):
+def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_check, dims, seed, threads, report_path, as_json):
     """Optimize model IN (a path or zoo:NAME) and write OUT.
 
     OUT is written only when verification passes (or with --no-verify), and atomically:
@@ -233,6 +236,8 @@ def optimize(source, dest, pass_names, target, arch, verify, fallback_check, dim
 
     if arch is not None and target != "cuda":
         raise click.BadParameter("--arch applies to --target cuda only", param_hint="--arch")
+    if tune and target != "cuda":
+        raise click.BadParameter("--tune applies to --target cuda only", param_hint="--tune")
     if arch is not None and not (arch.startswith("sm_") and arch[3:].isdigit()):
         raise click.BadParameter(f"'{arch}': expected sm_NN, e.g. sm_90", param_hint="--arch")
     check_writable(dest)
@@ -242,7 +247,7 @@ def optimize(source, dest, pass_names, target, arch, verify, fallback_check, dim
     try:
         result = api.optimize(
             source, passes=pass_names, target=target, arch=arch, verify_outputs=verify, dims=dims,
-            seed=seed, threads=threads, fallback_check=fallback_check,
+            seed=seed, threads=threads, fallback_check=fallback_check, tune=tune,
         )
     except VerificationError as e:
         raise MismatchExit(f"{e}; {dest} not written") from None

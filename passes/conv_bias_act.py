@@ -252,8 +252,9 @@ def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
     if ctx.options.get("tune"):
         try:
             tile, _ = tune(m.shape, m.epilogue, batch=int(ctx.options.get("tune_batch", 1)))
-        except RuntimeError:
-            tile = None  # no GPU here: the heuristic below
+        except RuntimeError as e:  # no GPU here: the heuristic below, for every layer
+            ctx.options["tune"] = False
+            ctx.options["tune_unavailable"] = str(e)
     return generate(m.shape, m.epilogue, tile or heuristic_tile(m.shape))
 
 
