@@ -16,8 +16,13 @@ zero bias first, so the node always reads (X, W, B[, Z]).
 
 The node carries the layer's generated CUDA kernel (onnxfuse/cuda/conv_codegen.py): the source,
 its entry and the launch rule; the cuda-compile pass (order 900) adds cubin and PTX for --arch,
-and kernels/cuda_conv.cc launches it on the CUDA execution provider. Tiles come from the documented heuristic, or from timing the candidates on the GPU
-when ctx.options["tune"] is set and one is present.
+and kernels/cuda_conv.cc launches it on the CUDA execution provider. Tiles come from the documented
+heuristic, or from timing the candidates on the GPU when ctx.options["tune"] is set and one is
+present.
+
+Target policy on cuda (never slower): a layer is fused only where our kernel beat cuDNN in the
+per-layer measurements (pays_on_cuda below); the others stay plain Convs, which onnxruntime fuses
+with their activation itself.
 
 Target policy (measured, bench/results/conv_cpu.md): on --target cpu this pass does nothing.
 onnxruntime's CPU provider already fuses the folded Conv with Relu/Clip/LeakyRelu/Sigmoid/Tanh/
@@ -247,6 +252,26 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: gu.ShapeTable) -> ConvMatch | 
     return m
 
 
+# Where our kernel pays (measured on an H100 at batch 1, bench/results/conv_cuda_layers.md: 69
+# distinct layers of resnet50, mobilenetv3 and squeezenet, each against onnxruntime's cuDNN Conv).
+# The kernel has no split-K and no tensor cores, so its time grows with the serial work of one
+# thread, KRED x TM x TN multiply-adds with the heuristic tile: at most 1152 it beat cuDNN on 35 of
+# 36 layers (0.50-0.96x; the other 1.04x), from 1920 up it lost on 31 of 33 (up to 8.6x on
+# resnet50's 512-channel 3x3s). Depthwise layers (the direct kernel) won on all 7 (0.54-0.57x).
+MAX_SERIAL_FMAS = 1536
+
+
+def serial_fmas(shape: ConvShape, batch: int = 1) -> int:
+    """Multiply-adds one thread of the GEMM kernel performs in sequence (heuristic tile)."""
+    tile = heuristic_tile(shape, batch)
+    return shape.r * shape.s if shape.depthwise else shape.kred * tile.tm * tile.tn
+
+
+def pays_on_cuda(shape: ConvShape, batch: int = 1) -> bool:
+    """True when our kernel is expected to beat onnxruntime's cuDNN Conv on this layer."""
+    return shape.depthwise or serial_fmas(shape, batch) <= MAX_SERIAL_FMAS
+
+
 def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
     tile = None
     if ctx.options.get("tune"):
@@ -291,12 +316,17 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target != "cuda":
         return 0
     shapes = gu.ShapeTable(graph)
+    # "pays" (default): only layers where our kernel is expected to win; "always": every match
+    # (benchmarks and tests of the kernel itself).
+    policy = ctx.options.get("conv_policy", "pays")
     made: list[tuple[gs.Node, Kernel]] = []
     for conv in list(graph.nodes):
         if not conv.outputs:  # already replaced
             continue
         m = match(graph, conv, shapes)
         if m is None:
+            continue
+        if policy != "always" and not pays_on_cuda(m.shape):
             continue
         kernel = _attach_kernel(graph, m, ctx)
         made.append((rewrite(graph, m, ctx, kernel), kernel))

@@ -316,14 +316,33 @@ def test_node_carries_a_launchable_kernel_description():
     assert [n.op_type for n in fn.node] == ["Conv", "Relu"]
 
 
-@pytest.mark.parametrize("name,expected", [("resnet50", 49), ("mobilenetv3", 33)])
-def test_zoo_cnn_fuses_and_fallback_matches(name, expected):
+@pytest.mark.parametrize("name,policy,expected", [("resnet50", "always", 49), ("mobilenetv3", "always", 33),
+                                                  ("resnet50", "pays", 4), ("mobilenetv3", "pays", 29)])
+def test_zoo_cnn_fuses_and_fallback_matches(name, policy, expected):
     from onnxfuse.modelio import normalize, resolve_input
     from onnxfuse.verify import random_inputs
 
     m = normalize(resolve_input(f"zoo:{name}")).model
-    out, stats = optimize(m, ["fold-batchnorm", "conv-bias-act"], "cuda")
+    out, stats = optimize(m, ["fold-batchnorm", "conv-bias-act"], "cuda", conv_policy=policy)
     assert stats["conv-bias-act"] == expected == len(_fused_nodes(out))
     feeds = random_inputs(m, {}, 0)
     for a, b in zip(run(m, feeds, "all"), run(out, feeds, "all")):
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-5)
+
+
+def test_cuda_policy_fuses_only_layers_where_the_kernel_beat_cudnn():
+    # The measured rule (bench/results/conv_cuda_layers.md): depthwise layers and layers whose
+    # per-thread serial work is small are fused; resnet50's deep 3x3s and wide 1x1s are not.
+    from onnxfuse.passes.conv_bias_act import MAX_SERIAL_FMAS, pays_on_cuda, serial_fmas
+
+    dw = ConvShape(240, 4, 4, 240, 5, 5, (1, 1), (2, 2, 2, 2), group=240)
+    deep = ConvShape(512, 7, 7, 512, 3, 3, (1, 1), (1, 1, 1, 1))
+    small = ConvShape(64, 56, 56, 64, 1, 1)
+    assert pays_on_cuda(dw) and pays_on_cuda(small) and not pays_on_cuda(deep)
+    assert serial_fmas(small) <= MAX_SERIAL_FMAS < serial_fmas(deep)
+    for shape, fused in ((small, True), (deep, False), (dw, True)):
+        net = Net(c=shape.c, h=shape.h, w=shape.w, batch=1)
+        y = net.node("Relu", [net.conv("X", shape.c, shape.k, r=shape.r, group=shape.group)])
+        out, stats = optimize(net.model(y), ["conv-bias-act"], "cuda")
+        assert stats["conv-bias-act"] == int(fused), shape
+        assert len(_fused_nodes(out)) == int(fused)

@@ -50,8 +50,8 @@ def assert_close(got, want, what):
             continue
         scale = max(1.0, float(np.nanmax(np.abs(w))))
         err = float(np.nanmax(np.abs(g - w)))
-        # TF32 convolutions and reassociated reductions: agreement to ~1e-3 of the output scale.
-        assert err <= 2e-3 * scale, f"{what}: max abs error {err:.3g} (output scale {scale:.3g})"
+        # float32 on both sides (TF32 off), reductions in another order: ~1e-6 of the output scale.
+        assert err <= 1e-4 * scale, f"{what}: max abs error {err:.3g} (output scale {scale:.3g})"
 
 
 @pytest.mark.parametrize("name", E2E_ZOO)
