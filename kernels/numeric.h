@@ -68,69 +68,98 @@ ONNXFUSE_INLINE uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(f != f ? nan : rounded);
 }
 
-// exp(x) for float, within a few ulp for normal results. Cephes-style: x = n ln2 + r with
-// |r| <= ln2/2, exp(r) by a degree-6 polynomial, then 2^n added into the exponent field.
-// Subnormal results included; +inf gives inf, -inf gives 0, NaN propagates through the
-// arithmetic.
+// exp(x) for float, within 1 ulp (every float32 checked), subnormal results included: x = n ln2 + r
+// with |r| <= ln2/2 (Cody-Waite in two steps), exp(r) = 1 + r + r^2 P(r) with P of degree 4 (a
+// minimax fit, relative error 3e-9), then 2^n applied with one rounding (below). +inf gives inf,
+// -inf gives 0, NaN propagates through the arithmetic. The AVX2 build evaluates the same formula.
+constexpr float kExpP[5] = {1.3814612757e-03f, 8.3687100559e-03f, 4.1668388993e-02f, 1.6666521132e-01f,
+                            4.9999994040e-01f};
 // The largest float whose exp is finite (88.72283172607421875; the next float, 88.72284, gives
 // more than FLT_MAX). A shorter literal such as 88.7228f sends 88.72281..88.72283 to inf.
 constexpr float kExpMaxFinite = 88.72283172607421875f;
 
-ONNXFUSE_INLINE float exp_f32(float x) {
-  float xc = x < -104.0f ? -104.0f : x;  // NaN passes both clamps
-  xc = xc > kExpMaxFinite ? kExpMaxFinite : xc;
+// y * 2^n for y in [0.7, 1.5], n in [-150, 128] given as N = n << 23: 2^n1 goes into y's exponent
+// field (n1 = n clamped to [-125, 127]: exact, y stays normal and finite), then one multiplication
+// by 2^(n - n1) rounds a subnormal result once, like libm, and overflows to inf past FLT_MAX.
+ONNXFUSE_INLINE float scale_pow2(float y, int32_t n_shifted) {
+  int32_t n1 = n_shifted < (-125 * (1 << 23)) ? (-125 * (1 << 23)) : n_shifted;
+  n1 = n1 > (127 << 23) ? (127 << 23) : n1;
+  float y1 = from_bits(bits(y) + static_cast<uint32_t>(n1));
+  return y1 * from_bits(static_cast<uint32_t>(n_shifted - n1) + 0x3f800000u);
+}
+
+// exp for x already clamped to [-104, 89] (or NaN).
+ONNXFUSE_INLINE float exp_reduced(float xc) {
   // n = round(x / ln2) by the 1.5 * 2^23 trick: t holds n in its low mantissa bits.
   const float magic = 12582912.0f;
   float t = xc * 1.44269504088896341f + magic;
   float n = t - magic;
   float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float r2 = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r2 + r + 1.0f;
-  // 2^n applied as 2^n1 * 2^n2 so that n in [-150, 128] keeps both exponent fields in range and
-  // subnormal results are rounded once, like libm's.
-  int32_t ni = static_cast<int32_t>(bits(t) - bits(magic));
-  int32_t n1 = ni >> 1;
-  int32_t n2 = ni - n1;
-  float res = y * from_bits(static_cast<uint32_t>(n1 + 127) << 23) * from_bits(static_cast<uint32_t>(n2 + 127) << 23);
-  return x > kExpMaxFinite ? INFINITY : res;
+  float p = kExpP[0];
+  p = p * r + kExpP[1];
+  p = p * r + kExpP[2];
+  p = p * r + kExpP[3];
+  p = p * r + kExpP[4];
+  float y = p * (r * r) + r + 1.0f;
+  // t's bits shifted left by 23 are n << 23: the magic's own bits shift out.
+  return scale_pow2(y, static_cast<int32_t>(bits(t) << 23));
+}
+
+// The clamps send -inf to 0 (exp(-104) rounds to 0) and +inf to inf; past kExpMaxFinite the
+// final multiplication overflows, exactly at the float32 boundary (tests check every float there).
+ONNXFUSE_INLINE float exp_f32(float x) {
+  float xc = x < -104.0f ? -104.0f : x;  // NaN passes both clamps
+  xc = xc > 89.0f ? 89.0f : xc;
+  return exp_reduced(xc);
 }
 
 // Past this |x|, float32 tanh(x) rounds to +-1 (atanh(1 - 2^-25) = 9.01091...).
 constexpr float kTanhSaturation = 9.0109f;
 
-// tanh(x) for float: x P(x^2) / Q(x^2) on [-9, 9], a rational fit with absolute error below 4e-7
-// (within 6 ulps) and the right limit near 0; exactly +-1 past kTanhSaturation, where the
-// rational alone would stop 5 ulps short of 1. NaN propagates. No branch: the calling loop
-// vectorizes.
+// tanh(x) = x P(x^2) / Q(x^2) on [-9, 9], a rational fit (relative error 2e-8 before rounding,
+// within 5 ulps evaluated with FMAs, 6 without) with the right limit near 0; exactly +-1 past
+// kTanhSaturation (at |x| >= 9 the rational already evaluates to 1 with FMAs, which the AVX2
+// build relies on; the check here keeps it so without FMA). NaN propagates. No branch: the
+// calling loop vectorizes.
+constexpr float kTanhP[5] = {1.3354688022e-08f, 2.0609102648e-05f, 3.4955893643e-03f, 1.3381026685e-01f, 1.0f};
+constexpr float kTanhQ[5] = {7.7765696460e-07f, 3.2856367761e-04f, 2.5876987725e-02f, 4.6714341640e-01f, 1.0f};
+
 ONNXFUSE_INLINE float tanh_f32(float x) {
   float xc = x < -9.0f ? -9.0f : x;
   xc = xc > 9.0f ? 9.0f : xc;
   float z = xc * xc;
-  float p = -8.489262523702124e-14f;
-  p = p * z + 5.2782458524004754e-11f;
-  p = p * z + -2.0226027843409983e-08f;
-  p = p * z + 1.1154547001772391e-05f;
-  p = p * z + 0.003103981597199744f;
-  p = p * z + 0.1308403360950085f;
-  p = p * z + 0.9999999934116282f;
-  float q = 0.0002546180636283338f;
-  q = q * z + 0.02449528195179353f;
-  q = q * z + 0.46417360730632895f;
-  q = q * z + 1.0f;
+  float p = kTanhP[0];
+  p = p * z + kTanhP[1];
+  p = p * z + kTanhP[2];
+  p = p * z + kTanhP[3];
+  p = p * z + kTanhP[4];
+  float q = kTanhQ[0];
+  q = q * z + kTanhQ[1];
+  q = q * z + kTanhQ[2];
+  q = q * z + kTanhQ[3];
+  q = q * z + kTanhQ[4];
   float r = xc * p / q;
   r = r > 1.0f ? 1.0f : r;
   r = r < -1.0f ? -1.0f : r;
   return std::fabs(x) > kTanhSaturation ? std::copysign(1.0f, x) : r;
 }
 
-ONNXFUSE_INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+// sigmoid(x) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, e = exp(-|x|) in (0, 1]: nothing
+// overflows and the negative tail keeps its relative accuracy (subnormal results included).
+ONNXFUSE_INLINE float sigmoid_f32(float x) {
+  float a = -std::fabs(x);
+  a = a < -104.0f ? -104.0f : a;  // NaN passes
+  float e = exp_reduced(a);
+  float num = std::signbit(x) ? e : 1.0f;
+  return num / (1.0f + e);
+}
+
+// erf(x) = x P(x^2) / Q(x^2) for |x| <= 4, one rational fitted for the AVX2 build (relative error
+// 6.5e-8 before rounding, within 6 ulps in float32); |x| is clamped to 4, where it reaches 1.
+constexpr float kErfP[7] = {1.9111043414e-08f, -1.9423230242e-06f, 1.4728694805e-04f, 3.9905770682e-03f,
+                            5.1524884999e-02f, 2.0712527633e-01f, 1.1283791065e+00f};
+constexpr float kErfQ[5] = {1.0211149929e-03f, 1.4958074316e-02f, 1.1797075719e-01f, 5.1689124107e-01f, 1.0f};
 
 ONNXFUSE_INLINE float vexp(float x) { return exp_f32(x); }
 ONNXFUSE_INLINE double vexp(double x) { return std::exp(x); }

@@ -83,8 +83,13 @@ void init_geometry(ExecJob* job) {
   for (int d = 0; d < job->rank; ++d) numel *= job->shape[d];
   job->rows = job->inner ? numel / job->inner : 0;
   if (job->inner >= kBlock) {
-    job->chunks_per_row = (job->inner + kBlock - 1) / kBlock;
-    job->chunk = (job->inner + job->chunks_per_row - 1) / job->chunks_per_row;
+    // Chunks of equal length, rounded up to a multiple of 16 elements: the vector loops then run
+    // without a remainder except in a row's last chunk, and chunks of a float32 row start on
+    // 64-byte boundaries (an odd length such as 1021 for a row of 1e5 would send every chunk
+    // through the scalar remainder path and misalign the next).
+    const int64_t chunks = (job->inner + kBlock - 1) / kBlock;
+    job->chunk = ((job->inner + chunks - 1) / chunks + 15) & ~static_cast<int64_t>(15);
+    job->chunks_per_row = (job->inner + job->chunk - 1) / job->chunk;
     job->num_blocks = job->rows * job->chunks_per_row;
     job->rows_per_block = 0;
   } else {
