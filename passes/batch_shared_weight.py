@@ -1,0 +1,142 @@
+"""Linear layers that apply one weight to independent inputs become one GEMM over stacked rows.
+
+batch-shared-weight-matmul
+    match:     n >= 2 linear nodes (MatMul(x_i, W) or Gemm(x_i, W, C) with transA=0, each
+               optionally followed by Add(constant row bias); see matmul_batch.match_linear)
+               that compute the same thing (one constant W, the same transB/alpha, the same
+               bias) on distinct 2-D inputs x_i of one static shape [B, K]: an unrolled RNN's
+               per-step input projection of a second layer (x_t = h1_t), a model applying one
+               layer at several places
+    condition: no x_i depends on a member's output (a recurrent projection h_t @ W_hh does:
+               h_t needs h_{t-1} @ W_hh), so one GEMM can run after all inputs exist; the rows
+               n * B are static and at most MAX_ROWS (the Concat and Split copies grow with the
+               rows, the saved dispatches do not)
+    rewrite:   Concat([x_1 .. x_n], axis=0) -> MatMul(W') [+ Add(b')] -> Split(axis=0) writing
+               the members' output tensors. n GEMMs become 3 kernels (Concat, GEMM, Split), and
+               the weight is read once instead of n times. Members are taken in graph order;
+               the Split pieces are ordinary tensors, so onnxruntime still folds a following
+               Add of another GEMM's output into that GEMM as its C input.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.passes.matmul_batch import Linear, infer_shapes, match_linear
+from onnxfuse.pipeline import Context, Pass
+
+MAX_ROWS = 256
+MIN_MEMBERS = 3  # Concat + GEMM + Split: fewer than 3 members saves no kernel
+
+
+def _descendants(start: gs.Tensor) -> set[int]:
+    """ids of the nodes that read `start`, directly or through other nodes."""
+    seen: set[int] = set()
+    stack = list(start.outputs)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for t in node.outputs:
+            stack.extend(t.outputs)
+    return seen
+
+
+def _members(graph: gs.Graph) -> dict[tuple, list[tuple[gs.Tensor, Linear]]]:
+    groups: dict[tuple, list[tuple[gs.Tensor, Linear]]] = defaultdict(list)
+    for node in graph.nodes:
+        if not gu.is_op(node, "MatMul", "Gemm") or not node.inputs:
+            continue
+        x = node.inputs[0]
+        shape = gu.static_shape(x)
+        if shape is None or len(shape) != 2:
+            continue
+        lin = match_linear(graph, node, x)
+        if lin is None:
+            continue
+        groups[lin.key + (shape, str(lin.weight.dtype))].append((x, lin))
+    return groups
+
+
+def _independent(members: list[tuple[gs.Tensor, Linear]]) -> list[tuple[gs.Tensor, Linear]]:
+    """The longest prefix-greedy subset in which no member's input depends on another's output."""
+    chosen: list[tuple[gs.Tensor, Linear]] = []
+    below: set[int] = set()  # nodes downstream of a chosen member's first node
+    for x, lin in members:
+        first = lin.nodes[0]
+        if id(gu.producer(x)) in below:
+            continue
+        mine = _descendants(first.outputs[0])
+        # x_i must not depend on this member either (a later chosen input reading our output)
+        if any(id(gu.producer(cx)) in mine for cx, _ in chosen):
+            continue
+        chosen.append((x, lin))
+        below |= mine
+    return chosen
+
+
+def run(graph: gs.Graph, ctx: Context) -> int:
+    infer_shapes(graph)
+    made = 0
+    for key, members in _members(graph).items():
+        members = list({id(lin.nodes[0]): (x, lin) for x, lin in members}.values())
+        # Distinct inputs only: the same x twice is one computation (batch-sibling-matmul's case).
+        seen_x: set[int] = set()
+        members = [(x, lin) for x, lin in members if not (id(x) in seen_x or seen_x.add(id(x)))]
+        members = _independent(members)
+        if len(members) < MIN_MEMBERS:
+            continue
+        rows, k = gu.static_shape(members[0][0])
+        if rows * len(members) > MAX_ROWS:
+            members = members[: MAX_ROWS // rows]
+            if len(members) < MIN_MEMBERS:
+                continue
+        lin0 = members[0][1]
+        stem = f"{lin0.nodes[0].name or 'matmul'}/shared_weight"
+        node_names = {nd.name for nd in graph.nodes}
+        base, i = stem, 0
+        while f"{base}/Concat" in node_names:
+            i += 1
+            base = f"{stem}_{i}"
+        stacked = gs.Variable(gu.unique_name(graph, f"{base}/rows"), dtype=lin0.weight.dtype, shape=[rows * len(members), k])
+        nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": 0},
+                         inputs=[x for x, _ in members], outputs=[stacked])]
+        n = lin0.weight.shape[1]
+        y = gs.Variable(gu.unique_name(graph, f"{base}/product"), dtype=lin0.weight.dtype, shape=[rows * len(members), n])
+        w = gu.make_constant(graph, f"{base}_weight", lin0.weight)
+        nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[stacked, w], outputs=[y]))
+        if lin0.bias is not None:
+            yb = gs.Variable(gu.unique_name(graph, f"{base}/biased"), dtype=lin0.weight.dtype, shape=[rows * len(members), n])
+            b = gu.make_constant(graph, f"{base}_bias", lin0.bias)
+            nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[y, b], outputs=[yb]))
+            y = yb
+        outputs = []
+        for _, lin in members:
+            out = lin.output
+            for node in lin.nodes:
+                gu.disconnect(node)
+            out.shape = [rows, n]
+            outputs.append(out)
+        sizes = gu.make_constant(graph, f"{base}_sizes", np.full(len(members), rows, np.int64))
+        if graph.opset >= 13:
+            nodes.append(gs.Node("Split", name=f"{base}/Split", attrs={"axis": 0}, inputs=[y, sizes], outputs=outputs))
+        else:
+            nodes.append(gs.Node("Split", name=f"{base}/Split", attrs={"axis": 0, "split": [rows] * len(members)},
+                                 inputs=[y], outputs=outputs))
+        graph.nodes.extend(nodes)
+        made += len(members)
+    if made:
+        gu.toposort(graph)
+    return made
+
+
+PASS = Pass(
+    name="batch-shared-weight-matmul",
+    order=420,
+    summary="one GEMM over Concat-stacked rows for MatMuls applying one weight to independent inputs (RNN layer-2 input projections)",
+    run=run,
+)
