@@ -754,7 +754,10 @@ def match_matmul_gemm(a: "Analysis") -> Iterable[gs.Node]:
             add = _reader(a, n.outputs[0])
             if _std(add, "Add"):
                 other = _other(add, n.outputs[0])
-                if other is not None and _rank(other) is not None and _rank(other) <= 2:
+                # An addend cut from a larger tensor (Slice/Split) is read in place by a region;
+                # as Gemm's C it would have to be copied out first: leave that Add to the region.
+                if (other is not None and _rank(other) is not None and _rank(other) <= 2
+                        and not _std(gu.producer(other), *VIEW_OPS)):
                     yield add
                     gemm_out = add.outputs[0]
         elif _std(n, "Gemm"):
