@@ -98,7 +98,10 @@ def optimize(
     original = loaded.model
     t_loaded = time.perf_counter()
 
-    ctx = Context(target=target, arch=arch, options={**dict(options or {}), **({"tune": True} if tune else {})})
+    # Passes whose rule depends on a size read symbolic dims as the caller declared them
+    # (--dim; a zoo model's defaults), 1 otherwise, as verification does.
+    ctx = Context(target=target, arch=arch,
+                  options={"dims": dict(merged_dims), **dict(options or {}), **({"tune": True} if tune else {})})
     # run_passes works on its own copy (pipeline.import_graph) and leaves `original` as it is.
     optimized, stats = run_passes(original, chosen, ctx)
     t_passes = time.perf_counter()

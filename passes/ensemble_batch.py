@@ -39,6 +39,8 @@ from onnxfuse.pipeline import Context, Pass
 # be large, so it is not applied then.
 CPU_MAX_BRANCH_WEIGHT = 32 * 32
 CPU_MAX_BATCH = 4
+# With our StackedMLP kernel (float32, Relu/Tanh/Sigmoid activations): see _stacked_mlp_pays.
+STACKED_MLP_MAX_BATCH = 64
 
 
 @dataclass
@@ -101,6 +103,17 @@ def _pays(ctx: Context, x: gs.Tensor, layers: list[Layer]) -> bool:
     return all(l.members[0].weight.size <= CPU_MAX_BRANCH_WEIGHT for l in linear)
 
 
+def _stacked_mlp_pays(x: gs.Tensor, ctx: Context) -> bool:
+    """onnxfuse.StackedMLP's CPU kernel against onnxruntime's K prepacked Gemms per layer:
+    measured faster up to STACKED_MLP_MAX_BATCH rows at one thread, and at every batch measured
+    with two (bench/results/stacked_mlp.md). A symbolic batch is read as declared (optimize
+    --dim, a zoo model's defaults) and as 1 otherwise, the value verification uses."""
+    batch = gu.dims(x)[0]
+    if not isinstance(batch, int):
+        batch = (ctx.options.get("dims") or {}).get(batch, 1) if isinstance(batch, str) else 1
+    return batch <= STACKED_MLP_MAX_BATCH
+
+
 def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
     readers = [gu.single_consumer(t) for t in outs]
     c = readers[0]
@@ -112,24 +125,87 @@ def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
     return c if axis in (1, -1) else None
 
 
-def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer]) -> None:
+STACKED_MLP_ACTIVATIONS = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+
+
+def _stacked_mlp_activations(layers: list[Layer]) -> list[str] | None:
+    """One activation name per linear layer when the branches fit onnxfuse.StackedMLP (float32,
+    each linear layer followed by at most one Relu/Tanh/Sigmoid without attributes); else None."""
+    acts: list[str] = []
+    for layer in layers:
+        if layer.kind == "linear":
+            if layer.members[0].weight.dtype != np.float32:
+                return None
+            acts.append("none")
+        else:
+            a = layer.members[0]
+            name = STACKED_MLP_ACTIVATIONS.get(a.op)
+            if name is None or a.attrs or not acts or acts[-1] != "none":
+                return None
+            acts[-1] = name
+    return acts
+
+
+PANEL = 16  # kernels/stacked_mlp_cpu.cc: kPanel
+
+
+def pack_panels(w: np.ndarray) -> np.ndarray:
+    """[K, D_in, D_out] -> [K, ceil(D_out / 16), D_in, 16]: 16-column panels, zero-padded."""
+    k, d_in, d_out = w.shape
+    panels = -(-d_out // PANEL)
+    padded = np.zeros((k, d_in, panels * PANEL), w.dtype)
+    padded[:, :, :d_out] = w
+    return np.ascontiguousarray(padded.reshape(k, d_in, panels, PANEL).transpose(0, 2, 1, 3))
+
+
+def _unpack_nodes(graph: gs.Graph, nodes: list[gs.Node], packed: gs.Tensor, shape: tuple, base: str) -> gs.Tensor:
+    """Standard ops turning the packed weight back into [K, D_in, D_out] (for the fallback body)."""
+    k, d_in, d_out = shape
+    panels = -(-d_out // PANEL)
+    t = gs.Variable(f"{base}_w_t", dtype=packed.dtype)
+    nodes.append(gs.Node("Transpose", name=f"{base}/UnpackTranspose", attrs={"perm": [0, 2, 1, 3]}, inputs=[packed], outputs=[t]))
+    r = gs.Variable(f"{base}_w_r", dtype=packed.dtype)
+    nodes.append(gs.Node("Reshape", name=f"{base}/UnpackReshape",
+                         inputs=[t, gu.make_constant(graph, f"{base}_w_shape", np.array([k, d_in, panels * PANEL], np.int64))],
+                         outputs=[r]))
+    if panels * PANEL == d_out:
+        return r
+    s = gs.Variable(f"{base}_w", dtype=packed.dtype)
+    nodes.append(gs.Node("Slice", name=f"{base}/UnpackSlice", inputs=[
+        r, gu.make_constant(graph, f"{base}_w_starts", np.array([0], np.int64)),
+        gu.make_constant(graph, f"{base}_w_ends", np.array([d_out], np.int64)),
+        gu.make_constant(graph, f"{base}_w_axes", np.array([2], np.int64))], outputs=[s]))
+    return s
+
+
+def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, fused_acts: list[str] | None) -> None:
+    """The stacked form (standard ops); with `fused_acts`, all of it but a final Split becomes
+    one onnxfuse.StackedMLP node whose fallback function is that stacked form."""
     k_count = len(layers[0].members)
     dtype = layers[0].members[0].weight.dtype
     base = gu.unique_name(graph, f"{x.name}_ensemble")
     nodes: list[gs.Node] = []
+    fused_inputs: list[gs.Tensor] = [x]
     cur: gs.Tensor = x
     for i, layer in enumerate(layers):
         if layer.kind == "linear":
             w = np.stack([m.weight for m in layer.members])  # [K, D_in, D_out]
+            if fused_acts is None:
+                w_t = w_in = gu.make_constant(graph, f"{base}_l{i}_weight", w)
+            else:  # the kernel's packed layout; the fallback body unpacks it (constant-folded)
+                w_t = gu.make_constant(graph, f"{base}_l{i}_weight_panels", pack_panels(w))
+                w_in = _unpack_nodes(graph, nodes, w_t, w.shape, f"{base}/l{i}")
             y = gs.Variable(f"{base}_l{i}_matmul", dtype=dtype)
-            nodes.append(gs.Node("MatMul", name=f"{base}/l{i}/MatMul", inputs=[cur, gu.make_constant(graph, f"{base}_l{i}_weight", w)], outputs=[y]))
+            nodes.append(gs.Node("MatMul", name=f"{base}/l{i}/MatMul", inputs=[cur, w_in], outputs=[y]))
             cur = y
-            if any(m.bias is not None for m in layer.members):
+            if fused_acts is not None or any(m.bias is not None for m in layer.members):
                 n = w.shape[2]
                 b = np.stack([m.bias if m.bias is not None else np.zeros(n, dtype) for m in layer.members])[:, None, :]
+                b_t = gu.make_constant(graph, f"{base}_l{i}_bias", b.astype(dtype))
                 y = gs.Variable(f"{base}_l{i}_add", dtype=dtype)
-                nodes.append(gs.Node("Add", name=f"{base}/l{i}/Add", inputs=[cur, gu.make_constant(graph, f"{base}_l{i}_bias", b.astype(dtype))], outputs=[y]))
+                nodes.append(gs.Node("Add", name=f"{base}/l{i}/Add", inputs=[cur, b_t], outputs=[y]))
                 cur = y
+                fused_inputs += [w_t, b_t]
         else:
             a = layer.members[0]
             y = gs.Variable(f"{base}_l{i}_{a.op.lower()}", dtype=dtype)
@@ -145,21 +221,27 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer]) -> None:
     t = gs.Variable(f"{base}_bko", dtype=dtype)
     nodes.append(gs.Node("Transpose", name=f"{base}/Transpose", attrs={"perm": [1, 0, 2]}, inputs=[cur], outputs=[t]))
     shape = gu.make_constant(graph, f"{base}_shape", np.array([0, k_count * out_width], np.int64))
+    split = None
     if concat is not None:
-        target = concat.outputs[0]
+        flat = concat.outputs[0]
         gu.disconnect(concat)
-        nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[target]))
     else:
         flat = gs.Variable(f"{base}_flat", dtype=dtype)
-        nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[flat]))
         sizes = [out_width] * k_count
         if graph.opset >= 13:
             split = gs.Node("Split", inputs=[flat, gu.make_constant(graph, f"{base}_split", np.array(sizes, np.int64))], outputs=outs, attrs={"axis": -1})
         else:
             split = gs.Node("Split", inputs=[flat], outputs=outs, attrs={"axis": -1, "split": sizes})
         split.name = f"{base}/Split"
-        nodes.append(split)
-    graph.nodes.extend(nodes)
+    nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[flat]))
+    if fused_acts is not None:
+        if flat.dtype is None:
+            flat.dtype = dtype
+        ctx.fuse(graph, "StackedMLP", nodes, fused_inputs, [flat], {"activations": ",".join(fused_acts)})
+    else:
+        graph.nodes.extend(nodes)
+    if split is not None:
+        graph.nodes.append(split)
 
 
 def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
@@ -176,8 +258,14 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
             if len(members) < 2 or len({id(m.nodes[0]) for m in members}) != len(members):
                 continue
             layers = _branches(graph, x, members)
-            if _pays(ctx, x, layers):
-                _rewrite(graph, x, layers)
+            if len([l for l in layers if l.kind == "linear"]) < 2:
+                continue
+            fused_acts = _stacked_mlp_activations(layers) if ctx.target == "cpu" else None
+            if fused_acts is not None and (ctx.options.get("stacked_mlp") == "always" or _stacked_mlp_pays(x, ctx)):
+                _rewrite(graph, x, layers, ctx, fused_acts)
+                rewrites += 1
+            elif _pays(ctx, x, layers):
+                _rewrite(graph, x, layers, ctx, None)
                 rewrites += 1
     return rewrites
 

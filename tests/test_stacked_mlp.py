@@ -1,0 +1,100 @@
+"""onnxfuse.StackedMLP: batch-ensemble's CPU fused op. The native kernel against numpy and
+against its own fallback function, in both builds; when the pass emits it and when not."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from onnxfuse import runtime
+from onnxfuse.passes.ensemble_batch import STACKED_MLP_MAX_BATCH, pack_panels
+from test_pass_matmul_batch import F, assert_same, ensemble_model, ops, optimize, x_feeds
+
+
+def stacked(model):
+    return [n for n in model.graph.node if n.domain == "onnxfuse" and n.op_type == "StackedMLP"]
+
+
+def reference(k, d, hidden, out, act, x):
+    """numpy evaluation of ensemble_model's members, concatenated (same seed and weights)."""
+    m = ensemble_model(k=k, d=d, hidden=hidden, out=out, act=act)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
+    f = {"Relu": lambda v: np.maximum(v, 0), "Tanh": np.tanh, "Sigmoid": lambda v: 1 / (1 + np.exp(-v))}[act]
+    cols = []
+    for b in range(k):
+        cur = x.astype(np.float64)
+        for layer in range(3):
+            w = inits[f"w{b}_{layer}"].astype(np.float64)
+            w = w.T if b % 2 else w
+            cur = cur @ w + inits[f"b{b}_{layer}"]
+            if layer < 2:
+                cur = f(cur)
+        cols.append(cur)
+    return np.concatenate(cols, axis=1)
+
+
+@pytest.mark.parametrize("no_avx2", [False, True])
+@pytest.mark.parametrize("act", ["Relu", "Tanh", "Sigmoid"])
+@pytest.mark.parametrize("k,d,hidden,out", [(4, 8, 12, 3), (3, 37, 48, 17), (8, 64, 128, 10)])
+def test_kernel_matches_numpy_and_the_fallback_at_every_batch(k, d, hidden, out, act, no_avx2, monkeypatch):
+    if no_avx2:
+        monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
+    m = ensemble_model(k=k, d=d, hidden=hidden, out=out, act=act)
+    opt, n = optimize(m, ["batch-ensemble"])
+    assert n == 1 and len(stacked(opt)) == 1 and ops(opt) == ["StackedMLP"]
+    for batch in (1, 4, 5, 13, 70):
+        x = np.random.default_rng(batch).standard_normal((batch, d)).astype(np.float32)
+        want = reference(k, d, hidden, out, act, x)
+        for threads in (1, 2):
+            got = runtime.make_session(opt, threads=threads, with_library=True).run(None, {"x": x})[0]
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        fallback = runtime.make_session(opt, threads=1, with_library=False).run(None, {"x": x})[0]
+        np.testing.assert_allclose(fallback, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_weights_are_packed_in_16_column_panels_zero_padded():
+    w = np.arange(2 * 3 * 20, dtype=np.float32).reshape(2, 3, 20)
+    p = pack_panels(w)
+    assert p.shape == (2, 2, 3, 16)
+    np.testing.assert_array_equal(p[1, 0, 2], w[1, 2, :16])
+    np.testing.assert_array_equal(p[1, 1, 2, :4], w[1, 2, 16:])
+    assert not p[:, 1, :, 4:].any()
+
+
+def test_batch_rule_reads_static_declared_and_default_batches():
+    # static above the limit: not fused; symbolic: the declared value, or 1
+    big = STACKED_MLP_MAX_BATCH + 1
+    assert not stacked(optimize(ensemble_model(batch=big), ["batch-ensemble"])[0])
+    assert stacked(optimize(ensemble_model(batch=STACKED_MLP_MAX_BATCH), ["batch-ensemble"])[0])
+    assert stacked(optimize(ensemble_model(batch="B"), ["batch-ensemble"])[0])
+    assert not stacked(optimize(ensemble_model(batch="B"), ["batch-ensemble"], dims={"B": big})[0])
+
+
+def test_cuda_target_keeps_the_stacked_standard_ops():
+    opt, n = optimize(ensemble_model(), ["batch-ensemble"], target="cuda")
+    assert n == 1 and not stacked(opt)
+
+
+def test_members_not_concatenated_get_a_split_after_the_fused_op():
+    m = ensemble_model(k=3)
+    g = m.graph
+    concat = next(n for n in g.node if n.op_type == "Concat")
+    g.node.remove(concat)
+    del g.output[:]
+    g.output.extend([helper.make_tensor_value_info(n, F, ["B", 3]) for n in concat.input])
+    opt, n = optimize(m, ["batch-ensemble"])
+    assert n == 1 and ops(opt) == ["StackedMLP", "Split"]
+    assert_same(m, opt, x_feeds(8, batches=(1, 5)))
+    got = runtime.make_session(opt, threads=1, with_library=True).run(None, x_feeds(8, batches=(5,))[0])
+    want = runtime.make_session(m, threads=1, with_library=False).run(None, x_feeds(8, batches=(5,))[0])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_activation_is_a_clear_session_error():
+    opt, _ = optimize(ensemble_model(), ["batch-ensemble"])
+    node = stacked(opt)[0]
+    next(a for a in node.attribute if a.name == "activations").s = b"relu,gelu,none"
+    with pytest.raises(Exception, match="unknown activation 'gelu'"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, x_feeds(8, batches=(1,))[0])
