@@ -163,8 +163,8 @@ def _step(b: Builder) -> None:
     rng = b.rng
     kind = rng.choice(
         ["unary", "param", "binary", "binary_const", "where", "cast", "intchain", "slice", "split", "concat",
-         "matmul2", "conv"],
-        p=[0.15, 0.11, 0.17, 0.11, 0.05, 0.06, 0.03, 0.09, 0.07, 0.05, 0.06, 0.05],
+         "matmul2", "conv", "gather_steps", "shared_weight", "ensemble"],
+        p=[0.14, 0.10, 0.16, 0.10, 0.05, 0.06, 0.03, 0.08, 0.07, 0.05, 0.06, 0.04, 0.02, 0.02, 0.02],
     )
     a = b.pick(b.isf)
     if a is None:
@@ -331,6 +331,51 @@ def _step(b: Builder) -> None:
             mm = b.add("MatMul", [a.name, b.fconst(w)], (*a.shape[:-1], n))
             if rng.random() < 0.5:
                 b.add("Add", [mm.name, b.fconst(rng.standard_normal(n))], mm.shape)
+    elif kind == "gather_steps":
+        # An unrolled RNN's step inputs: constant-index Gathers along one axis (gather-rows-as-slices).
+        if len(a.shape) < 2 or 0 in a.shape:
+            return
+        axis = int(rng.integers(0, len(a.shape) - 1 if rng.random() < 0.9 else len(a.shape)))
+        out_shape = a.shape[:axis] + a.shape[axis + 1:]
+        count = int(rng.integers(2, a.shape[axis] + 2))
+        for _ in range(count):
+            i = int(rng.integers(-a.shape[axis], a.shape[axis]))
+            g = b.add("Gather", [a.name, b.const(np.asarray(i, rng.choice([np.int64, np.int32])))], out_shape, bound=a.bound,
+                      axis=axis)
+            if rng.random() < 0.7:
+                b.add("Tanh" if b.dt != F16 else "Relu", [g.name], out_shape, bound=1.0)
+    elif kind == "shared_weight":
+        # One weight on several independent 2-D values (batch-shared-weight-matmul).
+        if len(a.shape) != 2 or 0 in a.shape or b.dt == F16:
+            return
+        k = a.shape[-1]
+        n = int(rng.choice([1, 4, 9]))
+        w = b.fconst(rng.standard_normal((k, n)) / np.sqrt(k))
+        bias = b.fconst(rng.standard_normal(n)) if rng.random() < 0.5 else None
+        srcs = [a] + [b.add(str(rng.choice(["Relu", "Tanh", "Neg"])), [a.name], a.shape) for _ in range(int(rng.integers(2, 5)))]
+        for v in srcs:
+            mm = b.add("MatMul", [v.name, w], (a.shape[0], n))
+            if bias is not None:
+                b.add("Add", [mm.name, bias], mm.shape)
+    elif kind == "ensemble":
+        # K identical MLP members on one 2-D value, concatenated (batch-ensemble, StackedMLP).
+        if len(a.shape) != 2 or 0 in a.shape or b.dt == F16:
+            return
+        k_members = int(rng.integers(2, 4))
+        widths = [a.shape[1]] + [int(rng.choice([3, 8, 17])) for _ in range(int(rng.integers(2, 4)))]
+        act = str(rng.choice(["Relu", "Tanh", "Sigmoid", "LeakyRelu"]))
+        outs = []
+        for _ in range(k_members):
+            cur = a
+            for layer in range(len(widths) - 1):
+                w = rng.standard_normal((widths[layer], widths[layer + 1])) / np.sqrt(widths[layer])
+                cur = b.add("MatMul", [cur.name, b.fconst(w)], (a.shape[0], widths[layer + 1]))
+                cur = b.add("Add", [cur.name, b.fconst(rng.standard_normal(widths[layer + 1]))], cur.shape)
+                if layer < len(widths) - 2:
+                    cur = b.add(act, [cur.name], cur.shape)
+            outs.append(cur)
+        if rng.random() < 0.8:
+            b.add("Concat", [o.name for o in outs], (a.shape[0], widths[-1] * k_members), axis=1)
     elif kind == "conv":
         if len(a.shape) != 4 or 0 in a.shape or min(a.shape[2:]) < 3 or b.dt != F32:
             return

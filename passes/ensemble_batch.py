@@ -115,6 +115,8 @@ def _stacked_mlp_pays(x: gs.Tensor, ctx: Context) -> bool:
 
 
 def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
+    if any(gu.is_graph_output(graph, t) for t in outs):
+        return None  # a member's output is also needed on its own: the Split path produces it
     readers = [gu.single_consumer(t) for t in outs]
     c = readers[0]
     if not gu.is_op(c, "Concat") or any(r is not c for r in readers):
@@ -226,7 +228,9 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
         flat = concat.outputs[0]
         gu.disconnect(concat)
     else:
-        flat = gs.Variable(f"{base}_flat", dtype=dtype)
+        # Shape known here: the fused op's output has no shape inference of its own in this
+        # pipeline, and the pointwise pass reads the Split pieces in place only with known ranks.
+        flat = gs.Variable(f"{base}_flat", dtype=dtype, shape=[gu.dims(x)[0], k_count * out_width])
         sizes = [out_width] * k_count
         if graph.opset >= 13:
             split = gs.Node("Split", inputs=[flat, gu.make_constant(graph, f"{base}_split", np.array(sizes, np.int64))], outputs=outs, attrs={"axis": -1})

@@ -67,3 +67,17 @@ def test_rnn_step_inputs_are_read_in_place_in_the_default_pipeline():
     out, _ = optimize(m, None)
     kinds = ops(out)
     assert "Slice" not in kinds and "Gather" not in kinds, kinds
+
+
+def test_the_same_index_twice_gives_distinct_node_names():
+    # fuzz seed 760: two Gathers of one row made two Slices of one name, an invalid fallback body
+    m, feeds = step_inputs_model((2, 5, 6), 1, steps=(1, 3))
+    g = m.graph
+    g.node.extend([helper.make_node("Gather", ["y", "i1"], ["g1b"], axis=1),
+                   helper.make_node("Add", ["g1b", "bias"], ["o1b"])])
+    g.output.extend([helper.make_tensor_value_info("o1b", 1, [2, 6])])
+    out, matches = optimize(m, PASS)
+    assert matches == 3
+    names = [n.name for n in out.graph.node if n.name]
+    assert len(names) == len(set(names))
+    assert_same(m, out, [feeds])

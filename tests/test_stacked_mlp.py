@@ -98,3 +98,33 @@ def test_an_unknown_activation_is_a_clear_session_error():
     next(a for a in node.attribute if a.name == "activations").s = b"relu,gelu,none"
     with pytest.raises(Exception, match="unknown activation 'gelu'"):
         runtime.make_session(opt, threads=1, with_library=True).run(None, x_feeds(8, batches=(1,))[0])
+
+
+def test_a_member_output_that_is_also_a_graph_output_stays_produced():
+    # fuzz seed 2889: the final Concat was replaced, and the member output it read (also a graph
+    # output) was left without a producer
+    m = ensemble_model(k=3)
+    concat = next(n for n in m.graph.node if n.op_type == "Concat")
+    m.graph.output.extend([helper.make_tensor_value_info(concat.input[1], F, ["B", 3])])
+    for target in ("cpu", "cuda"):
+        opt, n = optimize(m, ["batch-ensemble"], target=target)
+        assert n == 1
+        assert_same(m, opt, x_feeds(8, batches=(1, 4)))
+
+
+def test_split_pieces_are_read_in_place_in_the_first_run():
+    # fuzz seed 121: the fused op's output had no shape, so the pointwise pass could read the
+    # Split pieces in place only when the model was optimized a second time
+    from onnxfuse.pipeline import Context, run_passes, select_passes
+
+    m = ensemble_model(k=2)
+    g = m.graph
+    concat = next(n for n in g.node if n.op_type == "Concat")
+    g.node.remove(concat)
+    del g.output[:]
+    for i, name in enumerate(concat.input):  # different ops: not one more lockstep layer
+        g.node.append(helper.make_node(["Tanh", "Sigmoid"][i], [name], [f"t{i}"]))
+        g.output.append(helper.make_tensor_value_info(f"t{i}", F, ["B", 3]))
+    once, _ = run_passes(m, select_passes(None, "cpu"), Context(target="cpu"))
+    twice, _ = run_passes(once, select_passes(None, "cpu"), Context(target="cpu"))
+    assert ops(once) == ops(twice) and "Split" not in ops(once), ops(once)
