@@ -85,7 +85,8 @@ ONNXFUSE_INLINE float scale_pow2(float y, int32_t n_shifted) {
   int32_t n1 = n_shifted < (-125 * (1 << 23)) ? (-125 * (1 << 23)) : n_shifted;
   n1 = n1 > (127 << 23) ? (127 << 23) : n1;
   float y1 = from_bits(bits(y) + static_cast<uint32_t>(n1));
-  return y1 * from_bits(static_cast<uint32_t>(n_shifted - n1) + 0x3f800000u);
+  float r = y1 * from_bits(static_cast<uint32_t>(n_shifted - n1) + 0x3f800000u);
+  return y != y ? y : r;  // a NaN payload must not carry into the exponent (see the AVX2 build)
 }
 
 // exp for x already clamped to [-104, 89] (or NaN).

@@ -46,7 +46,9 @@ ONNXFUSE_INLINE V scale_pow2(V y, __m256i N) {
   if (Upper) n1 = _mm256_min_epi32(n1, _mm256_set1_epi32(127 << 23));
   V y1 = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), n1));
   V s2 = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_sub_epi32(N, n1), _mm256_set1_epi32(0x3f800000)));
-  return _mm256_mul_ps(y1, s2);
+  // A NaN y stays NaN: the integer add above would carry a payload such as 0xffffffff (what
+  // MLAS's GEMM writes) into the exponent and sign, making it a finite number.
+  return _mm256_blendv_ps(_mm256_mul_ps(y1, s2), y, is_nan(y));
 }
 
 // exp(x) for x in [-104, 89] (NaN passes through): the scheme of num::exp_f32. x = n ln2 + r

@@ -765,7 +765,8 @@ def ill_conditioned(model: onnx.ModelProto, feeds, ref: dict, dtype: int) -> boo
     moved = {}
     for k, v in feeds.items():
         if v.dtype.kind == "f":
-            v = (v.astype(np.float64) * (1 + eps * rng.choice([-1.0, 1.0], v.shape))).astype(v.dtype)
+            # np.asarray: arithmetic on a 0-d array gives a numpy scalar, which onnxruntime refuses
+            v = np.asarray((v.astype(np.float64) * (1 + eps * rng.choice([-1.0, 1.0], v.shape))).astype(v.dtype))
         moved[k] = v
     return compare(ref, _run(model, moved, with_library=False, level="disable"), loose=dtype == F16) is not None
 

@@ -567,3 +567,17 @@ def test_transcendentals_stay_within_their_ulp_bound_in_both_builds(name, monkey
         err = np.abs(got[finite].astype(np.float64) - want[finite]) / np.spacing(np.abs(want32[finite]))
         worst = int(np.argmax(err))
         assert err[worst] <= ULP_BOUNDS[name], (no_avx2, x[finite][worst], got[finite][worst], want[finite][worst], err[worst])
+
+
+@pytest.mark.parametrize("name", ["exp", "log", "erf", "tanh", "sigmoid"])
+def test_every_nan_payload_stays_nan_in_both_builds(name, monkeypatch):
+    # fuzz seed 116237: onnxruntime's GEMM writes NaN as 0xffffffff; exp's exponent arithmetic
+    # carried that payload into a finite -3.4e38.
+    payloads = np.array([0xFFFFFFFF, 0x7FFFFFFF, 0xFFC00000, 0x7FC00000, 0x7F800001, 0xFF800001, 0x7FC00001,
+                         0xFFBFFFFF] * 4, np.uint32).view(np.float32)
+    text = f"in x0 f32\nt0 = {name} x0\nout t0 f32\n"
+    for no_avx2 in (False, True):
+        if no_avx2:
+            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
+        got = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(None, {"in0": payloads})[0]
+        assert np.isnan(got).all(), (no_avx2, got)
