@@ -24,6 +24,21 @@ def test_seeded_fuzz_cases_match_the_original(first):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("first", range(fuzz.LATER_MOTIFS_SEED, fuzz.LATER_MOTIFS_SEED + 300, CHUNK))
+def test_seeded_fuzz_cases_with_the_later_motifs_match_the_original(first):
+    failures = [m for m in (fuzz.check_case(s) for s in range(first, first + CHUNK)) if m]
+    assert not failures, "\n".join(failures)
+
+
+def test_later_motifs_appear_only_from_their_first_seed():
+    def ops(seeds):
+        return {n.op_type for s in seeds for n in fuzz.build_case(s).model.graph.node}
+
+    assert "Gather" not in ops(range(0, 200))
+    assert "Gather" in ops(range(fuzz.LATER_MOTIFS_SEED, fuzz.LATER_MOTIFS_SEED + 200))
+
+
 def test_fuzz_smoke_cases_match_the_original():
     # Seeds far from the CI range: a quick sample in every run.
     failures = [m for m in (fuzz.check_case(s) for s in range(10**6, 10**6 + 25)) if m]
