@@ -74,31 +74,6 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   }
 }
 
-// Shape of input `i` (empty and nullptr data when the optional input is absent).
-OrtStatus* input(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, std::vector<int64_t>* shape,
-                 ONNXTensorElementDataType* type, const void** data) {
-  const OrtValue* value = nullptr;
-  if (OrtStatus* st = api.KernelContext_GetInput(ctx, i, &value)) return st;
-  shape->clear();
-  *data = nullptr;
-  if (value == nullptr) return nullptr;
-  OrtTensorTypeAndShapeInfo* ti = nullptr;
-  if (OrtStatus* st = api.GetTensorTypeAndShape(value, &ti)) return st;
-  size_t rank = 0;
-  OrtStatus* st = api.GetTensorElementType(ti, type);
-  if (!st) st = api.GetDimensionsCount(ti, &rank);
-  if (!st) {
-    shape->resize(rank);
-    st = api.GetDimensions(ti, shape->data(), rank);
-  }
-  api.ReleaseTensorTypeAndShapeInfo(ti);
-  if (st) return st;
-  void* ptr = nullptr;
-  if (OrtStatus* s = api.GetTensorMutableData(const_cast<OrtValue*>(value), &ptr)) return s;
-  *data = ptr;
-  return nullptr;
-}
-
 std::string dims_text(const std::vector<int64_t>& d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -113,10 +88,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     std::vector<int64_t> xs, ws, bs, zs;
     ONNXTensorElementDataType xt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, wt = xt, bt = xt, zt = xt;
     const void *x = nullptr, *w = nullptr, *b = nullptr, *z = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 0, &xs, &xt, &x), where);
-    ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 1, &ws, &wt, &w), where);
-    ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 2, &bs, &bt, &b), where);
-    if (k->residual) ONNXFUSE_RETURN_IF_ERROR(input(api, ctx, 3, &zs, &zt, &z), where);
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &xs, &xt, &x), where);
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ws, &wt, &w), where);
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &bs, &bt, &b), where);
+    if (k->residual) ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 3, &zs, &zt, &z), where);
     const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if (xt != f32 || wt != f32 || bt != f32 || (k->residual && zt != f32))
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the kernel reads float32 tensors only").c_str());

@@ -1,8 +1,12 @@
-// Small helpers every kernel file uses: error context on onnxruntime statuses, node names.
+// Small helpers every kernel file uses: error context on onnxruntime statuses, node names,
+// reading an input, the CPU's instruction set.
 #pragma once
 
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ort_api.h"
 
@@ -34,6 +38,48 @@ inline OrtStatus* read_node_name(const OrtApiRef& api, const OrtKernelInfo* info
   if (OrtStatus* st = api.KernelInfo_GetNodeName(info, name->data(), &size)) return st;
   name->resize(std::strlen(name->c_str()));
   return nullptr;
+}
+
+}  // namespace onnxfuse
+
+namespace onnxfuse {
+
+// Element type, dimensions and data of input i. A missing optional input gives an empty shape,
+// null data and, when `present` is given, *present = false.
+inline OrtStatus* read_input(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, std::vector<int64_t>* shape,
+                             ONNXTensorElementDataType* type, const void** data, bool* present = nullptr) {
+  const OrtValue* value = nullptr;
+  if (OrtStatus* st = api.KernelContext_GetInput(ctx, i, &value)) return st;
+  shape->clear();
+  *data = nullptr;
+  if (present != nullptr) *present = value != nullptr;
+  if (value == nullptr) return nullptr;
+  OrtTensorTypeAndShapeInfo* ti = nullptr;
+  if (OrtStatus* st = api.GetTensorTypeAndShape(value, &ti)) return st;
+  size_t rank = 0;
+  OrtStatus* st = api.GetTensorElementType(ti, type);
+  if (!st) st = api.GetDimensionsCount(ti, &rank);
+  if (!st) {
+    shape->resize(rank);
+    st = api.GetDimensions(ti, shape->data(), rank);
+  }
+  api.ReleaseTensorTypeAndShapeInfo(ti);
+  if (st) return st;
+  void* ptr = nullptr;
+  if (OrtStatus* s = api.GetTensorMutableData(const_cast<OrtValue*>(value), &ptr)) return s;
+  *data = ptr;
+  return nullptr;
+}
+
+// Whether the AVX2 + FMA builds of the CPU kernels run here: the CPU has both and
+// ONNXFUSE_NO_AVX2 is unset (it forces the baseline builds, for tests and comparisons).
+inline bool use_avx2_fma() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && std::getenv("ONNXFUSE_NO_AVX2") == nullptr;
+#else
+  return false;
+#endif
 }
 
 }  // namespace onnxfuse

@@ -103,9 +103,7 @@ void init_geometry(ExecJob* job) {
 
 RunTaskFn select_run_task() {
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && std::getenv("ONNXFUSE_NO_AVX2") == nullptr)
-    return isa_avx2::run_task;
+  if (use_avx2_fma()) return isa_avx2::run_task;
 #endif
   return isa_base::run_task;
 }

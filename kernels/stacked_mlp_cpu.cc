@@ -151,15 +151,6 @@ void linear_avx2(const float* in, int64_t ldin, int64_t rows, const float* w, co
 #pragma GCC pop_options
 #endif
 
-bool cpu_has_avx2() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && std::getenv("ONNXFUSE_NO_AVX2") == nullptr;
-#else
-  return false;
-#endif
-}
-
 // One member, all layers: X -> scratch -> scratch -> ... -> its columns of Y.
 void run_member(void* data, size_t member) {
   auto* job = static_cast<Job*>(data);
@@ -233,7 +224,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                               (where(kernel.get()) + "expects X, then a weight and a bias per layer, and one "
                                                      "activation per layer")
                                   .c_str());
-    kernel->avx2 = cpu_has_avx2();
+    kernel->avx2 = use_avx2_fma();
     *out = kernel.release();
     return nullptr;
   } catch (const std::exception& e) {
@@ -241,28 +232,16 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   }
 }
 
-// Element type and dims of input i (float32 required).
+// Dims and data of input i, which must be present and float32.
 OrtStatus* input_f32(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, const std::string& w,
                      const float** data, std::vector<int64_t>* dims) {
-  const OrtValue* value = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetInput(ctx, i, &value), w);
-  if (value == nullptr) return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "input " + std::to_string(i) + " is missing").c_str());
-  OrtTensorTypeAndShapeInfo* ti = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorTypeAndShape(value, &ti), w);
   ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  size_t rank = 0;
-  OrtStatus* st = api.GetTensorElementType(ti, &et);
-  if (!st) st = api.GetDimensionsCount(ti, &rank);
-  if (!st) {
-    dims->resize(rank);
-    st = api.GetDimensions(ti, dims->data(), rank);
-  }
-  api.ReleaseTensorTypeAndShapeInfo(ti);
-  if (st) return with_context(api, st, w);
+  const void* p = nullptr;
+  bool present = false;
+  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, i, dims, &et, &p, &present), w);
+  if (!present) return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "input " + std::to_string(i) + " is missing").c_str());
   if (et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
     return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "input " + std::to_string(i) + " is not float32").c_str());
-  void* p = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(const_cast<OrtValue*>(value), &p), w);
   *data = static_cast<const float*>(p);
   return nullptr;
 }
