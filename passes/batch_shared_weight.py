@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse import graphutil as gu
-from onnxfuse.passes.matmul_batch import Linear, infer_shapes, match_linear
+from onnxfuse.passes.matmul_batch import Linear, infer_shapes, match_linear, split_node
 from onnxfuse.pipeline import Context, Pass
 
 MAX_ROWS = 256
@@ -121,12 +120,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
                 gu.disconnect(node)
             out.shape = [rows, n]
             outputs.append(out)
-        sizes = gu.make_constant(graph, f"{base}_sizes", np.full(len(members), rows, np.int64))
-        if graph.opset >= 13:
-            nodes.append(gs.Node("Split", name=f"{base}/Split", attrs={"axis": 0}, inputs=[y, sizes], outputs=outputs))
-        else:
-            nodes.append(gs.Node("Split", name=f"{base}/Split", attrs={"axis": 0, "split": [rows] * len(members)},
-                                 inputs=[y], outputs=outputs))
+        nodes.append(split_node(graph, y, [rows] * len(members), outputs, axis=0, name=f"{base}/Split"))
         graph.nodes.extend(nodes)
         made += len(members)
     if made:

@@ -30,7 +30,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse import graphutil as gu
-from onnxfuse.passes.matmul_batch import ACTIVATIONS, Linear, _rank, infer_shapes, match_linear
+from onnxfuse.passes.matmul_batch import ACTIVATIONS, Linear, _rank, infer_shapes, match_linear, split_node
 from onnxfuse.pipeline import Context, Pass
 
 # On the CPU provider (1 thread) the stacked form was faster at batch 1 for every width
@@ -231,12 +231,7 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
         # Shape known here: the fused op's output has no shape inference of its own in this
         # pipeline, and the pointwise pass reads the Split pieces in place only with known ranks.
         flat = gs.Variable(f"{base}_flat", dtype=dtype, shape=[gu.dims(x)[0], k_count * out_width])
-        sizes = [out_width] * k_count
-        if graph.opset >= 13:
-            split = gs.Node("Split", inputs=[flat, gu.make_constant(graph, f"{base}_split", np.array(sizes, np.int64))], outputs=outs, attrs={"axis": -1})
-        else:
-            split = gs.Node("Split", inputs=[flat], outputs=outs, attrs={"axis": -1, "split": sizes})
-        split.name = f"{base}/Split"
+        split = split_node(graph, flat, [out_width] * k_count, outs, name=f"{base}/Split")
     nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[flat]))
     if fused_acts is not None:
         if flat.dtype is None:

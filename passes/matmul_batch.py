@@ -260,11 +260,18 @@ def _static_rows(x: gs.Tensor) -> int | None:
     return int(np.prod(d[:-1], dtype=np.int64))
 
 
-def _split_node(graph: gs.Graph, src: gs.Tensor, sizes: list[int], outputs: list[gs.Variable]) -> gs.Node:
+def split_node(graph: gs.Graph, src: gs.Tensor, sizes: list[int], outputs: list[gs.Variable], axis: int = -1,
+               name: str | None = None) -> gs.Node:
+    """Split of `src` into pieces of `sizes` along `axis`, in the form the graph's opset takes
+    (sizes as an input from opset 13, as an attribute before)."""
     if graph.opset >= 13:
         sizes_t = gu.make_constant(graph, f"{src.name}_split", np.asarray(sizes, np.int64))
-        return gs.Node("Split", inputs=[src, sizes_t], outputs=outputs, attrs={"axis": -1})
-    return gs.Node("Split", inputs=[src], outputs=outputs, attrs={"axis": -1, "split": list(sizes)})
+        node = gs.Node("Split", inputs=[src, sizes_t], outputs=outputs, attrs={"axis": axis})
+    else:
+        node = gs.Node("Split", inputs=[src], outputs=outputs, attrs={"axis": axis, "split": list(sizes)})
+    if name is not None:
+        node.name = name
+    return node
 
 
 def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Context) -> bool:
@@ -317,7 +324,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
         # Only duplicates: the single block writes its own output.
         new_nodes[-1].outputs[0] = outputs[0]
     else:
-        new_nodes.append(_split_node(graph, cur, sizes, outputs))
+        new_nodes.append(split_node(graph, cur, sizes, outputs))
         new_nodes[-1].name = f"{base}/Split"
     for dup, first in duplicates:
         if gu.is_graph_output(graph, dup.output):
