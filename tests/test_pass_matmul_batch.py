@@ -315,13 +315,18 @@ def test_ensemble_needs_two_identical_linear_layers():
     assert_same(m, opt, x_feeds(8, batches=(1, 3)))
 
 
-def test_ensemble_outputs_not_concatenated_are_split_back():
-    m = ensemble_model(k=3)
+def drop_final_concat(m) -> list[str]:
+    """Remove ensemble_model's final Concat and its graph output; the members' output names."""
     g = m.graph
     concat = next(n for n in g.node if n.op_type == "Concat")
     g.node.remove(concat)
     del g.output[:]
-    g.output.extend([helper.make_tensor_value_info(n, F, ["B", 3]) for n in concat.input])
+    return list(concat.input)
+
+
+def test_ensemble_outputs_not_concatenated_are_split_back():
+    m = ensemble_model(k=3)
+    m.graph.output.extend([helper.make_tensor_value_info(n, F, ["B", 3]) for n in drop_final_concat(m)])
     opt, n = optimize(m, ["batch-ensemble"], target="cuda")
     assert n == 1 and ops(opt)[-1] == "Split"
     assert_same(m, opt, x_feeds(8, batches=(1, 5)))
