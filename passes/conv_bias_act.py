@@ -39,7 +39,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse import graphutil as gu
-from onnxfuse.cuda.conv_codegen import ConvShape, Epilogue, Kernel, generate, heuristic_tile, tune
+from onnxfuse.cuda.conv_codegen import ConvShape, Epilogue, Kernel, clusters_supported, generate, heuristic_tile, tune
 from onnxfuse.pipeline import Context, Pass
 
 FLOAT = np.dtype(np.float32)
@@ -280,7 +280,8 @@ def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
         except RuntimeError as e:  # no GPU here: the heuristic below, for every layer
             ctx.options["tune"] = False
             ctx.options["tune_unavailable"] = str(e)
-    return generate(m.shape, m.epilogue, tile or heuristic_tile(m.shape))
+    clusters = clusters_supported(ctx.arch)
+    return generate(m.shape, m.epilogue, tile or heuristic_tile(m.shape, clusters=clusters), clusters=clusters)
 
 
 def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.Node:

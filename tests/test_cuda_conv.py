@@ -188,6 +188,31 @@ def test_every_gemm_tile_handles_partial_tiles(tile):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tile", [t.split(s) for t in GEMM_TILES[3:] for s in (2, 4, 8)],
+                         ids=lambda t: "x".join(map(str, t.as_list())))
+def test_split_k_tiles_sum_every_slice_once(tile):
+    """Split-K over a cluster: reductions that end mid-slice, splits left without slices (8
+    splits of 5 slices), groups, and every output stored by exactly one block of the cluster
+    (the model raises otherwise)."""
+    for shape, batch in ((ConvShape(9, 9, 10, 19, 3, 3, (1, 1), (1, 1, 1, 1)), 3),
+                         (ConvShape(40, 6, 6, 24, 3, 3, (2, 2), (1, 1, 1, 1), group=2), 2)):
+        epi = Epilogue("silu", residual=True, post_relu=True)
+        x, w, b, z = random_problem(shape, epi, batch=batch)
+        np.testing.assert_allclose(conv_model.run(shape, epi, tile, x, w, b, z), ort_reference(shape, epi, x, w, b, z),
+                                   rtol=1e-4, atol=1e-4, err_msg=str(shape))
+
+
+def test_split_k_source_declares_its_cluster_and_grid():
+    s = ConvShape(512, 7, 7, 512, 3, 3, (1, 1), (1, 1, 1, 1))
+    t = heuristic_tile(s, clusters=True)
+    assert t.splitk > 1 and heuristic_tile(s, clusters=False).splitk == 1
+    k = generate(s, Epilogue("relu"), clusters=True)
+    assert f"__cluster_dims__(1, 1, {t.splitk})" in k.source and k.grid(1)[2] == t.splitk
+    for name, expr in INDEX["split"]:
+        assert f"{name} = {expr};" in k.source
+    assert "__cluster_dims__" not in generate(s, Epilogue("relu")).source
+
+
 def test_a_tiling_mistake_is_caught_by_the_model():
     """The model reads shared memory only where the kernel's load mapping wrote it: a slice that
     leaves a hole is poison (NaN) in the result, not a silent zero."""
@@ -237,6 +262,9 @@ def _representative_kernels():
     # every tile candidate and every epilogue at least once
     s = ConvShape(64, 28, 28, 128, 3, 3, (1, 1), (1, 1, 1, 1))
     kernels += [generate_gemm(s, EPILOGUES[i % len(EPILOGUES)], t) for i, t in enumerate(GEMM_TILES)]
+    deep = ConvShape(512, 7, 7, 512, 3, 3, (1, 1), (1, 1, 1, 1))  # split-K over clusters
+    kernels += [generate_gemm(deep, EPILOGUES[i % len(EPILOGUES)], t.split(s))
+                for i, t in enumerate(GEMM_TILES[3:]) for s in (2, 8)]
     dw = ConvShape(96, 28, 28, 96, 3, 3, (2, 2), (1, 1, 1, 1), group=96)
     kernels += [generate_depthwise(dw, e, t) for e, t in zip(EPILOGUES, DEPTHWISE_TILES * 3)]
     return kernels
@@ -276,15 +304,20 @@ def _gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", EXTRA_SHAPES + [ConvShape(64, 56, 56, 64, 3, 3, (1, 1), (1, 1, 1, 1)),
-                                                   ConvShape(96, 28, 28, 96, 5, 5, (2, 2), (2, 2, 2, 2), group=96)])
+                                                   ConvShape(96, 28, 28, 96, 5, 5, (2, 2), (2, 2, 2, 2), group=96),
+                                                   ConvShape(256, 7, 7, 128, 3, 3, (1, 1), (1, 1, 1, 1)),
+                                                   ConvShape(256, 5, 5, 64, 3, 3, (1, 1), (1, 1, 1, 1), group=2)])
 def test_kernel_on_gpu_matches_onnxruntime(shape):
+    """Every candidate tile, split-K over thread-block clusters included."""
     drv = _gpu()
     from pycuda.compiler import SourceModule
+
+    from onnxfuse.cuda.conv_codegen import candidates
 
     epi = Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True)
     x, w, b, z = random_problem(shape, epi, batch=2)
     expected = ort_reference(shape, epi, x, w, b, z)
-    for tile in (DEPTHWISE_TILES if shape.depthwise else GEMM_TILES):
+    for tile in candidates(shape, 2, clusters=True):
         k = generate(shape, epi, tile)
         fn = SourceModule(k.source, no_extern_c=True, options=["-O3"]).get_function(k.entry)
         y = np.zeros_like(expected)
@@ -302,8 +335,13 @@ def test_tune_times_every_candidate():
     _gpu()
     from onnxfuse.cuda.conv_codegen import tune
 
-    best, table = tune(ConvShape(64, 28, 28, 64, 3, 3, (1, 1), (1, 1, 1, 1)), Epilogue("relu"), batch=1, repeats=3)
-    assert len(table) == len(GEMM_TILES) and best in GEMM_TILES and all(ms > 0 for _, ms in table)
+    from onnxfuse.cuda.conv_codegen import candidates
+
+    shape = ConvShape(64, 28, 28, 64, 3, 3, (1, 1), (1, 1, 1, 1))
+    best, table = tune(shape, Epilogue("relu"), batch=1, repeats=3)
+    tiles = candidates(shape, 1, clusters=True)
+    assert [t for t, _ in table] == list(tiles) and best in tiles and all(ms > 0 for _, ms in table)
+    assert any(t.splitk > 1 for t in tiles)
 
 
 def test_tune_without_a_gpu_says_so():

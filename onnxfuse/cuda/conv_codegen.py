@@ -131,19 +131,28 @@ class Epilogue:
 
 @dataclass(frozen=True)
 class GemmTile:
-    """Block tile BM x BN (output channels x output pixels), reduction slice BK, per-thread TM x TN."""
+    """Block tile BM x BN (output channels x output pixels), reduction slice BK, per-thread TM x TN.
+
+    splitk > 1: the reduction is split over a thread-block cluster of `splitk` blocks (sm_90 and
+    later), each summing a contiguous range of BK-slices; the partial tiles meet in distributed
+    shared memory and each block reduces, in rank order, and stores 1/splitk of the tile."""
 
     bm: int
     bn: int
     bk: int
     tm: int
     tn: int
+    splitk: int = 1
 
     def __post_init__(self) -> None:
         if self.bm % self.tm or self.bn % self.tn:
             raise ValueError(f"thread tile {self.tm}x{self.tn} does not divide block tile {self.bm}x{self.bn}")
         if not 32 <= self.threads <= 1024:
             raise ValueError(f"{self} gives {self.threads} threads per block")
+        if self.splitk not in SPLITS:
+            raise ValueError(f"split-K {self.splitk}: one of {SPLITS} (a portable cluster holds at most 8 blocks)")
+        if self.splitk > 1 and self.smem_bytes > 48 * 1024:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of static shared memory")
 
     @property
     def threads(self) -> int:
@@ -151,10 +160,20 @@ class GemmTile:
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * self.bk * (self.bm + self.bn)
+        return 4 * self.bk * (self.bm + self.bn) + (4 * self.bm * self.bn if self.splitk > 1 else 0)
 
     def as_list(self) -> list[int]:
-        return [self.bm, self.bn, self.bk, self.tm, self.tn]
+        return [self.bm, self.bn, self.bk, self.tm, self.tn] + ([self.splitk] if self.splitk > 1 else [])
+
+    def split(self, splitk: int) -> "GemmTile":
+        return GemmTile(self.bm, self.bn, self.bk, self.tm, self.tn, splitk)
+
+    def slices_per_split(self, kred: int) -> int:
+        """BK-slices of the reduction each block of a cluster sums (the last may get fewer)."""
+        return -(-(-(-kred // self.bk)) // self.splitk)
+
+
+SPLITS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,12 @@ DEPTHWISE_TILES = (DepthwiseTile(256), DepthwiseTile(128), DepthwiseTile(64))
 # MOD are the quotient and remainder of non-negative integers (C `/` `%`, numpy // %).
 # Names in capitals are ConvShape.constants() or tile constants; `e` is a load slot.
 INDEX = {
+    # split-K: blockIdx.z = g * SPLITK + ks; the cluster (1, 1, SPLITK) is one group's SPLITK
+    # blocks, block ks (its rank in the cluster) sums BK-slices [ks*SPS, (ks+1)*SPS)
+    "split": [
+        ("g", "DIV(bz, SPLITK)"), ("ks", "MOD(bz, SPLITK)"),
+        ("kbeg", "ks * SPS * BK"), ("kend", "MIN(KRED, kbeg + SPS * BK)"),
+    ],
     # weight slice (A): slot e of the BM x BK slice at (m0, k0); kr fastest (W rows are contiguous)
     "a_load": [
         ("am", "DIV(e, BK)"), ("ak", "MOD(e, BK)"),
@@ -317,6 +342,7 @@ _INDEX_MACROS = """#ifndef ONNXFUSE_CONV_INDEX
 #define DIV(a, b) ((a) / (b))
 #define MOD(a, b) ((a) % (b))
 #define WIDE(a) ((long long)(a))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
 #endif"""
 
 
@@ -353,21 +379,34 @@ def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
 def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
     entry = entry_name(shape, epi, tile)
     t = tile
+    split = t.splitk > 1
     consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "TM": t.tm, "TN": t.tn,
               "THREADS": t.threads}
+    if split:
+        consts.update(SPLITK=t.splitk, SPS=t.slices_per_split(shape.kred))
     a_iters = -(-t.bm * t.bk // t.threads)
     b_iters = -(-t.bk * t.bn // t.threads)
     L = [f"// onnxfuse ConvBiasAct implicit-GEMM kernel (ABI {ABI_VERSION})",
-         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", _INDEX_MACROS]
+         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>"]
+    if split:
+        L.append("#include <cooperative_groups.h>")
+    L.append(_INDEX_MACROS)
     L += _args_struct(entry)
-    L.append(f'extern "C" __global__ void __launch_bounds__({t.threads}, 1) {entry}(const {entry}_args a) {{')
+    cluster = f"__cluster_dims__(1, 1, {t.splitk}) " if split else ""
+    L.append(f'extern "C" __global__ void {cluster}__launch_bounds__({t.threads}, 1) {entry}(const {entry}_args a) {{')
     L += _constants_block(consts, "  ")
     L += [
         "  const int NPQ = (int)a.batch * PQ;",
         "  const int tid = threadIdx.x;",
         "  const int n0 = blockIdx.x * BN;",
         "  const int m0 = blockIdx.y * BM;",
-        "  const int g = blockIdx.z;",
+    ]
+    if split:
+        L.append("  const int bz = blockIdx.z;")
+        L += _c_lines("split", "  ")
+    else:
+        L += ["  const int g = blockIdx.z;", "  const int kbeg = 0, kend = KRED;"]
+    L += [
         "  __shared__ float As[BK][BM];",
         "  __shared__ float Bs[BK][BN];",
     ]
@@ -378,7 +417,7 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
         "  for (int i = 0; i < TM; ++i)",
         "#pragma unroll",
         "    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;",
-        "  for (int k0 = 0; k0 < KRED; k0 += BK) {",
+        "  for (int k0 = kbeg; k0 < kend; k0 += BK) {",
         "#pragma unroll",
         f"    for (int it = 0; it < {a_iters}; ++it) {{",
         "      const int e = tid + it * THREADS;",
@@ -410,17 +449,50 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
         "    }",
         "    __syncthreads();",
         "  }",
+    ]
+    if split:
+        # Each block's partial tile goes to its shared memory, [micro-tile element][thread] (a
+        # warp's accesses are consecutive words); after the cluster barrier, block ks reduces the
+        # micro-tile elements e with e % SPLITK == ks over ranks 0..SPLITK-1, in order, and stores
+        # them; the second barrier keeps every block's shared memory alive until all have read it.
+        L += [
+            "  __shared__ float part[TM * TN][THREADS];",
+            "  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();",
+            "#pragma unroll",
+            "  for (int i = 0; i < TM; ++i)",
+            "#pragma unroll",
+            "    for (int j = 0; j < TN; ++j) part[i * TN + j][tid] = acc[i][j];",
+            "  cluster.sync();",
+            "#pragma unroll",
+            "  for (int i = 0; i < TM; ++i) {",
+            "#pragma unroll",
+            "    for (int j = 0; j < TN; ++j) {",
+            "      if ((i * TN + j) % SPLITK != ks) continue;",
+            "      float sum = 0.0f;",
+            "#pragma unroll",
+            "      for (int rank = 0; rank < SPLITK; ++rank)",
+            "        sum += cluster.map_shared_rank(&part[i * TN + j][0], rank)[tid];",
+            "      acc[i][j] = sum;",
+            "    }",
+            "  }",
+        ]
+    L += [
         "#pragma unroll",
         "  for (int i = 0; i < TM; ++i) {",
         "#pragma unroll",
         "    for (int j = 0; j < TN; ++j) {",
     ]
+    if split:
+        L.append("      if ((i * TN + j) % SPLITK != ks) continue;")
     L += _c_lines("store", "      ")
     L += ["      if (!ok) continue;", "      float v = acc[i][j] + __ldg(a.bias + ko);"]
     L += _epilogue_lines(epi, "v", "      ")
-    L += ["      a.y[dst] = v;", "    }", "  }", "}"]
+    L += ["      a.y[dst] = v;", "    }", "  }"]
+    if split:
+        L.append("  cluster.sync();")
+    L.append("}")
     return Kernel(entry=entry, source="\n".join(L) + "\n", kind="gemm", threads=t.threads, cols_per_block=t.bn,
-                  grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm), grid_z=shape.group,
+                  grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm), grid_z=shape.group * t.splitk,
                   smem_bytes=t.smem_bytes, tile=t.as_list(), **_io(shape, epi))
 
 
@@ -471,7 +543,27 @@ def _io(shape: ConvShape, epi: Epilogue) -> dict:
             "residual": epi.residual}
 
 
-def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS):
+def clusters_supported(arch: str | None) -> bool:
+    """Thread-block clusters (split-K) need sm_90 or later."""
+    from .compile import parse_arch
+
+    sm, _ = parse_arch(arch)
+    return int(sm.split("_")[1].rstrip("a")) >= 90
+
+
+# Split-K keeps at least this many BK-slices per block, and at most this many blocks per SM.
+MIN_SLICES_PER_SPLIT = 4
+MAX_SPLIT_BLOCKS_PER_SM = 2
+
+
+def _gemm_stats(shape: ConvShape, t: GemmTile, batch: int) -> tuple[int, float]:
+    """(blocks without split-K, padded / useful multiply-adds)."""
+    npq = batch * shape.p * shape.q
+    gm, gn = -(-shape.kg // t.bm), -(-npq // t.bn)
+    return gm * gn * shape.group, (gm * t.bm * gn * t.bn) / (shape.kg * npq)
+
+
+def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS, clusters: bool = False):
     """The tile used without --tune.
 
     Depthwise: the largest block that is not mostly idle (P*Q per image bounds it).
@@ -479,37 +571,73 @@ def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS):
     multiply-adds on tile padding and still puts at least one block on every SM (a full wave)
     at batch `batch`. When none fills a wave, the candidate with the most blocks among those
     with the least padding (small layers: keep every SM busy rather than reuse more).
+    With clusters (sm_90+), a layer that still leaves SMs idle gets split-K: among the tiles
+    of at most 64x64 wasting at most 25% (or the tile above), and splits of 2, 4, 8 that keep
+    >= MIN_SLICES_PER_SPLIT slices per block and <= MAX_SPLIT_BLOCKS_PER_SM blocks per SM, the
+    one with the least serial work per thread (slices per split x BK x TM x TN).
     """
     if shape.depthwise:
         pq = batch * shape.p * shape.q
         for t in DEPTHWISE_TILES:
             if pq * shape.k >= t.threads * sms or t is DEPTHWISE_TILES[-1]:
                 return t
-    npq = batch * shape.p * shape.q
-
-    def stats(t: GemmTile) -> tuple[int, float]:
-        gm, gn = -(-shape.kg // t.bm), -(-npq // t.bn)
-        waste = (gm * t.bm * gn * t.bn) / (shape.kg * npq)
-        return gm * gn * shape.group, waste
-
+    base = None
     for t in GEMM_TILES:
-        blocks, waste = stats(t)
+        blocks, waste = _gemm_stats(shape, t, batch)
         if waste <= 1.25 and blocks >= sms:
-            return t
-    scored = [(round(stats(t)[1], 2), -stats(t)[0], i) for i, t in enumerate(GEMM_TILES)]
-    return GEMM_TILES[min(scored)[2]]
+            base = t
+            break
+    if base is None:
+        scored = [(round(_gemm_stats(shape, t, batch)[1], 2), -_gemm_stats(shape, t, batch)[0], i)
+                  for i, t in enumerate(GEMM_TILES)]
+        base = GEMM_TILES[min(scored)[2]]
+    if not clusters or _gemm_stats(shape, base, batch)[0] >= sms:
+        return base
+
+    def serial(t: GemmTile) -> int:
+        return t.slices_per_split(shape.kred) * t.bk * t.tm * t.tn
+
+    best, best_key = base, (serial(base), 0)
+    for t in GEMM_TILES:
+        blocks, waste = _gemm_stats(shape, t, batch)
+        if t.bm * t.bn > 64 * 64 or (waste > 1.25 and t != base):
+            continue
+        nslices = -(-shape.kred // t.bk)
+        for split in SPLITS[1:]:
+            if blocks * split > MAX_SPLIT_BLOCKS_PER_SM * sms or nslices < MIN_SLICES_PER_SPLIT * split:
+                break
+            cand = t.split(split)
+            key = (serial(cand), blocks * split)
+            if key < best_key:
+                best, best_key = cand, key
+    return best
 
 
-def generate(shape: ConvShape, epi: Epilogue, tile=None) -> Kernel:
+def generate(shape: ConvShape, epi: Epilogue, tile=None, clusters: bool = False) -> Kernel:
     """The kernel for one layer: depthwise layers get the direct kernel, every other the GEMM."""
-    tile = tile or heuristic_tile(shape)
+    tile = tile or heuristic_tile(shape, clusters=clusters)
     if shape.depthwise:
         return generate_depthwise(shape, epi, tile)
     return generate_gemm(shape, epi, tile)
 
 
-def candidates(shape: ConvShape) -> tuple:
-    return DEPTHWISE_TILES if shape.depthwise else GEMM_TILES
+def candidates(shape: ConvShape, batch: int = 1, sms: int = H100_SMS, clusters: bool = False) -> tuple:
+    """Tiles --tune times: every GEMM tile, and with clusters the split-K variants of tiles of at
+    most 64x64 for layers that leave SMs idle (the same bounds as the heuristic)."""
+    if shape.depthwise:
+        return DEPTHWISE_TILES
+    out = list(GEMM_TILES)
+    if clusters:
+        for t in GEMM_TILES:
+            blocks, _ = _gemm_stats(shape, t, batch)
+            if t.bm * t.bn > 64 * 64 or blocks >= sms:
+                continue
+            nslices = -(-shape.kred // t.bk)
+            for split in SPLITS[1:]:
+                if blocks * split > MAX_SPLIT_BLOCKS_PER_SM * sms or nslices < MIN_SLICES_PER_SPLIT * split:
+                    break
+                out.append(t.split(split))
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,21 +709,25 @@ def tune(shape: ConvShape, epi: Epilogue, batch: int = 1, repeats: int = 20) -> 
         from pycuda.compiler import SourceModule
     except Exception as e:  # ImportError, or pycuda's own error when no device/driver is present
         raise RuntimeError(f"tuning needs pycuda and a CUDA device: {e}") from None
+    clusters = drv.Context.get_device().compute_capability()[0] >= 9
     rng = np.random.default_rng(0)
     x = drv.to_device(rng.standard_normal((batch, shape.c, shape.h, shape.w), dtype=np.float32))
     wt = drv.to_device(rng.standard_normal((shape.k, shape.kred), dtype=np.float32))
     b = drv.to_device(rng.standard_normal(shape.k, dtype=np.float32))
     z = drv.to_device(np.zeros((batch, shape.k, shape.p, shape.q), np.float32)) if epi.residual else None
     y = drv.mem_alloc(4 * batch * shape.k * shape.p * shape.q)
+    tiles = candidates(shape, batch, clusters=clusters)
+    kernels = [generate_depthwise(shape, epi, t) if shape.depthwise else generate_gemm(shape, epi, t) for t in tiles]
+    # One module (one compiler call) for every candidate.
+    module = SourceModule("\n".join(k.source for k in kernels), no_extern_c=True, options=["-O3"])
     table = []
-    for tile in candidates(shape):
-        k = generate_depthwise(shape, epi, tile) if shape.depthwise else generate_gemm(shape, epi, tile)
-        fn = SourceModule(k.source, no_extern_c=True, options=["-O3"]).get_function(k.entry)
+    for tile, k in zip(tiles, kernels):
+        fn = module.get_function(k.entry)
         words = np.array([int(x), int(wt), int(b), int(z) if z is not None else 0, int(y), batch], dtype=np.uint64)
         # The kernel takes its argument struct by value: pass the 48 bytes as one opaque scalar.
         args = np.frombuffer(words.tobytes(), dtype=np.dtype((np.void, words.nbytes)))[0]
         launch = dict(block=(k.threads, 1, 1), grid=k.grid(batch))
-        fn(args, **launch)  # warm-up and compile-time cache fill
+        fn(args, **launch)  # warm-up
         start, end = drv.Event(), drv.Event()
         times = []
         for _ in range(repeats):

@@ -16,7 +16,7 @@ from .conv_codegen import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile
 
 def _eval(table: str, env: dict) -> dict:
     """Evaluate one INDEX table in order; `env` gets every name it defines."""
-    scope = {"DIV": np.floor_divide, "MOD": np.mod, "WIDE": lambda a: np.asarray(a, dtype=np.int64),
+    scope = {"DIV": np.floor_divide, "MOD": np.mod, "MIN": np.minimum, "WIDE": lambda a: np.asarray(a, dtype=np.int64),
              "__builtins__": {}}
     for name, expr in INDEX[table]:
         env[name] = eval(expr.replace("&&", "&"), scope, env)  # noqa: S307 (our own expressions)
@@ -58,27 +58,40 @@ def _epilogue(v: np.ndarray, epi: Epilogue, z: np.ndarray | None, dst: np.ndarra
 
 
 def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None) -> np.ndarray:
-    """The implicit-GEMM kernel over grid (ceil(N*P*Q/BN), ceil(KG/BM), G)."""
+    """The implicit-GEMM kernel over grid (ceil(N*P*Q/BN), ceil(KG/BM), G*SPLITK)."""
     batch = x.shape[0]
     t = tile
+    split = t.splitk > 1
     consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "TM": t.tm, "TN": t.tn,
-              "THREADS": t.threads, "NPQ": batch * shape.p * shape.q}
+              "THREADS": t.threads, "NPQ": batch * shape.p * shape.q,
+              "SPLITK": t.splitk, "SPS": t.slices_per_split(shape.kred)}
     xf, wf = x.astype(np.float32).reshape(-1), w.astype(np.float32).reshape(-1)
     zf = None if z is None else z.astype(np.float32).reshape(-1)
     yf = np.zeros(batch * shape.k * shape.p * shape.q, np.float32)
-    gx, gy, gz = -(-consts["NPQ"] // t.bn), -(-shape.kg // t.bm), shape.group
+    gx, gy, gz = -(-consts["NPQ"] // t.bn), -(-shape.kg // t.bm), shape.group * t.splitk
     # Every block at once: axis 0 enumerates (blockIdx.z, blockIdx.y, blockIdx.x), axis 1 threads.
     bz, by, bx = np.meshgrid(np.arange(gz), np.arange(gy), np.arange(gx), indexing="ij")
     blocks = bx.size
-    base = {**consts, "g": bz.reshape(-1, 1), "m0": by.reshape(-1, 1) * t.bm, "n0": bx.reshape(-1, 1) * t.bn,
+    base = {**consts, "m0": by.reshape(-1, 1) * t.bm, "n0": bx.reshape(-1, 1) * t.bn,
             "tid": np.arange(t.threads).reshape(1, -1)}
+    if split:
+        base = _eval("split", {**base, "bz": bz.reshape(-1, 1)})
+    else:
+        base.update(g=bz.reshape(-1, 1), ks=np.zeros((blocks, 1), int), kbeg=np.zeros((blocks, 1), int),
+                    kend=np.full((blocks, 1), shape.kred))
     th = _eval("thread", dict(base))
     ty, tx = th["ty"], th["tx"]  # [1, THREADS]
     acc = np.zeros((blocks, t.threads, t.tm, t.tn), np.float32)
     a_iters = -(-t.bm * t.bk // t.threads)
     b_iters = -(-t.bk * t.bn // t.threads)
     rows = np.arange(blocks).reshape(-1, 1)
-    for k0 in range(0, shape.kred, t.bk):
+    # k0 runs from each block's kbeg to its kend in BK steps: slice `sl` of every block at once,
+    # blocks whose range has ended (k0 >= kend) idle.
+    for sl in range(-(-shape.kred // t.bk)):
+        k0 = base["kbeg"] + sl * t.bk  # [blocks, 1]
+        active = (k0 < base["kend"]).reshape(-1)
+        if not active.any():
+            break
         As = np.full((blocks, t.bk, t.bm), np.nan, np.float32)  # unwritten shared memory is poison
         Bs = np.full((blocks, t.bk, t.bn), np.nan, np.float32)
         for it in range(a_iters):
@@ -98,16 +111,30 @@ def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None
         for kk in range(t.bk):
             av = As[:, kk, :][:, (ty.reshape(-1, 1) + np.arange(t.tm) * (t.bm // t.tm))]  # [blocks, THREADS, TM]
             bv = Bs[:, kk, :][:, (tx.reshape(-1, 1) + np.arange(t.tn) * (t.bn // t.tn))]  # [blocks, THREADS, TN]
-            acc += av[:, :, :, None] * bv[:, :, None, :]
+            acc[active] += av[active][:, :, :, None] * bv[active][:, :, None, :]
+    if split:
+        # The cluster of block (g, ks, y, x) is the SPLITK blocks (g, 0..SPLITK-1, y, x); the
+        # partial tiles are summed over ranks in order, starting from 0.
+        parts = acc.reshape(shape.group, t.splitk, gy * gx, t.threads, t.tm, t.tn)
+        total = np.zeros_like(parts[:, 0])
+        for rank in range(t.splitk):
+            total = total + parts[:, rank]
+        acc = np.broadcast_to(total[:, None], parts.shape).reshape(acc.shape)
     bias = bias.astype(np.float32)
+    stored = np.zeros(yf.shape, int)
+    ks = base["ks"].reshape(-1, 1)
     for i in range(t.tm):
         for j in range(t.tn):
             env = _eval("store", {**base, "ty": ty, "tx": tx, "i": i, "j": j})
-            ok = np.broadcast_to(env["ok"], (blocks, t.threads))
+            ok = np.broadcast_to(env["ok"], (blocks, t.threads)) & np.broadcast_to(ks == (i * t.tn + j) % t.splitk,
+                                                                                   (blocks, t.threads))
             ko = np.broadcast_to(env["ko"], ok.shape)[ok]
             dst = np.broadcast_to(env["dst"], ok.shape)[ok]
             v = acc[:, :, i, j][ok] + bias[ko]
             yf[dst] = _epilogue(v, epi, zf, dst)
+            np.add.at(stored, dst, 1)
+    if not (stored == 1).all():
+        raise AssertionError(f"{int((stored == 0).sum())} outputs unwritten, {int((stored > 1).sum())} written twice")
     return yf.reshape(batch, shape.k, shape.p, shape.q)
 
 
