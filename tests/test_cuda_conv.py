@@ -317,9 +317,11 @@ def test_kernel_on_gpu_matches_onnxruntime(shape):
     epi = Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True)
     x, w, b, z = random_problem(shape, epi, batch=2)
     expected = ort_reference(shape, epi, x, w, b, z)
-    for tile in candidates(shape, 2, clusters=True):
-        k = generate(shape, epi, tile)
-        fn = SourceModule(k.source, no_extern_c=True, options=["-O3"]).get_function(k.entry)
+    tiles = candidates(shape, 2, clusters=True)
+    kernels = [generate(shape, epi, tile) for tile in tiles]
+    module = SourceModule("\n".join({k.entry: k.source for k in kernels}.values()), no_extern_c=True, options=["-O3"])
+    for tile, k in zip(tiles, kernels):
+        fn = module.get_function(k.entry)
         y = np.zeros_like(expected)
         bufs = [drv.to_device(a) for a in (x, w, b, z)]
         yd = drv.mem_alloc(y.nbytes)
