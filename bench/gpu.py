@@ -108,7 +108,7 @@ class Bound:
         return [o.numpy() for o in self.outs]
 
 
-def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None) -> Row:
+def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, split_k=False) -> Row:
     from onnxfuse import api, zoo
     from onnxfuse.verify import random_inputs
 
@@ -117,7 +117,7 @@ def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None) -> 
     dims = dims or dict(zm.dims)
     original = onnx.load(str(zm.path))
     t0 = time.perf_counter()
-    options = {"conv_policy": conv_policy} if conv_policy else {}
+    options = {**({"conv_policy": conv_policy} if conv_policy else {}), **({"conv_split_k": True} if split_k else {})}
     optimized = api.optimize(original, target="cuda", arch=arch, verify_outputs=False, count_kernels=False,
                              dims=dims, options=options).model
     row.notes.append(f"optimize {time.perf_counter() - t0:.1f} s")
@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma-separated labels or zoo names")
     ap.add_argument("--conv-policy", default=None, choices=["pays", "always"],
                     help="conv-bias-act's rule on cuda: pays (default, layers our kernel wins) or always (every layer)")
+    ap.add_argument("--split-k", action="store_true", help="conv-bias-act's split-K over thread-block clusters")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--env", default=None, help="a markdown file describing the machine, put above the table")
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
         t = time.monotonic()
         print(f"[bench] {label} ...", flush=True)
         try:
-            row = bench_case(ort, label, name, dims, args.runs, args.warmup, arch, args.conv_policy)
+            row = bench_case(ort, label, name, dims, args.runs, args.warmup, arch, args.conv_policy, args.split_k)
         except Exception as e:
             row = Row(label, name, dims, notes=[f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"])
             row.max_abs_diff = float("nan")

@@ -280,7 +280,9 @@ def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
         except RuntimeError as e:  # no GPU here: the heuristic below, for every layer
             ctx.options["tune"] = False
             ctx.options["tune_unavailable"] = str(e)
-    clusters = clusters_supported(ctx.arch)
+    # Split-K over clusters is opt-in (option conv_split_k) until the per-layer GPU table shows
+    # where it beats cuDNN; --tune (which times the candidates on the GPU) may pick it anyway.
+    clusters = bool(ctx.options.get("conv_split_k")) and clusters_supported(ctx.arch)
     return generate(m.shape, m.epilogue, tile or heuristic_tile(m.shape, clusters=clusters), clusters=clusters)
 
 

@@ -63,8 +63,8 @@ class Net:
         return m
 
 
-def optimize(model, passes, target, **options):
-    ctx = Context(target=target)
+def optimize(model, passes, target, arch=None, **options):
+    ctx = Context(target=target, arch=arch)
     ctx.options.update({"compile": False, **options})
     work = onnx.ModelProto()
     work.CopyFrom(model)
@@ -307,16 +307,29 @@ def test_node_carries_a_launchable_kernel_description():
     (node,) = _fused_nodes(out)
     a = _attrs(node)
     entry = a["cuda_entry"].decode()
-    assert f'__launch_bounds__({a["cuda_block"]}, 1) {entry}(' in a["cuda_source"].decode()
+    assert f'extern "C" __global__ void __launch_bounds__({a["cuda_block"]}, 1) {entry}(' in a["cuda_source"].decode()
     assert a["cuda_grid_cols"] == 14 * 14 and a["cuda_cols_per_block"] == a["cuda_tile"][1]
-    # 7 x 1 tiles leave SMs idle: the reduction is split over a cluster (sm_90, the default arch)
-    split = a["cuda_tile"][5] if len(a["cuda_tile"]) > 5 else 1
-    assert split > 1 and f"__cluster_dims__(1, 1, {split})" in a["cuda_source"].decode()
-    assert a["cuda_grid_z"] == split and a["cuda_grid_y"] == -(-32 // a["cuda_tile"][0])
+    assert a["cuda_grid_z"] == 1 and a["cuda_grid_y"] == -(-32 // a["cuda_tile"][0])
     assert [a[f"cuda_{d}"] for d in "chwkpq"] == [16, 14, 14, 32, 14, 14] and a["cuda_residual"] == 0
     # the fallback function is the replaced subgraph: Conv + Relu
     (fn,) = [f for f in out.functions if f.overload == node.overload]
     assert [n.op_type for n in fn.node] == ["Conv", "Relu"]
+
+
+@pytest.mark.parametrize("arch,split", [("sm_90", True), ("sm_86", False)])
+def test_split_k_is_opt_in_and_needs_clusters(arch, split):
+    """With conv_split_k, a layer of few output tiles gets split-K over a cluster where the
+    architecture has clusters (sm_90+); without the option, or on sm_86, the plain kernel."""
+    net = Net(c=16, h=14, w=14)
+    m = net.model(net.node("Relu", [net.conv("X", 16, 32)]))
+    for opt_in in (False, True):
+        out, _ = optimize(m, ["conv-bias-act"], "cuda", arch=arch, conv_split_k=opt_in)
+        (node,) = _fused_nodes(out)
+        a = _attrs(node)
+        splitk = a["cuda_tile"][5] if len(a["cuda_tile"]) > 5 else 1
+        want = opt_in and split
+        assert (splitk > 1) == want and a["cuda_grid_z"] == splitk
+        assert ("__cluster_dims__(1, 1, " in a["cuda_source"].decode()) == want
 
 
 @pytest.mark.parametrize("name,policy,expected", [("resnet50", "always", 49), ("mobilenetv3", "always", 33),

@@ -169,7 +169,8 @@ def _deep_conv_model(c=256, hw=7, k=256):
 def test_split_k_conv_runs_in_onnxruntime_and_replays_in_a_cuda_graph(cuda_ort):
     original = _deep_conv_model()
     optimized = run_passes(original, select_passes(None, "cuda"),
-                           Context(target="cuda", arch=device_arch(), options={"conv_policy": "always"}))[0]
+                           Context(target="cuda", arch=device_arch(),
+                                   options={"conv_policy": "always", "conv_split_k": True}))[0]
     (node,) = [n for n in optimized.graph.node if n.op_type == "ConvBiasAct"]
     tile = [list(a.ints) for a in node.attribute if a.name == "cuda_tile"][0]
     assert len(tile) == 6 and tile[5] > 1, tile  # split-K chosen
