@@ -12,7 +12,7 @@ Correctness: ours against onnxruntime's CUDA Conv with TF32 off (use_tf32=0), ma
 to the output's largest magnitude. Latency: median per run, which includes onnxruntime's per-run
 overhead (the same for both); `diff us` = ours - ort is what the layer adds or saves in a model.
 
-    python bench/conv_cuda_layers.py [--models resnet50,mobilenetv3] [--tune] [--split-k] [--md F] [--json F]
+    python bench/conv_cuda_layers.py [--models resnet50,mobilenetv3] [--tune] [--split-k] [--tensor-cores] [--md F] [--json F]
 """
 from __future__ import annotations
 
@@ -155,6 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="also time our kernel with the tile --tune picks")
     ap.add_argument("--split-k", action="store_true",
                     help="heuristic tiles with split-K over thread-block clusters (pass option conv_split_k)")
+    ap.add_argument("--tensor-cores", action="store_true",
+                    help="the 3xTF32 tensor-core GEMM (pass option conv_tensor_cores)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; layers that would not fit are skipped")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
@@ -183,10 +185,11 @@ def main(argv=None) -> int:
         original = layer_model(shape, epi, args.batch)
         row = {k: L[k] for k in ("model", "node", "count")}
         row.update(shape=compact_shape(shape), epilogue=compact_epilogue(epi), macs=shape.macs(args.batch), depthwise=shape.depthwise,
-                   tile=str(heuristic_tile(shape, args.batch, clusters=args.split_k)))
+                   tile=str(heuristic_tile(shape, args.batch, clusters=args.split_k, tensor_cores=args.tensor_cores)))
         try:
             variants = {"ours": api.optimize(original, target="cuda", arch=arch, verify_outputs=False,
-                                             count_kernels=False, options={"conv_policy": "always", "conv_split_k": args.split_k}).model}
+                                             count_kernels=False, options={"conv_policy": "always", "conv_split_k": args.split_k,
+                                                      "conv_tensor_cores": args.tensor_cores}).model}
             if args.tune:
                 variants["tuned"] = api.optimize(original, target="cuda", arch=arch, verify_outputs=False,
                                                  count_kernels=False, tune=True,
@@ -233,7 +236,7 @@ def markdown(rows, args, skipped, env) -> str:
     if env:
         lines += [env.strip(), ""]
     lines += [f"Command: `python bench/conv_cuda_layers.py --models {args.models}{' --tune' if args.tune else ''}"
-              f"{' --split-k' if args.split_k else ''} "
+              f"{' --split-k' if args.split_k else ''}{' --tensor-cores' if args.tensor_cores else ''} "
               f"--batch {args.batch} --runs {args.runs}`. Median microseconds per run (IOBinding, "
               "onnxruntime's per-run overhead included in both); ratio = ours / ort (> 1: ours slower); "
               "rel err = max |ours - ort(TF32 off)| / max |ort|.", ""]

@@ -1,4 +1,5 @@
-"""Kernel-only GPU times of every ConvBiasAct tile candidate (split-K included) per conv layer,
+"""Kernel-only GPU times of every ConvBiasAct tile candidate (split-K and 3xTF32 tensor-core tiles
+included) per conv layer,
 next to cuDNN's convolution (PyTorch, TF32 off, cudnn.benchmark) when PyTorch is present.
 
 For each distinct fused (layer shape, epilogue) of the given zoo models at batch 1, every tile of
@@ -21,6 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 
+def _key(tile) -> str:
+    return f"{type(tile).__name__}{tile.as_list() if hasattr(tile, 'as_list') else [tile.threads]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet50,mobilenetv3")
@@ -33,15 +38,15 @@ def main(argv=None) -> int:
     from conv_cuda_layers import compact_epilogue, compact_shape, distinct_layers
 
     from onnxfuse.cuda.compile import NVCC_FLAGS, find_nvcc
-    from onnxfuse.cuda.conv_codegen import candidates, generate_depthwise, generate_gemm, heuristic_tile
+    from onnxfuse.cuda.conv_codegen import candidates, generate, heuristic_tile
 
     layers = distinct_layers([m.strip() for m in args.models.split(",") if m.strip()])
     jobs = []
     for L in layers:
         shape, epi = L["shape"], L["epi"]
-        tiles = candidates(shape, 1, clusters=True)
-        kernels = [generate_depthwise(shape, epi, t) if shape.depthwise else generate_gemm(shape, epi, t) for t in tiles]
-        jobs.append((L, tiles, kernels, heuristic_tile(shape, 1, clusters=True)))
+        tiles = candidates(shape, 1, clusters=True, tensor_cores=True)
+        kernels = [generate(shape, epi, t) for t in tiles]
+        jobs.append((L, tiles, kernels, heuristic_tile(shape, 1, clusters=True, tensor_cores=True)))
     nvcc = find_nvcc()
     tmp = tempfile.mkdtemp(prefix="onnxfuse-sweep-")
 
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
             words = np.array([int(x), int(w), int(b), int(z) if epi.residual else 0, int(y), 1], dtype=np.uint64)
             arg = np.frombuffer(words.tobytes(), dtype=np.dtype((np.void, words.nbytes)))[0]
             times = {}
-            for t, k in zip(tiles, kernels):
+            for t, k in zip(tiles, kernels):  # key: kind and tile list
                 fn = mod.get_function(k.entry)
                 launch = dict(block=(k.threads, 1, 1), grid=k.grid(1))
                 fn(arg, **launch)
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
                     e.record()
                     e.synchronize()
                     ts.append(s.time_till(e) * 1e3)
-                times[str(t.as_list())] = float(np.median(ts))
+                times[_key(t)] = float(np.median(ts))
             cudnn = None
             if torch is not None:
                 xt = torch.randn(1, shape.c, shape.h, shape.w, device="cuda")
@@ -124,7 +129,7 @@ def main(argv=None) -> int:
                 cudnn = float(np.median(ts))
             best = min(times, key=times.get)
             row = dict(model=L["model"], node=L["node"], count=L["count"], shape=compact_shape(shape),
-                       epilogue=compact_epilogue(epi), heuristic=str(heur.as_list() if hasattr(heur, "as_list") else [heur.threads]),
+                       epilogue=compact_epilogue(epi), heuristic=_key(heur),
                        times=times, best=best, cudnn_us=cudnn)
             rows.append(row)
             print(f"[sweep] {L['model']} {L['node']} {row['shape']}: best {best} {times[best]:.1f} us, "

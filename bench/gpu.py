@@ -108,7 +108,8 @@ class Bound:
         return [o.numpy() for o in self.outs]
 
 
-def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, split_k=False) -> Row:
+def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, split_k=False,
+               tensor_cores=False) -> Row:
     from onnxfuse import api, zoo
     from onnxfuse.verify import random_inputs
 
@@ -117,7 +118,8 @@ def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, spl
     dims = dims or dict(zm.dims)
     original = onnx.load(str(zm.path))
     t0 = time.perf_counter()
-    options = {**({"conv_policy": conv_policy} if conv_policy else {}), **({"conv_split_k": True} if split_k else {})}
+    options = {**({"conv_policy": conv_policy} if conv_policy else {}), "conv_split_k": split_k,
+               "conv_tensor_cores": tensor_cores}
     optimized = api.optimize(original, target="cuda", arch=arch, verify_outputs=False, count_kernels=False,
                              dims=dims, options=options).model
     row.notes.append(f"optimize {time.perf_counter() - t0:.1f} s")
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--conv-policy", default=None, choices=["pays", "always"],
                     help="conv-bias-act's rule on cuda: pays (default, layers our kernel wins) or always (every layer)")
     ap.add_argument("--split-k", action="store_true", help="conv-bias-act's split-K over thread-block clusters")
+    ap.add_argument("--tensor-cores", action="store_true", help="conv-bias-act's 3xTF32 tensor-core GEMM")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--env", default=None, help="a markdown file describing the machine, put above the table")
@@ -227,7 +230,8 @@ def main(argv=None) -> int:
         t = time.monotonic()
         print(f"[bench] {label} ...", flush=True)
         try:
-            row = bench_case(ort, label, name, dims, args.runs, args.warmup, arch, args.conv_policy, args.split_k)
+            row = bench_case(ort, label, name, dims, args.runs, args.warmup, arch, args.conv_policy, args.split_k,
+                             args.tensor_cores)
         except Exception as e:
             row = Row(label, name, dims, notes=[f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"])
             row.max_abs_diff = float("nan")

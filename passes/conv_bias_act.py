@@ -39,7 +39,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse import graphutil as gu
-from onnxfuse.cuda.conv_codegen import ConvShape, Epilogue, Kernel, clusters_supported, generate, heuristic_tile, tune
+from onnxfuse.cuda.conv_codegen import (ConvShape, Epilogue, Kernel, clusters_supported, generate, heuristic_tile,
+                                        tensor_cores_supported, tune)
 from onnxfuse.pipeline import Context, Pass
 
 FLOAT = np.dtype(np.float32)
@@ -280,10 +281,13 @@ def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
         except RuntimeError as e:  # no GPU here: the heuristic below, for every layer
             ctx.options["tune"] = False
             ctx.options["tune_unavailable"] = str(e)
-    # Split-K over clusters is opt-in (option conv_split_k) until the per-layer GPU table shows
-    # where it beats cuDNN; --tune (which times the candidates on the GPU) may pick it anyway.
+    # Split-K over clusters (option conv_split_k) and the 3xTF32 tensor-core GEMM (option
+    # conv_tensor_cores) are opt-in until the per-layer GPU table shows where they beat cuDNN;
+    # --tune (which times the candidates on the GPU) may pick them anyway.
     clusters = bool(ctx.options.get("conv_split_k")) and clusters_supported(ctx.arch)
-    return generate(m.shape, m.epilogue, tile or heuristic_tile(m.shape, clusters=clusters), clusters=clusters)
+    tensor_cores = bool(ctx.options.get("conv_tensor_cores")) and tensor_cores_supported(ctx.arch)
+    tile = tile or heuristic_tile(m.shape, clusters=clusters, tensor_cores=tensor_cores)
+    return generate(m.shape, m.epilogue, tile)
 
 
 def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.Node:

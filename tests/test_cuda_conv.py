@@ -16,11 +16,13 @@ from onnxfuse.cuda.conv_codegen import (
     DEPTHWISE_TILES,
     GEMM_TILES,
     H100_SMS,
+    TENSOR_TILES,
     INDEX,
     ConvShape,
     DepthwiseTile,
     Epilogue,
     GemmTile,
+    TensorTile,
     generate,
     generate_depthwise,
     generate_gemm,
@@ -213,6 +215,47 @@ def test_split_k_source_declares_its_cluster_and_grid():
     assert "__cluster_dims__" not in generate(s, Epilogue("relu")).source
 
 
+@pytest.mark.parametrize("tile", list(TENSOR_TILES) + [t.split(s) for t in TENSOR_TILES[1:] for s in (2, 8)],
+                         ids=lambda t: "x".join(map(str, t.as_list())))
+def test_tensor_core_tiles_keep_float32_accuracy(tile):
+    """3xTF32 on tensor cores (the model emulates TF32 rounding and the three MMAs): partial
+    tiles in every dimension, strides, groups, split-K, every output stored once, and the result
+    within float32 accuracy of onnxruntime's Conv (the issue's bound is 1e-4 relative)."""
+    for shape, batch in ((ConvShape(9, 9, 10, 19, 3, 3, (1, 1), (1, 1, 1, 1)), 3),
+                         (ConvShape(40, 6, 6, 24, 3, 3, (2, 2), (1, 1, 1, 1), group=2), 2),
+                         (ConvShape(96, 7, 7, 40, 1, 1), 1)):
+        epi = Epilogue("silu", residual=True, post_relu=True)
+        x, w, b, z = random_problem(shape, epi, batch=batch)
+        got = conv_model.run(shape, epi, tile, x, w, b, z)
+        want = ort_reference(shape, epi, x, w, b, z)
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), (shape, tile)
+
+
+def test_tf32_rounding_is_to_nearest_with_ties_away_from_zero():
+    one_ulp = np.float32(2.0 ** -10)  # TF32 keeps 10 explicit mantissa bits
+    v = np.array([1.0, 1 + one_ulp / 2, 1 + one_ulp / 4, -(1 + one_ulp / 2), 1 + 3 * one_ulp / 4], np.float32)
+    np.testing.assert_array_equal(conv_model.tf32(v), np.array([1.0, 1 + one_ulp, 1.0, -(1 + one_ulp), 1 + one_ulp],
+                                                               np.float32))
+    x = RNG.standard_normal(1000).astype(np.float32)
+    big = conv_model.tf32(x)
+    assert np.all(np.abs(x - big) <= np.abs(x) * 2.0 ** -11) and np.all(big.view(np.uint32) & 0x1FFF == 0)
+
+
+def test_one_tf32_product_misses_the_bound_that_3xtf32_meets():
+    """Why three MMAs: on a resnet50-sized reduction (K = 4608) plain TF32 is ~1e-3 off."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 4608)).astype(np.float32)
+    b = (rng.standard_normal((4608, 49)) / 68).astype(np.float32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(exact).max()
+    t = conv_model.tf32
+    plain = t(a).astype(np.float64) @ t(b).astype(np.float64)
+    a_s, b_s = t(a - t(a)), t(b - t(b))
+    three = plain + t(a).astype(np.float64) @ b_s.astype(np.float64) + a_s.astype(np.float64) @ t(b).astype(np.float64)
+    assert np.abs(plain - exact).max() > 1e-4 * scale
+    assert np.abs(three - exact).max() < 1e-6 * scale
+
+
 def test_a_tiling_mistake_is_caught_by_the_model():
     """The model reads shared memory only where the kernel's load mapping wrote it: a slice that
     leaves a hole is poison (NaN) in the result, not a silent zero."""
@@ -265,6 +308,8 @@ def _representative_kernels():
     deep = ConvShape(512, 7, 7, 512, 3, 3, (1, 1), (1, 1, 1, 1))  # split-K over clusters
     kernels += [generate_gemm(deep, EPILOGUES[i % len(EPILOGUES)], t.split(s))
                 for i, t in enumerate(GEMM_TILES[3:]) for s in (2, 8)]
+    kernels += [generate(deep, EPILOGUES[i % len(EPILOGUES)], t) for i, t in enumerate(TENSOR_TILES)]
+    kernels += [generate(deep, EPILOGUES[i % len(EPILOGUES)], t.split(8)) for i, t in enumerate(TENSOR_TILES[1:])]
     dw = ConvShape(96, 28, 28, 96, 3, 3, (2, 2), (1, 1, 1, 1), group=96)
     kernels += [generate_depthwise(dw, e, t) for e, t in zip(EPILOGUES, DEPTHWISE_TILES * 3)]
     return kernels
@@ -280,6 +325,17 @@ def test_generated_kernels_compile_for_sm90_without_spills():
         assert info.spill_stores == 0 and info.spill_loads == 0, info
         assert info.registers * k.threads <= 65536, info  # one block fits the register file
         assert info.smem_bytes == k.smem_bytes, info
+
+
+@needs_nvcc
+def test_tensor_core_kernels_without_split_compile_for_sm80():
+    """TF32 WMMA needs sm_80; clusters (split-K) need sm_90, so sm_80 gets unsplit tiles."""
+    s = ConvShape(256, 14, 14, 256, 3, 3, (1, 1), (1, 1, 1, 1))
+    t = heuristic_tile(s, clusters=False, tensor_cores=True)
+    assert isinstance(t, TensorTile) and t.splitk == 1
+    kernels = [generate(s, Epilogue("relu"), t) for t in TENSOR_TILES]
+    report = ptxas_check(kernels, "sm_80")
+    assert all(report[k.entry].spill_stores == 0 for k in kernels)
 
 
 @pytest.mark.slow
@@ -308,7 +364,7 @@ def _gpu():
                                                    ConvShape(256, 7, 7, 128, 3, 3, (1, 1), (1, 1, 1, 1)),
                                                    ConvShape(256, 5, 5, 64, 3, 3, (1, 1), (1, 1, 1, 1), group=2)])
 def test_kernel_on_gpu_matches_onnxruntime(shape):
-    """Every candidate tile, split-K over thread-block clusters included."""
+    """Every candidate tile, split-K over thread-block clusters and 3xTF32 tensor cores included."""
     drv = _gpu()
     from pycuda.compiler import SourceModule
 
@@ -317,7 +373,7 @@ def test_kernel_on_gpu_matches_onnxruntime(shape):
     epi = Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True)
     x, w, b, z = random_problem(shape, epi, batch=2)
     expected = ort_reference(shape, epi, x, w, b, z)
-    tiles = candidates(shape, 2, clusters=True)
+    tiles = candidates(shape, 2, clusters=True, tensor_cores=True)
     kernels = [generate(shape, epi, tile) for tile in tiles]
     module = SourceModule("\n".join({k.entry: k.source for k in kernels}.values()), no_extern_c=True, options=["-O3"])
     for tile, k in zip(tiles, kernels):
@@ -341,9 +397,9 @@ def test_tune_times_every_candidate():
 
     shape = ConvShape(64, 28, 28, 64, 3, 3, (1, 1), (1, 1, 1, 1))
     best, table = tune(shape, Epilogue("relu"), batch=1, repeats=3)
-    tiles = candidates(shape, 1, clusters=True)
+    tiles = candidates(shape, 1, clusters=True, tensor_cores=True)
     assert [t for t, _ in table] == list(tiles) and best in tiles and all(ms > 0 for _, ms in table)
-    assert any(t.splitk > 1 for t in tiles)
+    assert any(t.splitk > 1 for t in tiles) and any(isinstance(t, TensorTile) for t in tiles)
 
 
 def test_tune_without_a_gpu_says_so():

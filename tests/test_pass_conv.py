@@ -332,6 +332,21 @@ def test_split_k_is_opt_in_and_needs_clusters(arch, split):
         assert ("__cluster_dims__(1, 1, " in a["cuda_source"].decode()) == want
 
 
+@pytest.mark.parametrize("arch,tensor_cores", [("sm_90", True), ("sm_80", True), ("sm_75", False)])
+def test_tensor_cores_are_opt_in_and_need_sm80(arch, tensor_cores):
+    """With conv_tensor_cores the layer gets the 3xTF32 WMMA kernel where TF32 WMMA exists
+    (sm_80+); without the option, or on sm_75, the CUDA-core kernel."""
+    net = Net(c=16, h=14, w=14)
+    m = net.model(net.node("Relu", [net.conv("X", 16, 32)]))
+    for opt_in in (False, True):
+        out, _ = optimize(m, ["conv-bias-act"], "cuda", arch=arch, conv_tensor_cores=opt_in)
+        (node,) = _fused_nodes(out)
+        a = _attrs(node)
+        want = opt_in and tensor_cores
+        assert (a["cuda_kind"] == b"gemm_tf32x3") == want
+        assert ("wmma::mma_sync" in a["cuda_source"].decode()) == want
+
+
 @pytest.mark.parametrize("name,policy,expected", [("resnet50", "always", 49), ("mobilenetv3", "always", 33),
                                                   ("resnet50", "pays", 4), ("mobilenetv3", "pays", 29)])
 def test_zoo_cnn_fuses_and_fallback_matches(name, policy, expected):

@@ -181,6 +181,56 @@ class DepthwiseTile:
     threads: int
 
 
+@dataclass(frozen=True)
+class TensorTile:
+    """Implicit GEMM on tensor cores, 3xTF32: block tile BM x BN, reduction slice BK, one warp
+    per WM x WN piece of the block tile (16x16 WMMA fragments, k-steps of 8); splitk as GemmTile.
+
+    Every operand x is split into big = tf32(x) and small = tf32(x - big), and each product is
+    big*small + small*big + big*big (three m16n16k8 TF32 MMAs, float32 accumulation): plain TF32
+    would give ~1e-3 relative error, this keeps float32 accuracy (the dropped small*small term is
+    ~2^-22 of the product)."""
+
+    bm: int
+    bn: int
+    bk: int
+    wm: int
+    wn: int
+    splitk: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bm % self.wm or self.bn % self.wn or self.wm % 16 or self.wn % 16 or self.bk % 8:
+            raise ValueError(f"{self}: warp tiles must be multiples of 16 dividing the block tile, BK of 8")
+        if not 32 <= self.threads <= 1024:
+            raise ValueError(f"{self} gives {self.threads} threads per block")
+        if self.splitk not in SPLITS:
+            raise ValueError(f"split-K {self.splitk}: one of {SPLITS}")
+        if self.smem_bytes > 48 * 1024:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of static shared memory")
+
+    @property
+    def warps(self) -> int:
+        return (self.bm // self.wm) * (self.bn // self.wn)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        # As, Bs and the accumulator tile Cs (the epilogue's input, and split-K's partial tile)
+        return 4 * (self.bk * (self.bm + self.bn) + self.bm * self.bn)
+
+    def as_list(self) -> list[int]:
+        return [self.bm, self.bn, self.bk, self.wm, self.wn, self.splitk]
+
+    def split(self, splitk: int) -> "TensorTile":
+        return TensorTile(self.bm, self.bn, self.bk, self.wm, self.wn, splitk)
+
+    def slices_per_split(self, kred: int) -> int:
+        return -(-(-(-kred // self.bk)) // self.splitk)
+
+
 # Candidates, largest first; the heuristic and --tune choose among these.
 GEMM_TILES = (
     GemmTile(128, 128, 8, 8, 8),
@@ -193,6 +243,14 @@ GEMM_TILES = (
     GemmTile(16, 64, 16, 2, 4),
 )
 DEPTHWISE_TILES = (DepthwiseTile(256), DepthwiseTile(128), DepthwiseTile(64))
+TENSOR_TILES = (
+    TensorTile(128, 64, 16, 32, 32),
+    TensorTile(64, 64, 16, 32, 32),
+    TensorTile(64, 32, 16, 32, 16),
+    TensorTile(32, 64, 16, 16, 32),
+    TensorTile(32, 32, 16, 16, 16),
+    TensorTile(64, 16, 16, 16, 16),
+)
 
 # Index arithmetic shared by the CUDA source and the numpy model, in evaluation order. DIV and
 # MOD are the quotient and remainder of non-negative integers (C `/` `%`, numpy // %).
@@ -226,6 +284,15 @@ INDEX = {
     "thread": [("ty", "DIV(tid, DIV(BN, TN))"), ("tx", "MOD(tid, DIV(BN, TN))")],
     "store": [
         ("m", "m0 + ty + i * DIV(BM, TM)"), ("col", "n0 + tx + j * DIV(BN, TN)"),
+        ("ok", "(m < KG) && (col < NPQ)"),
+        ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"),
+        ("ko", "g * KG + m"),
+        ("dst", "(WIDE(n) * K + ko) * PQ + pq"),
+    ],
+    # tensor-core epilogue: slot e of the BM x BN accumulator tile Cs[BM][BN], col fastest
+    "tc_store": [
+        ("em", "DIV(e, BN)"), ("ej", "MOD(e, BN)"),
+        ("m", "m0 + em"), ("col", "n0 + ej"),
         ("ok", "(m < KG) && (col < NPQ)"),
         ("n", "DIV(col, PQ)"), ("pq", "MOD(col, PQ)"),
         ("ko", "g * KG + m"),
@@ -496,6 +563,158 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
                   smem_bytes=t.smem_bytes, tile=t.as_list(), **_io(shape, epi))
 
 
+def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kernel:
+    """Implicit GEMM on tensor cores (3xTF32 WMMA, sm_80+; split-K needs sm_90 clusters).
+
+    The slices As[BK][BM] and Bs[BK][BN] are staged exactly as in generate_gemm (INDEX a_load,
+    b_load). Warp w owns rows wm0 .. wm0+WM and columns wn0 .. wn0+WN of the block tile; per
+    8-deep k-step it loads A fragments (16x8, column-major in As: element (m, k) at As[k][m]) and
+    B fragments (8x16, row-major in Bs), splits each into big and small TF32 parts, and
+    accumulates small terms first. The accumulators go to Cs[BM][BN]; the epilogue then walks Cs
+    with every thread of the block (INDEX tc_store, slot e = tid + it * THREADS), so a warp's
+    stores are consecutive pixels."""
+    entry = entry_name(shape, epi, tile)
+    t = tile
+    split = t.splitk > 1
+    fm, fn = t.wm // 16, t.wn // 16
+    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "WM": t.wm, "WN": t.wn,
+              "FM": fm, "FN": fn, "THREADS": t.threads}
+    if split:
+        consts.update(SPLITK=t.splitk, SPS=t.slices_per_split(shape.kred))
+    a_iters = -(-t.bm * t.bk // t.threads)
+    b_iters = -(-t.bk * t.bn // t.threads)
+    c_iters = -(-t.bm * t.bn // t.threads)
+    L = [f"// onnxfuse ConvBiasAct implicit-GEMM kernel on tensor cores, 3xTF32 (ABI {ABI_VERSION})",
+         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", "#include <mma.h>"]
+    if split:
+        L.append("#include <cooperative_groups.h>")
+    L.append(_INDEX_MACROS)
+    L += _args_struct(entry)
+    cluster = f"__cluster_dims__(1, 1, {t.splitk}) " if split else ""
+    L.append(f'extern "C" __global__ void {cluster}__launch_bounds__({t.threads}, 1) {entry}(const {entry}_args a) {{')
+    L.append("  using namespace nvcuda;")
+    L += _constants_block(consts, "  ")
+    L += [
+        "  const int NPQ = (int)a.batch * PQ;",
+        "  const int tid = threadIdx.x;",
+        "  const int n0 = blockIdx.x * BN;",
+        "  const int m0 = blockIdx.y * BM;",
+    ]
+    if split:
+        L.append("  const int bz = blockIdx.z;")
+        L += _c_lines("split", "  ")
+    else:
+        L += ["  const int g = blockIdx.z;", "  const int kbeg = 0, kend = KRED;"]
+    L += [
+        "  __shared__ __align__(32) float As[BK][BM];",
+        "  __shared__ __align__(32) float Bs[BK][BN];",
+        "  __shared__ __align__(32) float Cs[BM][BN];",
+        "  const int warp = tid / 32;",
+        "  const int wm0 = (warp / (BN / WN)) * WM;",
+        "  const int wn0 = (warp % (BN / WN)) * WN;",
+        "  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[FM][FN];",
+        "#pragma unroll",
+        "  for (int i = 0; i < FM; ++i)",
+        "#pragma unroll",
+        "    for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);",
+        "  for (int k0 = kbeg; k0 < kend; k0 += BK) {",
+        "#pragma unroll",
+        f"    for (int it = 0; it < {a_iters}; ++it) {{",
+        "      const int e = tid + it * THREADS;",
+    ]
+    L += _c_lines("a_load", "      ")
+    L += [
+        "      if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;",
+        "    }",
+        "#pragma unroll",
+        f"    for (int it = 0; it < {b_iters}; ++it) {{",
+        "      const int e = tid + it * THREADS;",
+    ]
+    L += _c_lines("b_load", "      ")
+    L += [
+        "      if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;",
+        "    }",
+        "    __syncthreads();",
+        "#pragma unroll",
+        "    for (int kk = 0; kk < BK; kk += 8) {",
+        "      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a_big[FM], a_small[FM];",
+        "      wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b_big[FN], b_small[FN];",
+        "#pragma unroll",
+        "      for (int i = 0; i < FM; ++i) {",
+        "        wmma::load_matrix_sync(a_big[i], &As[kk][wm0 + i * 16], BM);",
+        "#pragma unroll",
+        "        for (int t = 0; t < a_big[i].num_elements; ++t) {",
+        "          const float v = a_big[i].x[t];",
+        "          const float hi = wmma::__float_to_tf32(v);",
+        "          a_big[i].x[t] = hi;",
+        "          a_small[i].x[t] = wmma::__float_to_tf32(v - hi);",
+        "        }",
+        "      }",
+        "#pragma unroll",
+        "      for (int j = 0; j < FN; ++j) {",
+        "        wmma::load_matrix_sync(b_big[j], &Bs[kk][wn0 + j * 16], BN);",
+        "#pragma unroll",
+        "        for (int t = 0; t < b_big[j].num_elements; ++t) {",
+        "          const float v = b_big[j].x[t];",
+        "          const float hi = wmma::__float_to_tf32(v);",
+        "          b_big[j].x[t] = hi;",
+        "          b_small[j].x[t] = wmma::__float_to_tf32(v - hi);",
+        "        }",
+        "      }",
+        "#pragma unroll",
+        "      for (int i = 0; i < FM; ++i)",
+        "#pragma unroll",
+        "        for (int j = 0; j < FN; ++j) {",
+        "          wmma::mma_sync(acc[i][j], a_big[i], b_small[j], acc[i][j]);",
+        "          wmma::mma_sync(acc[i][j], a_small[i], b_big[j], acc[i][j]);",
+        "          wmma::mma_sync(acc[i][j], a_big[i], b_big[j], acc[i][j]);",
+        "        }",
+        "    }",
+        "    __syncthreads();",
+        "  }",
+        "#pragma unroll",
+        "  for (int i = 0; i < FM; ++i)",
+        "#pragma unroll",
+        "    for (int j = 0; j < FN; ++j)",
+        "      wmma::store_matrix_sync(&Cs[wm0 + i * 16][wn0 + j * 16], acc[i][j], BN, wmma::mem_row_major);",
+    ]
+    if split:
+        # Slot iteration `it` of the epilogue belongs to block it % SPLITK of the cluster, which
+        # sums that slot of every block's Cs in rank order.
+        L += [
+            "  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();",
+            "  cluster.sync();",
+        ]
+    else:
+        L.append("  __syncthreads();")
+    L += [
+        "#pragma unroll",
+        f"  for (int it = 0; it < {c_iters}; ++it) {{",
+    ]
+    if split:
+        L.append("    if (it % SPLITK != ks) continue;")
+    L += ["    const int e = tid + it * THREADS;", "    if (e >= BM * BN) continue;"]
+    L += _c_lines("tc_store", "    ")
+    L.append("    if (!ok) continue;")
+    if split:
+        L += [
+            "    float sum = 0.0f;",
+            "#pragma unroll",
+            "    for (int rank = 0; rank < SPLITK; ++rank) sum += cluster.map_shared_rank(&Cs[0][0], rank)[e];",
+            "    float v = sum + __ldg(a.bias + ko);",
+        ]
+    else:
+        L.append("    float v = Cs[em][ej] + __ldg(a.bias + ko);")
+    L += _epilogue_lines(epi, "v", "    ")
+    L += ["    a.y[dst] = v;", "  }"]
+    if split:
+        L.append("  cluster.sync();")
+    L.append("}")
+    return Kernel(entry=entry, source="\n".join(L) + "\n", kind="gemm_tf32x3", threads=t.threads,
+                  cols_per_block=t.bn, grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm),
+                  grid_z=shape.group * t.splitk, smem_bytes=t.smem_bytes, tile=t.as_list(), **_io(shape, epi))
+
+
 def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> Kernel:
     if not shape.depthwise:
         raise ValueError(f"not a depthwise convolution: {shape}")
@@ -551,6 +770,14 @@ def clusters_supported(arch: str | None) -> bool:
     return int(sm.split("_")[1].rstrip("a")) >= 90
 
 
+def tensor_cores_supported(arch: str | None) -> bool:
+    """TF32 WMMA needs sm_80 or later."""
+    from .compile import parse_arch
+
+    sm, _ = parse_arch(arch)
+    return int(sm.split("_")[1].rstrip("a")) >= 80
+
+
 # Split-K keeps at least this many BK-slices per block, and at most this many blocks per SM.
 MIN_SLICES_PER_SPLIT = 4
 MAX_SPLIT_BLOCKS_PER_SM = 2
@@ -563,80 +790,94 @@ def _gemm_stats(shape: ConvShape, t: GemmTile, batch: int) -> tuple[int, float]:
     return gm * gn * shape.group, (gm * t.bm * gn * t.bn) / (shape.kg * npq)
 
 
-def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS, clusters: bool = False):
+def _serial(shape: ConvShape, t) -> int:
+    """Serial work of one thread (GemmTile: multiply-adds) or one warp (TensorTile: 16x16x8
+    fragment products / 8), for comparing splits of one kind of tile."""
+    per_k = t.tm * t.tn if isinstance(t, GemmTile) else (t.wm // 16) * (t.wn // 16)
+    return t.slices_per_split(shape.kred) * t.bk * per_k
+
+
+def _splits(shape: ConvShape, t, batch: int, sms: int):
+    """Split-K variants of tile t the heuristic and --tune consider: only for tiles of at most
+    64x64 that leave SMs idle, >= MIN_SLICES_PER_SPLIT slices per block, <= MAX_SPLIT_BLOCKS_PER_SM
+    blocks per SM."""
+    blocks, _ = _gemm_stats(shape, t, batch)
+    if t.bm * t.bn > 64 * 64 or blocks >= sms:
+        return
+    nslices = -(-shape.kred // t.bk)
+    for split in SPLITS[1:]:
+        if blocks * split > MAX_SPLIT_BLOCKS_PER_SM * sms or nslices < MIN_SLICES_PER_SPLIT * split:
+            break
+        yield t.split(split)
+
+
+def heuristic_tile(shape: ConvShape, batch: int = 1, sms: int = H100_SMS, clusters: bool = False,
+                   tensor_cores: bool = False):
     """The tile used without --tune.
 
     Depthwise: the largest block that is not mostly idle (P*Q per image bounds it).
-    GEMM: walk GEMM_TILES from the largest; take the first that wastes at most 25% of its
-    multiply-adds on tile padding and still puts at least one block on every SM (a full wave)
-    at batch `batch`. When none fills a wave, the candidate with the most blocks among those
-    with the least padding (small layers: keep every SM busy rather than reuse more).
+    GEMM: walk GEMM_TILES (TENSOR_TILES with tensor_cores) from the largest; take the first that
+    wastes at most 25% of its multiply-adds on tile padding and still puts at least one block on
+    every SM (a full wave) at batch `batch`. When none fills a wave, the candidate with the most
+    blocks among those with the least padding (small layers: keep every SM busy rather than
+    reuse more).
     With clusters (sm_90+), a layer that still leaves SMs idle gets split-K: among the tiles
     of at most 64x64 wasting at most 25% (or the tile above), and splits of 2, 4, 8 that keep
     >= MIN_SLICES_PER_SPLIT slices per block and <= MAX_SPLIT_BLOCKS_PER_SM blocks per SM, the
-    one with the least serial work per thread (slices per split x BK x TM x TN).
+    one with the least serial work per thread or warp (_serial).
     """
     if shape.depthwise:
         pq = batch * shape.p * shape.q
         for t in DEPTHWISE_TILES:
             if pq * shape.k >= t.threads * sms or t is DEPTHWISE_TILES[-1]:
                 return t
+    tiles = TENSOR_TILES if tensor_cores else GEMM_TILES
     base = None
-    for t in GEMM_TILES:
+    for t in tiles:
         blocks, waste = _gemm_stats(shape, t, batch)
         if waste <= 1.25 and blocks >= sms:
             base = t
             break
     if base is None:
         scored = [(round(_gemm_stats(shape, t, batch)[1], 2), -_gemm_stats(shape, t, batch)[0], i)
-                  for i, t in enumerate(GEMM_TILES)]
-        base = GEMM_TILES[min(scored)[2]]
+                  for i, t in enumerate(tiles)]
+        base = tiles[min(scored)[2]]
     if not clusters or _gemm_stats(shape, base, batch)[0] >= sms:
         return base
-
-    def serial(t: GemmTile) -> int:
-        return t.slices_per_split(shape.kred) * t.bk * t.tm * t.tn
-
-    best, best_key = base, (serial(base), 0)
-    for t in GEMM_TILES:
-        blocks, waste = _gemm_stats(shape, t, batch)
-        if t.bm * t.bn > 64 * 64 or (waste > 1.25 and t != base):
+    best, best_key = base, (_serial(shape, base), 0)
+    for t in tiles:
+        if _gemm_stats(shape, t, batch)[1] > 1.25 and t != base:
             continue
-        nslices = -(-shape.kred // t.bk)
-        for split in SPLITS[1:]:
-            if blocks * split > MAX_SPLIT_BLOCKS_PER_SM * sms or nslices < MIN_SLICES_PER_SPLIT * split:
-                break
-            cand = t.split(split)
-            key = (serial(cand), blocks * split)
+        for cand in _splits(shape, t, batch, sms):
+            key = (_serial(shape, cand), _gemm_stats(shape, t, batch)[0] * cand.splitk)
             if key < best_key:
                 best, best_key = cand, key
     return best
 
 
-def generate(shape: ConvShape, epi: Epilogue, tile=None, clusters: bool = False) -> Kernel:
-    """The kernel for one layer: depthwise layers get the direct kernel, every other the GEMM."""
-    tile = tile or heuristic_tile(shape, clusters=clusters)
+def generate(shape: ConvShape, epi: Epilogue, tile=None, clusters: bool = False, tensor_cores: bool = False) -> Kernel:
+    """The kernel for one layer: depthwise layers get the direct kernel, every other the GEMM
+    (on tensor cores for a TensorTile)."""
+    tile = tile or heuristic_tile(shape, clusters=clusters, tensor_cores=tensor_cores)
     if shape.depthwise:
         return generate_depthwise(shape, epi, tile)
+    if isinstance(tile, TensorTile):
+        return generate_gemm_tc(shape, epi, tile)
     return generate_gemm(shape, epi, tile)
 
 
-def candidates(shape: ConvShape, batch: int = 1, sms: int = H100_SMS, clusters: bool = False) -> tuple:
-    """Tiles --tune times: every GEMM tile, and with clusters the split-K variants of tiles of at
-    most 64x64 for layers that leave SMs idle (the same bounds as the heuristic)."""
+def candidates(shape: ConvShape, batch: int = 1, sms: int = H100_SMS, clusters: bool = False,
+               tensor_cores: bool = False) -> tuple:
+    """Tiles --tune times: every GEMM tile (and with tensor_cores every TensorTile), and with
+    clusters their split-K variants (the bounds of _splits)."""
     if shape.depthwise:
         return DEPTHWISE_TILES
-    out = list(GEMM_TILES)
-    if clusters:
-        for t in GEMM_TILES:
-            blocks, _ = _gemm_stats(shape, t, batch)
-            if t.bm * t.bn > 64 * 64 or blocks >= sms:
-                continue
-            nslices = -(-shape.kred // t.bk)
-            for split in SPLITS[1:]:
-                if blocks * split > MAX_SPLIT_BLOCKS_PER_SM * sms or nslices < MIN_SLICES_PER_SPLIT * split:
-                    break
-                out.append(t.split(split))
+    out = []
+    for tiles in (GEMM_TILES,) + ((TENSOR_TILES,) if tensor_cores else ()):
+        out += tiles
+        if clusters:
+            for t in tiles:
+                out += list(_splits(shape, t, batch, sms))
     return tuple(out)
 
 
@@ -709,15 +950,16 @@ def tune(shape: ConvShape, epi: Epilogue, batch: int = 1, repeats: int = 20) -> 
         from pycuda.compiler import SourceModule
     except Exception as e:  # ImportError, or pycuda's own error when no device/driver is present
         raise RuntimeError(f"tuning needs pycuda and a CUDA device: {e}") from None
-    clusters = drv.Context.get_device().compute_capability()[0] >= 9
+    major = drv.Context.get_device().compute_capability()[0]
+    clusters, tensor_cores = major >= 9, major >= 8
     rng = np.random.default_rng(0)
     x = drv.to_device(rng.standard_normal((batch, shape.c, shape.h, shape.w), dtype=np.float32))
     wt = drv.to_device(rng.standard_normal((shape.k, shape.kred), dtype=np.float32))
     b = drv.to_device(rng.standard_normal(shape.k, dtype=np.float32))
     z = drv.to_device(np.zeros((batch, shape.k, shape.p, shape.q), np.float32)) if epi.residual else None
     y = drv.mem_alloc(4 * batch * shape.k * shape.p * shape.q)
-    tiles = candidates(shape, batch, clusters=clusters)
-    kernels = [generate_depthwise(shape, epi, t) if shape.depthwise else generate_gemm(shape, epi, t) for t in tiles]
+    tiles = candidates(shape, batch, clusters=clusters, tensor_cores=tensor_cores)
+    kernels = [generate(shape, epi, t) for t in tiles]
     # One module (one compiler call) for every candidate.
     module = SourceModule("\n".join(k.source for k in kernels), no_extern_c=True, options=["-O3"])
     table = []

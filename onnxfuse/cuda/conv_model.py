@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conv_codegen import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile
+from .conv_codegen import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile, TensorTile
 
 
 def _eval(table: str, env: dict) -> dict:
@@ -138,6 +138,110 @@ def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None
     return yf.reshape(batch, shape.k, shape.p, shape.q)
 
 
+def tf32(v: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest TF32 value (10 explicit mantissa bits), ties away from zero: what
+    cvt.rna.tf32.f32 (wmma::__float_to_tf32) gives for finite inputs."""
+    bits = np.asarray(v, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _mma(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One m16n16k8 MMA step: products of TF32 values are exact; the sum is taken in float64 and
+    rounded to float32 once (the tensor core's float32 accumulation, within an ulp or so)."""
+    return (acc.astype(np.float64) + np.matmul(a.astype(np.float64), b.astype(np.float64))).astype(np.float32)
+
+
+def run_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile, x, w, bias, z=None) -> np.ndarray:
+    """The tensor-core kernel (3xTF32 WMMA) over grid (ceil(N*P*Q/BN), ceil(KG/BM), G*SPLITK):
+    the same staged slices as run_gemm, warp w's 16x16 fragments at (wm0 + 16i, wn0 + 16j),
+    per 8-deep k-step big*small, small*big, big*big, then Cs and the tc_store epilogue."""
+    batch = x.shape[0]
+    t = tile
+    split = t.splitk > 1
+    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "THREADS": t.threads,
+              "NPQ": batch * shape.p * shape.q, "SPLITK": t.splitk, "SPS": t.slices_per_split(shape.kred)}
+    xf, wf = x.astype(np.float32).reshape(-1), w.astype(np.float32).reshape(-1)
+    zf = None if z is None else z.astype(np.float32).reshape(-1)
+    yf = np.zeros(batch * shape.k * shape.p * shape.q, np.float32)
+    gx, gy, gz = -(-consts["NPQ"] // t.bn), -(-shape.kg // t.bm), shape.group * t.splitk
+    bz, by, bx = np.meshgrid(np.arange(gz), np.arange(gy), np.arange(gx), indexing="ij")
+    blocks = bx.size
+    base = {**consts, "m0": by.reshape(-1, 1) * t.bm, "n0": bx.reshape(-1, 1) * t.bn,
+            "tid": np.arange(t.threads).reshape(1, -1)}
+    if split:
+        base = _eval("split", {**base, "bz": bz.reshape(-1, 1)})
+    else:
+        base.update(g=bz.reshape(-1, 1), ks=np.zeros((blocks, 1), int), kbeg=np.zeros((blocks, 1), int),
+                    kend=np.full((blocks, 1), shape.kred))
+    # warp -> (wm0, wn0), as in the source
+    warps = [((wp // (t.bn // t.wn)) * t.wm, (wp % (t.bn // t.wn)) * t.wn) for wp in range(t.warps)]
+    acc = {(wp, i, j): np.zeros((blocks, 16, 16), np.float32)
+           for wp in range(t.warps) for i in range(t.wm // 16) for j in range(t.wn // 16)}
+    rows = np.arange(blocks).reshape(-1, 1)
+    a_iters = -(-t.bm * t.bk // t.threads)
+    b_iters = -(-t.bk * t.bn // t.threads)
+    for sl in range(-(-shape.kred // t.bk)):
+        k0 = base["kbeg"] + sl * t.bk
+        active = (k0 < base["kend"]).reshape(-1)
+        if not active.any():
+            break
+        As = np.full((blocks, t.bk, t.bm), np.nan, np.float32)
+        Bs = np.full((blocks, t.bk, t.bn), np.nan, np.float32)
+        for it in range(a_iters):
+            env = _eval("a_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
+            live = np.broadcast_to(env["e"] < t.bm * t.bk, env["ok"].shape)
+            ok = np.broadcast_to(env["ok"], live.shape)
+            val = np.where(ok, wf[np.where(ok, env["src"], 0)], np.float32(0))
+            r_, ak, am = np.broadcast_arrays(rows, env["ak"], env["am"])
+            As[r_[live], ak[live], am[live]] = val[live]
+        for it in range(b_iters):
+            env = _eval("b_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
+            ok = env["ok"]
+            live = np.broadcast_to(env["e"] < t.bk * t.bn, ok.shape)
+            val = np.where(ok, xf[np.where(ok, env["src"], 0)], np.float32(0))
+            r_, bkk, bj = np.broadcast_arrays(rows, env["bkk"], env["bj"])
+            Bs[r_[live], bkk[live], bj[live]] = val[live]
+        for kk in range(0, t.bk, 8):
+            for (wp, i, j), c in acc.items():
+                wm0, wn0 = warps[wp]
+                a = As[active, kk:kk + 8, wm0 + 16 * i:wm0 + 16 * i + 16].transpose(0, 2, 1)  # [b, 16, 8]
+                b = Bs[active, kk:kk + 8, wn0 + 16 * j:wn0 + 16 * j + 16]  # [b, 8, 16]
+                a_big, b_big = tf32(a), tf32(b)
+                a_small, b_small = tf32(a - a_big), tf32(b - b_big)
+                v = c[active]
+                v = _mma(v, a_big, b_small)
+                v = _mma(v, a_small, b_big)
+                c[active] = _mma(v, a_big, b_big)
+    Cs = np.full((blocks, t.bm, t.bn), np.nan, np.float32)  # poison: every slot must be stored
+    for (wp, i, j), c in acc.items():
+        wm0, wn0 = warps[wp]
+        Cs[:, wm0 + 16 * i:wm0 + 16 * i + 16, wn0 + 16 * j:wn0 + 16 * j + 16] = c
+    Cs = Cs.reshape(blocks, -1)
+    if split:
+        parts = Cs.reshape(shape.group, t.splitk, gy * gx, t.bm * t.bn)
+        total = np.zeros_like(parts[:, 0])
+        for rank in range(t.splitk):
+            total = total + parts[:, rank]
+        Cs = np.broadcast_to(total[:, None], parts.shape).reshape(Cs.shape)
+    bias = bias.astype(np.float32)
+    stored = np.zeros(yf.shape, int)
+    ks = base["ks"].reshape(-1, 1)
+    for it in range(-(-t.bm * t.bn // t.threads)):
+        e = base["tid"] + it * t.threads
+        env = _eval("tc_store", {**base, "e": e})
+        ok = np.broadcast_to(env["ok"] & (e < t.bm * t.bn), (blocks, t.threads)) & np.broadcast_to(
+            ks == it % t.splitk, (blocks, t.threads))
+        ko = np.broadcast_to(env["ko"], ok.shape)[ok]
+        dst = np.broadcast_to(env["dst"], ok.shape)[ok]
+        slot = np.broadcast_to(np.minimum(e, t.bm * t.bn - 1), ok.shape)
+        v = Cs[np.broadcast_to(rows, ok.shape)[ok], slot[ok]] + bias[ko]
+        yf[dst] = _epilogue(v, epi, zf, dst)
+        np.add.at(stored, dst, 1)
+    if not (stored == 1).all():
+        raise AssertionError(f"{int((stored == 0).sum())} outputs unwritten, {int((stored > 1).sum())} written twice")
+    return yf.reshape(batch, shape.k, shape.p, shape.q)
+
+
 def run_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile, x, w, bias, z=None) -> np.ndarray:
     """The direct depthwise kernel over grid (ceil(N*P*Q/THREADS), K, 1)."""
     batch = x.shape[0]
@@ -169,4 +273,6 @@ def run_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile, x, w, bi
 def run(shape: ConvShape, epi: Epilogue, tile, x, w, bias, z=None) -> np.ndarray:
     if isinstance(tile, DepthwiseTile):
         return run_depthwise(shape, epi, tile, x, w, bias, z)
+    if isinstance(tile, TensorTile):
+        return run_gemm_tc(shape, epi, tile, x, w, bias, z)
     return run_gemm(shape, epi, tile, x, w, bias, z)

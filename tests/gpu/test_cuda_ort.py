@@ -166,14 +166,18 @@ def _deep_conv_model(c=256, hw=7, k=256):
     return m
 
 
-def test_split_k_conv_runs_in_onnxruntime_and_replays_in_a_cuda_graph(cuda_ort):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores-3xtf32"])
+def test_split_k_conv_runs_in_onnxruntime_and_replays_in_a_cuda_graph(cuda_ort, tensor_cores):
     original = _deep_conv_model()
     optimized = run_passes(original, select_passes(None, "cuda"),
                            Context(target="cuda", arch=device_arch(),
-                                   options={"conv_policy": "always", "conv_split_k": True}))[0]
+                                   options={"conv_policy": "always", "conv_split_k": True,
+                                            "conv_tensor_cores": tensor_cores}))[0]
     (node,) = [n for n in optimized.graph.node if n.op_type == "ConvBiasAct"]
     tile = [list(a.ints) for a in node.attribute if a.name == "cuda_tile"][0]
+    kind = [a.s for a in node.attribute if a.name == "cuda_kind"][0]
     assert len(tile) == 6 and tile[5] > 1, tile  # split-K chosen
+    assert (kind == b"gemm_tf32x3") == tensor_cores
     rng = np.random.default_rng(10)
     feeds = {"x": rng.standard_normal((1, 256, 7, 7)).astype(np.float32),
              "z": rng.standard_normal((1, 256, 7, 7)).astype(np.float32)}
