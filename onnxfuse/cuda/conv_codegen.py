@@ -18,6 +18,16 @@ element is decoded from (kr, col) and is zero outside the padded input), then ev
 accumulates kk = 0..BK-1 in order. Epilogue, once per output element, in registers:
 bias, activation, residual add, Relu; the output is written once.
 
+Split-K (GemmTile / TensorTile splitk > 1, sm_90+): grid.z = G * SPLITK and the kernel declares
+__cluster_dims__(1, 1, SPLITK), so one cluster is the SPLITK blocks of one output tile; block ks
+sums a contiguous range of BK-slices, the partial tiles meet in distributed shared memory, and
+each block reduces (ranks in order, so the result is deterministic) and stores 1/SPLITK of the
+tile. No workspace, no atomics, one launch: CUDA-graph capturable like the others.
+
+Tensor cores (TensorTile, sm_80+): the same staged slices, multiplied by warps with m16n16k8 TF32
+WMMA fragments as 3xTF32 (big*small + small*big + big*big), so float32 accuracy is kept; the
+accumulators pass through shared memory to the same epilogue.
+
 Depthwise (group == C, one input channel per group): one thread per output element, the R*S
 taps of its channel read from shared memory, the same epilogue.
 
@@ -33,6 +43,8 @@ Kernel ABI (shared with the launcher of stored CUDA kernels): every argument is 
     extern "C" __global__ void ENTRY(const ENTRY_args a)
     block = (threads, 1, 1)
     grid  = (ceil(batch * grid_cols / cols_per_block), grid_y, grid_z)   -- Kernel.grid(), Kernel.attrs()
+            (grid_z = G * SPLITK; a split-K kernel's cluster shape is compiled in, so a plain
+             cuLaunchKernel launches it)
     requires batch * grid_cols + cols_per_block < 2^31 (pixel indices are 32-bit)
 """
 from __future__ import annotations
