@@ -2,6 +2,8 @@
 needed) and write ptxas's resource report: registers, spills, shared memory, tile, grid at batch 1.
 
     python bench/conv_cuda_kernels.py --arch sm_90 --out bench/results/conv_cuda_ptxas.md
+    python bench/conv_cuda_kernels.py --models resnet50 mobilenetv3 --split-k --tensor-cores \
+        --out bench/results/conv_cuda_ptxas_splitk_tc.md     (the opt-in kernels' heuristic tiles)
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 from collections import Counter
 
 from onnxfuse.cuda.compile import compiler_version, find_nvcc
-from onnxfuse.cuda.conv_codegen import Epilogue, generate, ptxas_check
+from onnxfuse.cuda.conv_codegen import Epilogue, clusters_supported, generate, heuristic_tile, ptxas_check, tensor_cores_supported
 from onnxfuse.modelio import normalize, resolve_input
 from onnxfuse.passes.conv_bias_act import conv_layers
 
@@ -24,14 +26,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--models", nargs="*", default=CNNS)
+    ap.add_argument("--split-k", action="store_true", help="heuristic tiles with split-K over clusters (sm_90+)")
+    ap.add_argument("--tensor-cores", action="store_true", help="heuristic tiles of the 3xTF32 tensor-core GEMM (sm_80+)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    clusters = args.split_k and clusters_supported(args.arch)
+    tensor_cores = args.tensor_cores and tensor_cores_supported(args.arch)
     rows = []
     kernels = []
     for name in args.models:
         model = normalize(resolve_input(f"zoo:{name}")).model
         for node, shape, epi in conv_layers(model):
-            k = generate(shape, epi or Epilogue())
+            k = generate(shape, epi or Epilogue(), heuristic_tile(shape, clusters=clusters, tensor_cores=tensor_cores))
             kernels.append(k)
             rows.append((name, node, shape, epi, k))
     t0 = time.time()
@@ -49,9 +55,11 @@ def main(argv=None) -> int:
         f"plus -cubin -Xptxas -v; one translation unit of {len({k.entry for k in kernels})} distinct kernels "
         f"compiled in {seconds:.0f} s on the shared 2-core host. No GPU: these are compile-time facts only.",
         "",
-        f"Layers: {len(rows)} ({kinds['gemm']} implicit GEMM, {kinds['depthwise']} direct depthwise); "
+        f"Layers: {len(rows)} ({kinds['gemm']} implicit GEMM, {kinds['gemm_tf32x3']} implicit GEMM on tensor cores "
+        f"(3xTF32), {kinds['depthwise']} direct depthwise); "
         f"layers with spills: {len(spills)}; registers per thread min {min(regs)}, max {max(regs)}.",
-        "Tile = heuristic (no --tune): BM x BN x BK / TM x TN for GEMM, threads for depthwise. "
+        "Tile = heuristic (no --tune): BM x BN x BK / TM x TN for GEMM, BM x BN x BK / warp WM x WN for tensor "
+        "cores, then /sK for split-K over a cluster of K blocks; threads for depthwise. "
         "Epilogue: what conv-bias-act fuses after BN folding (bare Convs compiled with bias only).",
         "",
         "| model | node | C,H,W -> K | kernel RxS / stride / pads / dil / group | epilogue | kind | tile | "
@@ -63,7 +71,9 @@ def main(argv=None) -> int:
         e = "bare" if epi is None else "+".join(
             x for x in [epi.activation if epi.activation != "none" else "", "residual" if epi.residual else "",
                         "relu" if epi.post_relu else ""] if x) or "bias"
-        tile = (f"{k.tile[0]}x{k.tile[1]}x{k.tile[2]}/{k.tile[3]}x{k.tile[4]}" if k.kind == "gemm" else f"{k.tile[0]}")
+        tile = (f"{k.tile[0]}x{k.tile[1]}x{k.tile[2]}/{k.tile[3]}x{k.tile[4]}" if k.kind != "depthwise" else f"{k.tile[0]}")
+        if k.kind != "depthwise" and len(k.tile) > 5 and k.tile[5] > 1:
+            tile += f"/s{k.tile[5]}"
         lines.append(
             f"| {name} | {node} | {s.c},{s.h},{s.w} -> {s.k} | {s.r}x{s.s} / {s.stride[0]},{s.stride[1]} / "
             f"{','.join(map(str, s.pads))} / {s.dilation[0]},{s.dilation[1]} / {s.group} | {e} | {k.kind} | {tile} | "
