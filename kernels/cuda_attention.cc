@@ -188,18 +188,18 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
 
 void destroy_kernel(void* kernel) { delete static_cast<CudaAttentionKernel*>(kernel); }
 
-// The schema every registration of onnxfuse.Attention shares (registry.h): qkv or q first, then
-// up to three optional float32 inputs (k, v, mask; or mask alone when packed), one output.
+// The schema every registration of onnxfuse.Attention shares (registry.h; the CPU kernel's in
+// attention_cpu.cc): 1 to 4 float32 inputs, variadic and homogeneous (qkv or q, k, v, then the
+// mask when has_mask), one output.
 const char* op_name(const OrtCustomOp*) { return kAttentionOpName; }
 const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
 ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-size_t four(const OrtCustomOp*) { return 4; }
 size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic input_kind(const OrtCustomOp*, size_t i) {
-  return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
-}
+OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
 OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
 OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int min_arity(const OrtCustomOp*) { return 1; }
+int homogeneous(const OrtCustomOp*) { return 1; }
 
 OrtCustomOp make_op() {
   OrtCustomOp op;
@@ -208,13 +208,15 @@ OrtCustomOp make_op() {
   op.GetName = op_name;
   op.GetExecutionProviderType = cuda_provider;
   op.GetInputType = float_type;
-  op.GetInputTypeCount = four;
+  op.GetInputTypeCount = one;
   op.GetOutputType = float_type;
   op.GetOutputTypeCount = one;
   op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = input_kind;
+  op.GetInputCharacteristic = variadic;
   op.GetOutputCharacteristic = required;
   op.GetInputMemoryType = default_memory;
+  op.GetVariadicInputMinArity = min_arity;
+  op.GetVariadicInputHomogeneity = homogeneous;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
   return op;

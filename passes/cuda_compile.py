@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
+from onnxfuse import graphutil as gu
 from onnxfuse.cuda import attention_codegen, codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse.fused import DOMAIN
@@ -40,22 +41,23 @@ def iteration_rank(node: gs.Node) -> int:
     return max([1, *ranks])
 
 
-def _static_last_dim(t: gs.Tensor) -> int | None:
-    shape = t.shape
+def _static_last_dim(t: gs.Tensor, shapes: gu.ShapeTable | None) -> int | None:
+    shape = shapes.dims(t) if shapes is not None else t.shape
     if not shape or not isinstance(shape[-1], int) or isinstance(shape[-1], bool) or shape[-1] < 1:
         return None
     return shape[-1]
 
 
-def attention_spec(node: gs.Node) -> attention_codegen.AttentionSpec | None:
+def attention_spec(node: gs.Node, shapes: gu.ShapeTable | None = None) -> attention_codegen.AttentionSpec | None:
     """The kernel an onnxfuse.Attention node needs, or None when its head sizes are not known
-    statically or exceed what the kernel supports."""
+    statically (from the tensors' recorded shapes, or `shapes` when given) or exceed what the
+    kernel supports."""
     heads = int(node.attrs.get("num_heads", 0))
     packed = bool(int(node.attrs.get("qkv_packed", 0)))
     has_mask = bool(int(node.attrs.get("has_mask", 0)))
     if heads < 1 or not node.inputs:
         return None
-    first = _static_last_dim(node.inputs[0])
+    first = _static_last_dim(node.inputs[0], shapes)
     if first is None:
         return None
     if packed:
@@ -65,7 +67,7 @@ def attention_spec(node: gs.Node) -> attention_codegen.AttentionSpec | None:
     else:
         if len(node.inputs) < 3:
             return None
-        vdim = _static_last_dim(node.inputs[2])
+        vdim = _static_last_dim(node.inputs[2], shapes)
         if vdim is None or first % heads or vdim % heads:
             return None
         dh, dv = first // heads, vdim // heads
@@ -79,6 +81,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         return 0
     arch = ctx.arch or DEFAULT_ARCH
     jobs: list[tuple[gs.Node, str, str, dict]] = []
+    shapes = None  # built for the first Attention node: shape inference costs time
     for node in graph.nodes:
         if node.domain != DOMAIN:
             continue
@@ -87,7 +90,9 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             launch = {"cuda_rank": kernel.rank, "cuda_vec": kernel.vec, "cuda_block": kernel.block}
             jobs.append((node, kernel.source, kernel.entry, launch))
         elif node.op == "Attention":
-            spec = attention_spec(node)
+            if shapes is None:
+                shapes = gu.ShapeTable(graph)
+            spec = attention_spec(node, shapes)
             if spec is None:
                 continue  # no kernel: the CUDA kernel reports it when a session runs the node
             kernel = attention_codegen.generate(spec)

@@ -231,3 +231,23 @@ def test_cuda_target_attention_model_runs_on_the_cpu_provider_with_the_library(t
     if cuda_device_count() == 0:
         with open("/proc/self/maps") as f:
             assert "libcuda" not in f.read()
+
+
+@needs_nvcc
+def test_cuda_compile_pass_reads_head_sizes_that_only_shape_inference_knows(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper, numpy_helper
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    case = CASES[0]  # packed qkv [B, S, 384]; here the product of x [B, S, 16] and a weight
+    model = fused_model(case)
+    graph = model.graph
+    weight = numpy_helper.from_array(np.zeros((16, 384), np.float32), "w_qkv")
+    graph.initializer.append(weight)
+    graph.node.insert(0, helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"]))
+    old = [i for i in graph.input if i.name == "qkv"][0]
+    graph.input.remove(old)
+    graph.input.insert(0, helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sq", 16]))
+    out = _optimize_cuda(model)
+    (node,) = [n for n in out.graph.node if n.op_type == "Attention"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["cuda_entry"].decode() == ac.generate(spec_of(case)).entry
