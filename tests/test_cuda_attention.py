@@ -251,3 +251,18 @@ def test_cuda_compile_pass_reads_head_sizes_that_only_shape_inference_knows(tmp_
     (node,) = [n for n in out.graph.node if n.op_type == "Attention"]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     assert attrs["cuda_entry"].decode() == ac.generate(spec_of(case)).entry
+
+
+def test_cpu_and_cuda_attention_kernels_register_together_with_one_schema():
+    # A CUDA session gets both registrations of onnxfuse.Attention (registry.cc); onnxruntime
+    # builds one schema per op name and rejects registrations that disagree. Here the CPU
+    # provider alone runs the model, so the CPU kernel computes it.
+    import onnxruntime as ort
+
+    from onnxfuse.runtime import session_options
+
+    case = CASES[1]
+    so = session_options(with_library=True, level="all", provider="cuda")
+    sess = ort.InferenceSession(fused_model(case).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = case.feeds(seed=8)
+    assert_matches(sess.run(None, feeds)[0], case.reference(feeds).astype(np.float32), "CPU kernel", tol=1e-5)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from attention_cases import CASES, Case, case_id, fused_model, plain_model
-from gpu_helpers import arch, cuda_ort, cuda_session, device_arch  # noqa: F401  (fixtures)
+from gpu_helpers import cuda_ort, cuda_session, device_arch  # noqa: F401  (fixtures)
 from test_cuda_ort import _graph_run, assert_close, feeds_for, profiled_node_providers
 
 from onnxfuse.pipeline import Context, run_passes, select_passes
@@ -20,10 +20,6 @@ pytestmark = pytest.mark.gpu
 def compiled(model: onnx.ModelProto) -> onnx.ModelProto:
     """The hand-built Attention model with its kernel stored for this GPU (cuda-compile only)."""
     return run_passes(model, select_passes(["cuda-compile"], "cuda"), Context(target="cuda", arch=device_arch()))[0]
-
-
-def optimize_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
-    return run_passes(model, select_passes(None, "cuda"), Context(target="cuda", arch=device_arch()))[0]
 
 
 def assert_attention_close(got, want, what):
@@ -111,20 +107,28 @@ def test_cuda_graph_captures_and_replays_the_attention_kernel_with_new_inputs(cu
     assert_attention_close(outs["out"].numpy(), case.reference(second), "replayed")
 
 
+def optimize_like_the_cli(model: onnx.ModelProto, dims: dict) -> onnx.ModelProto:
+    """What `onnxfuse optimize --target cuda --dim ...` and bench/gpu.py produce."""
+    from onnxfuse import api
+
+    return api.optimize(model, target="cuda", arch=device_arch(), verify_outputs=False, count_kernels=False,
+                        dims=dims).model
+
+
 def test_optimized_gpt_stack_runs_attention_on_our_cuda_kernel_and_matches_onnxruntime(cuda_ort, tmp_path):
     from onnxfuse import zoo
 
     zm = zoo.get("gpt_stack")
     original = onnx.load(str(zm.path))
-    optimized = optimize_cuda(original)
-    attention = [n for n in optimized.graph.node if n.op_type == "Attention" and n.domain == "onnxfuse"]
-    assert len(attention) == 4, "fuse-attention should fuse each of the 4 blocks' attention"
-    for n in attention:
-        assert any(a.name == "cuda_cubin" for a in n.attribute), n.name
-    for dims in (dict(zm.dims), {"batch": 8, "seq": 32}, {"batch": 2, "seq": 64}):
+    for dims in ({"batch": 1, "seq": 32}, {"batch": 8, "seq": 32}, {"batch": 2, "seq": 64}, {"batch": 3, "seq": 5}):
+        optimized = optimize_like_the_cli(original, dims)
+        attention = [n for n in optimized.graph.node if n.op_type == "Attention" and n.domain == "onnxfuse"]
+        assert len(attention) == 4, "fuse-attention should fuse each of the 4 blocks' attention"
+        for n in attention:
+            assert any(a.name == "cuda_cubin" for a in n.attribute), n.name
         feeds = feeds_for(original, dims, seed=3)
         want = cuda_session(cuda_ort, original, with_library=False).run(None, feeds)
         got = cuda_session(cuda_ort, optimized, with_library=True).run(None, feeds)
         assert_close(got, want, f"gpt_stack {dims}")
-    providers = profiled_node_providers(cuda_ort, optimized, feeds_for(original, dict(zm.dims)), tmp_path)
+    providers = profiled_node_providers(cuda_ort, optimized, feeds, tmp_path)
     assert [p for op, p in providers if op == "Attention"] == ["CUDAExecutionProvider"] * 4, providers
