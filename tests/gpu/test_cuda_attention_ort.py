@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from attention_cases import CASES, Case, case_id, fused_model, plain_model
-from gpu_helpers import cuda_ort, cuda_session, device_arch  # noqa: F401  (fixtures)
+from gpu_helpers import arch, cuda_ort, cuda_session, device_arch, runner  # noqa: F401  (fixtures)
 from test_cuda_ort import _graph_run, assert_close, feeds_for, profiled_node_providers
 
 from onnxfuse.pipeline import Context, run_passes, select_passes
@@ -27,6 +27,40 @@ def assert_attention_close(got, want, what):
     want = np.asarray(want, np.float64)
     assert got.shape == want.shape, f"{what}: {got.shape} vs {want.shape}"
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_generated_kernel_alone_matches_its_numpy_model_and_direct_attention(runner, arch, case):
+    """The kernel launched without onnxruntime (PyCUDA or CuPy + the driver), the ABI packed here."""
+    import struct
+
+    from onnxfuse.cuda import attention_codegen as ac
+    from onnxfuse.cuda import attention_model as am
+    from onnxfuse.cuda.compile import compile_source
+
+    spec = ac.AttentionSpec(case.heads, case.dh, case.dv, case.scale, case.packed, case.has_mask)
+    kernel = ac.generate(spec)
+    fn = runner.load(compile_source(kernel.source, kernel.entry, arch).cubin, kernel.entry)
+    feeds = case.feeds(seed=21)
+    names = ["qkv"] if case.packed else ["q", "k", "v"]
+    dev = {n: runner.to_device(feeds[n]) for n in names}
+    ptrs = [dev["qkv"][1]] * 3 if case.packed else [dev[n][1] for n in names]
+    strides = [0, 0, 0, 0]
+    mask_ptr = 0
+    if case.has_mask:
+        dev["mask"] = runner.to_device(np.atleast_1d(feeds["mask"]))
+        mask_ptr = dev["mask"][1]
+        strides = am.mask_strides(feeds["mask"].shape, (case.batch, case.heads, case.sq, case.sk))
+    out, out_ptr = runner.empty((case.batch, case.sq, case.heads * case.dv), np.float32)
+    args = struct.pack("<12q", *ptrs, mask_ptr, out_ptr, case.batch, case.sq, case.sk, *strides)
+    runner.launch(fn, kernel.grid(case.batch, case.sq), kernel.threads, args)
+    got = runner.to_host(out)
+    if case.packed:
+        model = am.run(spec, feeds["qkv"], mask=feeds.get("mask"))
+    else:
+        model = am.run(spec, feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
+    assert_attention_close(got, model, "vs the numpy model of the kernel")
+    assert_attention_close(got, case.reference(feeds), "vs float64 numpy")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
