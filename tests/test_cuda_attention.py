@@ -266,3 +266,14 @@ def test_cpu_and_cuda_attention_kernels_register_together_with_one_schema():
     sess = ort.InferenceSession(fused_model(case).SerializeToString(), so, providers=["CPUExecutionProvider"])
     feeds = case.feeds(seed=8)
     assert_matches(sess.run(None, feeds)[0], case.reference(feeds).astype(np.float32), "CPU kernel", tol=1e-5)
+
+
+def test_an_attention_node_without_a_compiled_kernel_makes_a_cuda_session_use_the_fallbacks():
+    from onnxfuse.runtime import needs_library
+
+    model = fused_model(CASES[0])  # as a --target cpu model has it: no cuda_entry
+    assert needs_library(model, "cpu")
+    assert not needs_library(model, "cuda")
+    node = model.graph.node[0]
+    node.attribute.append(onnx.helper.make_attribute("cuda_entry", "onnxfuse_attn_0"))
+    assert needs_library(model, "cuda")
