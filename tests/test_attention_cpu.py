@@ -101,3 +101,27 @@ def test_mask_that_does_not_broadcast_is_an_error_like_in_the_original():
         runtime.make_session(opt, threads=1, with_library=True).run(None, feeds)
     with pytest.raises(Exception):
         runtime.make_session(opt, threads=1, with_library=False).run(None, feeds)
+
+
+@pytest.mark.parametrize("masked", [-1e9, -np.inf])
+def test_causal_mask_rows_skip_no_weight_and_keep_nan(masked, build):
+    """Blocks of keys whose exps are exactly 0 (a causal mask's future) are written as 0 without
+    evaluating exp; the result equals the full computation, and a NaN among them still makes
+    its row NaN."""
+    s = 45
+    causal = np.triu(np.full((s, s), masked, np.float32), 1)[None, None]
+    opt = optimized(heads=2, dh=16, scale_value=4.0, mask=None, mask_const=causal)
+    x = np.random.default_rng(3).standard_normal((2, s, 32)).astype(np.float32)
+    q, k, v = packed_inputs(opt, x)
+    kernel, kernel2, fallback = run_three_ways(opt, {"x": x})
+    want = reference(q, k, v, causal.astype(np.float64), 2, 0.25)
+    for got in (kernel, kernel2, fallback):
+        assert_close(got, want)
+    nan_mask = causal.copy()
+    nan_mask[0, 0, 2, 30] = np.nan  # query 2: key 30 lies in a block that is otherwise all masked
+    opt_nan = optimized(heads=2, dh=16, scale_value=4.0, mask=None, mask_const=nan_mask)
+    kernel, kernel2, fallback = run_three_ways(opt_nan, {"x": x})
+    rows = np.isnan(fallback).any(axis=-1)
+    assert rows[:, 2].all() and rows.sum() == 2
+    np.testing.assert_array_equal(np.isnan(kernel), np.isnan(fallback))
+    np.testing.assert_array_equal(np.isnan(kernel2), np.isnan(fallback))
