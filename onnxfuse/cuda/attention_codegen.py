@@ -16,7 +16,8 @@ Design (simple on purpose; every B, Sq, Sk works):
 * grid.x = B * H * ceil(Sq / ROWS) blocks of ROWS warps; block `bid` serves head h of batch b
   and the ROWS consecutive query rows s = rb*ROWS + warp (INDEX["block"]). Warps whose row is
   past Sq load zeros, take part in every __syncthreads and store nothing.
-* Each warp keeps its (scaled nowhere) query row in shared memory, qs[warp][0..dh).
+* Each warp keeps its query row in shared memory, qs[warp][0..dh) (unscaled: the scale
+  multiplies each dot product, as the contract writes it).
 * Keys and values are streamed through shared memory in tiles of TILE rows: the whole block
   loads ks[TILE][KS] (KS = dh, or dh + 1 when dh is even, so that lane j reading row j is free of
   bank conflicts) and vs[TILE][dv], zero-filled past Sk (a zero value times a zero probability
