@@ -25,7 +25,7 @@ constexpr const char* kConvBiasActOpName = "ConvBiasAct";
 
 struct CudaConvKernel {
   OrtApiRef api;
-  std::string node_name;
+  std::string where;  // "onnxfuse ConvBiasAct node '<name>' (CUDA): ", built once
   cuda::StoredKernel kernel;
   int64_t threads;
   int64_t grid_cols, cols_per_block, grid_y, grid_z;
@@ -64,7 +64,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     if ((residual != 0) != (n_in == 4))
       return api.CreateStatus(ORT_INVALID_ARGUMENT,
                               (where + "the kernel's residual epilogue and the node's inputs disagree").c_str());
-    *out = new CudaConvKernel{api,  name, cuda::StoredKernel(std::move(image)),
+    *out = new CudaConvKernel{api,  where, cuda::StoredKernel(std::move(image)),
                               v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], residual != 0};
     return nullptr;
   } catch (const std::bad_alloc&) {
@@ -83,7 +83,7 @@ std::string dims_text(const std::vector<int64_t>& d) {
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   auto* k = static_cast<CudaConvKernel*>(kernel_ptr);
   const OrtApiRef& api = k->api;
-  const std::string where = node_label(k->node_name);
+  const std::string& where = k->where;
   try {
     std::vector<int64_t> xs, ws, bs, zs;
     ONNXTensorElementDataType xt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, wt = xt, bt = xt, zt = xt;

@@ -1,12 +1,16 @@
 // onnxfuse.Pointwise on the CUDA execution provider: runs the kernel generated from the node's
 // program (onnxfuse/cuda/codegen.py) and stored with the node by passes/cuda_compile.py.
 //
-// Per call, on the host: the iteration plan (shared with the CPU kernel, pointwise_plan.h),
-// the loop mode (linear / vector / strided, see codegen.py), the argument words, one launch on
-// onnxruntime's stream. Same schema as the CPU registration (registry.h requires it).
+// Per call, on the host: the iteration plan (shared with the CPU kernel, pointwise_plan.h; kept
+// from the previous call while the input shapes stay the same, since resolving it was the largest
+// host cost per call), the loop mode (linear / vector / strided, see codegen.py), the argument
+// words, one launch on onnxruntime's stream. Same schema as the CPU registration (registry.h
+// requires it).
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -22,11 +26,16 @@ namespace {
 struct CudaPointwiseKernel {
   OrtApiRef api;
   Program program;
-  std::string node_name;
+  std::string where;  // "onnxfuse Pointwise node '<name>' (CUDA): ", built once
   cuda::StoredKernel kernel;
   int rank;   // the kernel's iteration rank (cuda_rank)
   int vec;    // elements per vector access (cuda_vec)
   int block;  // threads per block (cuda_block)
+  // The plan of the last call's input shapes (resolve_plan depends on nothing else). Shared
+  // read-only between concurrent calls; replaced when the shapes change.
+  std::mutex plan_mu;
+  std::vector<std::vector<int64_t>> plan_shapes;
+  std::shared_ptr<const IterPlan> plan;
 };
 
 std::string node_label(const std::string& name) { return "onnxfuse Pointwise node '" + name + "' (CUDA): "; }
@@ -60,11 +69,14 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                               (where + "missing or invalid cuda_rank / cuda_vec / cuda_block attributes").c_str());
     *out = new CudaPointwiseKernel{api,
                                    std::move(program),
-                                   name,
+                                   where,
                                    cuda::StoredKernel(std::move(image)),
                                    static_cast<int>(rank),
                                    static_cast<int>(vec),
-                                   static_cast<int>(block)};
+                                   static_cast<int>(block),
+                                   {},
+                                   {},
+                                   nullptr};
     return nullptr;
   } catch (const std::bad_alloc&) {
     return api.CreateStatus(ORT_FAIL, "onnxfuse Pointwise (CUDA): out of memory");
@@ -80,7 +92,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   auto* k = static_cast<CudaPointwiseKernel*>(kernel_ptr);
   const OrtApiRef& api = k->api;
   const Program& prog = k->program;
-  const std::string where = node_label(k->node_name);
+  const std::string& where = k->where;
   try {
     const size_t n_in = prog.inputs.size(), n_out = prog.outputs.size();
     std::vector<std::vector<int64_t>> shapes(n_in);
@@ -112,9 +124,22 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       in_ptr[i] = static_cast<const unsigned char*>(data);
     }
 
-    IterPlan plan;
     std::string error;
-    if (!resolve_plan(prog, shapes, &plan, &error)) return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+    std::shared_ptr<const IterPlan> plan_ref;
+    {
+      std::lock_guard<std::mutex> lock(k->plan_mu);
+      if (k->plan != nullptr && k->plan_shapes == shapes) plan_ref = k->plan;
+    }
+    if (plan_ref == nullptr) {
+      auto fresh = std::make_shared<IterPlan>();
+      if (!resolve_plan(prog, shapes, fresh.get(), &error))
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+      plan_ref = fresh;
+      std::lock_guard<std::mutex> lock(k->plan_mu);
+      k->plan_shapes = shapes;
+      k->plan = plan_ref;
+    }
+    const IterPlan& plan = *plan_ref;
 
     std::vector<unsigned char*> out_ptr(n_out, nullptr);
     for (size_t o = 0; o < n_out; ++o) {

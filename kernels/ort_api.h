@@ -137,7 +137,8 @@ enum class OrtApiSlot : size_t {
   GetDimensionsCount = 61,
   GetDimensions = 62,
   GetTensorTypeAndShape = 65,
-  KernelInfoGetAttribute_int64 = 86,  // CUDA kernels only
+  KernelInfoGetAttribute_float = 85,
+  KernelInfoGetAttribute_int64 = 86,
   KernelInfoGetAttribute_string = 87,
   KernelContext_GetInputCount = 88,
   KernelContext_GetOutputCount = 89,
@@ -218,7 +219,10 @@ class OrtApiRef {
     return slot<OrtStatus* (*)(const OrtSessionOptions*, const char*, char*, size_t*)>(
         OrtApiSlot::GetSessionConfigEntry)(options, key, value, size);
   }
-  // CUDA kernels only.
+  OrtStatus* KernelInfoGetAttribute_float(const OrtKernelInfo* info, const char* name, float* out) const {
+    return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(
+        OrtApiSlot::KernelInfoGetAttribute_float)(info, name, out);
+  }
   OrtStatus* KernelInfoGetAttribute_int64(const OrtKernelInfo* info, const char* name, int64_t* out) const {
     return slot<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
         OrtApiSlot::KernelInfoGetAttribute_int64)(info, name, out);

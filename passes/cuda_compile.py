@@ -1,14 +1,16 @@
 """cuda-compile: the compiled CUDA kernel of every fused node, stored with the node (--target cuda).
 
-    match:     onnxfuse.Pointwise nodes; other onnxfuse nodes that carry a generated kernel
-               (cuda_source + cuda_entry) but no cubin
+    match:     onnxfuse.Pointwise nodes; onnxfuse.Attention nodes whose head sizes are known
+               (onnxfuse/cuda/attention_codegen.py); other onnxfuse nodes that carry a generated
+               kernel (cuda_source + cuda_entry) but no cubin
     condition: --target cuda; runs after every fusion pass (order 900)
     rewrite:   attributes read by the CUDA-EP kernels (kernels/cuda_launch.h):
                  cuda_entry  the kernel's extern "C" name
                  cuda_arch   the cubin's architecture (--arch, default sm_90)
                  cuda_cubin  the cubin's bytes
                  cuda_ptx    PTX for the matching virtual architecture (portable fallback)
-               and, for Pointwise, the launch constants cuda_rank, cuda_vec, cuda_block.
+               and, for Pointwise, the launch constants cuda_rank, cuda_vec, cuda_block; for
+               Attention cuda_abi, cuda_block, cuda_rows, cuda_dh, cuda_dv.
                The CPU kernel ignores them. Identical programs share one compile (cached in
                memory and under ~/.cache/onnxfuse/cuda).
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from onnxfuse.cuda import codegen
+from onnxfuse import graphutil as gu
+from onnxfuse.cuda import attention_codegen, codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse.fused import DOMAIN
 from onnxfuse.pipeline import Context, Pass
@@ -38,11 +41,47 @@ def iteration_rank(node: gs.Node) -> int:
     return max([1, *ranks])
 
 
+def _static_last_dim(t: gs.Tensor, shapes: gu.ShapeTable | None) -> int | None:
+    shape = shapes.dims(t) if shapes is not None else t.shape
+    if not shape or not isinstance(shape[-1], int) or isinstance(shape[-1], bool) or shape[-1] < 1:
+        return None
+    return shape[-1]
+
+
+def attention_spec(node: gs.Node, shapes: gu.ShapeTable | None = None) -> attention_codegen.AttentionSpec | None:
+    """The kernel an onnxfuse.Attention node needs, or None when its head sizes are not known
+    statically (from the tensors' recorded shapes, or `shapes` when given) or exceed what the
+    kernel supports."""
+    heads = int(node.attrs.get("num_heads", 0))
+    packed = bool(int(node.attrs.get("qkv_packed", 0)))
+    has_mask = bool(int(node.attrs.get("has_mask", 0)))
+    if heads < 1 or not node.inputs:
+        return None
+    first = _static_last_dim(node.inputs[0], shapes)
+    if first is None:
+        return None
+    if packed:
+        if first % (3 * heads):
+            return None
+        dh = dv = first // (3 * heads)
+    else:
+        if len(node.inputs) < 3:
+            return None
+        vdim = _static_last_dim(node.inputs[2], shapes)
+        if vdim is None or first % heads or vdim % heads:
+            return None
+        dh, dv = first // heads, vdim // heads
+    if not attention_codegen.supported(dh, dv):
+        return None
+    return attention_codegen.AttentionSpec(heads, dh, dv, float(node.attrs.get("scale", 1.0)), packed, has_mask)
+
+
 def run(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target != "cuda":
         return 0
     arch = ctx.arch or DEFAULT_ARCH
     jobs: list[tuple[gs.Node, str, str, dict]] = []
+    shapes = None  # built for the first Attention node: shape inference costs time
     for node in graph.nodes:
         if node.domain != DOMAIN:
             continue
@@ -50,6 +89,14 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             kernel = codegen.generate(Program.parse(node.attrs["program"]), iteration_rank(node))
             launch = {"cuda_rank": kernel.rank, "cuda_vec": kernel.vec, "cuda_block": kernel.block}
             jobs.append((node, kernel.source, kernel.entry, launch))
+        elif node.op == "Attention":
+            if shapes is None:
+                shapes = gu.ShapeTable(graph)
+            spec = attention_spec(node, shapes)
+            if spec is None:
+                continue  # no kernel: the CUDA kernel reports it when a session runs the node
+            kernel = attention_codegen.generate(spec)
+            jobs.append((node, kernel.source, kernel.entry, kernel.attrs()))
         elif "cuda_source" in node.attrs and "cuda_entry" in node.attrs and "cuda_cubin" not in node.attrs:
             jobs.append((node, str(node.attrs["cuda_source"]), str(node.attrs["cuda_entry"]), {}))
     if not jobs:

@@ -1,0 +1,513 @@
+// onnxfuse.Attention on the CPU: multi-head scaled dot-product attention over split heads
+// (fuse-attention's fused op; the contract is in passes/attention.py).
+//
+//   inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask)
+//            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask), q/k/v its column blocks 0, D, 2D
+//            mask: float32, additive, broadcastable to [B, H, Sq, Sk] (rank <= 4)
+//   attrs    num_heads, scale, has_mask, qkv_packed
+//   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
+//
+// q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
+// `row stride` apart), so the packed projection output is never copied apart. Work items are
+// (batch, head, block of query rows), run with onnxruntime's thread pool. For one item, the
+// head's keys are transposed into a [dh, Sk] scratch panel once; then four query rows at a time:
+// their scores against 16 keys at a time (an AVX2 register tile over the key panel), scale and
+// mask, a max-subtracted softmax, and the weighted sum of v rows, 16 output columns at a time.
+// Nothing of size [Sq, Sk] leaves the cache.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kernel_util.h"
+#include "numeric.h"
+#include "registry.h"
+
+namespace onnxfuse {
+namespace {
+
+constexpr const char* kAttentionName = "Attention";
+constexpr int64_t kRows = 4;      // query rows per register tile
+constexpr int64_t kKeyTile = 16;  // keys per register tile (two AVX2 registers)
+// Query rows per work item when (batch, head) pairs alone are too few to keep threads busy.
+constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kMinItems = 8;
+
+// A [B, S, H, d] view of a [B, S, row] tensor: element (b, s, h, i) at
+// data[b * batch_stride + s * row_stride + h * d + i].
+struct View {
+  const float* data;
+  int64_t batch_stride, row_stride;
+};
+
+struct Job {
+  View q, k, v;
+  const float* mask;  // null without one
+  int64_t mask_stride[4];  // [B, H, Sq, Sk] strides, 0 on broadcast axes
+  float* out;              // [B, Sq, H * dv]
+  int64_t batch, heads, sq, sk, dh, dv;
+  int64_t query_blocks, block_rows;
+  float scale;
+  bool avx2;
+};
+
+// Per-thread scratch: the key panel [dh, sk_pad] and kRows score rows of sk_pad.
+struct Scratch {
+  std::vector<float> keys, scores;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+int64_t padded_keys(int64_t sk) { return (sk + kKeyTile - 1) / kKeyTile * kKeyTile; }
+
+// keys[i * ld + t] = k[t, i] for t < sk, zero for sk <= t < ld (written in memory order).
+void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
+  for (int64_t i = 0; i < dh; ++i) {
+    float* out = keys + i * ld;
+    const float* col = k + i;
+    for (int64_t t = 0; t < sk; ++t) out[t] = col[t * row_stride];
+    for (int64_t t = sk; t < ld; ++t) out[t] = 0.0f;
+  }
+}
+
+// scores[t] = scale * scores[t] + mask_row[t * mask_step] for t < sk (no mask: mask_row null).
+// Returns the maximum, NaN ignored (a NaN score makes the sum NaN, so the row is NaN anyway).
+float scale_and_mask_base(float* scores, int64_t sk, float scale, const float* mask_row, int64_t mask_step) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < sk; ++t) {
+    float s = scores[t] * scale;
+    if (mask_row != nullptr) s += mask_row[t * mask_step];
+    scores[t] = s;
+    mx = s > mx ? s : mx;
+  }
+  return mx;
+}
+
+// p[t] = exp(s[t] - mx); returns 1 / sum. An all -inf row has mx = -inf: -inf - -inf is NaN and
+// the row comes out NaN, as onnxruntime's Softmax gives.
+float softmax_base(float* scores, int64_t sk, float mx) {
+  for (int64_t t = 0; t < sk; ++t) scores[t] = num::exp_f32(scores[t] - mx);
+  float sum = 0.0f;
+  for (int64_t t = 0; t < sk; ++t) sum += scores[t];
+  return 1.0f / sum;
+}
+
+// Rows [r0, r0 + rows) of one (b, h): portable version.
+void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
+               float* out, int64_t r0, int64_t rows, float* scores) {
+  const int64_t sk = job.sk, dh = job.dh, dv = job.dv;
+  const int64_t out_stride = job.heads * dv;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + (r0 + r) * job.q.row_stride;
+    float* s = scores;
+    for (int64_t t = 0; t < sk; ++t) s[t] = 0.0f;
+    for (int64_t i = 0; i < dh; ++i) {
+      const float a = qr[i];
+      const float* kr = keys + i * ld;
+      for (int64_t t = 0; t < sk; ++t) s[t] += a * kr[t];
+    }
+    const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
+    const float mx = scale_and_mask_base(s, sk, job.scale, mrow, job.mask_stride[3]);
+    const float inv = softmax_base(s, sk, mx);
+    float* o = out + (r0 + r) * out_stride;
+    for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
+    for (int64_t t = 0; t < sk; ++t) {
+      const float p = s[t];
+      const float* vr = v + t * job.v.row_stride;
+      for (int64_t j = 0; j < dv; ++j) o[j] += p * vr[j];
+    }
+    for (int64_t j = 0; j < dv; ++j) o[j] *= inv;
+  }
+}
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// scores[r][t] = q_r . k_t for R rows and every t < ld (ld a multiple of kKeyTile; padded keys
+// are zero), 16 keys x R rows of accumulators per pass over the key panel.
+template <int R>
+inline void scores_tile(const float* q, int64_t q_stride, const float* keys, int64_t ld, int64_t dh, float* scores) {
+  for (int64_t t0 = 0; t0 < ld; t0 += kKeyTile) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* kp = keys + t0;
+    for (int64_t i = 0; i < dh; ++i, kp += ld) {
+      const __m256 k0 = _mm256_loadu_ps(kp), k1 = _mm256_loadu_ps(kp + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(q + r * q_stride + i);
+        acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(scores + r * ld + t0, acc[r][0]);
+      _mm256_storeu_ps(scores + r * ld + t0 + 8, acc[r][1]);
+    }
+  }
+}
+
+float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_row, int64_t mask_step) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= sk; t += 8) {
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), vs);
+    if (mask_row != nullptr)
+      x = _mm256_add_ps(x, mask_step == 1 ? _mm256_loadu_ps(mask_row + t) : _mm256_set1_ps(mask_row[0]));
+    _mm256_storeu_ps(s + t, x);
+    vmax = _mm256_max_ps(x, vmax);  // NaN in x: keeps vmax
+  }
+  float mx = hmax(vmax);
+  for (; t < sk; ++t) {
+    float x = s[t] * scale;
+    if (mask_row != nullptr) x += mask_row[t * mask_step];
+    s[t] = x;
+    mx = x > mx ? x : mx;
+  }
+  return mx;
+}
+
+// Whether exp(x - mx) is exactly 0 for all 8 lanes: num::exp_f32 clamps its argument to -104,
+// where it rounds to 0. NaN lanes (and the NaN of -inf - -inf) are not dead.
+inline bool dead8(const float* s, __m256 vmx) {
+  const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(s), vmx);
+  return _mm256_movemask_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_NLT_UQ)) == 0;
+}
+
+float softmax_avx2(float* s, int64_t sk, float mx) {
+  // Whole 8-key blocks whose exps are exactly 0 at either end of the row (a causal mask's
+  // future keys) are written as 0 without evaluating exp: the same values, fewer exps.
+  const __m256 vmx = _mm256_set1_ps(mx);
+  int64_t begin = 0, end = sk;
+  while (begin + 8 <= end && dead8(s + begin, vmx)) begin += 8;
+  while (end - 8 >= begin && dead8(s + end - 8, vmx)) end -= 8;
+  std::fill(s, s + begin, 0.0f);
+  std::fill(s + end, s + sk, 0.0f);
+  // num::exp_f32 is branch-free: g++ vectorizes this loop in the AVX2 build.
+  for (int64_t t = begin; t < end; ++t) s[t] = num::exp_f32(s[t] - mx);
+  __m256 vsum = _mm256_setzero_ps();
+  int64_t t = begin;
+  for (; t + 8 <= end; t += 8) vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
+  float sum = hsum(vsum);
+  for (; t < end; ++t) sum += s[t];
+  return 1.0f / sum;
+}
+
+// out_r[j] = inv_r * sum_t p_r[t] * v[t, j] for R rows, 16 columns at a time (8, then scalar, at the end).
+template <int R>
+inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, const float* v, int64_t v_stride,
+                              int64_t sk, int64_t dv, float* out, int64_t out_stride) {
+  int64_t j = 0;
+  for (; j + 16 <= dv; j += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* vp = v + j;
+    for (int64_t t = 0; t < sk; ++t, vp += v_stride) {
+      const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(p + r * ld + t);
+        acc[r][0] = _mm256_fmadd_ps(a, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_set1_ps(inv[r]);
+      _mm256_storeu_ps(out + r * out_stride + j, _mm256_mul_ps(acc[r][0], w));
+      _mm256_storeu_ps(out + r * out_stride + j + 8, _mm256_mul_ps(acc[r][1], w));
+    }
+  }
+  for (; j + 8 <= dv; j += 8) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const float* vp = v + j;
+    for (int64_t t = 0; t < sk; ++t, vp += v_stride) {
+      const __m256 v0 = _mm256_loadu_ps(vp);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ld + t), v0, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * out_stride + j, _mm256_mul_ps(acc[r], _mm256_set1_ps(inv[r])));
+  }
+  for (; j < dv; ++j) {
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.0f;
+      for (int64_t t = 0; t < sk; ++t) acc = std::fma(p[r * ld + t], v[t * v_stride + j], acc);
+      out[r * out_stride + j] = acc * inv[r];
+    }
+  }
+}
+
+template <int R>
+void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
+               float* out, int64_t r0, float* scores) {
+  scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, job.dh, scores);
+  float inv[R];
+  for (int r = 0; r < R; ++r) {
+    float* s = scores + r * ld;
+    const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
+    const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3]);
+    inv[r] = softmax_avx2(s, job.sk, mx);
+  }
+  const int64_t out_stride = job.heads * job.dv;
+  weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, job.sk, job.dv, out + r0 * out_stride, out_stride);
+}
+
+void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
+               float* out, int64_t r0, int64_t rows, float* scores) {
+  int64_t r = r0;
+  const int64_t end = r0 + rows;
+  for (; r + kRows <= end; r += kRows) tile_avx2<kRows>(job, q, keys, ld, v, mask_bh, out, r, scores);
+  switch (end - r) {
+    case 3: tile_avx2<3>(job, q, keys, ld, v, mask_bh, out, r, scores); break;
+    case 2: tile_avx2<2>(job, q, keys, ld, v, mask_bh, out, r, scores); break;
+    case 1: tile_avx2<1>(job, q, keys, ld, v, mask_bh, out, r, scores); break;
+    default: break;
+  }
+}
+
+#pragma GCC pop_options
+#endif
+
+// One work item: (b, h, block of query rows).
+void run_item(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t item = static_cast<int64_t>(index);
+  const int64_t block = item % job.query_blocks;
+  const int64_t bh = item / job.query_blocks;
+  const int64_t b = bh / job.heads, h = bh % job.heads;
+  const int64_t r0 = block * job.block_rows;
+  const int64_t rows = std::min(job.block_rows, job.sq - r0);
+  if (rows <= 0) return;
+  const float* q = job.q.data + b * job.q.batch_stride + h * job.dh;
+  const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
+  const float* v = job.v.data + b * job.v.batch_stride + h * job.dv;
+  const float* mask_bh = job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1];
+  float* out = job.out + b * job.sq * job.heads * job.dv + h * job.dv;
+  const int64_t ld = padded_keys(job.sk);
+  Scratch& s = scratch();
+  s.keys.resize(static_cast<size_t>(std::max<int64_t>(1, job.dh * ld)));
+  s.scores.resize(static_cast<size_t>(kRows * ld));
+  pack_keys(k, job.k.row_stride, job.sk, job.dh, ld, s.keys.data());
+#if defined(__x86_64__)
+  if (job.avx2) {
+    rows_avx2(job, q, s.keys.data(), ld, v, mask_bh, out, r0, rows, s.scores.data());
+    return;
+  }
+#endif
+  rows_base(job, q, s.keys.data(), ld, v, mask_bh, out, r0, rows, s.scores.data());
+}
+
+struct AttentionKernel {
+  OrtApiRef api;
+  std::string node_name;
+  std::string where;  // "onnxfuse Attention node 'NAME': ", the prefix of every error
+  int64_t heads = 0;
+  float scale = 1.0f;
+  bool has_mask = false, packed = false, avx2 = false;
+};
+
+std::string where(const AttentionKernel* k) { return "onnxfuse Attention node '" + k->node_name + "': "; }
+
+std::string shape_text(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
+  OrtApiRef api(raw);
+  try {
+    auto kernel = std::make_unique<AttentionKernel>();
+    kernel->api = api;
+    if (OrtStatus* st = read_node_name(api, info, &kernel->node_name)) return st;
+    kernel->where = where(kernel.get());
+    const std::string& w = kernel->where;
+    int64_t has_mask = 0, packed = 0;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "num_heads", &kernel->heads), w + "attribute 'num_heads': ");
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_float(info, "scale", &kernel->scale), w + "attribute 'scale': ");
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "has_mask", &has_mask), w + "attribute 'has_mask': ");
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "qkv_packed", &packed), w + "attribute 'qkv_packed': ");
+    kernel->has_mask = has_mask != 0;
+    kernel->packed = packed != 0;
+    if (kernel->heads <= 0)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "num_heads must be positive").c_str());
+    size_t n_in = 0;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), w);
+    const size_t want = (kernel->packed ? 1 : 3) + (kernel->has_mask ? 1 : 0);
+    if (n_in != want)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "expects " + std::to_string(want) + " inputs (" +
+                                                     (kernel->packed ? "qkv" : "q, k, v") +
+                                                     (kernel->has_mask ? ", mask" : "") + "), got " +
+                                                     std::to_string(n_in)).c_str());
+    kernel->avx2 = use_avx2_fma();
+    *out = kernel.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse Attention: ") + e.what()).c_str());
+  }
+}
+
+OrtStatus* input_f32(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, const std::string& w, const char* what,
+                     const float** data, std::vector<int64_t>* dims) {
+  ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  const void* p = nullptr;
+  bool present = false;
+  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, i, dims, &et, &p, &present), w);
+  if (!present) return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + what + " is missing").c_str());
+  if (et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + what + " is not float32").c_str());
+  *data = static_cast<const float*>(p);
+  return nullptr;
+}
+
+OrtStatus* invalid(const OrtApiRef& api, const std::string& msg) {
+  return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
+}
+
+OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
+  auto* k = static_cast<AttentionKernel*>(kernel_ptr);
+  const OrtApiRef& api = k->api;
+  const std::string& w = k->where;
+  try {
+    Job job{};
+    job.heads = k->heads;
+    job.scale = k->scale;
+    job.avx2 = k->avx2;
+    const int64_t H = k->heads;
+    std::vector<int64_t> qd, kd, vd, md;
+    size_t next = 0;
+    if (k->packed) {
+      const float* qkv = nullptr;
+      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "qkv", &qkv, &qd), "");
+      if (qd.size() != 3 || qd[2] % (3 * H) != 0)
+        return invalid(api, w + "qkv of shape " + shape_text(qd) + " is not [B, S, 3 * " + std::to_string(H) + " * d]");
+      const int64_t D = qd[2] / 3;
+      const View base{qkv, qd[1] * qd[2], qd[2]};
+      job.q = base;
+      job.k = View{qkv + D, base.batch_stride, base.row_stride};
+      job.v = View{qkv + 2 * D, base.batch_stride, base.row_stride};
+      job.batch = qd[0];
+      job.sq = job.sk = qd[1];
+      job.dh = job.dv = D / H;
+    } else {
+      const float *q = nullptr, *kk = nullptr, *v = nullptr;
+      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "q", &q, &qd), "");
+      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "k", &kk, &kd), "");
+      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "v", &v, &vd), "");
+      if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || kd[0] != vd[0] || kd[1] != vd[1] ||
+          qd[2] != kd[2] || qd[2] % H != 0 || vd[2] % H != 0)
+        return invalid(api, w + "q " + shape_text(qd) + ", k " + shape_text(kd) + ", v " + shape_text(vd) +
+                                " are not [B, Sq, H*dh], [B, Sk, H*dh], [B, Sk, H*dv] with H = " + std::to_string(H));
+      job.q = View{q, qd[1] * qd[2], qd[2]};
+      job.k = View{kk, kd[1] * kd[2], kd[2]};
+      job.v = View{v, vd[1] * vd[2], vd[2]};
+      job.batch = qd[0];
+      job.sq = qd[1];
+      job.sk = kd[1];
+      job.dh = qd[2] / H;
+      job.dv = vd[2] / H;
+    }
+    if (k->has_mask) {
+      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "mask", &job.mask, &md), "");
+      const int64_t target[4] = {job.batch, H, job.sq, job.sk};
+      bool fits = md.size() <= 4;
+      int64_t dims4[4] = {1, 1, 1, 1};
+      for (size_t i = 0; fits && i < md.size(); ++i) dims4[4 - md.size() + i] = md[i];
+      int64_t stride = 1;
+      for (int i = 3; fits && i >= 0; --i) {
+        fits = dims4[i] == 1 || dims4[i] == target[i];
+        job.mask_stride[i] = dims4[i] == 1 ? 0 : stride;
+        stride *= dims4[i];
+      }
+      if (!fits)
+        return invalid(api, w + "mask of shape " + shape_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
+                                shape_text(std::vector<int64_t>(target, target + 4)));
+    }
+    const int64_t out_dims[3] = {job.batch, job.sq, H * job.dv};
+    OrtValue* y = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &y), w);
+    void* yp = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), w);
+    job.out = static_cast<float*>(yp);
+    const int64_t total = job.batch * job.sq * H * job.dv;
+    if (total == 0) return nullptr;
+    if (job.sk == 0) {  // an empty sum: what MatMul over a zero-length axis gives
+      std::fill(job.out, job.out + total, 0.0f);
+      return nullptr;
+    }
+    const int64_t pairs = job.batch * H;
+    job.block_rows = pairs >= kMinItems ? job.sq : std::min<int64_t>(job.sq, kQueryBlock);
+    job.query_blocks = (job.sq + job.block_rows - 1) / job.block_rows;
+    ONNXFUSE_RETURN_IF_ERROR(
+        api.KernelContext_ParallelFor(ctx, run_item, static_cast<size_t>(pairs * job.query_blocks), 0, &job), w);
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (w + "out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (w + e.what()).c_str());
+  }
+}
+
+void destroy_kernel(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
+
+const char* op_name(const OrtCustomOp*) { return kAttentionName; }
+const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+size_t one(const OrtCustomOp*) { return 1; }
+OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
+OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int min_arity(const OrtCustomOp*) { return 1; }
+int homogeneous(const OrtCustomOp*) { return 1; }
+
+// Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask).
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = kOrtApiVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = cpu_provider;
+  op.GetInputType = float_type;
+  op.GetInputTypeCount = one;
+  op.GetOutputType = float_type;
+  op.GetOutputTypeCount = one;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = variadic;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = default_memory;
+  op.GetVariadicInputMinArity = min_arity;
+  op.GetVariadicInputHomogeneity = homogeneous;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+const OrtCustomOp kAttentionOp = make_op();
+ONNXFUSE_REGISTER_OP(kAttentionOp);
+
+}  // namespace
+}  // namespace onnxfuse

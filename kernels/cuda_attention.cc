@@ -1,0 +1,230 @@
+// onnxfuse.Attention on the CUDA execution provider: launches the kernel generated for the node
+// (onnxfuse/cuda/attention_codegen.py: one warp per query row, keys and values streamed through
+// shared memory, online softmax) and stored with it by passes/cuda_compile.py, through the
+// shared stored-kernel layer (cuda_launch.h).
+//
+// Inputs (float32): qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask);
+// qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask), q, k, v read in place at its column offsets
+// 0, H*dh, 2*H*dh. mask: additive, broadcastable (rank <= 4) to [B, H, Sq, Sk]. Output
+// out [B, Sq, H*dv]. The kernel is specialised for H, dh, dv, the scale, packing and the mask's
+// presence; B, Sq, Sk and the mask's broadcast strides are arguments, so one kernel serves every
+// batch and sequence length.
+//
+// Per call, on the host: shape checks, the argument words, one launch on onnxruntime's stream (no
+// synchronization, copies or allocation on the device, so CUDA graphs can capture it). Nothing is
+// launched when the output is empty.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "cuda_launch.h"
+#include "kernel_util.h"
+#include "registry.h"
+
+namespace onnxfuse {
+namespace {
+
+constexpr const char* kAttentionOpName = "Attention";
+constexpr int64_t kAbiVersion = 1;  // attention_codegen.ABI_VERSION
+
+struct CudaAttentionKernel {
+  OrtApiRef api;
+  std::string where;  // "onnxfuse Attention node '<name>' (CUDA): ", built once
+  cuda::StoredKernel kernel;
+  int64_t heads, dh, dv, rows, threads;
+  bool packed, has_mask;
+};
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
+  OrtApiRef api(raw);
+  try {
+    std::string name;
+    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse Attention (CUDA): ");
+    const std::string where = "onnxfuse Attention node '" + name + "' (CUDA): ";
+
+    std::string error;
+    cuda::KernelImage image;
+    if (!cuda::read_stored_kernel(api, info, &image, &error))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+    const char* names[] = {"num_heads", "cuda_dh", "cuda_dv", "cuda_rows", "cuda_block", "cuda_abi"};
+    int64_t v[6];
+    for (int i = 0; i < 6; ++i) {
+      if (!cuda::int_attr(api, info, names[i], &v[i]) || v[i] < 1)
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing or invalid attribute " + names[i] +
+                                                       " (optimize the model again)").c_str());
+    }
+    if (v[5] != kAbiVersion)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(v[5]) +
+                                                     " is not this library's " + std::to_string(kAbiVersion) +
+                                                     " (optimize the model again)").c_str());
+    if (v[4] != 32 * v[3] || v[4] > 1024)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "cuda_block is not 32 * cuda_rows").c_str());
+    int64_t packed = 0, has_mask = 0;
+    cuda::int_attr(api, info, "qkv_packed", &packed);
+    cuda::int_attr(api, info, "has_mask", &has_mask);
+    size_t n_in = 0;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
+    const size_t expected = (packed ? 1 : 3) + (has_mask ? 1 : 0);
+    if (n_in != expected)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the node has " + std::to_string(n_in) +
+                                                     " inputs, qkv_packed and has_mask say " +
+                                                     std::to_string(expected)).c_str());
+    if (packed && v[1] != v[2])
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "packed qkv needs cuda_dh == cuda_dv").c_str());
+    *out = new CudaAttentionKernel{api,  where, cuda::StoredKernel(std::move(image)), v[0], v[1], v[2], v[3], v[4],
+                                   packed != 0, has_mask != 0};
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, "onnxfuse Attention (CUDA): out of memory");
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse Attention (CUDA): ") + e.what()).c_str());
+  }
+}
+
+std::string dims_text(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
+  auto* k = static_cast<CudaAttentionKernel*>(kernel_ptr);
+  const OrtApiRef& api = k->api;
+  const std::string& where = k->where;
+  try {
+    const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    auto invalid = [&](const std::string& msg) { return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + msg).c_str()); };
+    std::vector<int64_t> qs, ks, vs, ms;
+    ONNXTensorElementDataType qt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, kt = qt, vt = qt, mt = qt;
+    const void *q = nullptr, *kp = nullptr, *vp = nullptr, *mask = nullptr;
+    const int64_t H = k->heads;
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &qs, &qt, &q), where);
+    if (qt != f32) return invalid("the kernel reads float32 tensors only");
+    int64_t batch = 0, sq = 0, sk = 0;
+    if (k->packed) {
+      if (qs.size() != 3 || qs[2] != 3 * H * k->dh)
+        return invalid("qkv is " + dims_text(qs) + ", the kernel was generated for [B, S, " +
+                       std::to_string(3 * H * k->dh) + "]");
+      batch = qs[0];
+      sq = sk = qs[1];
+      kp = vp = q;
+    } else {
+      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ks, &kt, &kp), where);
+      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &vs, &vt, &vp), where);
+      if (kt != f32 || vt != f32) return invalid("the kernel reads float32 tensors only");
+      if (qs.size() != 3 || ks.size() != 3 || vs.size() != 3 || qs[2] != H * k->dh || ks[2] != H * k->dh ||
+          vs[2] != H * k->dv || ks[0] != qs[0] || vs[0] != qs[0] || vs[1] != ks[1])
+        return invalid("q " + dims_text(qs) + ", k " + dims_text(ks) + ", v " + dims_text(vs) +
+                       " do not fit the kernel's [B, Sq, " + std::to_string(H * k->dh) + "], [B, Sk, " +
+                       std::to_string(H * k->dh) + "], [B, Sk, " + std::to_string(H * k->dv) + "]");
+      batch = qs[0];
+      sq = qs[1];
+      sk = ks[1];
+    }
+    // The mask's element strides over [B, H, Sq, Sk]; 0 where it broadcasts.
+    int64_t mask_strides[4] = {0, 0, 0, 0};
+    if (k->has_mask) {
+      bool present = false;
+      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->packed ? 1 : 3, &ms, &mt, &mask, &present), where);
+      if (!present) return invalid("has_mask is 1 but the mask input is missing");
+      if (mt != f32) return invalid("the mask must be float32");
+      if (ms.size() > 4) return invalid("the mask " + dims_text(ms) + " has rank > 4");
+      const int64_t target[4] = {batch, H, sq, sk};
+      const size_t pad = 4 - ms.size();
+      int64_t running = 1;
+      for (int i = 3; i >= 0; --i) {
+        const int64_t dim = i < static_cast<int>(pad) ? 1 : ms[i - pad];
+        if (dim != 1 && dim != target[i])
+          return invalid("the mask " + dims_text(ms) + " does not broadcast to [" + std::to_string(batch) + ", " +
+                         std::to_string(H) + ", " + std::to_string(sq) + ", " + std::to_string(sk) + "]");
+        mask_strides[i] = dim == 1 ? 0 : running;
+        running *= dim;
+      }
+    }
+    const int64_t out_dims[3] = {batch, sq, H * k->dv};
+    OrtValue* ov = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &ov), where);
+    void* out = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(ov, &out), where);
+    if (batch == 0 || sq == 0) return nullptr;  // empty output: nothing to compute
+
+    const int64_t row_blocks = (sq + k->rows - 1) / k->rows;
+    const int64_t max_grid = (int64_t{1} << 31) - 1;
+    if (batch > max_grid / H || batch * H > max_grid / row_blocks)
+      return invalid("batch " + std::to_string(batch) + " x sequence " + std::to_string(sq) + " is too large");
+
+    // The argument struct of attention_codegen ABI 1, as 8-byte words.
+    int64_t words[12] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
+                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(kp)),
+                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(vp)),
+                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(mask)),
+                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(out)),
+                         batch,
+                         sq,
+                         sk,
+                         mask_strides[0],
+                         mask_strides[1],
+                         mask_strides[2],
+                         mask_strides[3]};
+    void* stream = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+    cuda::Dim3 grid, block;
+    grid.x = static_cast<unsigned int>(batch * H * row_blocks);
+    block.x = static_cast<unsigned int>(k->threads);
+    void* params[] = {words};
+    std::string error;
+    if (!k->kernel.launch(static_cast<cuda::CUstream>(stream), grid, block, 0, params, &error))
+      return api.CreateStatus(ORT_FAIL, (where + error).c_str());
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
+  }
+}
+
+void destroy_kernel(void* kernel) { delete static_cast<CudaAttentionKernel*>(kernel); }
+
+// The schema every registration of onnxfuse.Attention shares (registry.h; the CPU kernel's in
+// attention_cpu.cc): 1 to 4 float32 inputs, variadic and homogeneous (qkv or q, k, v, then the
+// mask when has_mask), one output.
+const char* op_name(const OrtCustomOp*) { return kAttentionOpName; }
+const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
+ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+size_t one(const OrtCustomOp*) { return 1; }
+OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
+OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
+OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int min_arity(const OrtCustomOp*) { return 1; }
+int homogeneous(const OrtCustomOp*) { return 1; }
+
+OrtCustomOp make_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = kOrtApiVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = cuda_provider;
+  op.GetInputType = float_type;
+  op.GetInputTypeCount = one;
+  op.GetOutputType = float_type;
+  op.GetOutputTypeCount = one;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = variadic;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = default_memory;
+  op.GetVariadicInputMinArity = min_arity;
+  op.GetVariadicInputHomogeneity = homogeneous;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+// Registered for CUDA sessions only (registry.cc).
+const OrtCustomOp kCudaAttentionOp = make_op();
+ONNXFUSE_REGISTER_OP(kCudaAttentionOp);
+
+}  // namespace
+}  // namespace onnxfuse

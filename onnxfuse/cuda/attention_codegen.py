@@ -1,0 +1,296 @@
+"""CUDA C for onnxfuse.Attention: softmax(scale * q.k^T + mask) . v, one warp per query row.
+
+Contract of the op (float32):
+
+    q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv]  ->  out [B, Sq, H*dv]
+    out[b, s, h*dv + j] = sum_t softmax_t(scale * q[b,s,h,:].k[b,t,h,:] + mask[.., s, t]) * v[b, t, h, j]
+
+with `qkv_packed` the one input qkv [B, S, 3*H*dh] holds q, k and v at last-axis column offsets
+0, H*dh and 2*H*dh (dv = dh), read in place; the optional additive mask broadcasts (ONNX
+multidirectional, rank <= 4) to [B, H, Sq, Sk].
+
+One kernel per (heads, dh, dv, scale, packed, has_mask); B, Sq and Sk are run-time arguments.
+
+Design (simple on purpose; every B, Sq, Sk works):
+
+* grid.x = B * H * ceil(Sq / ROWS) blocks of ROWS warps; block `bid` serves head h of batch b
+  and the ROWS consecutive query rows s = rb*ROWS + warp (INDEX["block"]). Warps whose row is
+  past Sq load zeros, take part in every __syncthreads and store nothing.
+* Each warp keeps its query row in shared memory, qs[warp][0..dh) (unscaled: the scale
+  multiplies each dot product, as the contract writes it).
+* Keys and values are streamed through shared memory in tiles of TILE rows: the whole block
+  loads ks[TILE][KS] (KS = dh, or dh + 1 when dh is even, so that lane j reading row j is free of
+  bank conflicts) and vs[TILE][dv], zero-filled past Sk (a zero value times a zero probability
+  stays zero; garbage could be NaN).
+* Within a tile, lane j scores key t0 + j: sequential fmaf dot product over d, times scale,
+  plus the mask element (read through the broadcast strides, INDEX["mask"]); lanes past the
+  tile's last key score -inf.
+* Online softmax, per warp (all warp-uniform): m_new = max(m, max over lanes); if m_new is still
+  -inf (everything so far masked with -inf) the tile changes nothing; else corr = exp(m - m_new),
+  p = exp(score - m_new), l = l*corr + sum(p), acc *= corr, acc += sum_j p_j * vs[j][col]
+  (p_j broadcast with __shfl_sync), m = m_new. Lane c of the warp owns output columns
+  c, c+32, ... (DVL = ceil(dv/32) accumulators).
+* out = acc / l. With Sk = 0 the output is 0 (what MatMul with an empty reduction gives); a row
+  whose every score is -inf gives 0/0 = NaN, as Softmax of such a row does.
+
+The index arithmetic is written once, in INDEX below, as expressions that are valid C and are
+also evaluated by the numpy model of the kernel (onnxfuse/cuda/attention_model.py), which runs the
+same blocks, warps, tiles, guards and online-softmax steps; the tests check it against a direct
+numpy attention.
+
+Kernel ABI (shared with kernels/cuda_attention.cc): every argument is one 8-byte word
+
+    struct ENTRY_args { const float* q; const float* k; const float* v;   // packed: all three = qkv
+                        const float* mask;                                // nullptr without one
+                        float* out;
+                        long long batch, sq, sk;
+                        long long mask_strides[4]; };   // element strides over [B, H, Sq, Sk], 0 = broadcast
+    extern "C" __global__ void ENTRY(const ENTRY_args a)
+    block = (ROWS * 32, 1, 1), grid = (batch * H * ceil(sq / ROWS), 1, 1)   (Kernel.attrs())
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+ABI_VERSION = 1
+ROWS = 4  # query rows (warps) per block
+MAX_HEAD_DIM = 256  # dh and dv the kernel supports (shared memory and accumulators)
+SHARED_LIMIT = 48 * 1024  # static shared memory per block
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    heads: int
+    dh: int
+    dv: int
+    scale: float
+    packed: bool = False
+    has_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.heads < 1 or self.dh < 1 or self.dv < 1:
+            raise ValueError(f"invalid attention dimensions {self}")
+        if self.packed and self.dv != self.dh:
+            raise ValueError("packed qkv needs dv == dh")
+
+    @property
+    def tile(self) -> int:
+        """Keys per shared-memory tile: 32 (one per lane) when it fits, else 16 or 8."""
+        for t in (32, 16, 8):
+            if shared_bytes(self.dh, self.dv, t) <= SHARED_LIMIT:
+                return t
+        raise ValueError(f"dh {self.dh} / dv {self.dv} do not fit in shared memory")
+
+    def constants(self) -> dict[str, int]:
+        """The compile-time constants the generated kernel and the numpy model share."""
+        d = self.heads * self.dh
+        qrow = 3 * d if self.packed else d
+        return {
+            "H": self.heads, "DH": self.dh, "DV": self.dv, "ROWS": ROWS, "THREADS": ROWS * 32,
+            "TILE": self.tile, "KS": ks_stride(self.dh), "DVL": -(-self.dv // 32),
+            "QROW": qrow, "KROW": qrow, "VROW": 3 * d if self.packed else self.heads * self.dv,
+            "QOFF": 0, "KOFF": d if self.packed else 0, "VOFF": 2 * d if self.packed else 0,
+            "HAS_MASK": int(self.has_mask),
+        }
+
+
+def ks_stride(dh: int) -> int:
+    """Row stride of the key tile: odd, so 32 lanes reading 32 rows at one column hit 32 banks."""
+    return dh if dh % 2 else dh + 1
+
+
+def shared_bytes(dh: int, dv: int, tile: int) -> int:
+    return 4 * (ROWS * dh + tile * ks_stride(dh) + tile * dv)
+
+
+def supported(dh: int, dv: int) -> bool:
+    """Whether the kernel handles these head sizes (a pass should not emit Attention for CUDA otherwise)."""
+    return 1 <= dh <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM
+
+
+def float_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+# Index expressions, each (name, C expression); valid C (with DIV/MOD below) and evaluated by the
+# numpy model. Every quantity that can exceed 2^31 is long long in the kernel (bid, sq, sk, t0
+# and the mask strides are).
+INDEX = {
+    # block -> (b, h, first query row); warp -> its query row s
+    "block": [
+        ("nrb", "DIV(sq + ROWS - 1, ROWS)"), ("rb", "MOD(bid, nrb)"), ("bh", "DIV(bid, nrb)"),
+        ("h", "MOD(bh, H)"), ("b", "DIV(bh, H)"), ("s", "rb * ROWS + warp"), ("row_ok", "s < sq"),
+    ],
+    # element d of the warp's query row
+    "q_load": [("q_src", "(b * sq + s) * QROW + QOFF + h * DH + d")],
+    # slot e of the key tile at t0
+    "k_load": [
+        ("kt", "DIV(e, DH)"), ("kd", "MOD(e, DH)"), ("k_ok", "t0 + kt < sk"),
+        ("k_src", "(b * sk + t0 + kt) * KROW + KOFF + h * DH + kd"), ("k_dst", "kt * KS + kd"),
+    ],
+    # slot e of the value tile at t0
+    "v_load": [
+        ("vt", "DIV(e, DV)"), ("vd", "MOD(e, DV)"), ("v_ok", "t0 + vt < sk"),
+        ("v_src", "(b * sk + t0 + vt) * VROW + VOFF + h * DV + vd"), ("v_dst", "vt * DV + vd"),
+    ],
+    # the mask element lane `lane` adds to its score
+    "mask": [("m_src", "b * ms0 + h * ms1 + s * ms2 + (t0 + lane) * ms3")],
+    # output column col of the warp's row
+    "store": [("o_dst", "(b * sq + s) * (H * DV) + h * DV + col")],
+}
+
+_INDEX_MACROS = """#define DIV(a, b) ((a) / (b))
+#define MOD(a, b) ((a) % (b))"""
+
+
+def _c_lines(table: str, indent: str) -> list[str]:
+    return [f"{indent}const auto {name} = {expr};" for name, expr in INDEX[table]]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A generated Attention kernel and its launch rule."""
+
+    entry: str
+    source: str
+    spec: AttentionSpec
+    threads: int
+    rows_per_block: int
+
+    def grid(self, batch: int, sq: int) -> int:
+        return batch * self.spec.heads * -(-sq // self.rows_per_block)
+
+    def attrs(self) -> dict:
+        """Launch description stored on the Attention node (read by kernels/cuda_attention.cc):
+        block = (cuda_block, 1, 1), grid = (B * num_heads * ceil(Sq / cuda_rows), 1, 1); the
+        kernel was generated for head sizes cuda_dh / cuda_dv."""
+        return {
+            "cuda_abi": ABI_VERSION,
+            "cuda_block": self.threads,
+            "cuda_rows": self.rows_per_block,
+            "cuda_dh": self.spec.dh,
+            "cuda_dv": self.spec.dv,
+        }
+
+
+def entry_name(spec: AttentionSpec) -> str:
+    key = f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed} {spec.has_mask}"
+    return "onnxfuse_attn_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def generate(spec: AttentionSpec) -> Kernel:
+    if not supported(spec.dh, spec.dv):
+        raise ValueError(f"head sizes dh {spec.dh}, dv {spec.dv} exceed {MAX_HEAD_DIM}")
+    entry = entry_name(spec)
+    c = spec.constants()
+    consts = ", ".join(f"{k} = {v}" for k, v in c.items())
+    L = [
+        f"// onnxfuse Attention kernel (ABI {ABI_VERSION}): {spec}",
+        "#include <math.h>",
+        _INDEX_MACROS,
+        f"struct {entry}_args {{",
+        "  const float* q; const float* k; const float* v;",
+        "  const float* mask;  // nullptr without one",
+        "  float* out;",
+        "  long long batch; long long sq; long long sk;",
+        "  long long mask_strides[4];",
+        "};",
+        f'extern "C" __global__ void __launch_bounds__({c["THREADS"]}) {entry}(const {entry}_args a) {{',
+        f"  constexpr int {consts};",
+        f"  const float scale = __int_as_float({float_bits(spec.scale):#010x});  // {spec.scale!r}",
+        "  const unsigned FULL = 0xffffffffu;",
+        "  __shared__ float qs[ROWS][DH];",
+        "  __shared__ float ks[TILE * KS];",
+        "  __shared__ float vs[TILE * DV];",
+        "  const int tid = threadIdx.x;",
+        "  const int warp = tid >> 5, lane = tid & 31;",
+        "  const long long sq = a.sq, sk = a.sk;",
+        "  const long long bid = blockIdx.x;",
+        "  const long long ms0 = a.mask_strides[0], ms1 = a.mask_strides[1], ms2 = a.mask_strides[2],"
+        " ms3 = a.mask_strides[3];",
+        "  (void)ms0; (void)ms1; (void)ms2; (void)ms3;",
+    ]
+    L += _c_lines("block", "  ")
+    L += [
+        "  for (int d = lane; d < DH; d += 32) {",
+    ]
+    L += _c_lines("q_load", "    ")
+    L += [
+        "    qs[warp][d] = row_ok ? a.q[q_src] : 0.0f;",
+        "  }",
+        "  float m = -INFINITY, l = 0.0f;",
+        "  float acc[DVL];",
+        "#pragma unroll",
+        "  for (int c = 0; c < DVL; ++c) acc[c] = 0.0f;",
+        "  for (long long t0 = 0; t0 < sk; t0 += TILE) {",
+        "    __syncthreads();  // the previous tile is consumed (the first time: no effect)",
+        "    for (int e = tid; e < TILE * DH; e += THREADS) {",
+    ]
+    L += _c_lines("k_load", "      ")
+    L += [
+        "      ks[k_dst] = k_ok ? a.k[k_src] : 0.0f;",
+        "    }",
+        "    for (int e = tid; e < TILE * DV; e += THREADS) {",
+    ]
+    L += _c_lines("v_load", "      ")
+    L += [
+        "      vs[v_dst] = v_ok ? a.v[v_src] : 0.0f;",
+        "    }",
+        "    __syncthreads();",
+        "    const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;",
+        "    if (row_ok) {  // uniform in the warp: every lane takes part in the shuffles below",
+        "      float score = -INFINITY;",
+        "      if (lane < n_valid) {",
+        "        float dot = 0.0f;",
+        "#pragma unroll 8",
+        "        for (int d = 0; d < DH; ++d) dot = fmaf(qs[warp][d], ks[lane * KS + d], dot);",
+        "        score = dot * scale;",
+        "        if (HAS_MASK) {",
+    ]
+    L += _c_lines("mask", "          ")
+    L += [
+        "          score += a.mask[m_src];",
+        "        }",
+        "      }",
+        "      float tile_max = score;",
+        "#pragma unroll",
+        "      for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
+        "      const float m_new = fmaxf(m, tile_max);",
+        "      if (m_new != -INFINITY) {  // else every score so far is -inf: nothing to add yet",
+        "        const float corr = expf(m - m_new);",
+        "        const float p = expf(score - m_new);",
+        "        float p_sum = p;",
+        "#pragma unroll",
+        "        for (int o = 16; o > 0; o >>= 1) p_sum += __shfl_xor_sync(FULL, p_sum, o);",
+        "        l = l * corr + p_sum;",
+        "#pragma unroll",
+        "        for (int c = 0; c < DVL; ++c) acc[c] *= corr;",
+        "        for (int j = 0; j < n_valid; ++j) {",
+        "          const float pj = __shfl_sync(FULL, p, j);",
+        "#pragma unroll",
+        "          for (int c = 0; c < DVL; ++c) {",
+        "            const int col = lane + 32 * c;",
+        "            if (col < DV) acc[c] = fmaf(pj, vs[j * DV + col], acc[c]);",
+        "          }",
+        "        }",
+        "        m = m_new;",
+        "      }",
+        "    }",
+        "  }",
+        "  if (row_ok) {",
+        "#pragma unroll",
+        "    for (int c = 0; c < DVL; ++c) {",
+        "      const int col = lane + 32 * c;",
+        "      if (col >= DV) continue;",
+    ]
+    L += _c_lines("store", "      ")
+    L += [
+        "      a.out[o_dst] = sk > 0 ? acc[c] / l : 0.0f;",
+        "    }",
+        "  }",
+        "}",
+        "",
+    ]
+    return Kernel(entry, "\n".join(L), spec, c["THREADS"], ROWS)

@@ -1,0 +1,151 @@
+"""A numpy execution of the Attention CUDA kernel, block by block and warp by warp.
+
+It runs what the generated source runs: the same index arithmetic (the INDEX expressions of
+attention_codegen, evaluated on integers and integer arrays), the same flat buffers and strided
+reads (packed qkv read in place), the same zero-filled key/value tiles and guards, and the same
+online-softmax steps per tile (lanes as a numpy axis of 32; warp reductions as whole-axis max and
+sum). Tests compare it with a direct attention in float64, so an indexing, tiling or softmax
+mistake in the kernel design fails without a GPU. (Float32 throughout; summation order of the
+warp sums and expf's last bit differ from the GPU.)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .attention_codegen import INDEX, AttentionSpec
+
+F = np.float32
+
+
+def _eval(table: str, env: dict) -> dict:
+    scope = {"DIV": np.floor_divide, "MOD": np.mod, "__builtins__": {}}
+    for name, expr in INDEX[table]:
+        env[name] = eval(expr, scope, env)  # noqa: S307 (our own expressions)
+    return env
+
+
+def _gather(buf: np.ndarray, index, ok) -> np.ndarray:
+    """buf[index] where ok, else 0 (the kernel's guarded load; no index is read where not ok)."""
+    index = np.asarray(index, np.int64)
+    ok = np.asarray(ok, bool)
+    out = np.zeros(index.shape, F)
+    read = index[ok]
+    if read.size and (read.min() < 0 or read.max() >= buf.size):
+        raise IndexError(f"the kernel would read element {int(read.max())} of a {buf.size}-element buffer")
+    out[ok] = buf[read]
+    return out
+
+
+def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int]) -> list[int]:
+    """Element strides of a contiguous mask over [B, H, Sq, Sk], 0 where it broadcasts (as
+    kernels/cuda_attention.cc computes them)."""
+    if len(mask_shape) > 4:
+        raise ValueError("mask rank > 4")
+    dims = [1] * (4 - len(mask_shape)) + list(mask_shape)
+    strides = [0] * 4
+    running = 1
+    for i in range(3, -1, -1):
+        if dims[i] != 1 and dims[i] != target[i]:
+            raise ValueError(f"mask {mask_shape} does not broadcast to {target}")
+        strides[i] = running if dims[i] != 1 else 0
+        running *= dims[i]
+    return strides
+
+
+def run(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
+    """The kernel's output for q, k, v (or packed qkv as `q`) and an optional mask."""
+    c = spec.constants()
+    q = np.ascontiguousarray(q, F)
+    if spec.packed:
+        k = v = q
+    k = np.ascontiguousarray(k, F)
+    v = np.ascontiguousarray(v, F)
+    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    out = np.full(batch * sq * spec.heads * spec.dv, np.nan, F)  # every element must be written
+    qf, kf, vf = q.ravel(), k.ravel(), v.ravel()
+    if spec.has_mask:
+        m_arr = np.ascontiguousarray(mask, F)
+        ms = mask_strides(m_arr.shape, (batch, spec.heads, sq, sk))
+        mf = m_arr.ravel()
+    else:
+        ms, mf = [0, 0, 0, 0], None
+    grid = batch * spec.heads * (-(-sq // c["ROWS"]))
+    lanes = np.arange(32)
+    env0 = {**c, "sq": sq, "sk": sk, "ms0": ms[0], "ms1": ms[1], "ms2": ms[2], "ms3": ms[3]}
+    tile, dv = c["TILE"], c["DV"]
+    cols = lanes[:, None] + 32 * np.arange(c["DVL"])[None, :]  # [lane, c]
+    col_ok = cols < dv
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for bid in range(grid):
+            warps = []
+            for warp in range(c["ROWS"]):
+                env = _eval("block", {**env0, "bid": bid, "warp": warp})
+                env["d"] = np.arange(c["DH"])
+                _eval("q_load", env)
+                qs = _gather(qf, env["q_src"], np.full(c["DH"], env["row_ok"]))
+                warps.append((env, qs, F(-np.inf), F(0), np.zeros((32, c["DVL"]), F)))
+            for t0 in range(0, sk, tile):
+                e = np.arange(tile * c["DH"])
+                ke = _eval("k_load", {**warps[0][0], "e": e, "t0": t0})
+                ks = np.zeros(tile * c["KS"], F)
+                ks[ke["k_dst"]] = _gather(kf, ke["k_src"], ke["k_ok"])
+                e = np.arange(tile * dv)
+                ve = _eval("v_load", {**warps[0][0], "e": e, "t0": t0})
+                vs = np.zeros(tile * dv, F)
+                vs[ve["v_dst"]] = _gather(vf, ve["v_src"], ve["v_ok"])
+                n_valid = min(sk - t0, tile)
+                for w, (env, qs, m, l, acc) in enumerate(warps):
+                    if not env["row_ok"]:
+                        continue
+                    valid = lanes < n_valid
+                    rows = np.where(valid, lanes, 0)
+                    dot = np.zeros(32, F)
+                    for d in range(c["DH"]):  # sequential fmaf over d
+                        dot = (qs[d].astype(np.float64) * ks[rows * c["KS"] + d] + dot).astype(F)
+                    score = np.where(valid, dot * F(spec.scale), F(-np.inf)).astype(F)
+                    if spec.has_mask:
+                        me = _eval("mask", {**env, "t0": t0, "lane": lanes})
+                        score = np.where(valid, score + _gather(mf, me["m_src"], valid), score).astype(F)
+                    finite = score[~np.isnan(score)]
+                    tile_max = finite.max() if finite.size else F(np.nan)  # fmaxf ignores NaN
+                    m_new = F(np.fmax(m, tile_max))
+                    if m_new == -np.inf:
+                        continue
+                    corr = F(np.exp(m - m_new))
+                    p = np.exp(score - m_new).astype(F)
+                    l = F(l * corr + p.sum(dtype=F))
+                    acc = (acc * corr).astype(F)
+                    for j in range(n_valid):
+                        vrow = vs[j * dv + np.where(col_ok, cols, 0)]
+                        upd = (F(p[j]).astype(np.float64) * vrow + acc).astype(F)
+                        acc = np.where(col_ok, upd, acc)
+                    warps[w] = (env, qs, F(m_new), l, acc)
+            for env, qs, m, l, acc in warps:
+                if not env["row_ok"]:
+                    continue
+                st = _eval("store", {**env, "col": cols[col_ok]})
+                out[st["o_dst"]] = (acc[col_ok] / l).astype(F) if sk > 0 else F(0)
+    return out.reshape(batch, sq, spec.heads * spec.dv)
+
+
+def reference(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
+    """Direct attention in float64: softmax(scale * q.k^T + mask) . v per head."""
+    q = np.asarray(q, np.float64)
+    d = spec.heads * spec.dh
+    if spec.packed:
+        q, k, v = q[..., :d], q[..., d:2 * d], q[..., 2 * d:]
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    batch, sq, sk, h = q.shape[0], q.shape[1], k.shape[1], spec.heads
+    qh = q.reshape(batch, sq, h, spec.dh).transpose(0, 2, 1, 3)
+    kh = k.reshape(batch, sk, h, spec.dh).transpose(0, 2, 1, 3)
+    vh = v.reshape(batch, sk, h, spec.dv).transpose(0, 2, 1, 3)
+    scores = spec.scale * (qh @ kh.transpose(0, 1, 3, 2))
+    if spec.has_mask:
+        scores = scores + np.asarray(mask, np.float64)
+    if sk == 0:
+        return np.zeros((batch, sq, h * spec.dv), np.float64)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = e / e.sum(axis=-1, keepdims=True)
+    return (probs @ vh).transpose(0, 2, 1, 3).reshape(batch, sq, h * spec.dv)

@@ -1,0 +1,346 @@
+"""Scaled dot-product attention over split heads as one onnxfuse.Attention node.
+
+fuse-attention
+    match:     the multi-head attention chain written by torch.onnx.export for
+                 q, k, v [B, S, H*dh] -> Reshape [B, S, H, dh] -> Transpose
+                 scores = MatMul(q [B, H, Sq, dh], kT [B, H, dh, Sk])
+                 (Div by a constant | Mul by a constant | nothing) (+ mask) -> Softmax(last axis)
+                 MatMul(P, v [B, H, Sk, dv]) -> Transpose(0, 2, 1, 3) -> Reshape [B, Sq, H*dv]
+               with q read as Transpose(0, 2, 1, 3) of its Reshape, optionally times a constant;
+               k as Transpose(0, 2, 3, 1) of its Reshape, or Transpose(0, 1, 3, 2) of
+               Transpose(0, 2, 1, 3); v as Transpose(0, 2, 1, 3) of its Reshape. When q, k, v
+               are, in this order, the three equal last-axis pieces of one Split read by nothing
+               else, the Split is part of the match (qkv_packed).
+    condition: float32 throughout; every scale a finite constant scalar (Div by c, c != 0, is a
+               scale of 1/c); the head Reshapes' targets constant, [0 or B, 0 or S, H, dh] with
+               H*dh (H*dv) the static last dim of q, k (v), one H for all three, and the
+               merge Reshape's target [0 or B, 0 or Sq, H*dv] as a constant or the Shape of a
+               tensor whose dims are provably [B, Sq, H*dv]; Softmax on the last axis (opset >=
+               13); the mask of rank <= 4, each dim provably 1 or equal to its axis of
+               [B, H, Sq, Sk], or, when the merge target pins [B, Sq], any dims (a mask that
+               broadcast the scores up would make that Reshape fail in the original as well);
+               every intermediate tensor read only by the chain and not a graph output.
+    rewrite:   onnxfuse.Attention, whose fallback function is the matched subgraph (a merge
+               target computed from a Shape is written there as the equal [0, 0, H*dv]).
+
+Contract of onnxfuse.Attention (the CPU kernel kernels/attention_cpu.cc and the CUDA kernel
+implement exactly this):
+
+    inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask)
+             qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask): q, k, v are its columns [0, D),
+                             [D, 2D), [2D, 3D) with D = H*dh (Sq = Sk = S, dv = dh); read in place
+             mask: float32, additive, broadcastable (ONNX multidirectional, rank <= 4) to
+                   [B, H, Sq, Sk]
+    attrs    num_heads INT H; scale FLOAT; has_mask INT 0/1 (whether the last input is a mask);
+             qkv_packed INT 0/1
+    output   out [B, Sq, H*dv], float32:
+             out[b, s, h*dv + j] = sum_t softmax_t(scale * (q[b, s, h, :] . k[b, t, h, :])
+                                                    + mask[b, h, s, t]) * v[b, t, h, j]
+             (q[b, s, h, i] = q[b, s, h*dh + i]; mask indexed after broadcasting). A row whose
+             scores are all -inf gives NaN, like onnxruntime's Softmax.
+
+Why: onnxruntime's CPU provider runs each block's attention as 10 kernels (3 Reshapes, 4
+Transposes, 2 MatMuls, the scale and mask Add, Softmax), copying the [B, H, S, S] scores
+through memory between them. The fused kernel computes a query row's scores, softmax and
+weighted sum of v in cache, reading q, k, v where the projection wrote them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse import graphutil as gu
+from onnxfuse.passes.matmul_batch import infer_shapes
+from onnxfuse.pipeline import Context, Pass
+
+HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]
+KEYS_PERM = [0, 2, 3, 1]  # [B, S, H, dh] -> [B, H, dh, S]
+LAST_TWO_PERM = [0, 1, 3, 2]
+
+
+@dataclass
+class Heads:
+    """x [B, S, H*d] -> Reshape [B, S, H, d] (-> Transpose ...): one operand's head split."""
+
+    source: gs.Tensor  # x
+    reshape: gs.Node
+    heads: int
+    width: int  # d
+    nodes: list = field(default_factory=list)  # Reshape first, then its Transposes
+
+
+@dataclass
+class Match:
+    q: Heads
+    k: Heads
+    v: Heads
+    scale: float
+    mask: gs.Tensor | None
+    nodes: list  # the chain from the score MatMul to the merge Reshape (not the head splits)
+    merge: gs.Node
+    split: gs.Node | None = None
+
+
+def _perm(node: gs.Node | None) -> list[int] | None:
+    if not gu.is_op(node, "Transpose"):
+        return None
+    p = gu.attr(node, "perm")
+    return None if p is None else [int(x) for x in p]
+
+
+def _private(graph: gs.Graph, t: gs.Tensor) -> bool:
+    """Read by exactly one node and not a graph output: safe to fold into the fused node."""
+    return isinstance(t, gs.Variable) and len(t.outputs) == 1 and not gu.is_graph_output(graph, t)
+
+
+def _scalar(t: gs.Tensor) -> float | None:
+    """The value of a constant float tensor of one element and rank <= 4 (so multiplying by it
+    changes neither the values' layout nor the rank of a rank-4 operand)."""
+    if not gu.is_constant(t):
+        return None
+    v = gu.constant_value(t)
+    if v is None or v.size != 1 or v.ndim > 4 or v.dtype != np.float32:
+        return None
+    x = float(v.reshape(()))
+    return x if np.isfinite(x) else None
+
+
+def _scaled(graph: gs.Graph, t: gs.Tensor) -> tuple[gs.Tensor, float, gs.Node | None]:
+    """t = Mul(x, c) / Mul(c, x) / Div(x, c) with x private to it: (x, factor, node); else (t, 1, None)."""
+    node = gu.producer(t)
+    if gu.is_op(node, "Mul") and len(node.inputs) == 2:
+        for i in (0, 1):
+            c = _scalar(node.inputs[1 - i])
+            if c is not None and isinstance(node.inputs[i], gs.Variable):
+                return node.inputs[i], c, node
+    if gu.is_op(node, "Div") and len(node.inputs) == 2:
+        c = _scalar(node.inputs[1])
+        if c is not None and c != 0.0 and isinstance(node.inputs[0], gs.Variable):
+            return node.inputs[0], float(np.float64(1.0) / np.float64(c)), node
+    return t, 1.0, None
+
+
+def _same_dim(a, b) -> bool:
+    return a is not None and a == b
+
+
+def _head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: gu.ShapeTable) -> Heads | None:
+    """t = Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, [0|B, 0|S, H, d]))), every
+    intermediate private; x float32 [B, S, H*d] with H*d static."""
+    nodes = []
+    cur = t
+    for perm in reversed(perms):
+        node = gu.producer(cur)
+        if _perm(node) != perm or not _private(graph, node.inputs[0]):
+            return None
+        nodes.append(node)
+        cur = node.inputs[0]
+    reshape = gu.producer(cur)
+    if not gu.is_op(reshape, "Reshape") or len(reshape.inputs) != 2 or int(gu.attr(reshape, "allowzero", 0)) != 0:
+        return None
+    x = reshape.inputs[0]
+    target = gu.constant_ints(reshape.inputs[1])
+    xd = shapes.dims(x)
+    if target is None or len(target) != 4 or xd is None or len(xd) != 3 or not isinstance(xd[2], int):
+        return None
+    if x.dtype != np.float32:
+        return None
+    for i in (0, 1):
+        if target[i] != 0 and not (isinstance(xd[i], int) and target[i] == xd[i]):
+            return None
+    heads, width = target[2], target[3]
+    if heads == -1 and width > 0 and xd[2] % width == 0:
+        heads = xd[2] // width
+    elif width == -1 and heads > 0 and xd[2] % heads == 0:
+        width = xd[2] // heads
+    if heads <= 0 or width <= 0 or heads * width != xd[2]:
+        return None
+    nodes.append(reshape)
+    return Heads(x, reshape, heads, width, list(reversed(nodes)))
+
+
+def _keys(graph: gs.Graph, t: gs.Tensor, shapes: gu.ShapeTable) -> Heads | None:
+    return _head_split(graph, t, [KEYS_PERM], shapes) or _head_split(graph, t, [HEADS_PERM, LAST_TWO_PERM], shapes)
+
+
+def _merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: gu.ShapeTable) -> bool | None:
+    """Whether the merge Reshape's target is [B, Sq, H*dv]: None when it is not provably
+    [0|B, 0|Sq, H*dv]; True when it also fixes B and Sq by value (not by copying them from the
+    attention output, which a broadcast mask could have grown); False otherwise."""
+    if not gu.is_op(merge, "Reshape") or len(merge.inputs) != 2 or int(gu.attr(merge, "allowzero", 0)) != 0:
+        return None
+    qd = shapes.dims(q.source)
+    target = gu.constant_ints(merge.inputs[1])
+    if target is not None:
+        if len(target) != 3 or target[2] not in (out_width, -1):
+            return None
+        pinned = True
+        for i in (0, 1):
+            if target[i] == 0:
+                pinned = False
+            elif not (isinstance(qd[i], int) and target[i] == qd[i]):
+                return None
+        return pinned
+    shape_node = gu.producer(merge.inputs[1])
+    if not gu.is_op(shape_node, "Shape") or "start" in shape_node.attrs or "end" in shape_node.attrs:
+        return None
+    sd = shapes.dims(shape_node.inputs[0])
+    if sd is None or len(sd) != 3 or sd[2] != out_width:
+        return None
+    return True if _same_dim(sd[0], qd[0]) and _same_dim(sd[1], qd[1]) else None
+
+
+def _mask_fits(mask: gs.Tensor, target: list, shapes: gu.ShapeTable, pinned: bool) -> bool:
+    md = shapes.dims(mask)
+    if mask.dtype != np.float32 or md is None or len(md) > 4:
+        return False
+    if pinned:
+        return True
+    return all(m == 1 or _same_dim(m, t) for m, t in zip(md[::-1], target[::-1]))
+
+
+def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable) -> Match | None:
+    if not gu.is_op(softmax, "Softmax") or graph.opset < 13:
+        return None
+    axis = int(gu.attr(softmax, "axis", -1))
+    if axis not in (-1, 3):
+        return None
+    probs = softmax.outputs[0]
+    if not _private(graph, probs):
+        return None
+    pv = probs.outputs[0]
+    if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not probs:
+        return None
+    # Softmax input: ((scores * c) + mask) or (scores * c) or scores.
+    logits = softmax.inputs[0]
+    chain_before: list[gs.Node] = []
+    mask = None
+    add = gu.producer(logits)
+    if gu.is_op(add, "Add") and len(add.inputs) == 2:
+        for i in (0, 1):
+            inner, _, _ = _scaled(graph, add.inputs[i])
+            if gu.is_op(gu.producer(inner), "MatMul") and _private(graph, add.inputs[i]):
+                logits, mask = add.inputs[i], add.inputs[1 - i]
+                chain_before.append(add)
+                break
+        if mask is None:
+            return None
+    scores, scale, scale_node = _scaled(graph, logits)
+    if scale_node is not None:
+        if not _private(graph, scores):
+            return None
+        chain_before.append(scale_node)
+    qk = gu.producer(scores)
+    if not gu.is_op(qk, "MatMul") or not _private(graph, scores):
+        return None
+    if not _private(graph, softmax.inputs[0]):
+        return None
+    q_in, q_scale, q_scale_node = _scaled(graph, qk.inputs[0])
+    if q_scale_node is not None and not _private(graph, qk.inputs[0]):
+        return None
+    q = _head_split(graph, q_in, [HEADS_PERM], shapes) if _private(graph, q_in) else None
+    k = _keys(graph, qk.inputs[1], shapes) if _private(graph, qk.inputs[1]) else None
+    v = _head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if _private(graph, pv.inputs[1]) else None
+    if q is None or k is None or v is None or qk.inputs[0] is qk.inputs[1]:
+        return None
+    if not (q.heads == k.heads == v.heads and q.width == k.width):
+        return None
+    if q_scale_node is not None:
+        q.nodes.append(q_scale_node)
+        scale *= q_scale
+    ctx_heads = pv.outputs[0]
+    back = gu.single_consumer(ctx_heads) if _private(graph, ctx_heads) else None
+    if _perm(back) != HEADS_PERM or not _private(graph, back.outputs[0]):
+        return None
+    merge = back.outputs[0].outputs[0]
+    out_width = v.heads * v.width
+    pinned = _merge_pins_rows(merge, q, out_width, shapes)
+    if pinned is None:
+        return None
+    qd, kd, vd = (shapes.dims(h.source) for h in (q, k, v))
+    if not pinned and not (_same_dim(qd[0], kd[0]) and _same_dim(kd[0], vd[0])):
+        return None  # a batch broadcast between q, k and v would grow the output
+    if mask is not None:
+        target = [qd[0], q.heads, qd[1], kd[1]]
+        if not _mask_fits(mask, target, shapes, pinned):
+            return None
+    chain = [qk] + list(reversed(chain_before)) + [softmax, pv, back, merge]
+    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge)
+    m.split = _packed_split(graph, m, shapes)
+    return m
+
+
+def _packed_split(graph: gs.Graph, m: Match, shapes: gu.ShapeTable) -> gs.Node | None:
+    """The Split whose outputs 0, 1, 2 are exactly q, k, v, in equal pieces on the last axis."""
+    split = gu.producer(m.q.source)
+    if not gu.is_op(split, "Split") or len(split.outputs) != 3:
+        return None
+    if [t is s for t, s in zip(split.outputs, (m.q.source, m.k.source, m.v.source))] != [True] * 3:
+        return None
+    if not all(_private(graph, t) for t in split.outputs):
+        return None
+    src = split.inputs[0]
+    sd = shapes.dims(src)
+    if sd is None or len(sd) != 3 or int(gu.attr(split, "axis", 0)) not in (2, -1):
+        return None
+    if not isinstance(sd[2], int) or src.dtype != np.float32:
+        return None
+    width = m.q.heads * m.q.width
+    if sd[2] != 3 * width or m.v.width != m.q.width:
+        return None
+    sizes = gu.constant_ints(split.inputs[1]) if len(split.inputs) > 1 and gu.is_present(split.inputs[1]) else gu.attr(split, "split")
+    if sizes is not None and [int(s) for s in sizes] != [width] * 3:
+        return None
+    return split
+
+
+def rewrite(graph: gs.Graph, m: Match, ctx: Context) -> None:
+    merge = m.merge
+    out = merge.outputs[0]
+    out_width = m.v.heads * m.v.width
+    if gu.constant_ints(merge.inputs[1]) is None:
+        # The target was a Shape proved equal to [B, Sq, H*dv]: the fallback body says so with a
+        # constant, so the fused node reads no shape tensor.
+        gu.disconnect(merge)
+        target = gu.make_constant(graph, gu.unique_name(graph, f"{out.name}_heads_merged"),
+                                  np.array([0, 0, out_width], np.int64))
+        merge = gs.Node("Reshape", name=merge.name, inputs=[m.nodes[-2].outputs[0], target], outputs=[out])
+        m.nodes[-1] = merge
+    if out.dtype is None:
+        out.dtype = np.float32
+    nodes = [n for h in (m.q, m.k, m.v) for n in h.nodes] + m.nodes
+    if m.split is not None:
+        nodes.insert(0, m.split)
+        inputs = [m.split.inputs[0]]
+    else:
+        inputs = [m.q.source, m.k.source, m.v.source]
+    if m.mask is not None:
+        inputs.append(m.mask)
+    attrs = {
+        "num_heads": int(m.q.heads),
+        "scale": float(m.scale),
+        "has_mask": int(m.mask is not None),
+        "qkv_packed": int(m.split is not None),
+    }
+    ctx.fuse(graph, "Attention", nodes, inputs, [out], attrs)
+
+
+def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
+    infer_shapes(graph)
+    shapes = gu.ShapeTable(graph)
+    matches = [m for m in (match(graph, n, shapes) for n in list(graph.nodes)) if m is not None]
+    for m in matches:
+        rewrite(graph, m, ctx)
+    if matches:
+        gu.toposort(graph)
+    return len(matches)
+
+
+PASS = Pass(
+    "fuse-attention",
+    470,
+    "multi-head scaled dot-product attention (head split, scores, mask, Softmax, merge) as one onnxfuse.Attention",
+    fuse_attention,
+)

@@ -1,0 +1,158 @@
+"""Hand-built models with one onnxfuse.Attention node (and its fallback function, the standard-op
+subgraph it stands for), or the plain subgraph alone, for the CPU and GPU tests of the Attention
+kernels. Batch and sequence dims are symbolic, so the kernels read them at run time."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class Case:
+    heads: int
+    dh: int
+    dv: int
+    batch: int
+    sq: int
+    sk: int
+    packed: bool = False
+    mask_shape: tuple[int, ...] | None = None  # None: no mask
+    scale: float = 0.125
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_shape is not None
+
+    def feeds(self, seed: int = 0) -> dict[str, np.ndarray]:
+        """Random inputs: q, k, v (or qkv) ~ N(0, 1), an additive mask ~ N(0, 4)."""
+        rng = np.random.default_rng(seed)
+        h = self.heads
+        if self.packed:
+            out = {"qkv": rng.normal(size=(self.batch, self.sq, 3 * h * self.dh)).astype(np.float32)}
+        else:
+            out = {
+                "q": rng.normal(size=(self.batch, self.sq, h * self.dh)).astype(np.float32),
+                "k": rng.normal(size=(self.batch, self.sk, h * self.dh)).astype(np.float32),
+                "v": rng.normal(size=(self.batch, self.sk, h * self.dv)).astype(np.float32),
+            }
+        if self.has_mask:
+            out["mask"] = np.asarray(rng.normal(size=self.mask_shape) * 2, np.float32)
+        return out
+
+    def reference(self, feeds: dict) -> np.ndarray:
+        from onnxfuse.cuda.attention_codegen import AttentionSpec
+        from onnxfuse.cuda.attention_model import reference
+
+        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, self.has_mask)
+        if self.packed:
+            return reference(spec, feeds["qkv"], mask=feeds.get("mask"))
+        return reference(spec, feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
+
+
+def _ints(name: str, values) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64), name))
+
+
+def reference_nodes(c: Case) -> tuple[list[onnx.NodeProto], list[str]]:
+    """The standard-op subgraph (torch.onnx.export's multi-head attention) and its input names."""
+    h, d = c.heads, c.heads * c.dh
+    nodes = []
+    if c.packed:
+        inputs = ["qkv"]
+        nodes += [_ints("split_sizes", [d, d, d]),
+                  helper.make_node("Split", ["qkv", "split_sizes"], ["q", "k", "v"], axis=2)]
+    else:
+        inputs = ["q", "k", "v"]
+    if c.has_mask:
+        inputs.append("mask")
+    nodes += [
+        _ints("qk_heads", [0, 0, h, c.dh]), _ints("v_heads", [0, 0, h, c.dv]), _ints("merged", [0, 0, h * c.dv]),
+        helper.make_node("Constant", [], ["scale"], value=numpy_helper.from_array(np.array(c.scale, np.float32), "scale")),
+        helper.make_node("Reshape", ["q", "qk_heads"], ["q4"]),
+        helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["k", "qk_heads"], ["k4"]),
+        helper.make_node("Transpose", ["k4"], ["khT"], perm=[0, 2, 3, 1]),
+        helper.make_node("Reshape", ["v", "v_heads"], ["v4"]),
+        helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["qh", "khT"], ["scores"]),
+        helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
+    ]
+    logits = "scaled"
+    if c.has_mask:
+        nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
+        logits = "masked"
+    nodes += [
+        helper.make_node("Softmax", [logits], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "vh"], ["ctx"]),
+        helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctx_t", "merged"], ["out"]),
+    ]
+    return nodes, inputs
+
+
+def _value_infos(c: Case) -> tuple[list, list]:
+    f = TensorProto.FLOAT
+    h = c.heads
+    sk = "sq" if c.packed else "sk"
+    if c.packed:
+        ins = [helper.make_tensor_value_info("qkv", f, ["batch", "sq", 3 * h * c.dh])]
+    else:
+        ins = [helper.make_tensor_value_info("q", f, ["batch", "sq", h * c.dh]),
+               helper.make_tensor_value_info("k", f, ["batch", sk, h * c.dh]),
+               helper.make_tensor_value_info("v", f, ["batch", sk, h * c.dv])]
+    if c.has_mask:
+        # Symbolic dims: one model serves other sizes, and a wrong mask reaches the kernel's check.
+        ins.append(helper.make_tensor_value_info("mask", f, [f"mask_d{i}" for i in range(len(c.mask_shape))]))
+    outs = [helper.make_tensor_value_info("out", f, ["batch", "sq", h * c.dv])]
+    return ins, outs
+
+
+def plain_model(c: Case) -> onnx.ModelProto:
+    """The attention as standard ops only (what onnxruntime runs without onnxfuse)."""
+    nodes, _ = reference_nodes(c)
+    ins, outs = _value_infos(c)
+    graph = helper.make_graph(nodes, "attention", ins, outs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=10)
+
+
+def fused_model(c: Case) -> onnx.ModelProto:
+    """One onnxfuse.Attention node whose fallback function is the plain subgraph."""
+    body, inputs = reference_nodes(c)
+    fn = helper.make_function("onnxfuse", "Attention", inputs=inputs, outputs=["out"], nodes=body,
+                              opset_imports=[helper.make_opsetid("", OPSET)])
+    fn.overload = "Attention_0"
+    node = helper.make_node("Attention", inputs, ["out"], name="attention", domain="onnxfuse",
+                            num_heads=c.heads, scale=float(c.scale), has_mask=int(c.has_mask),
+                            qkv_packed=int(c.packed))
+    node.overload = "Attention_0"
+    ins, outs = _value_infos(c)
+    graph = helper.make_graph([node], "attention", ins, outs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("onnxfuse", 1)],
+                              ir_version=10, functions=[fn])
+    return model
+
+
+# Shapes the tests run: packed and unpacked, masks of every rank and broadcast pattern, Sq != Sk,
+# dh in {32, 64, 80}, dv != dh, several key tiles, batch > 1.
+CASES = [
+    Case(4, 32, 32, 1, 32, 32, packed=True, mask_shape=(1, 1, 32, 32)),  # gpt_stack's block
+    Case(4, 32, 32, 3, 45, 45, packed=True, mask_shape=(45, 45)),
+    Case(2, 64, 64, 2, 7, 70, mask_shape=(2, 1, 7, 70)),
+    Case(2, 80, 80, 2, 9, 33, mask_shape=(2, 2, 1, 33)),
+    Case(3, 80, 48, 1, 5, 100),
+    Case(1, 64, 96, 2, 17, 3, mask_shape=(3,)),
+    Case(2, 32, 32, 2, 6, 6, packed=True),
+    Case(4, 64, 64, 1, 1, 65, mask_shape=()),
+    Case(2, 32, 64, 3, 13, 40, mask_shape=(3, 2, 13, 40)),
+    Case(2, 80, 80, 1, 64, 64, packed=True, mask_shape=(1, 64, 64)),
+]
+
+
+def case_id(c: Case) -> str:
+    mask = "nomask" if c.mask_shape is None else "mask" + "x".join(map(str, c.mask_shape)) if c.mask_shape else "mask0d"
+    return f"{'packed' if c.packed else 'qkv'}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"

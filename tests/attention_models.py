@@ -1,0 +1,149 @@
+"""Multi-head attention graphs as torch.onnx.export writes them, with the variants and near-misses
+the fuse-attention tests need, and a numpy reference of onnxfuse.Attention's contract."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+HEADS_PERM = [0, 2, 1, 3]
+
+
+def attention_model(
+    packed=True,
+    heads=2,
+    dh=8,
+    dv=None,
+    scale="div",
+    scale_value=4.0,
+    mask=(1, 1, "S", "S"),
+    mask_const=None,
+    k_form="single",
+    merge="shape",
+    softmax_axis=-1,
+    q_perm=HEADS_PERM,
+    extra_output=None,
+    opset=17,
+    seed=0,
+):
+    """y = attention over `heads` heads.
+
+    packed:   x [B, S, H*dh] -> MatMul(x, W [H*dh, 3*H*dh]) -> Split(axis 2) -> q, k, v
+              (the GPT block); else q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] inputs
+    scale:    "div" (scores / c), "mul" (c * scores), "mul_q" (q heads * c), "none",
+              "input" (scores / a graph input: not a constant)
+    mask:     shape of the additive mask input (None: no mask); mask_const: its value as a
+              constant instead
+    k_form:   "single" Transpose(0, 2, 3, 1) or "double" Transpose(0, 2, 1, 3) + (0, 1, 3, 2)
+    merge:    "shape" (target Shape(x), packed only, or Shape(q) when dh == dv), "const"
+              ([0, 0, H*dv])
+    extra_output: name of an intermediate also made a graph output
+    """
+    dv = dh if dv is None else dv
+    rng = np.random.default_rng(seed)
+    D, Dv = heads * dh, heads * dv
+    nodes, inits, inputs = [], [], []
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    if packed:
+        assert dv == dh
+        inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", D]))
+        const("w_qkv", (rng.standard_normal((D, 3 * D)) / np.sqrt(D)).astype(np.float32))
+        nodes.append(helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"], name="qkv_proj"))
+        if opset >= 13:
+            nodes.append(helper.make_node("Split", ["qkv", const("split", np.array([D, D, D], np.int64))],
+                                          ["q", "k", "v"], axis=2, name="split"))
+        else:  # sizes are an attribute before opset 13
+            nodes.append(helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=2, split=[D, D, D], name="split"))
+        shape_source = "x"
+    else:
+        inputs += [
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, ["B", "Sq", D]),
+            helper.make_tensor_value_info("k", TensorProto.FLOAT, ["B", "Sk", D]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, ["B", "Sk", Dv]),
+        ]
+        shape_source = "q"
+    const("heads_qk", np.array([0, 0, heads, dh], np.int64))
+    const("heads_v", np.array([0, 0, heads, dv], np.int64))
+    nodes += [
+        helper.make_node("Reshape", ["q", "heads_qk"], ["q4"], name="q_reshape"),
+        helper.make_node("Reshape", ["k", "heads_qk"], ["k4"], name="k_reshape"),
+        helper.make_node("Reshape", ["v", "heads_v"], ["v4"], name="v_reshape"),
+        helper.make_node("Transpose", ["q4"], ["qh"], perm=list(q_perm), name="q_transpose"),
+        helper.make_node("Transpose", ["v4"], ["vh"], perm=HEADS_PERM, name="v_transpose"),
+    ]
+    if k_form == "single":
+        nodes.append(helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1], name="k_transpose"))
+    else:
+        nodes.append(helper.make_node("Transpose", ["k4"], ["kh"], perm=HEADS_PERM, name="k_transpose"))
+        nodes.append(helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2], name="k_transpose_last"))
+    q_in = "qh"
+    c = np.array(scale_value, np.float32)
+    if scale == "mul_q":
+        nodes.append(helper.make_node("Mul", ["qh", const("q_scale", c)], ["qs"], name="q_scale"))
+        q_in = "qs"
+    nodes.append(helper.make_node("MatMul", [q_in, "kt"], ["scores"], name="qk"))
+    logits = "scores"
+    if scale == "div":
+        nodes.append(helper.make_node("Div", ["scores", const("scale", c)], ["scaled"], name="scale"))
+        logits = "scaled"
+    elif scale == "mul":
+        nodes.append(helper.make_node("Mul", [const("scale", c), "scores"], ["scaled"], name="scale"))
+        logits = "scaled"
+    elif scale == "input":
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, []))
+        nodes.append(helper.make_node("Div", ["scores", "c"], ["scaled"], name="scale"))
+        logits = "scaled"
+    if mask_const is not None:
+        nodes.append(helper.make_node("Add", [logits, const("mask", np.asarray(mask_const, np.float32))], ["masked"], name="mask_add"))
+        logits = "masked"
+    elif mask is not None:
+        inputs.append(helper.make_tensor_value_info("mask", TensorProto.FLOAT, list(mask)))
+        nodes.append(helper.make_node("Add", [logits, "mask"], ["masked"], name="mask_add"))
+        logits = "masked"
+    nodes += [
+        helper.make_node("Softmax", [logits], ["probs"], axis=softmax_axis, name="softmax"),
+        helper.make_node("MatMul", ["probs", "vh"], ["ctx"], name="pv"),
+        helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=HEADS_PERM, name="merge_transpose"),
+    ]
+    if merge == "shape":
+        nodes.append(helper.make_node("Shape", [shape_source], ["merged_shape"], name="merge_shape"))
+        target = "merged_shape"
+    else:
+        target = const("merged", np.array([0, 0, Dv], np.int64))
+    nodes.append(helper.make_node("Reshape", ["ctx_t", target], ["y"], name="merge"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S" if packed else "Sq", Dv])]
+    if extra_output:
+        outputs.append(helper.make_tensor_value_info(extra_output, TensorProto.FLOAT, [None] * 4))
+    graph = helper.make_graph(nodes, "attention", inputs, outputs, inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 9
+    onnx.checker.check_model(m)
+    return m
+
+
+def reference(q, k, v, mask, heads, scale):
+    """onnxfuse.Attention's contract in float64: out[b, s, h*dv + j]."""
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    b, sq, _ = q.shape
+    sk = k.shape[1]
+    qh = q.reshape(b, sq, heads, -1).transpose(0, 2, 1, 3)
+    kh = k.reshape(b, sk, heads, -1).transpose(0, 2, 1, 3)
+    vh = v.reshape(b, sk, heads, -1).transpose(0, 2, 1, 3)
+    s = scale * qh @ kh.transpose(0, 1, 3, 2)
+    if mask is not None:
+        s = s + mask
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+    return (p @ vh).transpose(0, 2, 1, 3).reshape(b, sq, -1)
+
+
+def packed_inputs(model, x):
+    """q, k, v of a packed attention_model for input x (its projection and Split)."""
+    w = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "w_qkv")
+    qkv = x.astype(np.float64) @ w.astype(np.float64)
+    return np.split(qkv, 3, axis=2)

@@ -1,0 +1,127 @@
+"""onnxfuse.Attention's CPU kernel against numpy (float64) and against its fallback function, in
+the AVX2 and the baseline build, at one and two threads: packed and separate q/k/v, Sq != Sk,
+dh != dv, masks of every broadcast shape, rows masked out entirely, empty tensors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attention_models import attention_model, packed_inputs, reference
+from onnxfuse import runtime
+from test_pass_attention import PASS, feeds_for, fused
+from test_pass_matmul_batch import optimize
+
+
+def optimized(**options):
+    m = attention_model(**options)
+    opt, n = optimize(m, PASS)
+    assert n == 1 and len(fused(opt)) == 1
+    return opt
+
+
+def run_three_ways(opt, feeds):
+    """(kernel at 1 thread, kernel at 2 threads, fallback function)."""
+    return [
+        runtime.make_session(opt, threads=1, with_library=True).run(None, feeds)[0],
+        runtime.make_session(opt, threads=2, with_library=True).run(None, feeds)[0],
+        runtime.make_session(opt, threads=1, with_library=False).run(None, feeds)[0],
+    ]
+
+
+def assert_close(got, want):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(want).max())))
+
+
+@pytest.fixture(params=["avx2", "baseline"])
+def build(request, monkeypatch):
+    if request.param == "baseline":
+        monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
+    return request.param
+
+
+@pytest.mark.parametrize("heads,dh", [(1, 1), (2, 8), (4, 32), (3, 21), (2, 64)])
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 5), (1, 33), (3, 70)])
+def test_packed_kernel_matches_numpy_and_the_fallback(heads, dh, b, s, build):
+    opt = optimized(heads=heads, dh=dh, scale_value=float(np.sqrt(dh)))
+    feeds = feeds_for(opt, b, s, seed=heads * 1000 + s)
+    q, k, v = packed_inputs(opt, feeds["x"])
+    want = reference(q, k, v, feeds["mask"], heads, 1 / np.sqrt(dh))
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("mask", [None, (1, 1, "Sq", "Sk"), ("B", 1, 1, "Sk"), ("B", 3, "Sq", "Sk"), (1, 3, 1, 1),
+                                  ("Sq", 1), ("Sk",), ("B", 1, "Sq", 1)])
+@pytest.mark.parametrize("sq,sk", [(1, 9), (9, 1), (6, 19), (40, 17)])
+def test_separate_qkv_with_other_lengths_widths_and_mask_shapes(mask, sq, sk, build):
+    opt = optimized(packed=False, heads=3, dh=6, dv=11, merge="const", mask=mask, scale="mul", scale_value=0.3)
+    feeds = feeds_for(opt, 2, sq, sk, seed=sq * 100 + sk)
+    want = reference(feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"), 3, 0.3)
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+def test_value_width_over_16_uses_every_column_path(build):
+    opt = optimized(packed=False, heads=2, dh=4, dv=27, merge="const", mask=None)  # 16 + 8 + 3 columns
+    feeds = feeds_for(opt, 2, 7, 12)
+    want = reference(feeds["q"], feeds["k"], feeds["v"], None, 2, 0.25)
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+def test_rows_masked_out_entirely_are_nan_like_onnxruntime(build):
+    opt = optimized(packed=False, heads=2, dh=4, merge="const", mask=("B", 1, "Sq", "Sk"))
+    feeds = feeds_for(opt, 2, 5, 6)
+    feeds["mask"][1, 0, 3, :] = -np.inf  # batch 1, query 3: every key masked
+    feeds["mask"][0, 0, 1, 2:] = -np.inf  # partly masked: finite
+    kernel, kernel2, fallback = run_three_ways(opt, feeds)
+    nan_rows = np.isnan(fallback).any(axis=-1)
+    assert nan_rows[1, 3] and nan_rows.sum() == 1 and np.isnan(fallback[1, 3]).all()
+    for got in (kernel, kernel2):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(fallback))
+        assert_close(np.nan_to_num(got), np.nan_to_num(fallback))
+
+
+@pytest.mark.parametrize("b,sq,sk", [(0, 4, 4), (2, 0, 4), (2, 3, 0)])
+def test_empty_tensors_give_what_the_fallback_gives(b, sq, sk):
+    opt = optimized(packed=False, heads=2, dh=4, merge="const", mask=(1, 1, "Sq", "Sk"))
+    feeds = feeds_for(opt, b, sq, sk)
+    kernel, kernel2, fallback = run_three_ways(opt, feeds)
+    assert kernel.shape == fallback.shape == (b, sq, 8)
+    np.testing.assert_array_equal(kernel, fallback)
+    np.testing.assert_array_equal(kernel2, fallback)
+
+
+def test_mask_that_does_not_broadcast_is_an_error_like_in_the_original():
+    opt = optimized(packed=False, heads=2, dh=4, merge="const", mask=(1, 1, "Sq", "Sk"))
+    feeds = feeds_for(opt, 2, 3, 4)
+    feeds["mask"] = np.zeros((1, 1, 3, 5), np.float32)
+    with pytest.raises(Exception, match="broadcast"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, feeds)
+    with pytest.raises(Exception):
+        runtime.make_session(opt, threads=1, with_library=False).run(None, feeds)
+
+
+@pytest.mark.parametrize("masked", [-1e9, -np.inf])
+def test_causal_mask_rows_skip_no_weight_and_keep_nan(masked, build):
+    """Blocks of keys whose exps are exactly 0 (a causal mask's future) are written as 0 without
+    evaluating exp; the result equals the full computation, and a NaN among them still makes
+    its row NaN."""
+    s = 45
+    causal = np.triu(np.full((s, s), masked, np.float32), 1)[None, None]
+    opt = optimized(heads=2, dh=16, scale_value=4.0, mask=None, mask_const=causal)
+    x = np.random.default_rng(3).standard_normal((2, s, 32)).astype(np.float32)
+    q, k, v = packed_inputs(opt, x)
+    kernel, kernel2, fallback = run_three_ways(opt, {"x": x})
+    want = reference(q, k, v, causal.astype(np.float64), 2, 0.25)
+    for got in (kernel, kernel2, fallback):
+        assert_close(got, want)
+    nan_mask = causal.copy()
+    nan_mask[0, 0, 2, 30] = np.nan  # query 2: key 30 lies in a block that is otherwise all masked
+    opt_nan = optimized(heads=2, dh=16, scale_value=4.0, mask=None, mask_const=nan_mask)
+    kernel, kernel2, fallback = run_three_ways(opt_nan, {"x": x})
+    rows = np.isnan(fallback).any(axis=-1)
+    assert rows[:, 2].all() and rows.sum() == 2
+    np.testing.assert_array_equal(np.isnan(kernel), np.isnan(fallback))
+    np.testing.assert_array_equal(np.isnan(kernel2), np.isnan(fallback))

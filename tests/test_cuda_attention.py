@@ -1,0 +1,279 @@
+"""The onnxfuse.Attention CUDA kernel without a GPU: the numpy model of the generated kernel (same
+index expressions, tiles, guards and online softmax) against a direct attention, the source's
+structure, nvcc + ptxas for sm_90 without spills, and the cuda-compile pass on Attention nodes."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from attention_cases import CASES, Case, case_id, fused_model
+
+from onnxfuse.cuda import attention_codegen as ac
+from onnxfuse.cuda import attention_model as am
+from onnxfuse.cuda.attention_codegen import AttentionSpec
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not on PATH")
+
+
+def spec_of(c: Case) -> AttentionSpec:
+    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask)
+
+
+def run_model(c: Case, feeds: dict) -> np.ndarray:
+    if c.packed:
+        return am.run(spec_of(c), feeds["qkv"], mask=feeds.get("mask"))
+    return am.run(spec_of(c), feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
+
+
+def assert_matches(got, want, what, tol=2e-6):
+    assert got.shape == want.shape, what
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
+
+
+# ---------------------------------------------------------------- the numpy model of the kernel ----
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kernel_model_matches_direct_attention(case):
+    feeds = case.feeds(seed=1)
+    got = run_model(case, feeds)
+    assert not np.isnan(got).any(), "an output element was not written"
+    assert_matches(got, case.reference(feeds), case_id(case))
+
+
+@pytest.mark.parametrize("dh,dv,sk", [(7, 5, 3), (33, 31, 32), (1, 1, 1), (256, 256, 20), (160, 200, 17)])
+def test_kernel_model_handles_odd_and_extreme_head_sizes(dh, dv, sk):
+    c = Case(2, dh, dv, 2, 6, sk, mask_shape=(1, 6, sk))
+    feeds = c.feeds(seed=2)
+    assert_matches(run_model(c, feeds), c.reference(feeds), case_id(c))
+
+
+def test_kernel_model_with_minus_inf_masks_skips_blocked_tiles_and_matches():
+    # Sk = 70 is three tiles of 32; row 0 sees only keys 40..69 (its first tile is all -inf),
+    # row 1 only key 69 (two blocked tiles, then one key), the others a causal-style pattern.
+    c = Case(2, 32, 32, 1, 9, 70, mask_shape=(9, 70))
+    feeds = c.feeds(seed=3)
+    mask = np.zeros((9, 70), np.float32)
+    mask[0, :40] = -np.inf
+    mask[1, :69] = -np.inf
+    for r in range(2, 9):
+        mask[r, r * 7 + 1:] = -np.inf
+    feeds["mask"] = mask
+    got = run_model(c, feeds)
+    want = c.reference(feeds)
+    assert not np.isnan(got).any()
+    assert_matches(got, want, "blocked tiles")
+    # Row 1 attends to key 69 alone: its output is exactly that key's value row.
+    np.testing.assert_array_equal(got[0, 1], feeds["v"][0, 69])
+
+
+def test_kernel_model_gives_nan_for_a_fully_blocked_row_like_softmax():
+    c = Case(1, 32, 32, 1, 3, 40, mask_shape=(3, 40))
+    feeds = c.feeds(seed=4)
+    feeds["mask"] = np.zeros((3, 40), np.float32)
+    feeds["mask"][1] = -np.inf
+    got = run_model(c, feeds)
+    assert np.isnan(got[0, 1]).all()
+    assert not np.isnan(got[0, [0, 2]]).any()
+    assert_matches(got[0, [0, 2]], c.reference(feeds)[0, [0, 2]], "other rows")
+
+
+def test_kernel_model_with_no_keys_writes_zeros_like_an_empty_matmul():
+    c = Case(2, 32, 48, 2, 5, 0, mask_shape=(1, 1, 5, 0))
+    got = run_model(c, c.feeds())
+    assert got.shape == (2, 5, 96)
+    np.testing.assert_array_equal(got, 0)
+
+
+def test_a_packing_offset_mistake_is_caught_by_the_model(monkeypatch):
+    c = CASES[0]  # packed
+    feeds = c.feeds(seed=5)
+    broken = {**ac.INDEX, "k_load": [(n, e.replace(" + KOFF", "")) for n, e in ac.INDEX["k_load"]]}
+    monkeypatch.setattr(am, "INDEX", broken)
+    with pytest.raises(AssertionError):
+        assert_matches(run_model(c, feeds), c.reference(feeds), "keys read from the query columns")
+
+
+def test_a_mask_stride_mistake_is_caught_by_the_model(monkeypatch):
+    c = CASES[2]  # mask [B, 1, Sq, Sk]
+    feeds = c.feeds(seed=6)
+    broken = {**ac.INDEX, "mask": [("m_src", "b * ms0 + s * ms2 + (t0 + lane) * ms3 + h")]}
+    monkeypatch.setattr(am, "INDEX", broken)
+    with pytest.raises((AssertionError, IndexError)):  # wrong values, or a read past the mask
+        assert_matches(run_model(c, feeds), c.reference(feeds), "mask read at the wrong offset")
+
+
+def test_mask_strides_broadcast_like_onnx():
+    assert am.mask_strides((1, 1, 5, 7), (2, 3, 5, 7)) == [0, 0, 7, 1]
+    assert am.mask_strides((7,), (2, 3, 5, 7)) == [0, 0, 0, 1]
+    assert am.mask_strides((), (2, 3, 5, 7)) == [0, 0, 0, 0]
+    assert am.mask_strides((2, 1, 5, 1), (2, 3, 5, 7)) == [5, 0, 1, 0]
+    with pytest.raises(ValueError):
+        am.mask_strides((4, 7), (2, 3, 5, 7))
+
+
+# ---------------------------------------------------------------- the generated source -------------
+
+
+def test_index_expressions_appear_verbatim_in_the_source():
+    k = ac.generate(spec_of(CASES[0]))
+    for table in ac.INDEX.values():
+        for name, expr in table:
+            assert f"const auto {name} = {expr};" in k.source
+
+
+def test_entry_is_deterministic_and_names_the_specialisation():
+    s = AttentionSpec(4, 32, 32, 0.125, True, True)
+    k1, k2 = ac.generate(s), ac.generate(AttentionSpec(4, 32, 32, 0.125, True, True))
+    assert k1.entry == k2.entry and k1.source == k2.source
+    assert k1.source.count('extern "C" __global__') == 1
+    others = [AttentionSpec(4, 32, 32, 0.25, True, True), AttentionSpec(4, 32, 32, 0.125, False, True),
+              AttentionSpec(4, 32, 32, 0.125, True, False), AttentionSpec(2, 32, 32, 0.125, True, True),
+              AttentionSpec(4, 64, 64, 0.125, True, True)]
+    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 6
+    assert "__int_as_float(0x3e000000)" in k1.source  # the scale, bit-exact
+
+
+def test_every_supported_head_size_fits_static_shared_memory():
+    for dh in (1, 2, 31, 32, 64, 80, 127, 128, 200, 255, 256):
+        for dv in (1, 32, 80, 128, 256):
+            s = AttentionSpec(1, dh, dv, 1.0)
+            assert ac.shared_bytes(dh, dv, s.tile) <= ac.SHARED_LIMIT
+            assert s.tile in (32, 16, 8)
+    assert not ac.supported(257, 64) and not ac.supported(64, 257) and ac.supported(256, 256)
+    with pytest.raises(ValueError):
+        ac.generate(AttentionSpec(1, 300, 64, 1.0))
+
+
+def test_launch_rule_covers_every_query_row():
+    k = ac.generate(AttentionSpec(3, 32, 32, 1.0))
+    assert k.threads == 32 * k.rows_per_block
+    assert k.grid(2, 9) == 2 * 3 * 3 and k.grid(1, 8) == 3 * 2 and k.grid(0, 5) == 0
+    assert k.attrs() == {"cuda_abi": 1, "cuda_block": k.threads, "cuda_rows": k.rows_per_block,
+                         "cuda_dh": 32, "cuda_dv": 32}
+
+
+# ---------------------------------------------------------------- nvcc / ptxas ----------------------
+
+
+SPECS = sorted({spec_of(c) for c in CASES} | {AttentionSpec(2, 256, 256, 0.0625, False, True),
+                                              AttentionSpec(3, 7, 5, 1.0, False, True),
+                                              AttentionSpec(12, 64, 64, 0.125, True, True)}, key=str)
+
+
+@needs_nvcc
+def test_generated_kernels_compile_for_sm90_without_spills():
+    from onnxfuse.cuda.conv_codegen import ptxas_check
+
+    kernels = [ac.generate(s) for s in SPECS]
+    report = ptxas_check(kernels, "sm_90")
+    for k in kernels:
+        info = report[k.entry]
+        assert info.spill_stores == 0 and info.spill_loads == 0, (k.spec, info)
+        assert info.smem_bytes <= ac.SHARED_LIMIT, (k.spec, info)
+        assert info.registers * k.threads <= 65536, (k.spec, info)
+
+
+def _optimize_cuda(model):
+    from onnxfuse.pipeline import Context, run_passes, select_passes
+
+    return run_passes(model, select_passes(["cuda-compile"], "cuda"), Context(target="cuda", arch="sm_90"))[0]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=case_id)
+def test_cuda_compile_pass_stores_the_attention_kernel_and_launch_constants(case, tmp_path, monkeypatch):
+    from onnxfuse.cuda.compile import check_ptx
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    out = _optimize_cuda(fused_model(case))
+    (node,) = [n for n in out.graph.node if n.op_type == "Attention"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    kernel = ac.generate(spec_of(case))
+    assert attrs["cuda_entry"].decode() == kernel.entry
+    assert attrs["cuda_arch"] == b"sm_90" and attrs["cuda_cubin"][:4] == b"\x7fELF"
+    ptx = attrs["cuda_ptx"].decode()
+    assert f".entry {kernel.entry}(" in ptx
+    check_ptx(ptx, "sm_90")
+    for key, value in kernel.attrs().items():
+        assert attrs[key] == value, key
+
+
+def test_cuda_compile_pass_leaves_an_attention_node_of_unknown_head_size_without_a_kernel():
+    from onnxfuse.passes.cuda_compile import attention_spec
+
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(fused_model(CASES[4]))
+    (node,) = graph.nodes
+    assert attention_spec(node) == spec_of(CASES[4])
+    node.inputs[0].shape = ["batch", "sq", "width"]
+    assert attention_spec(node) is None
+    node.inputs[0].shape = ["batch", "sq", 3 * 512]  # dh 512: beyond the kernel
+    node.inputs[2].shape = ["batch", "sk", 3 * 48]
+    assert attention_spec(node) is None
+
+
+@needs_nvcc
+def test_cuda_target_attention_model_runs_on_the_cpu_provider_with_the_library(tmp_path, monkeypatch):
+    from conftest import cuda_device_count
+
+    from onnxfuse.runtime import make_session
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    case = CASES[2]
+    optimized = _optimize_cuda(fused_model(case))
+    feeds = case.feeds(seed=7)
+    got = make_session(optimized, with_library=True).run(None, feeds)[0]
+    assert_matches(got, case.reference(feeds).astype(np.float32), "CPU provider", tol=1e-5)
+    if cuda_device_count() == 0:
+        with open("/proc/self/maps") as f:
+            assert "libcuda" not in f.read()
+
+
+@needs_nvcc
+def test_cuda_compile_pass_reads_head_sizes_that_only_shape_inference_knows(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper, numpy_helper
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    case = CASES[0]  # packed qkv [B, S, 384]; here the product of x [B, S, 16] and a weight
+    model = fused_model(case)
+    graph = model.graph
+    weight = numpy_helper.from_array(np.zeros((16, 384), np.float32), "w_qkv")
+    graph.initializer.append(weight)
+    graph.node.insert(0, helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"]))
+    old = [i for i in graph.input if i.name == "qkv"][0]
+    graph.input.remove(old)
+    graph.input.insert(0, helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sq", 16]))
+    out = _optimize_cuda(model)
+    (node,) = [n for n in out.graph.node if n.op_type == "Attention"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["cuda_entry"].decode() == ac.generate(spec_of(case)).entry
+
+
+def test_cpu_and_cuda_attention_kernels_register_together_with_one_schema():
+    # A CUDA session gets both registrations of onnxfuse.Attention (registry.cc); onnxruntime
+    # builds one schema per op name and rejects registrations that disagree. Here the CPU
+    # provider alone runs the model, so the CPU kernel computes it.
+    import onnxruntime as ort
+
+    from onnxfuse.runtime import session_options
+
+    case = CASES[1]
+    so = session_options(with_library=True, level="all", provider="cuda")
+    sess = ort.InferenceSession(fused_model(case).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = case.feeds(seed=8)
+    assert_matches(sess.run(None, feeds)[0], case.reference(feeds).astype(np.float32), "CPU kernel", tol=1e-5)
+
+
+def test_an_attention_node_without_a_compiled_kernel_makes_a_cuda_session_use_the_fallbacks():
+    from onnxfuse.runtime import needs_library
+
+    model = fused_model(CASES[0])  # as a --target cpu model has it: no cuda_entry
+    assert needs_library(model, "cpu")
+    assert not needs_library(model, "cuda")
+    node = model.graph.node[0]
+    node.attribute.append(onnx.helper.make_attribute("cuda_entry", "onnxfuse_attn_0"))
+    assert needs_library(model, "cuda")

@@ -1,0 +1,157 @@
+"""fuse-attention: which attention graphs become one onnxfuse.Attention node, with which
+attributes, and which near-misses are left alone. Results are checked with the library (our
+kernel) and without it (the fallback function) against the original model."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from attention_models import attention_model
+from onnxfuse import runtime
+from test_pass_matmul_batch import optimize
+
+PASS = ["fuse-attention"]
+
+
+def fused(model):
+    return [n for n in model.graph.node if n.domain == "onnxfuse" and n.op_type == "Attention"]
+
+
+def attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def feeds_for(model, b=2, sq=5, sk=None, seed=0):
+    """Random inputs; symbolic dims B, S, Sq, Sk take b, sq, sq, sk (mask dims likewise)."""
+    sk = sq if sk is None else sk
+    sizes = {"B": b, "S": sq, "Sq": sq, "Sk": sk}
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in model.graph.input:
+        shape = [sizes[d.dim_param] if d.dim_param else d.dim_value for d in vi.type.tensor_type.shape.dim]
+        if vi.name == "c":
+            feeds["c"] = np.array(3.0, np.float32)
+        elif vi.name == "mask":
+            # -40 masks a key out (exp(-40) is 4e-18) yet keeps float32 resolution when a
+            # whole row is masked (-1e9 would swallow the scores and compare float32 rounding).
+            feeds["mask"] = np.where(rng.random(shape) < 0.3, -40.0, rng.standard_normal(shape)).astype(np.float32)
+        else:
+            feeds[vi.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def check_runs_like_original(original, optimized, feed_list):
+    want = [runtime.make_session(original, threads=1).run(None, f) for f in feed_list]
+    for with_library in (True, False):
+        sess = runtime.make_session(optimized, threads=1, with_library=with_library)
+        for f, w in zip(feed_list, want):
+            got = sess.run(None, f)
+            for g, r in zip(got, w):
+                assert g.shape == r.shape
+                np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(r).max())))
+
+
+def test_gpt_block_fuses_with_the_split_and_reads_qkv_packed():
+    m = attention_model()
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert [n.op_type for n in opt.graph.node] == ["MatMul", "Attention"]
+    assert list(node.input) == ["qkv", "mask"]
+    assert attrs(node) == {"num_heads": 2, "scale": pytest.approx(0.25), "has_mask": 1, "qkv_packed": 1}
+    check_runs_like_original(m, opt, [feeds_for(m, b, s) for b, s in ((1, 1), (2, 5), (3, 17))])
+
+
+@pytest.mark.parametrize(
+    "options, scale",
+    [
+        (dict(scale="mul", scale_value=0.5), 0.5),
+        (dict(scale="mul_q", scale_value=0.5), 0.5),
+        (dict(scale="none"), 1.0),
+        (dict(scale="div", scale_value=8.0, k_form="double"), 0.125),
+        (dict(mask=None), 0.25),
+        (dict(mask=("B", 1, 1, "S")), 0.25),
+        (dict(mask=("S", "S")), 0.25),
+        (dict(mask=(1, 2, 1, 1)), 0.25),
+        (dict(mask=None, mask_const=np.triu(np.full((7, 7), -1e9), 1)[None, None]), 0.25),
+        (dict(merge="const"), 0.25),
+    ],
+    ids=["mul", "scale-on-q", "no-scale", "k-two-transposes", "no-mask", "padding-mask", "2d-mask",
+         "per-head-mask", "constant-mask", "constant-merge-target"],
+)
+def test_variants_fuse_and_match_the_original(options, scale):
+    m = attention_model(**options)
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    has_mask = options.get("mask", ()) is not None or "mask_const" in options
+    assert attrs(node) == {"num_heads": 2, "scale": pytest.approx(scale), "has_mask": int(has_mask), "qkv_packed": 1}
+    sizes = [(1, 7), (2, 7)] if "mask_const" in options else [(1, 1), (2, 6), (3, 13)]
+    check_runs_like_original(m, opt, [feeds_for(m, b, s) for b, s in sizes])
+
+
+def test_separate_q_k_v_with_other_key_length_and_value_width():
+    m = attention_model(packed=False, heads=3, dh=5, dv=7, merge="const", mask=(1, 1, "Sq", "Sk"))
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert list(node.input) == ["q", "k", "v", "mask"]
+    assert attrs(node)["qkv_packed"] == 0 and attrs(node)["num_heads"] == 3
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 4, 9), feeds_for(m, 1, 11, 3), feeds_for(m, 3, 1, 1)])
+
+
+def test_split_pieces_in_another_order_are_read_unpacked():
+    m = attention_model()
+    split = next(n for n in m.graph.node if n.op_type == "Split")
+    split.output[:] = ["k", "q", "v"]  # q is now the middle piece
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert attrs(node)["qkv_packed"] == 0 and "Split" in [x.op_type for x in opt.graph.node]
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 6)])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(q_perm=[0, 2, 3, 1]),  # q not [B, H, S, dh]
+        dict(scale="input"),  # scale not a constant
+        dict(extra_output="scores"),  # scores used outside the chain
+        dict(extra_output="probs"),
+        dict(extra_output="qh"),
+        dict(softmax_axis=2),  # softmax over queries
+        dict(opset=11, mask=None),  # Softmax before opset 13 flattens the trailing axes
+        dict(merge="const", mask=("M0", "M1", "M2", "M3")),  # mask dims unknown, merge copies B and Sq
+    ],
+    ids=["wrong-q-perm", "non-constant-scale", "scores-used-elsewhere", "probs-used-elsewhere",
+         "q-heads-used-elsewhere", "softmax-axis-2", "opset-11", "mask-may-broadcast-up"],
+)
+def test_near_misses_are_left_alone(options):
+    m = attention_model(**options)
+    opt, n = optimize(m, PASS)
+    assert n == 0 and not fused(opt)
+
+
+def test_k_perm_of_the_wrong_axes_is_left_alone():
+    m = attention_model()
+    kt = next(n for n in m.graph.node if n.name == "k_transpose")
+    kt.attribute[0].ints[:] = [0, 2, 1, 3]  # k not transposed: MatMul of [.., S, dh] x [.., S, dh]
+    m.graph.ClearField("value_info")
+    opt, n = optimize(m, PASS)
+    assert n == 0
+
+
+def test_optimized_gpt_stack_has_one_attention_per_block_and_runs_at_other_batch_and_seq():
+    from onnxfuse import api, zoo
+
+    original = onnx.load(zoo.resolve("gpt_stack"))
+    opt = api.optimize(original, count_kernels=False).model
+    assert len(fused(opt)) == 4
+    assert all(attrs(n)["qkv_packed"] == 1 and attrs(n)["has_mask"] == 1 for n in fused(opt))
+    for b, s in ((1, 1), (1, 64), (3, 17), (2, 32)):
+        ids = np.random.default_rng(b * 100 + s).integers(0, 256, (b, s)).astype(np.int64)
+        want = runtime.make_session(original, threads=1).run(None, {"input_ids": ids})[0]
+        for with_library in (True, False):
+            got = runtime.make_session(opt, threads=2, with_library=with_library).run(None, {"input_ids": ids})[0]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
