@@ -109,7 +109,7 @@ class Bound:
 
 
 def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, split_k=False,
-               tensor_cores=False) -> Row:
+               tensor_cores=False, attention=False) -> Row:
     from onnxfuse import api, zoo
     from onnxfuse.verify import random_inputs
 
@@ -119,10 +119,13 @@ def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, spl
     original = onnx.load(str(zm.path))
     t0 = time.perf_counter()
     options = {**({"conv_policy": conv_policy} if conv_policy else {}), "conv_split_k": split_k,
-               "conv_tensor_cores": tensor_cores}
+               "conv_tensor_cores": tensor_cores, "attention_cuda": attention}
     optimized = api.optimize(original, target="cuda", arch=arch, verify_outputs=False, count_kernels=False,
                              dims=dims, options=options).model
     row.notes.append(f"optimize {time.perf_counter() - t0:.1f} s")
+    opted_in = [k for k, v in options.items() if v is True]
+    if opted_in:
+        row.notes.append("opt-in pass options: " + ", ".join(opted_in))
     feeds = random_inputs(original, dims, 0)
     reference = make_session(ort, original, False, False).run(None, feeds)
     ours_out = make_session(ort, optimized, True, False).run(None, feeds)
@@ -203,6 +206,7 @@ def main(argv=None) -> int:
                     help="conv-bias-act's rule on cuda: pays (default, layers our kernel wins) or always (every layer)")
     ap.add_argument("--split-k", action="store_true", help="conv-bias-act's split-K over thread-block clusters")
     ap.add_argument("--tensor-cores", action="store_true", help="conv-bias-act's 3xTF32 tensor-core GEMM")
+    ap.add_argument("--attention", action="store_true", help="fuse-attention on cuda (pass option attention_cuda)")
     ap.add_argument("--md", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--env", default=None, help="a markdown file describing the machine, put above the table")
@@ -231,7 +235,7 @@ def main(argv=None) -> int:
         print(f"[bench] {label} ...", flush=True)
         try:
             row = bench_case(ort, label, name, dims, args.runs, args.warmup, arch, args.conv_policy, args.split_k,
-                             args.tensor_cores)
+                             args.tensor_cores, args.attention)
         except Exception as e:
             row = Row(label, name, dims, notes=[f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"])
             row.max_abs_diff = float("nan")

@@ -328,9 +328,18 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context) -> None:
 
 
 def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
+    # On --target cuda the generated kernel (onnxfuse/cuda/attention_codegen.py) has been checked
+    # with nvcc/ptxas and a numpy model of its indexing, but not yet timed or run on a GPU: until
+    # it is, the CUDA rewrite is opt-in (pass option attention_cuda; bench/gpu.py --attention).
+    if ctx.target == "cuda" and not ctx.options.get("attention_cuda"):
+        return 0
     infer_shapes(graph)
     shapes = gu.ShapeTable(graph)
     matches = [m for m in (match(graph, n, shapes) for n in list(graph.nodes)) if m is not None]
+    if ctx.target == "cuda":
+        from onnxfuse.cuda.attention_codegen import supported
+
+        matches = [m for m in matches if supported(m.q.width, m.v.width)]
     for m in matches:
         rewrite(graph, m, ctx)
     if matches:

@@ -142,11 +142,11 @@ def test_cuda_graph_captures_and_replays_the_attention_kernel_with_new_inputs(cu
 
 
 def optimize_like_the_cli(model: onnx.ModelProto, dims: dict) -> onnx.ModelProto:
-    """What `onnxfuse optimize --target cuda --dim ...` and bench/gpu.py produce."""
+    """What api.optimize(target="cuda", options={"attention_cuda": True}) and `bench/gpu.py --attention` produce."""
     from onnxfuse import api
 
     return api.optimize(model, target="cuda", arch=device_arch(), verify_outputs=False, count_kernels=False,
-                        dims=dims).model
+                        dims=dims, options={"attention_cuda": True}).model
 
 
 def test_optimized_gpt_stack_runs_attention_on_our_cuda_kernel_and_matches_onnxruntime(cuda_ort, tmp_path):
