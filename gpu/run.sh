@@ -220,6 +220,13 @@ if [ "$phase" = all ] || [ "$phase" = bench ]; then
   if [ "$left" -lt 90 ]; then
     step "no time left for the benchmarks in this call ($left s): run 'bash gpu/run.sh bench'"
   else
+    # First the opt-in CUDA attention kernel (pass option attention_cuda) on the model it is for
+    # (two short cases), then every model with the default passes in the time that is left.
+    step "GPU benchmark of gpt_stack with fuse-attention on cuda (budget 90 s)"
+    "$py" bench/gpu.py --models gpt_stack --attention --budget 90 --env "$env_md" \
+        --md "$results/gpu_bench_attention.md" --json "$results/gpu_bench_attention.json" || die "bench/gpu.py --attention failed"
+    out_copy "$results/gpu_bench_attention.md" "$results/gpu_bench_attention.json"
+    left=$(( time_limit - SECONDS ))
     step "GPU benchmarks (budget $((left - 30)) s)"
     "$py" bench/gpu.py --budget $((left - 30)) --env "$env_md" \
         --md "$results/gpu_bench.md" --json "$results/gpu_bench.json" || die "bench/gpu.py failed"
