@@ -3,10 +3,16 @@ ensemble, side by side, per batch and thread count.
 
 The zoo's eight-member MLP ensemble (64 -> 128 -> 128 -> 10 each), as is and optimized with the
 fused op forced at every batch (so the rule's limit, passes/ensemble_batch.py
-STACKED_MLP_MAX_BATCH, can be read off the table); CPU provider, ORT_ENABLE_ALL, runs
-interleaved (onnxfuse.profile.compare), median latency; ratio = ours / onnxruntime.
+STACKED_MLP_MAX_BATCH, can be read off the table); CPU provider, ORT_ENABLE_ALL, median latency;
+ratio = ours / onnxruntime. Timed interleaved (A B C A B C ...) with a third session, the per-run
+floor: one custom op that only gets its output [batch, 80] from x [batch, 64]
+(bench/overhead_floor.cc), what any one-node model costs per run here, before its kernel works.
+--baseline LIB runs the optimized model once more with another build of the library in the same
+rotation (a before/after under the same load). --bounds appends what one core can do at most
+(bench/machine_bounds.cc: FMA rate, streaming the 852 KB of packed weights from L3 and from L2).
 
-    python bench/stacked_mlp.py [--runs 3000] [--out bench/results/stacked_mlp.md]
+    python bench/stacked_mlp.py [--runs 3000] [--baseline /tmp/old/_onnxfuse_ops.so] [--bounds]
+                                [--out bench/results/stacked_mlp.md]
 """
 from __future__ import annotations
 
@@ -15,8 +21,53 @@ import datetime
 import platform
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import onnx
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from pointwise_overhead import build_floor_library  # noqa: E402
+
+
+def floor_model(batch: int, width_in: int, width_out: int) -> onnx.ModelProto:
+    node = helper.make_node("OutputOnly", ["x"], ["y"], domain="onnxfuse.bench", rows=batch, cols=width_out)
+    graph = helper.make_graph([node], "floor", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width_in])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, width_out])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse.bench", 1)])
+    model.ir_version = 10
+    return model
+
+
+def session_with(library: str, model: onnx.ModelProto, threads: int):
+    import onnxruntime as ort
+
+    from onnxfuse import runtime
+
+    so = runtime.session_options(with_library=False, threads=threads)
+    so.register_custom_ops_library(library)
+    return ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
+
+
+def machine_bounds(weight_bytes: int) -> list[str]:
+    exe = Path(tempfile.gettempdir()) / "onnxfuse_machine_bounds"
+    subprocess.run(["g++", "-O2", "-std=c++17", str(ROOT / "bench" / "machine_bounds.cc"), "-o", str(exe)], check=True)
+    return subprocess.run([str(exe), str(weight_bytes)], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def packed_weight_floats(optimized: onnx.ModelProto) -> int:
+    """Floats in the StackedMLP node's packed weights ([K, panels, D_in, 16] per layer, zero-padded)."""
+    node = next(n for n in optimized.graph.node if n.op_type == "StackedMLP")
+    inits = {t.name: t for t in optimized.graph.initializer}
+    total = 0
+    for name in node.input[1::2]:
+        n = 1
+        for d in inits[name].dims:
+            n *= d
+        total += n
+    return total
 
 
 def main(argv=None) -> int:
@@ -24,31 +75,66 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3000)
     ap.add_argument("--batches", default="1,4,16,64,256")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--baseline", help="another build of the custom-op library, timed in the same rotation")
+    ap.add_argument("--bounds", action="store_true", help="append the machine's FMA and streaming bounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import onnxruntime
 
     from onnxfuse import api, zoo
-    from onnxfuse.profile import compare
+    from onnxfuse.profile import _latency, _timed_runs, open_session, profile_models, random_inputs
 
     original = onnx.load(str(zoo.get("mlp_ensemble").path))
     optimized = api.optimize(original, verify_outputs=True, count_kernels=False, options={"stacked_mlp": "always"}).model
+    floor_lib = build_floor_library(Path(tempfile.gettempdir()))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    command = f"python bench/stacked_mlp.py --runs {args.runs}" + (" --baseline LIB" if args.baseline else "") + \
+        (" --bounds" if args.bounds else "")
     lines = ["# StackedMLP on the CPU: the MLP ensemble, one fused op vs onnxruntime", "",
-             f"Command: `python bench/stacked_mlp.py --runs {args.runs}`", "",
+             f"Command: `{command}`", "",
              f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. Machine: "
              f"{platform.machine()}, 2-core shared VM (AMD EPYC); onnxruntime {onnxruntime.__version__}, onnx {onnx.__version__}, "
              f"Python {platform.python_version()}.", "",
              "Zoo `mlp_ensemble` (8 members, 64 -> 128 -> 128 -> 10, Relu) as is vs optimized (1 StackedMLP "
-             "node; fused here at every batch to show where it stops paying). ratio = ours / onnxruntime (< 1: faster).", "",
-             "| threads | batch | kernels ORT | kernels ours | ORT ms | ours ms | ratio |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "node; fused here at every batch to show where it stops paying). ratio = ours / onnxruntime (< 1: faster). "
+             "floor: a one-node custom-op model with the same input and output shapes, timed in the same rotation "
+             "(what a run costs before any kernel works).", ""]
+    header = "| threads | batch | kernels ORT | kernels ours | ORT ms | ours ms | ratio | floor ms |"
+    rule = "|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if args.baseline:
+        header += " baseline ms | baseline ratio |"
+        rule += "---:|---:|"
+    lines += [header, rule]
     for threads in [int(t) for t in args.threads.split(",")]:
         for batch in [int(b) for b in args.batches.split(",")]:
-            r = compare(original, optimized, threads=threads, dims={"batch": batch}, runs=args.runs, warmup=50)
-            a, b = r["a"], r["b"]
-            lines.append(f"| {threads} | {batch} | {a.kernels.kernels_per_inference} | {b.kernels.kernels_per_inference} | "
-                         f"{a.latency.median_ms:.4f} | {b.latency.median_ms:.4f} | {b.latency.median_ms / a.latency.median_ms:.2f} |")
-            print(lines[-1], flush=True)
+            dims = {"batch": batch}
+            a, b = profile_models([("a", original), ("b", optimized)], "cpu", threads, "all", dims, runs=0)
+            feeds = random_inputs(original, dims, 0)
+            ort_session = open_session(original, "cpu", threads, "all")[0]
+            width_out = ort_session.run(None, feeds)[0].shape[1]
+            timed = [(ort_session, feeds), (open_session(optimized, "cpu", threads, "all")[0], feeds),
+                     (session_with(floor_lib, floor_model(batch, feeds["x"].shape[1], width_out), threads), feeds)]
+            if args.baseline:
+                timed.append((session_with(args.baseline, optimized, threads), feeds))
+            med = [_latency(s).median_ms for s in _timed_runs(timed, args.runs, 50)]
+            row = (f"| {threads} | {batch} | {a.kernels.kernels_per_inference} | {b.kernels.kernels_per_inference} | "
+                   f"{med[0]:.4f} | {med[1]:.4f} | {med[1] / med[0]:.2f} | {med[2]:.4f} |")
+            if args.baseline:
+                row += f" {med[3]:.4f} | {med[3] / med[0]:.2f} |"
+            lines.append(row)
+            print(row, flush=True)
+    if args.bounds:
+        per_row = packed_weight_floats(optimized) // 8  # 8-float FMAs per input row
+        weight_bytes = per_row * 8 * 4
+        figures = machine_bounds(weight_bytes)
+        lines += ["", "## What one core can do at most", "", f"`bench/machine_bounds.cc` (built and run by `--bounds`) on the "
+                  f"packed weights' size, {weight_bytes} bytes:", "", "```"] + figures + ["```", ""]
+        rate = float(next(f for f in figures if f.startswith("fma_rate")).split()[1]) * 1e9
+        stream = float(next(f for f in figures if f.startswith("stream_l3_us")).split()[1])
+        lines += [f"{per_row} 8-float FMAs per row ({weight_bytes // 4} packed weights): at {rate / 1e9:.2f} G FMA/s the "
+                  "arithmetic alone takes " + ", ".join(f"{b * per_row / rate * 1e6:.1f} us at batch {b}"
+                                                        for b in [int(x) for x in args.batches.split(",")]) +
+                  f" on one core (half that on two); streaming the weights from L3 takes {stream:.1f} us on one core."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

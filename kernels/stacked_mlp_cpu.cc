@@ -35,6 +35,7 @@ namespace onnxfuse {
 namespace {
 
 constexpr const char* kStackedMlpName = "StackedMLP";
+constexpr uint32_t kShapeReferenceApi = 24;  // GetTensorElementTypeAndShapeDataReference
 enum Activation : int64_t { kNone = 0, kRelu = 1, kTanh = 2, kSigmoid = 3 };
 
 constexpr int64_t kPanel = 16;  // columns per packed weight panel (two AVX2 registers)
@@ -50,7 +51,8 @@ struct Job {
   const float* x;  // [B, D0]
   float* y;        // [B, K * D_L]
   int64_t batch, members;
-  std::vector<Layer> layers;
+  const Layer* layers;
+  size_t n_layers;
   int64_t widest;  // max layer width, for the scratch rows
   bool avx2;
   OrtStatus* error = nullptr;
@@ -59,7 +61,7 @@ struct Job {
 void activate(float* row, int64_t n, int64_t act) {
   switch (act) {
     case kRelu:
-      for (int64_t j = 0; j < n; ++j) row[j] = row[j] > 0.0f ? row[j] : (row[j] == row[j] ? 0.0f : row[j]);
+      for (int64_t j = 0; j < n; ++j) row[j] = row[j] < 0.0f ? 0.0f : row[j];  // a NaN stays NaN
       break;
     case kTanh:
       for (int64_t j = 0; j < n; ++j) row[j] = num::vtanh(row[j]);
@@ -92,60 +94,109 @@ void linear_base(const float* in, int64_t ldin, int64_t rows, const float* w, co
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-// R rows x one 16-column panel of the product, accumulated in 2R registers; the panel is read
-// in memory order. `cols` < 16 stores only the first `cols` columns (the padded last panel).
-template <int R>
-inline void panel_rows(const float* in, int64_t ldin, const float* panel, const float* bias, int64_t din,
-                       float* out, int64_t ldout, int64_t cols) {
-  __m256 acc[R][2];
+// R rows x P adjacent 16-column panels of the product (16P columns), accumulated in 2RP
+// registers; each panel is read in memory order. An FMA's result is needed again 4 cycles later
+// and the core retires 2 FMAs a cycle, so a block needs >= 8 independent accumulators to keep
+// both FMA pipes busy: few rows take several panels at once (1 row x 4 panels, 2 x 2), and
+// R <= 6, 2RP <= 12 leaves registers for the weights and the broadcast row value.
+// `cols` < 16P stores only the first `cols` columns (the padded last panel). Relu is applied on
+// the store (max(0, v) keeps a NaN, as activate does); other activations run after the layer.
+template <int R, int P, bool kRelu>
+inline void block(const float* in, int64_t ldin, const float* panel, int64_t pstride, const float* bias, int64_t din,
+                  float* out, int64_t ldout, int64_t cols) {
+  __m256 acc[R][2 * P];
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < 2 * P; ++c) acc[r][c] = _mm256_setzero_ps();
   const float* wp = panel;
+#pragma GCC unroll 2
   for (int64_t k = 0; k < din; ++k, wp += kPanel) {
-    const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
+    __m256 w[2 * P];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      w[2 * p] = _mm256_loadu_ps(wp + p * pstride);
+      w[2 * p + 1] = _mm256_loadu_ps(wp + p * pstride + 8);
+    }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(in + r * ldin + k);
-      acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+#pragma GCC unroll 8
+      for (int c = 0; c < 2 * P; ++c) acc[r][c] = _mm256_fmadd_ps(a, w[c], acc[r][c]);
     }
   }
-  if (cols == kPanel) {
-    const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);
+  const __m256 zero = _mm256_setzero_ps();
+  if (cols == P * kPanel) {
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out + r * ldout, _mm256_add_ps(acc[r][0], b0));
-      _mm256_storeu_ps(out + r * ldout + 8, _mm256_add_ps(acc[r][1], b1));
-    }
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < 2 * P; ++c) {
+        __m256 v = _mm256_add_ps(acc[r][c], _mm256_loadu_ps(bias + 8 * c));
+        if (kRelu) v = _mm256_max_ps(zero, v);  // zero > v ? zero : v: a NaN passes through
+        _mm256_storeu_ps(out + r * ldout + 8 * c, v);
+      }
   } else {
-    alignas(32) float tmp[kPanel];
+    alignas(32) float tmp[P * kPanel];
+    // every loop over acc's indices is unrolled: an array indexed at run time would live in memory
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(tmp, acc[r][0]);
-      _mm256_store_ps(tmp + 8, acc[r][1]);
-      for (int64_t j = 0; j < cols; ++j) out[r * ldout + j] = tmp[j] + bias[j];
+#pragma GCC unroll 8
+      for (int c = 0; c < 2 * P; ++c) _mm256_store_ps(tmp + 8 * c, acc[r][c]);
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = tmp[j] + bias[j];
+        out[r * ldout + j] = kRelu && v < 0.0f ? 0.0f : v;
+      }
     }
   }
 }
 
-// Panels outer, row blocks inner: a panel (D_in x 16 floats) stays in L1 while every row block
-// of the batch passes over it, so a weight is read from L2 or memory once per inference.
-void linear_avx2(const float* in, int64_t ldin, int64_t rows, const float* w, const float* bias, int64_t din,
-                 int64_t dout, float* out, int64_t ldout) {
-  for (int64_t n0 = 0; n0 < dout; n0 += kPanel) {
-    const float* panel = w + (n0 / kPanel) * din * kPanel;
-    const int64_t cols = std::min<int64_t>(kPanel, dout - n0);
-    int64_t r = 0;
-    for (; r + 6 <= rows; r += 6) panel_rows<6>(in + r * ldin, ldin, panel, bias + n0, din, out + r * ldout + n0, ldout, cols);
-    switch (rows - r) {
-      case 5: panel_rows<5>(in + r * ldin, ldin, panel, bias + n0, din, out + r * ldout + n0, ldout, cols); break;
-      case 4: panel_rows<4>(in + r * ldin, ldin, panel, bias + n0, din, out + r * ldout + n0, ldout, cols); break;
-      case 3: panel_rows<3>(in + r * ldin, ldin, panel, bias + n0, din, out + r * ldout + n0, ldout, cols); break;
-      case 2: panel_rows<2>(in + r * ldin, ldin, panel, bias + n0, din, out + r * ldout + n0, ldout, cols); break;
-      case 1: panel_rows<1>(in + r * ldin, ldin, panel, bias + n0, din, out + r * ldout + n0, ldout, cols); break;
-      default: break;
+// R rows (R < 6) over every panel of the layer, P panels at a time.
+template <int R, int P, bool kRelu>
+void rows_all_panels(const float* in, int64_t ldin, const float* w, const float* bias, int64_t din, int64_t dout,
+                     float* out, int64_t ldout) {
+  const int64_t panels = (dout + kPanel - 1) / kPanel, pstride = din * kPanel;
+  int64_t p = 0;
+  for (; p + P <= panels; p += P)
+    block<R, P, kRelu>(in, ldin, w + p * pstride, pstride, bias + p * kPanel, din, out + p * kPanel, ldout,
+                       std::min<int64_t>(P * kPanel, dout - p * kPanel));
+  for (; p < panels; ++p)
+    block<R, 1, kRelu>(in, ldin, w + p * pstride, pstride, bias + p * kPanel, din, out + p * kPanel, ldout,
+                       std::min<int64_t>(kPanel, dout - p * kPanel));
+}
+
+// Blocks of 6 rows with panels outer (a panel stays in L1 while every block passes over it, so
+// a weight comes from L2 or beyond once per inference), then the last rows % 6 in one block.
+template <bool kRelu>
+void linear_avx2_act(const float* in, int64_t ldin, int64_t rows, const float* w, const float* bias, int64_t din,
+                     int64_t dout, float* out, int64_t ldout) {
+  const int64_t full = rows / 6 * 6;
+  if (full > 0) {
+    const int64_t pstride = din * kPanel;
+    for (int64_t n0 = 0; n0 < dout; n0 += kPanel) {
+      const int64_t cols = std::min<int64_t>(kPanel, dout - n0);
+      for (int64_t r = 0; r < full; r += 6)
+        block<6, 1, kRelu>(in + r * ldin, ldin, w + (n0 / kPanel) * pstride, pstride, bias + n0, din,
+                           out + r * ldout + n0, ldout, cols);
     }
   }
+  in += full * ldin;
+  out += full * ldout;
+  switch (rows - full) {
+    case 5: rows_all_panels<5, 1, kRelu>(in, ldin, w, bias, din, dout, out, ldout); break;
+    case 4: rows_all_panels<4, 1, kRelu>(in, ldin, w, bias, din, dout, out, ldout); break;
+    case 3: rows_all_panels<3, 2, kRelu>(in, ldin, w, bias, din, dout, out, ldout); break;
+    case 2: rows_all_panels<2, 2, kRelu>(in, ldin, w, bias, din, dout, out, ldout); break;
+    case 1: rows_all_panels<1, 4, kRelu>(in, ldin, w, bias, din, dout, out, ldout); break;
+    default: break;
+  }
+}
+
+void linear_avx2(const float* in, int64_t ldin, int64_t rows, const float* w, const float* bias, int64_t din,
+                 int64_t dout, float* out, int64_t ldout, bool relu) {
+  if (relu)
+    linear_avx2_act<true>(in, ldin, rows, w, bias, din, dout, out, ldout);
+  else
+    linear_avx2_act<false>(in, ldin, rows, w, bias, din, dout, out, ldout);
 }
 
 #pragma GCC pop_options
@@ -160,8 +211,8 @@ void run_member(void* data, size_t member) {
   scratch.resize(static_cast<size_t>(2 * B * job->widest));
   float* bufs[2] = {scratch.data(), scratch.data() + B * job->widest};
   const float* in = job->x;
-  int64_t ldin = job->layers.front().din;
-  const size_t L = job->layers.size();
+  int64_t ldin = job->layers[0].din;
+  const size_t L = job->n_layers;
   for (size_t l = 0; l < L; ++l) {
     const Layer& layer = job->layers[l];
     const bool last = l + 1 == L;
@@ -170,12 +221,14 @@ void run_member(void* data, size_t member) {
     const float* w = layer.w + k * ((layer.dout + kPanel - 1) / kPanel) * layer.din * kPanel;
     const float* b = layer.b + k * layer.dout;
 #if defined(__x86_64__)
-    if (job->avx2)
-      linear_avx2(in, ldin, B, w, b, layer.din, layer.dout, out, ldout);
-    else
+    bool activated = false;
+    if (job->avx2) {
+      linear_avx2(in, ldin, B, w, b, layer.din, layer.dout, out, ldout, layer.act == kRelu);
+      activated = layer.act == kRelu;
+    } else
 #endif
       linear_base(in, ldin, B, w, b, layer.din, layer.dout, out, ldout);
-    if (layer.act != kNone)
+    if (layer.act != kNone && !activated)
       for (int64_t r = 0; r < B; ++r) activate(out + r * ldout, layer.dout, layer.act);
     in = out;
     ldin = ldout;
@@ -187,6 +240,7 @@ struct StackedMlpKernel {
   std::string node_name;
   std::vector<int64_t> activations;
   bool avx2;
+  bool shape_reference;  // the runtime serves GetTensorElementTypeAndShapeDataReference
 };
 
 std::string where(const StackedMlpKernel* k) { return "onnxfuse StackedMLP node '" + k->node_name + "': "; }
@@ -225,6 +279,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                                                      "activation per layer")
                                   .c_str());
     kernel->avx2 = use_avx2_fma();
+    kernel->shape_reference =
+        runtime_serves_api(kShapeReferenceApi) && std::getenv("ONNXFUSE_NO_SHAPE_REFERENCE") == nullptr;
     *out = kernel.release();
     return nullptr;
   } catch (const std::exception& e) {
@@ -232,29 +288,50 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   }
 }
 
-// Dims and data of input i, which must be present and float32.
-OrtStatus* input_f32(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, const std::string& w,
-                     const float** data, std::vector<int64_t>* dims) {
+// Dims and data of input i, which must be present and float32. With a runtime that serves
+// GetTensorElementTypeAndShapeDataReference the dims are read in place (the per-call path then
+// allocates nothing: it runs once per inference, and the kernel's work at batch 1-4 is ~10-30 us);
+// otherwise they are copied into *store.
+OrtStatus* input_f32(const StackedMlpKernel* k, OrtKernelContext* ctx, size_t i, const float** data,
+                     const int64_t** dims, size_t* rank, std::vector<int64_t>* store) {
+  const OrtApiRef& api = k->api;
+  const OrtValue* value = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetInput(ctx, i, &value), where(k));
+  if (value == nullptr)
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where(k) + "input " + std::to_string(i) + " is missing").c_str());
   ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  const void* p = nullptr;
-  bool present = false;
-  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, i, dims, &et, &p, &present), w);
-  if (!present) return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "input " + std::to_string(i) + " is missing").c_str());
+  if (k->shape_reference) {
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorElementTypeAndShapeDataReference(value, &et, dims, rank), where(k));
+  } else {
+    const void* unused = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, i, store, &et, &unused), where(k));
+    *dims = store->data();
+    *rank = store->size();
+  }
   if (et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
-    return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "input " + std::to_string(i) + " is not float32").c_str());
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where(k) + "input " + std::to_string(i) + " is not float32").c_str());
+  void* p = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(const_cast<OrtValue*>(value), &p), where(k));
   *data = static_cast<const float*>(p);
   return nullptr;
+}
+
+OrtStatus* invalid(const StackedMlpKernel* k, const std::string& what) {
+  return k->api.CreateStatus(ORT_INVALID_ARGUMENT, (where(k) + what).c_str());
 }
 
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   auto* k = static_cast<StackedMlpKernel*>(kernel_ptr);
   const OrtApiRef& api = k->api;
-  const std::string w = where(k);
   try {
     Job job;
-    std::vector<int64_t> dims;
-    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, 0, w, &job.x, &dims), "");
-    if (dims.size() != 2) return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "X must be 2-D [batch, features]").c_str());
+    thread_local std::vector<Layer> layers;  // the calling thread's, kept between calls
+    thread_local std::vector<int64_t> store;
+    layers.clear();
+    const int64_t* dims = nullptr;
+    size_t rank = 0;
+    if (OrtStatus* st = input_f32(k, ctx, 0, &job.x, &dims, &rank, &store)) return st;
+    if (rank != 2) return invalid(k, "X must be 2-D [batch, features]");
     job.batch = dims[0];
     int64_t width = dims[1];
     job.members = -1;
@@ -263,43 +340,42 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     for (size_t l = 0; l < k->activations.size(); ++l) {
       Layer layer{};
       layer.act = k->activations[l];
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, 1 + 2 * l, w, &layer.w, &dims), "");
-      if (dims.size() != 4 || dims[2] != width || dims[3] != kPanel || (job.members >= 0 && dims[0] != job.members))
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "weight of layer " + std::to_string(l + 1) +
-                                                       " must be packed as [members, panels, " + std::to_string(width) +
-                                                       ", 16]").c_str());
+      if (OrtStatus* st = input_f32(k, ctx, 1 + 2 * l, &layer.w, &dims, &rank, &store)) return st;
+      if (rank != 4 || dims[2] != width || dims[3] != kPanel || (job.members >= 0 && dims[0] != job.members))
+        return invalid(k, "weight of layer " + std::to_string(l + 1) + " must be packed as [members, panels, " +
+                              std::to_string(width) + ", 16]");
       job.members = dims[0];
       const int64_t panels = dims[1];
       layer.din = dims[2];
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, 2 + 2 * l, w, &layer.b, &dims), "");
+      if (OrtStatus* st = input_f32(k, ctx, 2 + 2 * l, &layer.b, &dims, &rank, &store)) return st;
       int64_t count = 1;
-      for (int64_t d : dims) count *= d;
-      if (dims.empty() || dims[0] != job.members || job.members == 0 || count % job.members != 0)
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "bias of layer " + std::to_string(l + 1) +
-                                                       " must hold [members, out] values").c_str());
+      for (size_t d = 0; d < rank; ++d) count *= dims[d];
+      if (rank == 0 || dims[0] != job.members || job.members == 0 || count % job.members != 0)
+        return invalid(k, "bias of layer " + std::to_string(l + 1) + " must hold [members, out] values");
       layer.dout = count / job.members;
       if ((layer.dout + kPanel - 1) / kPanel != panels)
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "weight of layer " + std::to_string(l + 1) + " has " +
-                                                       std::to_string(panels) + " panels for " +
-                                                       std::to_string(layer.dout) + " outputs").c_str());
+        return invalid(k, "weight of layer " + std::to_string(l + 1) + " has " + std::to_string(panels) +
+                              " panels for " + std::to_string(layer.dout) + " outputs");
       width = layer.dout;
       job.widest = std::max(job.widest, width);
-      job.layers.push_back(layer);
+      layers.push_back(layer);
     }
+    job.layers = layers.data();
+    job.n_layers = layers.size();
     const int64_t out_dims[2] = {job.batch, job.members * width};
     OrtValue* y = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 2, &y), w);
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 2, &y), where(k));
     void* yp = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), w);
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), where(k));
     job.y = static_cast<float*>(yp);
     if (job.batch == 0 || job.members == 0) return nullptr;
     ONNXFUSE_RETURN_IF_ERROR(
-        api.KernelContext_ParallelFor(ctx, run_member, static_cast<size_t>(job.members), 0, &job), w);
+        api.KernelContext_ParallelFor(ctx, run_member, static_cast<size_t>(job.members), 0, &job), where(k));
     return nullptr;
   } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (w + "out of memory").c_str());
+    return api.CreateStatus(ORT_FAIL, (where(k) + "out of memory").c_str());
   } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (w + e.what()).c_str());
+    return api.CreateStatus(ORT_FAIL, (where(k) + e.what()).c_str());
   }
 }
 

@@ -43,7 +43,7 @@ def test_kernel_matches_numpy_and_the_fallback_at_every_batch(k, d, hidden, out,
     m = ensemble_model(k=k, d=d, hidden=hidden, out=out, act=act)
     opt, n = optimize(m, ["batch-ensemble"])
     assert n == 1 and len(stacked(opt)) == 1 and ops(opt) == ["StackedMLP"]
-    for batch in (1, 4, 5, 13, 70):
+    for batch in (1, 2, 4, 5, 9, 70):  # every row-block shape: 6-row blocks, then 1-5 rows
         x = np.random.default_rng(batch).standard_normal((batch, d)).astype(np.float32)
         want = reference(k, d, hidden, out, act, x)
         for threads in (1, 2):
@@ -51,6 +51,27 @@ def test_kernel_matches_numpy_and_the_fallback_at_every_batch(k, d, hidden, out,
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         fallback = runtime.make_session(opt, threads=1, with_library=False).run(None, {"x": x})[0]
         np.testing.assert_allclose(fallback, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_shape_reading_without_the_reference_api_gives_the_same_results(monkeypatch):
+    # onnxruntime before C API 24 has no GetTensorElementTypeAndShapeDataReference; the kernel then
+    # copies shapes out through GetTensorTypeAndShape (forced here by the environment switch).
+    opt, _ = optimize(ensemble_model(k=3, d=37, hidden=48, out=17), ["batch-ensemble"])
+    x = np.random.default_rng(3).standard_normal((5, 37)).astype(np.float32)
+    fast = runtime.make_session(opt, threads=1, with_library=True).run(None, {"x": x})[0]
+    monkeypatch.setenv("ONNXFUSE_NO_SHAPE_REFERENCE", "1")
+    legacy = runtime.make_session(opt, threads=1, with_library=True).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(fast, legacy)
+
+
+def test_a_weight_not_packed_in_panels_is_a_clear_run_error():
+    opt, _ = optimize(ensemble_model(), ["batch-ensemble"])
+    node = stacked(opt)[0]
+    weight = next(t for t in opt.graph.initializer if t.name == node.input[3])  # layer 2's packed weight
+    w = onnx.numpy_helper.to_array(weight)
+    weight.CopyFrom(onnx.numpy_helper.from_array(w.reshape(*w.shape[:3], 2, 8)[..., 0, :].copy(), weight.name))
+    with pytest.raises(Exception, match="weight of layer 2 must be packed as"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, x_feeds(8, batches=(1,))[0])
 
 
 def test_weights_are_packed_in_16_column_panels_zero_padded():
