@@ -8,9 +8,9 @@
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
 //
 // q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
-// `row stride` apart), so the packed projection output is never copied apart. Work items are
-// (batch, head, block of query rows), run with onnxruntime's thread pool. For one item, the
-// head's keys are transposed into a [dh, Sk] scratch panel once; then four query rows at a time:
+// `row stride` apart), so the packed projection output is never copied apart. A first parallel
+// pass transposes each (batch, head)'s keys into a [dh, Sk] panel; then work items (batch, head,
+// block of query rows) run on onnxruntime's thread pool, four query rows at a time:
 // their scores against 16 keys at a time (an AVX2 register tile over the key panel), scale and
 // mask, a max-subtracted softmax, and the weighted sum of v rows, 16 output columns at a time.
 // Nothing of size [Sq, Sk] leaves the cache.
@@ -53,32 +53,30 @@ struct Job {
   const float* mask;  // null without one
   int64_t mask_stride[4];  // [B, H, Sq, Sk] strides, 0 on broadcast axes
   float* out;              // [B, Sq, H * dv]
+  float* keys;             // per (b, h): the [dh, ld] key panel, ld = Sk rounded up to kKeyTile
+  int64_t ld;
   int64_t batch, heads, sq, sk, dh, dv;
   int64_t query_blocks, block_rows;
   float scale;
   bool avx2;
 };
 
-// Per-thread scratch: the key panel [dh, sk_pad] and kRows score rows of sk_pad.
-struct Scratch {
-  std::vector<float> keys, scores;
-};
-
-Scratch& scratch() {
-  thread_local Scratch s;
+// Per-thread scratch: kRows score rows of ld floats.
+std::vector<float>& score_scratch() {
+  thread_local std::vector<float> s;
   return s;
 }
 
 int64_t padded_keys(int64_t sk) { return (sk + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
-// keys[i * ld + t] = k[t, i] for t < sk, zero for sk <= t < ld (written in memory order).
+// keys[i * ld + t] = k[t, i] for t < sk, zero for sk <= t < ld. Key rows are read in memory
+// order; the writes go to dh panel rows at once, each advancing one float per key.
 void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
-  for (int64_t i = 0; i < dh; ++i) {
-    float* out = keys + i * ld;
-    const float* col = k + i;
-    for (int64_t t = 0; t < sk; ++t) out[t] = col[t * row_stride];
-    for (int64_t t = sk; t < ld; ++t) out[t] = 0.0f;
+  for (int64_t t = 0; t < sk; ++t) {
+    const float* row = k + t * row_stride;
+    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = row[i];
   }
+  for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
 }
 
 // scores[t] = scale * scores[t] + mask_row[t * mask_step] for t < sk (no mask: mask_row null).
@@ -292,6 +290,15 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
 #pragma GCC pop_options
 #endif
 
+// First pass: the key panel of one (b, h), shared by every query block of that pair.
+void pack_item(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t bh = static_cast<int64_t>(index);
+  const int64_t b = bh / job.heads, h = bh % job.heads;
+  pack_keys(job.k.data + b * job.k.batch_stride + h * job.dh, job.k.row_stride, job.sk, job.dh, job.ld,
+            job.keys + bh * job.dh * job.ld);
+}
+
 // One work item: (b, h, block of query rows).
 void run_item(void* data, size_t index) {
   const Job& job = *static_cast<const Job*>(data);
@@ -303,22 +310,19 @@ void run_item(void* data, size_t index) {
   const int64_t rows = std::min(job.block_rows, job.sq - r0);
   if (rows <= 0) return;
   const float* q = job.q.data + b * job.q.batch_stride + h * job.dh;
-  const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
   const float* v = job.v.data + b * job.v.batch_stride + h * job.dv;
+  const float* keys = job.keys + bh * job.dh * job.ld;
   const float* mask_bh = job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1];
   float* out = job.out + b * job.sq * job.heads * job.dv + h * job.dv;
-  const int64_t ld = padded_keys(job.sk);
-  Scratch& s = scratch();
-  s.keys.resize(static_cast<size_t>(std::max<int64_t>(1, job.dh * ld)));
-  s.scores.resize(static_cast<size_t>(kRows * ld));
-  pack_keys(k, job.k.row_stride, job.sk, job.dh, ld, s.keys.data());
+  std::vector<float>& scores = score_scratch();
+  scores.resize(static_cast<size_t>(kRows * job.ld));
 #if defined(__x86_64__)
   if (job.avx2) {
-    rows_avx2(job, q, s.keys.data(), ld, v, mask_bh, out, r0, rows, s.scores.data());
+    rows_avx2(job, q, keys, job.ld, v, mask_bh, out, r0, rows, scores.data());
     return;
   }
 #endif
-  rows_base(job, q, s.keys.data(), ld, v, mask_bh, out, r0, rows, s.scores.data());
+  rows_base(job, q, keys, job.ld, v, mask_bh, out, r0, rows, scores.data());
 }
 
 struct AttentionKernel {
@@ -460,6 +464,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       return nullptr;
     }
     const int64_t pairs = job.batch * H;
+    job.ld = padded_keys(job.sk);
+    std::vector<float> keys(static_cast<size_t>(std::max<int64_t>(1, pairs * job.dh * job.ld)));
+    job.keys = keys.data();
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_ParallelFor(ctx, pack_item, static_cast<size_t>(pairs), 0, &job), w);
     job.block_rows = pairs >= kMinItems ? job.sq : std::min<int64_t>(job.sq, kQueryBlock);
     job.query_blocks = (job.sq + job.block_rows - 1) / job.block_rows;
     ONNXFUSE_RETURN_IF_ERROR(
