@@ -198,23 +198,63 @@ inline bool dead8(const float* s, __m256 vmx) {
   return _mm256_movemask_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_NLT_UQ)) == 0;
 }
 
+// pack_keys with 8 x 8 blocks transposed in registers; the edges as pack_keys does them.
+void pack_keys_avx2(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
+  const int64_t sk8 = sk / 8 * 8, dh8 = dh / 8 * 8;
+  for (int64_t t0 = 0; t0 < sk8; t0 += 8) {
+    for (int64_t i0 = 0; i0 < dh8; i0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(k + (t0 + j) * row_stride + i0);
+      const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+      const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+      const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+      const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+      const __m256 c[8] = {_mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
+                           _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
+                           _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
+                           _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(keys + (i0 + j) * ld + t0, c[j]);
+    }
+    for (int64_t t = t0; t < t0 + 8; ++t)
+      for (int64_t i = dh8; i < dh; ++i) keys[i * ld + t] = k[t * row_stride + i];
+  }
+  for (int64_t t = sk8; t < sk; ++t)
+    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = k[t * row_stride + i];
+  for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
+}
+
+// exp(x - mx) for 8 consecutive floats: a fixed-length loop over the branch-free num::exp_f32,
+// which g++ turns into one 8-lane evaluation in this build.
+inline void exp8(float* p, float mx) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) p[j] = num::exp_f32(p[j] - mx);
+}
+
+// The row's probabilities up to normalization, in place; returns 1 / their sum. The row holds
+// `sk` scores in a buffer of at least round_up(sk, 8) floats; the lanes past sk are set to -inf
+// first, so whole 8-key blocks are evaluated and those lanes come out 0.
 float softmax_avx2(float* s, int64_t sk, float mx) {
+  const int64_t padded = (sk + 7) / 8 * 8;
+  for (int64_t t = sk; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
   // Whole 8-key blocks whose exps are exactly 0 at either end of the row (a causal mask's
   // future keys) are written as 0 without evaluating exp: the same values, fewer exps.
   const __m256 vmx = _mm256_set1_ps(mx);
-  int64_t begin = 0, end = sk;
-  while (begin + 8 <= end && dead8(s + begin, vmx)) begin += 8;
-  while (end - 8 >= begin && dead8(s + end - 8, vmx)) end -= 8;
-  std::fill(s, s + begin, 0.0f);
-  std::fill(s + end, s + sk, 0.0f);
-  // num::exp_f32 is branch-free: g++ vectorizes this loop in the AVX2 build.
-  for (int64_t t = begin; t < end; ++t) s[t] = num::exp_f32(s[t] - mx);
+  int64_t begin = 0, end = padded;
+  while (begin < end && dead8(s + begin, vmx)) begin += 8;
+  while (end > begin && dead8(s + end - 8, vmx)) end -= 8;
   __m256 vsum = _mm256_setzero_ps();
-  int64_t t = begin;
-  for (; t + 8 <= end; t += 8) vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
-  float sum = hsum(vsum);
-  for (; t < end; ++t) sum += s[t];
-  return 1.0f / sum;
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t t = 0; t < begin; t += 8) _mm256_storeu_ps(s + t, zero);
+  for (int64_t t = begin; t < end; t += 8) {
+    exp8(s + t, mx);
+    vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
+  }
+  for (int64_t t = end; t < padded; t += 8) _mm256_storeu_ps(s + t, zero);
+  return 1.0f / hsum(vsum);
 }
 
 // out_r[j] = inv_r * sum_t p_r[t] * v[t, j] for R rows, 16 columns at a time (8, then scalar, at the end).
@@ -295,8 +335,15 @@ void pack_item(void* data, size_t index) {
   const Job& job = *static_cast<const Job*>(data);
   const int64_t bh = static_cast<int64_t>(index);
   const int64_t b = bh / job.heads, h = bh % job.heads;
-  pack_keys(job.k.data + b * job.k.batch_stride + h * job.dh, job.k.row_stride, job.sk, job.dh, job.ld,
-            job.keys + bh * job.dh * job.ld);
+  const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
+  float* keys = job.keys + bh * job.dh * job.ld;
+#if defined(__x86_64__)
+  if (job.avx2) {
+    pack_keys_avx2(k, job.k.row_stride, job.sk, job.dh, job.ld, keys);
+    return;
+  }
+#endif
+  pack_keys(k, job.k.row_stride, job.sk, job.dh, job.ld, keys);
 }
 
 // One work item: (b, h, block of query rows).
