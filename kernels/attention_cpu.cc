@@ -8,9 +8,9 @@
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
 //
 // q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
-// `row stride` apart), so the packed projection output is never copied apart. Work items are
-// (batch, head, block of query rows), run with onnxruntime's thread pool. For one item, the
-// head's keys are transposed into a [dh, Sk] scratch panel once; then four query rows at a time:
+// `row stride` apart), so the packed projection output is never copied apart. A first parallel
+// pass transposes each (batch, head)'s keys into a [dh, Sk] panel; then work items (batch, head,
+// block of query rows) run on onnxruntime's thread pool, four query rows at a time:
 // their scores against 16 keys at a time (an AVX2 register tile over the key panel), scale and
 // mask, a max-subtracted softmax, and the weighted sum of v rows, 16 output columns at a time.
 // Nothing of size [Sq, Sk] leaves the cache.
@@ -53,32 +53,30 @@ struct Job {
   const float* mask;  // null without one
   int64_t mask_stride[4];  // [B, H, Sq, Sk] strides, 0 on broadcast axes
   float* out;              // [B, Sq, H * dv]
+  float* keys;             // per (b, h): the [dh, ld] key panel, ld = Sk rounded up to kKeyTile
+  int64_t ld;
   int64_t batch, heads, sq, sk, dh, dv;
   int64_t query_blocks, block_rows;
   float scale;
   bool avx2;
 };
 
-// Per-thread scratch: the key panel [dh, sk_pad] and kRows score rows of sk_pad.
-struct Scratch {
-  std::vector<float> keys, scores;
-};
-
-Scratch& scratch() {
-  thread_local Scratch s;
+// Per-thread scratch: kRows score rows of ld floats.
+std::vector<float>& score_scratch() {
+  thread_local std::vector<float> s;
   return s;
 }
 
 int64_t padded_keys(int64_t sk) { return (sk + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
-// keys[i * ld + t] = k[t, i] for t < sk, zero for sk <= t < ld (written in memory order).
+// keys[i * ld + t] = k[t, i] for t < sk, zero for sk <= t < ld. Key rows are read in memory
+// order; the writes go to dh panel rows at once, each advancing one float per key.
 void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
-  for (int64_t i = 0; i < dh; ++i) {
-    float* out = keys + i * ld;
-    const float* col = k + i;
-    for (int64_t t = 0; t < sk; ++t) out[t] = col[t * row_stride];
-    for (int64_t t = sk; t < ld; ++t) out[t] = 0.0f;
+  for (int64_t t = 0; t < sk; ++t) {
+    const float* row = k + t * row_stride;
+    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = row[i];
   }
+  for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
 }
 
 // scores[t] = scale * scores[t] + mask_row[t * mask_step] for t < sk (no mask: mask_row null).
@@ -200,23 +198,63 @@ inline bool dead8(const float* s, __m256 vmx) {
   return _mm256_movemask_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_NLT_UQ)) == 0;
 }
 
+// pack_keys with 8 x 8 blocks transposed in registers; the edges as pack_keys does them.
+void pack_keys_avx2(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
+  const int64_t sk8 = sk / 8 * 8, dh8 = dh / 8 * 8;
+  for (int64_t t0 = 0; t0 < sk8; t0 += 8) {
+    for (int64_t i0 = 0; i0 < dh8; i0 += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(k + (t0 + j) * row_stride + i0);
+      const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+      const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+      const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+      const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+      const __m256 c[8] = {_mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
+                           _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
+                           _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
+                           _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(keys + (i0 + j) * ld + t0, c[j]);
+    }
+    for (int64_t t = t0; t < t0 + 8; ++t)
+      for (int64_t i = dh8; i < dh; ++i) keys[i * ld + t] = k[t * row_stride + i];
+  }
+  for (int64_t t = sk8; t < sk; ++t)
+    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = k[t * row_stride + i];
+  for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
+}
+
+// exp(x - mx) for 8 consecutive floats: a fixed-length loop over the branch-free num::exp_f32,
+// which g++ turns into one 8-lane evaluation in this build.
+inline void exp8(float* p, float mx) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) p[j] = num::exp_f32(p[j] - mx);
+}
+
+// The row's probabilities up to normalization, in place; returns 1 / their sum. The row holds
+// `sk` scores in a buffer of at least round_up(sk, 8) floats; the lanes past sk are set to -inf
+// first, so whole 8-key blocks are evaluated and those lanes come out 0.
 float softmax_avx2(float* s, int64_t sk, float mx) {
+  const int64_t padded = (sk + 7) / 8 * 8;
+  for (int64_t t = sk; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
   // Whole 8-key blocks whose exps are exactly 0 at either end of the row (a causal mask's
   // future keys) are written as 0 without evaluating exp: the same values, fewer exps.
   const __m256 vmx = _mm256_set1_ps(mx);
-  int64_t begin = 0, end = sk;
-  while (begin + 8 <= end && dead8(s + begin, vmx)) begin += 8;
-  while (end - 8 >= begin && dead8(s + end - 8, vmx)) end -= 8;
-  std::fill(s, s + begin, 0.0f);
-  std::fill(s + end, s + sk, 0.0f);
-  // num::exp_f32 is branch-free: g++ vectorizes this loop in the AVX2 build.
-  for (int64_t t = begin; t < end; ++t) s[t] = num::exp_f32(s[t] - mx);
+  int64_t begin = 0, end = padded;
+  while (begin < end && dead8(s + begin, vmx)) begin += 8;
+  while (end > begin && dead8(s + end - 8, vmx)) end -= 8;
   __m256 vsum = _mm256_setzero_ps();
-  int64_t t = begin;
-  for (; t + 8 <= end; t += 8) vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
-  float sum = hsum(vsum);
-  for (; t < end; ++t) sum += s[t];
-  return 1.0f / sum;
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t t = 0; t < begin; t += 8) _mm256_storeu_ps(s + t, zero);
+  for (int64_t t = begin; t < end; t += 8) {
+    exp8(s + t, mx);
+    vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
+  }
+  for (int64_t t = end; t < padded; t += 8) _mm256_storeu_ps(s + t, zero);
+  return 1.0f / hsum(vsum);
 }
 
 // out_r[j] = inv_r * sum_t p_r[t] * v[t, j] for R rows, 16 columns at a time (8, then scalar, at the end).
@@ -292,6 +330,22 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
 #pragma GCC pop_options
 #endif
 
+// First pass: the key panel of one (b, h), shared by every query block of that pair.
+void pack_item(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t bh = static_cast<int64_t>(index);
+  const int64_t b = bh / job.heads, h = bh % job.heads;
+  const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
+  float* keys = job.keys + bh * job.dh * job.ld;
+#if defined(__x86_64__)
+  if (job.avx2) {
+    pack_keys_avx2(k, job.k.row_stride, job.sk, job.dh, job.ld, keys);
+    return;
+  }
+#endif
+  pack_keys(k, job.k.row_stride, job.sk, job.dh, job.ld, keys);
+}
+
 // One work item: (b, h, block of query rows).
 void run_item(void* data, size_t index) {
   const Job& job = *static_cast<const Job*>(data);
@@ -303,22 +357,19 @@ void run_item(void* data, size_t index) {
   const int64_t rows = std::min(job.block_rows, job.sq - r0);
   if (rows <= 0) return;
   const float* q = job.q.data + b * job.q.batch_stride + h * job.dh;
-  const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
   const float* v = job.v.data + b * job.v.batch_stride + h * job.dv;
+  const float* keys = job.keys + bh * job.dh * job.ld;
   const float* mask_bh = job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1];
   float* out = job.out + b * job.sq * job.heads * job.dv + h * job.dv;
-  const int64_t ld = padded_keys(job.sk);
-  Scratch& s = scratch();
-  s.keys.resize(static_cast<size_t>(std::max<int64_t>(1, job.dh * ld)));
-  s.scores.resize(static_cast<size_t>(kRows * ld));
-  pack_keys(k, job.k.row_stride, job.sk, job.dh, ld, s.keys.data());
+  std::vector<float>& scores = score_scratch();
+  scores.resize(static_cast<size_t>(kRows * job.ld));
 #if defined(__x86_64__)
   if (job.avx2) {
-    rows_avx2(job, q, s.keys.data(), ld, v, mask_bh, out, r0, rows, s.scores.data());
+    rows_avx2(job, q, keys, job.ld, v, mask_bh, out, r0, rows, scores.data());
     return;
   }
 #endif
-  rows_base(job, q, s.keys.data(), ld, v, mask_bh, out, r0, rows, s.scores.data());
+  rows_base(job, q, keys, job.ld, v, mask_bh, out, r0, rows, scores.data());
 }
 
 struct AttentionKernel {
@@ -460,6 +511,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       return nullptr;
     }
     const int64_t pairs = job.batch * H;
+    job.ld = padded_keys(job.sk);
+    std::vector<float> keys(static_cast<size_t>(std::max<int64_t>(1, pairs * job.dh * job.ld)));
+    job.keys = keys.data();
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_ParallelFor(ctx, pack_item, static_cast<size_t>(pairs), 0, &job), w);
     job.block_rows = pairs >= kMinItems ? job.sq : std::min<int64_t>(job.sq, kQueryBlock);
     job.query_blocks = (job.sq + job.block_rows - 1) / job.block_rows;
     ONNXFUSE_RETURN_IF_ERROR(

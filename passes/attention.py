@@ -20,6 +20,8 @@ fuse-attention
                [B, H, Sq, Sk], or, when the merge target pins [B, Sq], any dims (a mask that
                broadcast the scores up would make that Reshape fail in the original as well);
                every intermediate tensor read only by the chain and not a graph output.
+               cpu: the key length, static or declared (--dim; else read as 1), at most
+               CPU_MAX_KEYS (measured faster up to 256 keys, slower at 512). cuda: always.
     rewrite:   onnxfuse.Attention, whose fallback function is the matched subgraph (a merge
                target computed from a Shape is written there as the equal [0, 0, H*dv]).
 
@@ -38,6 +40,9 @@ implement exactly this):
                                                     + mask[b, h, s, t]) * v[b, t, h, j]
              (q[b, s, h, i] = q[b, s, h*dh + i]; mask indexed after broadcasting). A row whose
              scores are all -inf gives NaN, like onnxruntime's Softmax.
+
+The op is registered (kernels/registry.h) with variadic float32 inputs (minimum arity 1,
+homogeneous) and one float32 output; every provider's registration must declare the same.
 
 Why: onnxruntime's CPU provider runs each block's attention as 10 kernels (3 Reshapes, 4
 Transposes, 2 MatMuls, the scale and mask Add, Softmax), copying the [B, H, S, S] scores
@@ -58,6 +63,8 @@ from onnxfuse.pipeline import Context, Pass
 HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]
 KEYS_PERM = [0, 2, 3, 1]  # [B, S, H, dh] -> [B, H, dh, S]
 LAST_TWO_PERM = [0, 1, 3, 2]
+# Longest key sequence (static or declared) for which the CPU kernel is applied: see _keys_pay_on_cpu.
+CPU_MAX_KEYS = 256
 
 
 @dataclass
@@ -201,7 +208,18 @@ def _mask_fits(mask: gs.Tensor, target: list, shapes: gu.ShapeTable, pinned: boo
     return all(m == 1 or _same_dim(m, t) for m, t in zip(md[::-1], target[::-1]))
 
 
-def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable) -> Match | None:
+def _keys_pay_on_cpu(k: Heads, shapes: gu.ShapeTable, ctx: Context) -> bool:
+    """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
+    CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows).
+    A symbolic key length is read as declared (optimize --dim, a zoo model's defaults), else as 1,
+    the value verification uses."""
+    sk = shapes.dims(k.source)[1]
+    if isinstance(sk, str):
+        sk = (ctx.options.get("dims") or {}).get(sk, 1)
+    return not isinstance(sk, int) or sk <= CPU_MAX_KEYS
+
+
+def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context | None = None) -> Match | None:
     if not gu.is_op(softmax, "Softmax") or graph.opset < 13:
         return None
     axis = int(gu.attr(softmax, "axis", -1))
@@ -246,6 +264,8 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable) -> Match | N
     if q is None or k is None or v is None or qk.inputs[0] is qk.inputs[1]:
         return None
     if not (q.heads == k.heads == v.heads and q.width == k.width):
+        return None
+    if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx):
         return None
     if q_scale_node is not None:
         q.nodes.append(q_scale_node)
@@ -335,7 +355,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
         return 0
     infer_shapes(graph)
     shapes = gu.ShapeTable(graph)
-    matches = [m for m in (match(graph, n, shapes) for n in list(graph.nodes)) if m is not None]
+    matches = [m for m in (match(graph, n, shapes, ctx) for n in list(graph.nodes)) if m is not None]
     if ctx.target == "cuda":
         from onnxfuse.cuda.attention_codegen import supported
 

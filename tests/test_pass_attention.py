@@ -165,3 +165,16 @@ def test_optimized_gpt_stack_has_one_attention_per_block_and_runs_at_other_batch
         for with_library in (True, False):
             got = runtime.make_session(opt, threads=2, with_library=with_library).run(None, {"input_ids": ids})[0]
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_cpu_leaves_long_key_sequences_to_onnxruntime_and_cuda_does_not():
+    m = attention_model(mask=None)
+    assert optimize(m, PASS)[1] == 1  # symbolic S, not declared: read as 1
+    assert optimize(m, PASS, dims={"S": 256})[1] == 1
+    assert optimize(m, PASS, dims={"S": 512})[1] == 0
+    assert optimize(m, PASS, target="cuda", dims={"S": 512})[1] == 1
+    static = attention_model(packed=False, mask=None, merge="const")
+    for vi in static.graph.input:
+        if vi.name in ("k", "v"):
+            vi.type.tensor_type.shape.dim[1].dim_value = 600
+    assert optimize(static, PASS)[1] == 0
