@@ -172,7 +172,7 @@ def test_cpu_leaves_long_key_sequences_to_onnxruntime_and_cuda_does_not():
     assert optimize(m, PASS)[1] == 1  # symbolic S, not declared: read as 1
     assert optimize(m, PASS, dims={"S": 256})[1] == 1
     assert optimize(m, PASS, dims={"S": 512})[1] == 0
-    assert optimize(m, PASS, target="cuda", dims={"S": 512})[1] == 1
+    assert optimize(m, PASS, target="cuda", dims={"S": 512}, attention_cuda=True)[1] == 1
     static = attention_model(packed=False, mask=None, merge="const")
     for vi in static.graph.input:
         if vi.name in ("k", "v"):
