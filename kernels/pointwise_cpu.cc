@@ -182,7 +182,13 @@ void init_geometry(ExecJob* job) {
     job->rows_per_block = job->inner ? kBlock / job->inner : 1;
     job->num_blocks = (job->rows + job->rows_per_block - 1) / job->rows_per_block;
   }
-  job->blocks_per_task = std::max<int64_t>(1, kTaskElements / kBlock);
+  // About kTaskElements per task, in tasks of equal size whose count is a multiple of 4 when
+  // there are several: the thread pool hands each thread a contiguous share of the tasks, so
+  // 1e5 elements as 32+32+32+2 blocks gave one of two threads 64 blocks and the other 34.
+  const int64_t target = std::max<int64_t>(1, kTaskElements / kBlock);
+  int64_t tasks = (job->num_blocks + target - 1) / target;
+  if (tasks > 1) tasks = std::min(job->num_blocks, (tasks + 3) & ~static_cast<int64_t>(3));
+  job->blocks_per_task = tasks > 0 ? (job->num_blocks + tasks - 1) / tasks : 1;
   job->num_tasks = (job->num_blocks + job->blocks_per_task - 1) / job->blocks_per_task;
 }
 
