@@ -213,8 +213,6 @@ bool vector_unary(Op op, const float* src, float* dst, int64_t n) {
   }
 }
 
-ONNXFUSE_INLINE V identity8(V x) { return x; }
-
 // One affine stage of a FusedStep as its loop reads it: the other operand advanced by `step`
 // floats per vector (8 for a contiguous operand, 0 for a constant, read from eight copies). Each
 // stage is the same single IEEE operation as the instruction it replaces. The branch on the kind
@@ -239,21 +237,29 @@ ONNXFUSE_INLINE V load8(const float* p, __m256i mask) {
   else return _mm256_loadu_ps(p);
 }
 
+// The result is hidden from the optimizer (an empty asm that "changes" it): g++ contracts a
+// multiplication feeding an addition into one FMA, rounding once where the separate instructions
+// round twice.
+ONNXFUSE_INLINE V opaque(V x) {
+  __asm__("" : "+x"(x));
+  return x;
+}
+
 ONNXFUSE_INLINE V apply_stage(AffineStage::Kind kind, V x, V o) {
   switch (kind) {
-    case AffineStage::Add: return _mm256_add_ps(x, o);
-    case AffineStage::Sub: return _mm256_sub_ps(x, o);
-    case AffineStage::RSub: return _mm256_sub_ps(o, x);
+    case AffineStage::Add: return opaque(_mm256_add_ps(x, o));
+    case AffineStage::Sub: return opaque(_mm256_sub_ps(x, o));
+    case AffineStage::RSub: return opaque(_mm256_sub_ps(o, x));
     case AffineStage::Mul: break;
   }
-  return _mm256_mul_ps(x, o);
+  return opaque(_mm256_mul_ps(x, o));
 }
 
 template <int NPre, V (*F)(V), int NPost, bool Tail>
 ONNXFUSE_INLINE V step8(const StageLoop* st, const float* src, __m256i mask) {
   V x = load8<Tail>(src, mask);
   for (int s = 0; s < NPre + NPost; ++s) {
-    if (s == NPre) x = F(x);
+    if (s == NPre) x = opaque(F(x));
     x = apply_stage(st[s].kind, x, load8<Tail>(st[s].o, mask));
   }
   if (NPost == 0) x = F(x);
@@ -283,9 +289,49 @@ void run_step(const StageLoop* stages, const float* src, float* dst, int64_t n) 
 
 using StepFn = void (*)(const StageLoop*, const float*, float*, int64_t);
 
+// Two affine stages and nothing else: too little arithmetic to hide the per-vector branches on
+// the kinds (it ran slower than the two instructions' separate loops), so the kinds are compiled in.
+template <AffineStage::Kind K0, AffineStage::Kind K1>
+void run_affine2(const StageLoop* stages, const float* src, float* dst, int64_t n) {
+  const float* o0 = stages[0].o;
+  const float* o1 = stages[1].o;
+  const int64_t s0 = stages[0].step, s1 = stages[1].step;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8, o0 += s0, o1 += s1) {
+    V x = apply_stage(K0, _mm256_loadu_ps(src + j), _mm256_loadu_ps(o0));
+    _mm256_storeu_ps(dst + j, apply_stage(K1, x, _mm256_loadu_ps(o1)));
+  }
+  if (const int64_t rest = n - j) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rest)), lane);
+    V x = apply_stage(K0, _mm256_maskload_ps(src + j, mask), _mm256_maskload_ps(o0, mask));
+    _mm256_maskstore_ps(dst + j, mask, apply_stage(K1, x, _mm256_maskload_ps(o1, mask)));
+  }
+}
+
+template <AffineStage::Kind K0>
+StepFn affine2_fn(AffineStage::Kind k1) {
+  switch (k1) {
+    case AffineStage::Add: return run_affine2<K0, AffineStage::Add>;
+    case AffineStage::Sub: return run_affine2<K0, AffineStage::Sub>;
+    case AffineStage::RSub: return run_affine2<K0, AffineStage::RSub>;
+    case AffineStage::Mul: break;
+  }
+  return run_affine2<K0, AffineStage::Mul>;
+}
+
+StepFn affine2_fn(AffineStage::Kind k0, AffineStage::Kind k1) {
+  switch (k0) {
+    case AffineStage::Add: return affine2_fn<AffineStage::Add>(k1);
+    case AffineStage::Sub: return affine2_fn<AffineStage::Sub>(k1);
+    case AffineStage::RSub: return affine2_fn<AffineStage::RSub>(k1);
+    case AffineStage::Mul: break;
+  }
+  return affine2_fn<AffineStage::Mul>(k1);
+}
+
 template <int NPre, int NPost>
 StepFn step_fn(const FusedStep& st) {
-  if (!st.has_unary) return run_step<NPre, identity8, NPost>;
   switch (st.unary) {
     case Op::Exp: return run_step<NPre, exp8, NPost>;
     case Op::Log: return run_step<NPre, log8, NPost>;
@@ -306,6 +352,10 @@ void fused_step(const FusedStep& st, const float* src, const ValT* others, float
   alignas(32) float splats[2 * kMaxAffine][8];
   for (int s = 0; s < st.num_pre + st.num_post; ++s) rt[s] = stage_loop(st.stages[s].kind, others[s], splats[s]);
   StepFn fn = nullptr;
+  if (!st.has_unary) {  // then it is two affine stages (plan_fused_steps)
+    affine2_fn(st.stages[0].kind, st.stages[1].kind)(rt, src, dst, n);
+    return;
+  }
   switch (st.num_pre * 3 + st.num_post) {
     case 0: fn = step_fn<0, 0>(st); break;
     case 1: fn = step_fn<0, 1>(st); break;

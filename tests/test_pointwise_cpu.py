@@ -305,6 +305,9 @@ FUSED_RUNS = [
     "t0 = erf x0\nt1 = mul t0 0.5\nt2 = add t1 0.5\nt3 = mul t2 x0\nt4 = exp t3\n",
     "t0 = sub x0 x1\nt1 = mul t0 -0.0\nt2 = add t1 -0.0\nt3 = sigmoid t2\nt4 = tanh t3\n",
     "t0 = mul x0 x0\nt1 = add t0 x0\nt2 = sub t1 x2\nt3 = exp t2\nt4 = mul t3 3.0\nt5 = sub 2.0 t4\n",
+    "t0 = sub 2.0 x0\nt1 = sub t0 x1\n",
+    "t0 = add x0 x1\nt1 = sub 0.5 t0\n",
+    "t0 = mul x2 x0\nt1 = mul x1 t0\n",
 ]
 
 
