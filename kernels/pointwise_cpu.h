@@ -5,7 +5,8 @@
 // (numexpr's model): intermediates stay in L1, loops vectorize, dispatch costs once per block.
 // Inputs are read in place when they are already contiguous in the compute type, as a scalar
 // when constant over the block (broadcast), and converted into a register otherwise. Results
-// that are outputs of the compute type are written straight into the output tensor.
+// that are outputs of the compute type are written straight into the output tensor. The AVX2
+// build runs some float32 instruction runs (FusedStep) as one loop instead.
 //
 // Blocks are grouped into tasks run on onnxruntime's intra-op thread pool through
 // KernelContext_ParallelFor; each thread keeps its registers in thread-local scratch memory.
