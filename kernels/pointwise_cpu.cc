@@ -75,6 +75,91 @@ CompiledProgram::CompiledProgram(Program p) : program(std::move(p)) {
     slot[k] = s;
     slot_of_value[value] = s;
   }
+  plan_fused_steps();
+}
+
+bool fusable_unary(Op op) {
+  switch (op) {
+    case Op::Exp:
+    case Op::Log:
+    case Op::Erf:
+    case Op::Tanh:
+    case Op::Sigmoid: return true;
+    default: return false;
+  }
+}
+
+namespace {
+
+bool affine_op(Op op) { return op == Op::Add || op == Op::Sub || op == Op::Mul; }
+
+}  // namespace
+
+void CompiledProgram::plan_fused_steps() {
+  const int nin = static_cast<int>(program.inputs.size());
+  const int end = static_cast<int>(program.instrs.size());
+  step_at.assign(end, -1);
+  if (program.compute != DType::F32) return;
+  // Reads of each value, by instructions and by outputs.
+  std::vector<int> uses(program.num_values(), 0);
+  for (const Instr& ins : program.instrs)
+    for (int a = 0; a < op_info(ins.op).arity; ++a)
+      if (!ins.args[a].is_literal) ++uses[ins.args[a].value];
+  for (const ProgramOutput& out : program.outputs) uses[out.value] += 2;  // never absorbed
+
+  for (int k = 0; k < end;) {
+    FusedStep st;
+    st.first = k;
+    int i = k;
+    for (; i < end; ++i) {
+      const Instr& ins = program.instrs[i];
+      // The argument carrying the running value: for the first instruction a value (not a
+      // literal), afterwards the previous result, which must be read exactly once, here.
+      int run_arg = -1;
+      if (i == k) {
+        if (fusable_unary(ins.op)) {
+          run_arg = ins.args[0].is_literal ? -1 : 0;
+        } else if (affine_op(ins.op)) {
+          // The non-literal argument (the first when both are values); none when both are
+          // literals.
+          run_arg = !ins.args[0].is_literal ? 0 : (!ins.args[1].is_literal ? 1 : -1);
+        }
+      } else {
+        const int prev = nin + i - 1;
+        if (uses[prev] != 1) break;
+        for (int a = 0; a < op_info(ins.op).arity; ++a)
+          if (!ins.args[a].is_literal && ins.args[a].value == prev) run_arg = a;
+      }
+      if (run_arg < 0) break;
+      if (fusable_unary(ins.op)) {
+        if (st.has_unary) break;
+        st.has_unary = true;
+        st.unary = ins.op;
+      } else if (affine_op(ins.op)) {
+        int& count = st.has_unary ? st.num_post : st.num_pre;
+        if (count == kMaxAffine) break;
+        AffineStage& stage = st.stages[st.num_pre + st.num_post];
+        stage.instr = i;
+        stage.other = 1 - run_arg;
+        stage.kind = ins.op == Op::Add   ? AffineStage::Add
+                     : ins.op == Op::Mul ? AffineStage::Mul
+                     : run_arg == 0      ? AffineStage::Sub
+                                         : AffineStage::RSub;
+        ++count;
+      } else {
+        break;
+      }
+      if (i == k) st.input_arg = run_arg;
+    }
+    st.count = i - k;
+    if (st.count >= 2) {
+      step_at[k] = static_cast<int>(steps.size());
+      steps.push_back(st);
+      k = i;
+    } else {
+      k += 1;
+    }
+  }
 }
 
 void init_geometry(ExecJob* job) {
@@ -97,7 +182,13 @@ void init_geometry(ExecJob* job) {
     job->rows_per_block = job->inner ? kBlock / job->inner : 1;
     job->num_blocks = (job->rows + job->rows_per_block - 1) / job->rows_per_block;
   }
-  job->blocks_per_task = std::max<int64_t>(1, kTaskElements / kBlock);
+  // About kTaskElements per task, in tasks of equal size whose count is a multiple of 4 when
+  // there are several: the thread pool hands each thread a contiguous share of the tasks, so
+  // 1e5 elements as 32+32+32+2 blocks gave one of two threads 64 blocks and the other 34.
+  const int64_t target = std::max<int64_t>(1, kTaskElements / kBlock);
+  int64_t tasks = (job->num_blocks + target - 1) / target;
+  if (tasks > 1) tasks = std::min(job->num_blocks, (tasks + 3) & ~static_cast<int64_t>(3));
+  job->blocks_per_task = tasks > 0 ? (job->num_blocks + tasks - 1) / tasks : 1;
   job->num_tasks = (job->num_blocks + job->blocks_per_task - 1) / job->blocks_per_task;
 }
 

@@ -5,7 +5,8 @@
 // (numexpr's model): intermediates stay in L1, loops vectorize, dispatch costs once per block.
 // Inputs are read in place when they are already contiguous in the compute type, as a scalar
 // when constant over the block (broadcast), and converted into a register otherwise. Results
-// that are outputs of the compute type are written straight into the output tensor.
+// that are outputs of the compute type are written straight into the output tensor. The AVX2
+// build runs some float32 instruction runs (FusedStep) as one loop instead.
 //
 // Blocks are grouped into tasks run on onnxruntime's intra-op thread pool through
 // KernelContext_ParallelFor; each thread keeps its registers in thread-local scratch memory.
@@ -21,6 +22,34 @@ namespace onnxfuse {
 constexpr int64_t kBlock = 1024;            // elements per register block
 constexpr int64_t kTaskElements = 1 << 15;  // elements per parallel task (amortizes scheduling)
 
+// A run of consecutive instructions of a float32 program that the AVX2 build evaluates in one
+// pass over the block, each vector kept in a register from the first instruction to the last:
+// up to kMaxAffine affine stages (add, sub or mul of the running value and one other operand),
+// then optionally one of the unary functions that build vectorizes (fusable_unary), then up to
+// kMaxAffine more affine stages. Every result but the last is read only by the next instruction
+// of the run and is no output, so it needs no register. The baseline build runs the instructions
+// one at a time.
+constexpr int kMaxAffine = 2;
+
+struct AffineStage {
+  enum Kind : uint8_t { Add, Sub, RSub, Mul };  // x + o, x - o, o - x, x * o for running value x
+  Kind kind;
+  int instr;  // the instruction it evaluates
+  int other;  // which argument of that instruction is the other operand
+};
+
+struct FusedStep {
+  int first = 0, count = 0;  // instructions [first, first + count)
+  int input_arg = 0;         // the argument of instruction `first` that is the running value
+  int num_pre = 0, num_post = 0;
+  bool has_unary = false;
+  Op unary = Op::Exp;
+  AffineStage stages[2 * kMaxAffine];  // num_pre before the unary function, num_post after it
+};
+
+// The unary opcodes a FusedStep may hold.
+bool fusable_unary(Op op);
+
 // A Program with registers assigned, built once per kernel.
 struct CompiledProgram {
   Program program;
@@ -30,8 +59,15 @@ struct CompiledProgram {
   // For each value: the output it is written into directly when that output has the compute
   // type, -1 otherwise.
   std::vector<int> direct_output;
+  // Runs of two or more instructions evaluated in one pass (float32 programs only), and for each
+  // instruction the index of the run it starts, -1 where none starts.
+  std::vector<FusedStep> steps;
+  std::vector<int> step_at;
 
   explicit CompiledProgram(Program p);
+
+ private:
+  void plan_fused_steps();
 };
 
 struct ExecInput {

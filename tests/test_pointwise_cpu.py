@@ -293,6 +293,49 @@ def test_one_and_two_threads_give_identical_results():
     check(text, arrays, threads=1)
 
 
+# Runs of affine instructions around one transcendental, each result read once by the next: the
+# AVX2 build evaluates such a run in one pass (kernels/pointwise_cpu.h, FusedStep). Writing every
+# intermediate as an output too stops that (each is read twice), so the two programs must agree
+# bit for bit: the fused pass performs the same IEEE operations.
+FUSED_RUNS = [
+    "t0 = mul x0 0.9\nt1 = add t0 x1\nt2 = tanh t1\nt3 = mul t2 x1\n",
+    "t0 = sub 1.5 x0\nt1 = sub t0 x1\nt2 = sigmoid t1\nt3 = sub x1 t2\nt4 = sub t3 0.25\n",
+    "t0 = mul x1 x0\nt1 = exp t0\nt2 = add 1.0 t1\nt3 = mul x2 t2\n",
+    "t0 = add x0 x2\nt1 = log t0\nt2 = mul t1 t1\n",
+    "t0 = erf x0\nt1 = mul t0 0.5\nt2 = add t1 0.5\nt3 = mul t2 x0\nt4 = exp t3\n",
+    "t0 = sub x0 x1\nt1 = mul t0 -0.0\nt2 = add t1 -0.0\nt3 = sigmoid t2\nt4 = tanh t3\n",
+    "t0 = mul x0 x0\nt1 = add t0 x0\nt2 = sub t1 x2\nt3 = exp t2\nt4 = mul t3 3.0\nt5 = sub 2.0 t4\n",
+    "t0 = sub 2.0 x0\nt1 = sub t0 x1\n",
+    "t0 = add x0 x1\nt1 = sub 0.5 t0\n",
+    "t0 = mul x2 x0\nt1 = mul x1 t0\n",
+]
+
+
+def _with_intermediates_out(run: str, n_inputs: int) -> tuple[str, str]:
+    lines = [f"in x{i} f32" for i in range(n_inputs)] + run.strip().splitlines()
+    last = lines[-1].split()[0]
+    fused = "\n".join(lines + [f"out {last} f32"]) + "\n"
+    temps = [line.split()[0] for line in run.strip().splitlines()]
+    stepwise = "\n".join(lines + [f"out {last} f32"] + [f"out {t} f32" for t in temps[:-1]]) + "\n"
+    return fused, stepwise
+
+
+@pytest.mark.parametrize("run", FUSED_RUNS)
+@pytest.mark.parametrize("shapes", [[(1,), (1,), (1,)], [(7,), (7,), (1,)], [(1031,), (1031,), (1031,)],
+                                    [(3, 2053), (2053,), (3, 1)], [(40, 5), (1, 5), (40, 1)],
+                                    [(9000,), (1,), (9000,)], [(1,), (4099,), (1,)]])
+def test_fused_runs_give_the_bits_of_one_instruction_at_a_time(run, shapes):
+    rng = np.random.default_rng(zlib.crc32((run + str(shapes)).encode()))
+    arrays = [sample(s, rng).astype(np.float32) for s in shapes]
+    # Values past exp's fast range (|x| > 86) and signed zeros, in every vector somewhere.
+    arrays[0].reshape(-1)[::37] = np.resize(np.float32([90.0, -100.0, -0.0, 0.0, 87.5, -86.5]),
+                                            arrays[0].reshape(-1)[::37].size)
+    fused, stepwise = _with_intermediates_out(run, 3)
+    got = check(fused, arrays)[0]
+    want = run_kernel(stepwise, arrays)[0][0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_outputs_may_repeat_values_and_pass_inputs_through():
     rng = np.random.default_rng(4)
     text = "in x0 f32\nin x1 f32\nt0 = add x0 x1\nt1 = neg t0\nout t0 f32\nout t0 f32\nout x1 f32\nout t1 f64\nout x0 f16\n"
