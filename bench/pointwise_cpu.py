@@ -1,7 +1,9 @@
 """The CPU Pointwise kernel vs the same op chain as separate onnxruntime nodes.
 
 Each chain is a run of elementwise ops that onnxruntime's own graph optimizer (ORT_ENABLE_ALL)
-does not fuse: arithmetic with a second input and constants, mixed with Tanh, Sigmoid and Exp.
+does not fuse: arithmetic with a second input and constants, mixed with Tanh, Sigmoid and Exp
+(--cycle transcendental, the default), or cheap arithmetic alone (--cycle arithmetic: Mul, Add,
+Max, Sub, Div, Abs), where separate nodes are bound by their passes over memory.
 For every chain length, size and thread count both models run in onnxruntime's CPU provider,
 interleaved (A B B A per round, so drift on a shared host hits both alike), inputs and outputs
 bound once (IOBinding) so both sides pay the same fixed costs; the table shows medians and
@@ -10,6 +12,7 @@ Outputs of the two models are compared before timing.
 
     python bench/pointwise_cpu.py --out bench/results/pointwise_cpu.md
     python bench/pointwise_cpu.py --sizes 1e5 1e6 --chains 4 --threads 1 --seconds 0.5
+    python bench/pointwise_cpu.py --cycle arithmetic --out bench/results/pointwise_cpu_arithmetic.md
 """
 from __future__ import annotations
 
@@ -30,28 +33,44 @@ from onnxfuse import runtime
 from onnxfuse.program import Program
 
 # One step of a chain: (ONNX op, second operand: "y" the second input, a float constant, or None;
-# program opcode). The cycle keeps values bounded for any length and never forms a pattern
+# program opcode). The cycles keep values bounded for any length and never form a pattern
 # onnxruntime fuses (x * sigmoid(a * x), Add + LayerNorm, Gelu forms...).
-CYCLE = [
-    ("Mul", 0.9, "mul"),
-    ("Add", "y", "add"),
-    ("Tanh", None, "tanh"),
-    ("Mul", "y", "mul"),
-    ("Sigmoid", None, "sigmoid"),
-    ("Sub", 0.25, "sub"),
-    ("Exp", None, "exp"),
-    ("Add", "y", "add"),
-]
+CYCLES = {
+    # A third of the ops transcendental: bounded by their arithmetic once fused.
+    "transcendental": [
+        ("Mul", 0.9, "mul"),
+        ("Add", "y", "add"),
+        ("Tanh", None, "tanh"),
+        ("Mul", "y", "mul"),
+        ("Sigmoid", None, "sigmoid"),
+        ("Sub", 0.25, "sub"),
+        ("Exp", None, "exp"),
+        ("Add", "y", "add"),
+    ],
+    # Cheap arithmetic only (bias, scale, clamp, residual): separate nodes are bound by their
+    # passes over memory, which fusion removes.
+    "arithmetic": [
+        ("Mul", 0.9, "mul"),
+        ("Add", "y", "add"),
+        ("Max", 0.1, "max"),
+        ("Sub", 0.25, "sub"),
+        ("Mul", "y", "mul"),
+        ("Div", 1.5, "div"),
+        ("Abs", None, "abs"),
+        ("Add", "y", "add"),
+    ],
+}
+CYCLE = CYCLES["transcendental"]
 
 
-def chain_models(length: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+def chain_models(length: int, cycle: list = CYCLE) -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """(separate nodes, one Pointwise node) computing the same chain over x and y: float[n]."""
     nodes, inits = [], []
     prog = Program()
     x, y = prog.add_input("f32"), prog.add_input("f32")
     cur_name, cur_val = "x", x
     for k in range(length):
-        op, operand, opcode = CYCLE[k % len(CYCLE)]
+        op, operand, opcode = cycle[k % len(cycle)]
         out = "out" if k == length - 1 else f"t{k}"
         if operand is None:
             nodes.append(helper.make_node(op, [cur_name], [out]))
@@ -105,11 +124,12 @@ class Runner:
         return self._out_value.numpy().copy()
 
 
-def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds: int, max_rounds: int) -> dict:
+def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds: int, max_rounds: int,
+               cycle: list = CYCLE) -> dict:
     rng = np.random.default_rng(size + length)
     x = rng.standard_normal(size).astype(np.float32)
     y = rng.standard_normal(size).astype(np.float32)
-    separate, fused = chain_models(length)
+    separate, fused = chain_models(length, cycle)
     a = Runner(separate, threads, x, y)
     b = Runner(fused, threads, x, y)
     np.testing.assert_allclose(b.result(), a.result(), rtol=1e-5, atol=1e-5)
@@ -155,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=1.0, help="time per case (each model), at least")
     ap.add_argument("--min-rounds", type=int, default=5, help="A B B A rounds per case, at least")
     ap.add_argument("--max-rounds", type=int, default=2000, help="rounds per case, at most")
+    ap.add_argument("--cycle", choices=sorted(CYCLES), default="transcendental",
+                    help="the ops the chains cycle through (default: transcendental)")
     ap.add_argument("--out", help="write the markdown report here")
     args = ap.parse_args(argv)
 
@@ -164,21 +186,21 @@ def main(argv=None) -> int:
             for length in args.chains:
                 # The 1e7 cases take 10-200 ms per run: a few rounds give a stable median.
                 rounds = (args.min_rounds, 10) if size >= 10**7 else (args.min_rounds, args.max_rounds)
-                r = bench_case(length, size, threads, args.seconds, *rounds)
+                r = bench_case(length, size, threads, args.seconds, *rounds, cycle=CYCLES[args.cycle])
                 rows.append(r)
                 print(f"threads {threads} n {size:>9} chain {length:>2}: separate {r['ms'][0]:9.3f} ms, "
                       f"Pointwise {r['ms'][1]:9.3f} ms, x{r['ratio']:.2f} ({r['runs']} runs each)", file=sys.stderr)
 
     cmd = "python bench/pointwise_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        "# Pointwise CPU kernel vs separate onnxruntime nodes",
+        f"# Pointwise CPU kernel vs separate onnxruntime nodes ({args.cycle} chains)",
         "",
         f"Command: `{cmd.strip()}`",
         f"Date: {datetime.date.today().isoformat()}. Commit: {commit()}. Machine: {machine()} (shared host).",
         f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
         "",
         "Chains over x, y: float32[n] of ops onnxruntime does not fuse, cycling "
-        + ", ".join(f"{op}({'x' if o is None else 'x, ' + str(o)})" for op, o, _ in CYCLE)
+        + ", ".join(f"{op}({'x' if o is None else 'x, ' + str(o)})" for op, o, _ in CYCLES[args.cycle])
         + "; ORT_ENABLE_ALL for both models, intra-op threads as listed; inputs and output bound once"
         " (IOBinding). Models timed interleaved (A B B A per round); median latency shown;"
         " ratio = separate / Pointwise (> 1: Pointwise faster).",
