@@ -163,6 +163,12 @@ def lower_node(
     if op in PARAM_UNARY:
         name, params = PARAM_UNARY[op]
         return [emit(name, a, params=[_attr_float(attrs, k, d) for k, d in params])]
+    if op == "Pow" and in_types[0] in (TensorProto.FLOAT, TensorProto.DOUBLE) \
+            and isinstance(args[1], (int, float)) and float(args[1]) in (2.0, 3.0):
+        # onnxruntime computes x^2 and x^3 as x * x and (x * x) * x (bit for bit); a general
+        # pow per element would be both slower and a rounding away from it.
+        square = emit("mul", a, a)
+        return [square if float(args[1]) == 2.0 else emit("mul", square, a)]
     if op in BINARY:
         return [emit(BINARY[op], a, args[1])]
     if op in VARIADIC:

@@ -265,8 +265,24 @@ def test_float64_op():
 
 
 def test_constant_integer_exponent_is_a_literal():
-    prog = run_case("Pow", [var((3, 4), kind="pos"), ("const", np.array(3, np.int64), T.INT64)], opset=13)
-    assert prog.instrs[0].args[1] == 3.0
+    prog = run_case("Pow", [var((3, 4), kind="pos"), ("const", np.array(5, np.int64), T.INT64)], opset=13)
+    assert prog.instrs[0].args[1] == 5.0
+
+
+@pytest.mark.parametrize("exponent", [2.0, 3.0])
+def test_square_and_cube_are_multiplies_that_match_onnxruntime_bit_for_bit(exponent):
+    # onnxruntime's CPU Pow computes x^2 and x^3 as x * x and (x * x) * x, not with pow().
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32) * 10
+    prog = run_case("Pow", [("var", x, T.FLOAT), ("const", np.array(exponent, np.float32), T.FLOAT)])
+    assert [i.op for i in prog.instrs] == ["mul"] * int(exponent - 1)
+    g = helper.make_graph([helper.make_node("Pow", ["x", "e"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", T.FLOAT, [x.size])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [x.size])],
+                          [numpy_helper.from_array(np.array(exponent, np.float32), "e")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.array_equal(prog.evaluate(x)[0], want)
 
 
 def test_every_supported_op_is_tested():
