@@ -1,6 +1,7 @@
 """onnxfuse.Attention's CPU kernel against numpy (float64) and against its fallback function, in
-the AVX2 and the baseline build, at one and two threads: packed and separate q/k/v, Sq != Sk,
-dh != dv, masks of every broadcast shape, rows masked out entirely, empty tensors."""
+the AVX2 and the baseline build, at one and two threads: packed (with and without the projection's
+bias) and separate q/k/v, Sq != Sk, dh != dv, masks of every broadcast shape, rows masked out
+entirely, empty tensors."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,6 +50,29 @@ def test_packed_kernel_matches_numpy_and_the_fallback(heads, dh, b, s, build):
     want = reference(q, k, v, feeds["mask"], heads, 1 / np.sqrt(dh))
     for got in run_three_ways(opt, feeds):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads,dh", [(1, 1), (4, 32), (3, 21), (2, 64)])
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 5), (1, 33), (3, 70)])
+def test_packed_kernel_with_the_projection_bias_matches_numpy_and_the_fallback(heads, dh, b, s, build):
+    """The folded bias added to q rows, the key panel (8 x 8 blocks and the edges) and v."""
+    opt = optimized(heads=heads, dh=dh, scale_value=float(np.sqrt(dh)), qkv_bias="last")
+    assert len(fused(opt)[0].input) == 3  # qkv, mask, bias
+    feeds = feeds_for(opt, b, s, seed=heads * 1000 + s + 1)
+    q, k, v = packed_inputs(opt, feeds["x"])
+    want = reference(q, k, v, feeds["mask"], heads, 1 / np.sqrt(dh))
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+def test_bias_of_the_wrong_size_is_an_error_naming_it():
+    opt = optimized(heads=2, dh=8, qkv_bias="last")
+    bias = next(t for t in opt.graph.initializer if t.name == fused(opt)[0].input[2])
+    bias.dims[:] = [47]
+    del bias.float_data[:]
+    bias.raw_data = np.zeros(47, np.float32).tobytes()
+    with pytest.raises(Exception, match="bias of shape"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, feeds_for(opt, 1, 3))
 
 
 @pytest.mark.parametrize("mask", [None, (1, 1, "Sq", "Sk"), ("B", 1, 1, "Sk"), ("B", 3, "Sq", "Sk"), (1, 3, 1, 1),
