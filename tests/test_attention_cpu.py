@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from attention_cases import CASES, case_id, fused_model
 from attention_models import attention_model, packed_inputs, reference
 from onnxfuse import runtime
 from test_pass_attention import PASS, feeds_for, fused
@@ -149,3 +150,33 @@ def test_causal_mask_rows_skip_no_weight_and_keep_nan(masked, build):
     assert rows[:, 2].all() and rows.sum() == 2
     np.testing.assert_array_equal(np.isnan(kernel), np.isnan(fallback))
     np.testing.assert_array_equal(np.isnan(kernel2), np.isnan(fallback))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.bias], ids=case_id)
+def test_node_with_a_bias_input_agrees_with_its_fallback_and_numpy(case, build):
+    """A hand-built node whose bias is a graph input (not a constant): the library's kernel and the
+    fallback function (library not loaded) against float64 numpy."""
+    model = fused_model(case)
+    feeds = case.feeds(seed=9)
+    want = case.reference(feeds)
+    for with_library in (True, False):
+        for threads in (1, 2):
+            got = runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0]
+            assert_close(got, want)
+
+
+def test_infinite_key_bias_makes_its_head_nan_like_the_fallback(build):
+    """q . (k_t + bias_k) shifts a row's scores by q . bias_k, which softmax cancels; an infinite
+    key bias element shows that the panel carries the bias of its own head: that head's rows are
+    NaN in the fallback and must be in the kernel."""
+    case = next(c for c in CASES if c.bias and c.has_mask)
+    feeds = case.feeds(seed=10)
+    feeds["bias"][case.heads * case.dh + 2 * case.dh + 5] = np.inf  # head 2's keys, column 5
+    model = fused_model(case)
+    fallback = runtime.make_session(model, threads=1, with_library=False).run(None, feeds)[0]
+    head = np.isnan(fallback[..., 2 * case.dh:3 * case.dh])
+    assert head.all() and np.isnan(fallback).sum() == head.size
+    for threads in (1, 2):
+        got = runtime.make_session(model, threads=threads, with_library=True).run(None, feeds)[0]
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(fallback))
+        assert_close(np.nan_to_num(got), np.nan_to_num(fallback))
