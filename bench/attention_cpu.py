@@ -9,6 +9,10 @@ time. CPU provider, ORT_ENABLE_ALL applied after our passes, the library loaded 
 optimized model.
 
     python bench/attention_cpu.py [--rounds 60] [--out bench/results/attention_cpu.md]
+                                  [--before OPTIMIZED.onnx]
+
+--before: gpt_stack as an earlier commit optimized it (onnxfuse optimize zoo:gpt_stack OUT at
+that commit), timed interleaved against this commit's optimization, both with this library.
 """
 from __future__ import annotations
 
@@ -26,18 +30,20 @@ import onnx
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def interleaved(sess_a, sess_b, feeds, threads: int, rounds: int, burst: int) -> tuple[float, float, float]:
-    """(median ms of a, median ms of b, median per-round ratio b / a)."""
+def interleaved(sess_a, sess_b, feeds, threads: int, rounds: int, burst: int, feeds_b=None) -> tuple[float, float, float]:
+    """(median ms of a, median ms of b, median per-round ratio b / a); b runs on feeds_b if given."""
     clock = time.thread_time if threads == 1 else time.perf_counter
+    inputs = {id(sess_a): feeds, id(sess_b): feeds if feeds_b is None else feeds_b}
     for s in (sess_a, sess_b):
         for _ in range(10):
-            s.run(None, feeds)
+            s.run(None, inputs[id(s)])
 
     def one_burst(s):
+        f = inputs[id(s)]
         ts = []
         for _ in range(burst):
             t = clock()
-            s.run(None, feeds)
+            s.run(None, f)
             ts.append(clock() - t)
         return float(np.median(ts))
 
@@ -53,15 +59,20 @@ def interleaved(sess_a, sess_b, feeds, threads: int, rounds: int, burst: int) ->
     return float(np.median(ta)) * 1e3, float(np.median(tb)) * 1e3, float(np.median(ratios))
 
 
-def block_model(seq: int, heads: int, head_dim: int, batch: int):
-    """One GPT attention block (QKV projection, Split, heads, causal mask, merge) at static sizes."""
+def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "last"):
+    """One GPT attention block (QKV projection and its bias, Split, heads, causal mask, merge) at
+    static sizes. bias "input": the bias a graph input, so fuse-attention leaves its Add separate."""
     sys.path.insert(0, str(ROOT / "tests"))
     from attention_models import attention_model
 
     causal = np.triu(np.full((seq, seq), -1e9, np.float32), 1)[None, None]
-    m = attention_model(heads=heads, dh=head_dim, mask=None, mask_const=causal, scale_value=float(np.sqrt(head_dim)))
-    x = np.random.default_rng(0).standard_normal((batch, seq, heads * head_dim)).astype(np.float32)
-    return m, {"x": x}
+    m = attention_model(heads=heads, dh=head_dim, mask=None, mask_const=causal, scale_value=float(np.sqrt(head_dim)),
+                        qkv_bias=bias)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((batch, seq, heads * head_dim)).astype(np.float32)}
+    if bias == "input":
+        feeds["qkv_bias"] = rng.standard_normal(3 * heads * head_dim).astype(np.float32)
+    return m, feeds
 
 
 def main(argv=None) -> int:
@@ -70,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--burst", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2, help="times each end-to-end row is measured")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--before", default=None, help="gpt_stack optimized at an earlier commit")
     args = ap.parse_args(argv)
     import onnxruntime
 
@@ -81,7 +93,8 @@ def main(argv=None) -> int:
     optimized = result.model
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     lines = ["# Attention on the CPU: fused multi-head attention vs onnxruntime's chain", "",
-             f"Command: `python bench/attention_cpu.py --rounds {args.rounds} --burst {args.burst} --repeats {args.repeats}`", "",
+             f"Command: `python bench/attention_cpu.py --rounds {args.rounds} --burst {args.burst} --repeats {args.repeats}"
+             + (f" --before {args.before}" if args.before else "") + "`", "",
              f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. Machine: "
              f"{platform.machine()}, 2-core VM shared with other jobs while measuring; onnxruntime {onnxruntime.__version__}, "
              f"onnx {onnx.__version__}, Python {platform.python_version()}.", "",
@@ -100,19 +113,46 @@ def main(argv=None) -> int:
                 row = f"| {threads} | {batch} | {seq} | {a:.3f} | {b:.3f} | {r:.3f} |"
                 print(row, flush=True)
                 lines.append(row)
-    lines += ["", "## One attention block (QKV MatMul + attention), batch 1, 4 heads of 32, causal mask, 1 thread", "",
-              f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys).", "",
-              "| seq | onnxruntime chain us | fused us | ratio |", "|---:|---:|---:|---:|"]
+    if args.before:
+        before = onnx.load(args.before)
+        lines += ["", f"## gpt_stack: this commit's optimization against `{args.before}`", "",
+                  "Both with this library, 1 thread, interleaved; ratio = this commit / before.", "",
+                  "| batch | seq | before ms | now ms | ratio |", "|---:|---:|---:|---:|---:|"]
+        sa = runtime.make_session(before, threads=1)
+        sb = runtime.make_session(optimized, threads=1)
+        for batch, seq in ((2, 32), (1, 32), (2, 64)):
+            feeds = {"input_ids": np.random.default_rng(batch * 100 + seq).integers(0, 256, (batch, seq)).astype(np.int64)}
+            for _ in range(args.repeats + 1):
+                a, b, r = interleaved(sa, sb, feeds, 1, args.rounds, args.burst)
+                row = f"| {batch} | {seq} | {a:.3f} | {b:.3f} | {r:.3f} |"
+                print(row, flush=True)
+                lines.append(row)
+    lines += ["", "## One attention block (QKV MatMul + bias + attention), batch 1, 4 heads of 32, causal mask, 1 thread", "",
+              f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys). "
+              "'bias separate': the bias a graph input, so its Add stays a kernel before the Attention node; "
+              "'bias folded': a constant bias, added by the Attention kernel.", "",
+              "| seq | onnxruntime chain us | fused, bias separate us | fused, bias folded us | folded / onnxruntime "
+              "| folded / separate |", "|---:|---:|---:|---:|---:|---:|"]
     from onnxfuse.pipeline import Context, run_passes, select_passes
 
+    def fuse(m):
+        # The cuda rule fuses at any length (opted in); the node runs on the CPU kernel here.
+        ctx = Context(target="cuda", options={"attention_cuda": True})
+        fused, n = run_passes(m, select_passes(["fuse-attention"], "cpu"), ctx)
+        assert sum(1 for x in fused.graph.node if x.op_type == "Attention") == 1, "fuse-attention did not apply"
+        return fused
+
+    rounds = max(10, args.rounds // 3)
     for seq in (32, 64, 128, 256, 512):
         m, feeds = block_model(seq, 4, 32, 1)
-        ctx = Context(target="cuda")  # the cuda rule fuses at any length; the node runs on the CPU kernel here
-        fused, _ = run_passes(m, select_passes(["fuse-attention"], "cpu"), ctx)
+        m_sep, feeds_sep = block_model(seq, 4, 32, 1, bias="input")
+        feeds["x"] = feeds_sep["x"]
         sa = runtime.make_session(m, threads=1)
-        sb = runtime.make_session(fused, threads=1, with_library=True)
-        a, b, r = interleaved(sa, sb, feeds, 1, max(10, args.rounds // 3), args.burst)
-        row = f"| {seq} | {a * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} |"
+        sb = runtime.make_session(fuse(m), threads=1, with_library=True)
+        sc = runtime.make_session(fuse(m_sep), threads=1, with_library=True)
+        a, b, r = interleaved(sa, sb, feeds, 1, rounds, args.burst)
+        c, b2, r2 = interleaved(sc, sb, feeds_sep, 1, rounds, args.burst, feeds_b=feeds)
+        row = f"| {seq} | {a * 1e3:.1f} | {c * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} | {r2:.3f} |"
         print(row, flush=True)
         lines.append(row)
     text = "\n".join(lines) + "\n"

@@ -2,9 +2,10 @@
 // (fuse-attention's fused op; the contract is in passes/attention.py).
 //
 //   inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask)
-//            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask), q/k/v its column blocks 0, D, 2D
+//            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask) (, bias), q/k/v its column blocks 0, D, 2D
 //            mask: float32, additive, broadcastable to [B, H, Sq, Sk] (rank <= 4)
-//   attrs    num_heads, scale, has_mask, qkv_packed
+//            bias: [3*H*dh] (has_bias, packed only), added to qkv's columns as they are read
+//   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0)
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
 //
 // q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
@@ -14,6 +15,11 @@
 // their scores against 16 keys at a time (an AVX2 register tile over the key panel), scale and
 // mask, a max-subtracted softmax, and the weighted sum of v rows, 16 output columns at a time.
 // Nothing of size [Sq, Sk] leaves the cache.
+//
+// The packed projection's bias (has_bias) is added where q, k, v are read: to a copy of the
+// query rows of a register tile, to the keys as they are packed into the panel, and to the
+// output as bias_v[j] (sum_t p[t] * (v[t, j] + bias_v[j]) = sum_t p[t] * v[t, j] + bias_v[j]
+// with p normalized), so no [B, S, 3*H*dh] pass of its own.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -51,6 +57,7 @@ struct View {
 struct Job {
   View q, k, v;
   const float* mask;  // null without one
+  const float* bias;  // [3 * H * dh] (packed qkv's q, k, v column blocks), null without one
   int64_t mask_stride[4];  // [B, H, Sq, Sk] strides, 0 on broadcast axes
   float* out;              // [B, Sq, H * dv]
   float* keys;             // per (b, h): the [dh, ld] key panel, ld = Sk rounded up to kKeyTile
@@ -67,14 +74,38 @@ std::vector<float>& score_scratch() {
   return s;
 }
 
+// Per-thread scratch: kRows query rows of dh floats with the bias added.
+std::vector<float>& query_scratch() {
+  thread_local std::vector<float> s;
+  return s;
+}
+
+// dst[r * dh + i] = q[r * q_stride + i] + bias[i] for `rows` rows.
+void biased_rows(const float* q, int64_t q_stride, const float* bias, int64_t rows, int64_t dh, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < dh; ++i) dst[r * dh + i] = q[r * q_stride + i] + bias[i];
+}
+
+// out[r * out_stride + j] += bias[j]: v's bias, through normalized probabilities.
+void add_value_bias(float* out, int64_t out_stride, int64_t rows, const float* bias, int64_t dv) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < dv; ++j) out[r * out_stride + j] += bias[j];
+}
+
 int64_t padded_keys(int64_t sk) { return (sk + kKeyTile - 1) / kKeyTile * kKeyTile; }
 
-// keys[i * ld + t] = k[t, i] for t < sk, zero for sk <= t < ld. Key rows are read in memory
-// order; the writes go to dh panel rows at once, each advancing one float per key.
-void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
+// keys[i * ld + t] = k[t, i] (+ bias[i] when bias is not null) for t < sk, zero for sk <= t < ld.
+// Key rows are read in memory order; the writes go to dh panel rows at once, each advancing one
+// float per key.
+void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, const float* bias,
+               float* keys) {
   for (int64_t t = 0; t < sk; ++t) {
     const float* row = k + t * row_stride;
-    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = row[i];
+    if (bias != nullptr) {
+      for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = row[i] + bias[i];
+    } else {
+      for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = row[i];
+    }
   }
   for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
 }
@@ -101,13 +132,19 @@ float softmax_base(float* scores, int64_t sk, float mx) {
   return 1.0f / sum;
 }
 
-// Rows [r0, r0 + rows) of one (b, h): portable version.
+// Rows [r0, r0 + rows) of one (b, h): portable version. q_bias / v_bias: this head's slices of
+// the bias, or null.
 void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
-               float* out, int64_t r0, int64_t rows, float* scores) {
+               const float* q_bias, const float* v_bias, float* out, int64_t r0, int64_t rows, float* scores,
+               float* q_rows) {
   const int64_t sk = job.sk, dh = job.dh, dv = job.dv;
   const int64_t out_stride = job.heads * dv;
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + (r0 + r) * job.q.row_stride;
+    if (q_bias != nullptr) {
+      biased_rows(qr, job.q.row_stride, q_bias, 1, dh, q_rows);
+      qr = q_rows;
+    }
     float* s = scores;
     for (int64_t t = 0; t < sk; ++t) s[t] = 0.0f;
     for (int64_t i = 0; i < dh; ++i) {
@@ -127,6 +164,7 @@ void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, co
     }
     for (int64_t j = 0; j < dv; ++j) o[j] *= inv;
   }
+  if (v_bias != nullptr) add_value_bias(out + r0 * out_stride, out_stride, rows, v_bias, dv);
 }
 
 #if defined(__x86_64__)
@@ -198,13 +236,20 @@ inline bool dead8(const float* s, __m256 vmx) {
   return _mm256_movemask_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_NLT_UQ)) == 0;
 }
 
-// pack_keys with 8 x 8 blocks transposed in registers; the edges as pack_keys does them.
-void pack_keys_avx2(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, float* keys) {
+// pack_keys with 8 x 8 blocks transposed in registers (the bias added to the rows before); the
+// edges as pack_keys does them.
+void pack_keys_avx2(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64_t ld, const float* bias,
+                    float* keys) {
   const int64_t sk8 = sk / 8 * 8, dh8 = dh / 8 * 8;
+  auto at = [&](int64_t t, int64_t i) { return bias != nullptr ? k[t * row_stride + i] + bias[i] : k[t * row_stride + i]; };
   for (int64_t t0 = 0; t0 < sk8; t0 += 8) {
     for (int64_t i0 = 0; i0 < dh8; i0 += 8) {
       __m256 r[8];
       for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(k + (t0 + j) * row_stride + i0);
+      if (bias != nullptr) {
+        const __m256 b = _mm256_loadu_ps(bias + i0);
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_add_ps(r[j], b);
+      }
       const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
       const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
       const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -220,10 +265,10 @@ void pack_keys_avx2(const float* k, int64_t row_stride, int64_t sk, int64_t dh, 
       for (int j = 0; j < 8; ++j) _mm256_storeu_ps(keys + (i0 + j) * ld + t0, c[j]);
     }
     for (int64_t t = t0; t < t0 + 8; ++t)
-      for (int64_t i = dh8; i < dh; ++i) keys[i * ld + t] = k[t * row_stride + i];
+      for (int64_t i = dh8; i < dh; ++i) keys[i * ld + t] = at(t, i);
   }
   for (int64_t t = sk8; t < sk; ++t)
-    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = k[t * row_stride + i];
+    for (int64_t i = 0; i < dh; ++i) keys[i * ld + t] = at(t, i);
   for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
 }
 
@@ -301,8 +346,13 @@ inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, cons
 
 template <int R>
 void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
-               float* out, int64_t r0, float* scores) {
-  scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, job.dh, scores);
+               const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores, float* q_rows) {
+  if (q_bias != nullptr) {
+    biased_rows(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, R, job.dh, q_rows);
+    scores_tile<R>(q_rows, job.dh, keys, ld, job.dh, scores);
+  } else {
+    scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, job.dh, scores);
+  }
   float inv[R];
   for (int r = 0; r < R; ++r) {
     float* s = scores + r * ld;
@@ -312,17 +362,28 @@ void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
   }
   const int64_t out_stride = job.heads * job.dv;
   weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, job.sk, job.dv, out + r0 * out_stride, out_stride);
+  if (v_bias != nullptr) {
+    for (int r = 0; r < R; ++r) {
+      float* o = out + (r0 + r) * out_stride;
+      int64_t j = 0;
+      for (; j + 8 <= job.dv; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_loadu_ps(v_bias + j)));
+      for (; j < job.dv; ++j) o[j] += v_bias[j];
+    }
+  }
 }
 
 void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
-               float* out, int64_t r0, int64_t rows, float* scores) {
+               const float* q_bias, const float* v_bias, float* out, int64_t r0, int64_t rows, float* scores,
+               float* q_rows) {
   int64_t r = r0;
   const int64_t end = r0 + rows;
-  for (; r + kRows <= end; r += kRows) tile_avx2<kRows>(job, q, keys, ld, v, mask_bh, out, r, scores);
+  for (; r + kRows <= end; r += kRows)
+    tile_avx2<kRows>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
   switch (end - r) {
-    case 3: tile_avx2<3>(job, q, keys, ld, v, mask_bh, out, r, scores); break;
-    case 2: tile_avx2<2>(job, q, keys, ld, v, mask_bh, out, r, scores); break;
-    case 1: tile_avx2<1>(job, q, keys, ld, v, mask_bh, out, r, scores); break;
+    case 3: tile_avx2<3>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 2: tile_avx2<2>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 1: tile_avx2<1>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
     default: break;
   }
 }
@@ -337,13 +398,15 @@ void pack_item(void* data, size_t index) {
   const int64_t b = bh / job.heads, h = bh % job.heads;
   const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
   float* keys = job.keys + bh * job.dh * job.ld;
+  // The bias's key block starts at column D = H * dh, as k's columns do in qkv.
+  const float* k_bias = job.bias == nullptr ? nullptr : job.bias + job.heads * job.dh + h * job.dh;
 #if defined(__x86_64__)
   if (job.avx2) {
-    pack_keys_avx2(k, job.k.row_stride, job.sk, job.dh, job.ld, keys);
+    pack_keys_avx2(k, job.k.row_stride, job.sk, job.dh, job.ld, k_bias, keys);
     return;
   }
 #endif
-  pack_keys(k, job.k.row_stride, job.sk, job.dh, job.ld, keys);
+  pack_keys(k, job.k.row_stride, job.sk, job.dh, job.ld, k_bias, keys);
 }
 
 // One work item: (b, h, block of query rows).
@@ -361,15 +424,19 @@ void run_item(void* data, size_t index) {
   const float* keys = job.keys + bh * job.dh * job.ld;
   const float* mask_bh = job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1];
   float* out = job.out + b * job.sq * job.heads * job.dv + h * job.dv;
+  const float* q_bias = job.bias == nullptr ? nullptr : job.bias + h * job.dh;
+  const float* v_bias = job.bias == nullptr ? nullptr : job.bias + 2 * job.heads * job.dh + h * job.dv;
   std::vector<float>& scores = score_scratch();
   scores.resize(static_cast<size_t>(kRows * job.ld));
+  std::vector<float>& q_rows = query_scratch();
+  if (q_bias != nullptr) q_rows.resize(static_cast<size_t>(kRows * job.dh));
 #if defined(__x86_64__)
   if (job.avx2) {
-    rows_avx2(job, q, keys, job.ld, v, mask_bh, out, r0, rows, scores.data());
+    rows_avx2(job, q, keys, job.ld, v, mask_bh, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
     return;
   }
 #endif
-  rows_base(job, q, keys, job.ld, v, mask_bh, out, r0, rows, scores.data());
+  rows_base(job, q, keys, job.ld, v, mask_bh, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
 }
 
 struct AttentionKernel {
@@ -378,7 +445,7 @@ struct AttentionKernel {
   std::string where;  // "onnxfuse Attention node 'NAME': ", the prefix of every error
   int64_t heads = 0;
   float scale = 1.0f;
-  bool has_mask = false, packed = false, avx2 = false;
+  bool has_mask = false, packed = false, has_bias = false, avx2 = false;
 };
 
 std::string where(const AttentionKernel* k) { return "onnxfuse Attention node '" + k->node_name + "': "; }
@@ -402,17 +469,26 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_float(info, "scale", &kernel->scale), w + "attribute 'scale': ");
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "has_mask", &has_mask), w + "attribute 'has_mask': ");
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "qkv_packed", &packed), w + "attribute 'qkv_packed': ");
+    int64_t has_bias = 0;  // optional: absent = 0
+    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, "has_bias", &has_bias)) {
+      api.ReleaseStatus(st);
+      has_bias = 0;
+    }
     kernel->has_mask = has_mask != 0;
     kernel->packed = packed != 0;
+    kernel->has_bias = has_bias != 0;
     if (kernel->heads <= 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "num_heads must be positive").c_str());
+    if (kernel->has_bias && !kernel->packed)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "has_bias needs qkv_packed = 1").c_str());
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), w);
-    const size_t want = (kernel->packed ? 1 : 3) + (kernel->has_mask ? 1 : 0);
+    const size_t want = (kernel->packed ? 1 : 3) + (kernel->has_mask ? 1 : 0) + (kernel->has_bias ? 1 : 0);
     if (n_in != want)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "expects " + std::to_string(want) + " inputs (" +
                                                      (kernel->packed ? "qkv" : "q, k, v") +
-                                                     (kernel->has_mask ? ", mask" : "") + "), got " +
+                                                     (kernel->has_mask ? ", mask" : "") +
+                                                     (kernel->has_bias ? ", bias" : "") + "), got " +
                                                      std::to_string(n_in)).c_str());
     kernel->avx2 = use_avx2_fma();
     *out = kernel.release();
@@ -498,6 +574,12 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         return invalid(api, w + "mask of shape " + shape_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
                                 shape_text(std::vector<int64_t>(target, target + 4)));
     }
+    if (k->has_bias) {
+      std::vector<int64_t> bd;
+      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "bias", &job.bias, &bd), "");
+      if (bd.size() != 1 || bd[0] != 3 * H * job.dh)
+        return invalid(api, w + "bias of shape " + shape_text(bd) + " is not [" + std::to_string(3 * H * job.dh) + "]");
+    }
     const int64_t out_dims[3] = {job.batch, job.sq, H * job.dv};
     OrtValue* y = nullptr;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &y), w);
@@ -539,7 +621,8 @@ OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault
 int min_arity(const OrtCustomOp*) { return 1; }
 int homogeneous(const OrtCustomOp*) { return 1; }
 
-// Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask).
+// Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
+// the bias when has_bias).
 OrtCustomOp make_op() {
   OrtCustomOp op;
   std::memset(&op, 0, sizeof(op));

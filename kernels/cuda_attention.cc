@@ -5,10 +5,11 @@
 //
 // Inputs (float32): qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask);
 // qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask), q, k, v read in place at its column offsets
-// 0, H*dh, 2*H*dh. mask: additive, broadcastable (rank <= 4) to [B, H, Sq, Sk]. Output
+// 0, H*dh, 2*H*dh. mask: additive, broadcastable (rank <= 4) to [B, H, Sq, Sk]. bias (has_bias,
+// packed only): [3*H*dh], added to qkv's columns as the kernel reads them. Output
 // out [B, Sq, H*dv]. The kernel is specialised for H, dh, dv, the scale, packing and the mask's
-// presence; B, Sq, Sk and the mask's broadcast strides are arguments, so one kernel serves every
-// batch and sequence length.
+// and bias's presence; B, Sq, Sk and the mask's broadcast strides are arguments, so one kernel
+// serves every batch and sequence length.
 //
 // Per call, on the host: shape checks, the argument words, one launch on onnxruntime's stream (no
 // synchronization, copies or allocation on the device, so CUDA graphs can capture it). Nothing is
@@ -28,14 +29,14 @@ namespace onnxfuse {
 namespace {
 
 constexpr const char* kAttentionOpName = "Attention";
-constexpr int64_t kAbiVersion = 1;  // attention_codegen.ABI_VERSION
+constexpr int64_t kAbiVersion = 2;  // attention_codegen.ABI_VERSION
 
 struct CudaAttentionKernel {
   OrtApiRef api;
   std::string where;  // "onnxfuse Attention node '<name>' (CUDA): ", built once
   cuda::StoredKernel kernel;
   int64_t heads, dh, dv, rows, threads;
-  bool packed, has_mask;
+  bool packed, has_mask, has_bias;
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
@@ -62,20 +63,23 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                                                      " (optimize the model again)").c_str());
     if (v[4] != 32 * v[3] || v[4] > 1024)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "cuda_block is not 32 * cuda_rows").c_str());
-    int64_t packed = 0, has_mask = 0;
+    int64_t packed = 0, has_mask = 0, has_bias = 0;
     cuda::int_attr(api, info, "qkv_packed", &packed);
     cuda::int_attr(api, info, "has_mask", &has_mask);
+    cuda::int_attr(api, info, "has_bias", &has_bias);  // absent = 0
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
-    const size_t expected = (packed ? 1 : 3) + (has_mask ? 1 : 0);
+    const size_t expected = (packed ? 1 : 3) + (has_mask ? 1 : 0) + (has_bias ? 1 : 0);
     if (n_in != expected)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the node has " + std::to_string(n_in) +
-                                                     " inputs, qkv_packed and has_mask say " +
+                                                     " inputs, qkv_packed, has_mask and has_bias say " +
                                                      std::to_string(expected)).c_str());
     if (packed && v[1] != v[2])
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "packed qkv needs cuda_dh == cuda_dv").c_str());
+    if (has_bias && !packed)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "has_bias needs qkv_packed = 1").c_str());
     *out = new CudaAttentionKernel{api,  where, cuda::StoredKernel(std::move(image)), v[0], v[1], v[2], v[3], v[4],
-                                   packed != 0, has_mask != 0};
+                                   packed != 0, has_mask != 0, has_bias != 0};
     return nullptr;
   } catch (const std::bad_alloc&) {
     return api.CreateStatus(ORT_FAIL, "onnxfuse Attention (CUDA): out of memory");
@@ -99,7 +103,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     auto invalid = [&](const std::string& msg) { return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + msg).c_str()); };
     std::vector<int64_t> qs, ks, vs, ms;
     ONNXTensorElementDataType qt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, kt = qt, vt = qt, mt = qt;
-    const void *q = nullptr, *kp = nullptr, *vp = nullptr, *mask = nullptr;
+    const void *q = nullptr, *kp = nullptr, *vp = nullptr, *mask = nullptr, *bias = nullptr;
     const int64_t H = k->heads;
     ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &qs, &qt, &q), where);
     if (qt != f32) return invalid("the kernel reads float32 tensors only");
@@ -144,6 +148,17 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         running *= dim;
       }
     }
+    if (k->has_bias) {
+      std::vector<int64_t> bs;
+      ONNXTensorElementDataType bt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      bool present = false;
+      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->has_mask ? 2 : 1, &bs, &bt, &bias, &present), where);
+      if (!present) return invalid("has_bias is 1 but the bias input is missing");
+      if (bt != f32) return invalid("the bias must be float32");
+      if (bs.size() != 1 || bs[0] != 3 * H * k->dh)
+        return invalid("the bias is " + dims_text(bs) + ", the kernel was generated for [" +
+                       std::to_string(3 * H * k->dh) + "]");
+    }
     const int64_t out_dims[3] = {batch, sq, H * k->dv};
     OrtValue* ov = nullptr;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &ov), where);
@@ -156,11 +171,12 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     if (batch > max_grid / H || batch * H > max_grid / row_blocks)
       return invalid("batch " + std::to_string(batch) + " x sequence " + std::to_string(sq) + " is too large");
 
-    // The argument struct of attention_codegen ABI 1, as 8-byte words.
-    int64_t words[12] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
+    // The argument struct of attention_codegen ABI 2, as 8-byte words.
+    int64_t words[13] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
                          static_cast<int64_t>(reinterpret_cast<uintptr_t>(kp)),
                          static_cast<int64_t>(reinterpret_cast<uintptr_t>(vp)),
                          static_cast<int64_t>(reinterpret_cast<uintptr_t>(mask)),
+                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(bias)),
                          static_cast<int64_t>(reinterpret_cast<uintptr_t>(out)),
                          batch,
                          sq,
@@ -189,8 +205,8 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
 void destroy_kernel(void* kernel) { delete static_cast<CudaAttentionKernel*>(kernel); }
 
 // The schema every registration of onnxfuse.Attention shares (registry.h; the CPU kernel's in
-// attention_cpu.cc): 1 to 4 float32 inputs, variadic and homogeneous (qkv or q, k, v, then the
-// mask when has_mask), one output.
+// attention_cpu.cc): float32 inputs, variadic and homogeneous (qkv or q, k, v, then the mask when
+// has_mask, then the bias when has_bias), one output.
 const char* op_name(const OrtCustomOp*) { return kAttentionOpName; }
 const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
 ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

@@ -10,7 +10,9 @@ fuse-attention
                k as Transpose(0, 2, 3, 1) of its Reshape, or Transpose(0, 1, 3, 2) of
                Transpose(0, 2, 1, 3); v as Transpose(0, 2, 1, 3) of its Reshape. When q, k, v
                are, in this order, the three equal last-axis pieces of one Split read by nothing
-               else, the Split is part of the match (qkv_packed).
+               else, the Split is part of the match (qkv_packed); when that Split reads
+               Add(t, c) (either order) read by nothing else, with c a constant bias along the
+               last axis only, the Add is part of the match too (has_bias).
     condition: float32 throughout; every scale a finite constant scalar (Div by c, c != 0, is a
                scale of 1/c); the head Reshapes' targets constant, [0 or B, 0 or S, H, dh] with
                H*dh (H*dv) the static last dim of q, k (v), one H for all three, and the
@@ -19,22 +21,30 @@ fuse-attention
                13); the mask of rank <= 4, each dim provably 1 or equal to its axis of
                [B, H, Sq, Sk], or, when the merge target pins [B, Sq], any dims (a mask that
                broadcast the scores up would make that Reshape fail in the original as well);
-               every intermediate tensor read only by the chain and not a graph output.
+               every intermediate tensor read only by the chain and not a graph output; a
+               folded bias float32 of 3*H*dh elements, of rank <= 3 with every dim but the last
+               1 (so the Add's output is t's [B, S, 3*H*dh]).
                cpu: the key length, static or declared (--dim; else read as 1), at most
                CPU_MAX_KEYS (measured faster up to 256 keys, slower at 512). cuda: always.
     rewrite:   onnxfuse.Attention, whose fallback function is the matched subgraph (a merge
-               target computed from a Shape is written there as the equal [0, 0, H*dv]).
+               target computed from a Shape is written there as the equal [0, 0, H*dv]; a bias of
+               shape [1, 1, 3*H*dh] or [1, 3*H*dh] is given to the node, and read by the body's Add,
+               as the same values reshaped to [3*H*dh], which broadcasts alike).
 
 Contract of onnxfuse.Attention (the CPU kernel kernels/attention_cpu.cc and the CUDA kernel
 implement exactly this):
 
     inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask)
-             qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask): q, k, v are its columns [0, D),
-                             [D, 2D), [2D, 3D) with D = H*dh (Sq = Sk = S, dv = dh); read in place
+             qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask) (, bias): q, k, v are its columns
+                             [0, D), [D, 2D), [2D, 3D) with D = H*dh (Sq = Sk = S, dv = dh); read
+                             in place; with has_bias, q = qkv[..., 0:D] + bias[0:D],
+                             k = qkv[..., D:2D] + bias[D:2D], v = qkv[..., 2D:3D] + bias[2D:3D]
              mask: float32, additive, broadcastable (ONNX multidirectional, rank <= 4) to
                    [B, H, Sq, Sk]
     attrs    num_heads INT H; scale FLOAT; has_mask INT 0/1 (whether the last input is a mask);
-             qkv_packed INT 0/1
+             qkv_packed INT 0/1; has_bias INT 0/1, absent = 0 (whether the last input is a
+             bias [3*H*dh] float32 added to qkv's columns; only with qkv_packed = 1)
+             input order: qkv (or q, k, v), then the mask if has_mask, then the bias if has_bias
     output   out [B, Sq, H*dv], float32:
              out[b, s, h*dv + j] = sum_t softmax_t(scale * (q[b, s, h, :] . k[b, t, h, :])
                                                     + mask[b, h, s, t]) * v[b, t, h, j]
@@ -47,7 +57,9 @@ homogeneous) and one float32 output; every provider's registration must declare 
 Why: onnxruntime's CPU provider runs each block's attention as 10 kernels (3 Reshapes, 4
 Transposes, 2 MatMuls, the scale and mask Add, Softmax), copying the [B, H, S, S] scores
 through memory between them. The fused kernel computes a query row's scores, softmax and
-weighted sum of v in cache, reading q, k, v where the projection wrote them.
+weighted sum of v in cache, reading q, k, v where the projection wrote them. onnxruntime does
+not fuse a 3-D MatMul with its bias Add, so the projection's bias would be one more kernel and
+one more pass over [B, S, 3*H*dh]: the Attention kernel adds it as it reads q, k and v.
 """
 from __future__ import annotations
 
@@ -88,6 +100,8 @@ class Match:
     nodes: list  # the chain from the score MatMul to the merge Reshape (not the head splits)
     merge: gs.Node
     split: gs.Node | None = None
+    bias_add: gs.Node | None = None  # Add(t, bias) read by the packed Split (folded)
+    bias: np.ndarray | None = None  # its constant, as [3*H*dh]
 
 
 def _perm(node: gs.Node | None) -> list[int] | None:
@@ -289,6 +303,10 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
     chain = [qk] + list(reversed(chain_before)) + [softmax, pv, back, merge]
     m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge)
     m.split = _packed_split(graph, m, shapes)
+    if m.split is not None:
+        folded = _qkv_bias(graph, m.split, shapes)
+        if folded is not None:
+            m.bias_add, m.bias = folded
     return m
 
 
@@ -316,6 +334,30 @@ def _packed_split(graph: gs.Graph, m: Match, shapes: gu.ShapeTable) -> gs.Node |
     return split
 
 
+def _qkv_bias(graph: gs.Graph, split: gs.Node, shapes: gu.ShapeTable) -> tuple[gs.Node, np.ndarray] | None:
+    """The packed Split's input as Add(t, c) / Add(c, t), read by the Split alone, with c a
+    float32 constant varying only along the last axis of t [B, S, 3D]: (the Add, c as [3D])."""
+    src = split.inputs[0]
+    add = gu.producer(src)
+    if not gu.is_op(add, "Add") or len(add.inputs) != 2 or not _private(graph, src):
+        return None
+    width = shapes.dims(src)[2]
+    for i in (0, 1):
+        t, c = add.inputs[i], add.inputs[1 - i]
+        if not gu.is_constant(c) or gu.is_constant(t):
+            continue
+        td = shapes.dims(t)
+        if t.dtype != np.float32 or td is None or len(td) != 3 or td[2] != width:
+            continue
+        value = gu.constant_value(c)
+        if value is None or value.dtype != np.float32 or not 1 <= value.ndim <= 3:
+            continue
+        if value.shape[-1] != width or any(d != 1 for d in value.shape[:-1]):
+            continue
+        return add, value.reshape(width)
+    return None
+
+
 def rewrite(graph: gs.Graph, m: Match, ctx: Context) -> None:
     merge = m.merge
     out = merge.outputs[0]
@@ -331,19 +373,34 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context) -> None:
     if out.dtype is None:
         out.dtype = np.float32
     nodes = [n for h in (m.q, m.k, m.v) for n in h.nodes] + m.nodes
+    bias = None
     if m.split is not None:
         nodes.insert(0, m.split)
         inputs = [m.split.inputs[0]]
+        if m.bias_add is not None:
+            add = m.bias_add
+            i = 0 if gu.is_constant(add.inputs[1]) else 1  # the operand that is not the bias
+            bias = add.inputs[1 - i]
+            if tuple(gu.constant_value(bias).shape) != m.bias.shape:
+                # The body's Add reads the [3D] bias the node is given: the same values, broadcast alike.
+                bias = gu.make_constant(graph, f"{bias.name}_flat", m.bias)
+                add.inputs[1 - i] = bias
+            nodes.insert(0, add)
+            inputs = [add.inputs[i]]
     else:
         inputs = [m.q.source, m.k.source, m.v.source]
     if m.mask is not None:
         inputs.append(m.mask)
+    if bias is not None:
+        inputs.append(bias)
     attrs = {
         "num_heads": int(m.q.heads),
         "scale": float(m.scale),
         "has_mask": int(m.mask is not None),
         "qkv_packed": int(m.split is not None),
     }
+    if bias is not None:
+        attrs["has_bias"] = 1
     ctx.fuse(graph, "Attention", nodes, inputs, [out], attrs)
 
 

@@ -55,6 +55,7 @@ def attention_spec(node: gs.Node, shapes: gu.ShapeTable | None = None) -> attent
     heads = int(node.attrs.get("num_heads", 0))
     packed = bool(int(node.attrs.get("qkv_packed", 0)))
     has_mask = bool(int(node.attrs.get("has_mask", 0)))
+    has_bias = bool(int(node.attrs.get("has_bias", 0)))
     if heads < 1 or not node.inputs:
         return None
     first = _static_last_dim(node.inputs[0], shapes)
@@ -73,7 +74,10 @@ def attention_spec(node: gs.Node, shapes: gu.ShapeTable | None = None) -> attent
         dh, dv = first // heads, vdim // heads
     if not attention_codegen.supported(dh, dv):
         return None
-    return attention_codegen.AttentionSpec(heads, dh, dv, float(node.attrs.get("scale", 1.0)), packed, has_mask)
+    if has_bias and not packed:
+        return None
+    return attention_codegen.AttentionSpec(heads, dh, dv, float(node.attrs.get("scale", 1.0)), packed, has_mask,
+                                           has_bias)
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:

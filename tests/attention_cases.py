@@ -23,13 +23,14 @@ class Case:
     packed: bool = False
     mask_shape: tuple[int, ...] | None = None  # None: no mask
     scale: float = 0.125
+    bias: bool = False  # packed only: the projection's bias [3*H*dh] (has_bias)
 
     @property
     def has_mask(self) -> bool:
         return self.mask_shape is not None
 
     def feeds(self, seed: int = 0) -> dict[str, np.ndarray]:
-        """Random inputs: q, k, v (or qkv) ~ N(0, 1), an additive mask ~ N(0, 4)."""
+        """Random inputs: q, k, v (or qkv) ~ N(0, 1), an additive mask ~ N(0, 4), a bias ~ N(0, 1)."""
         rng = np.random.default_rng(seed)
         h = self.heads
         if self.packed:
@@ -42,15 +43,17 @@ class Case:
             }
         if self.has_mask:
             out["mask"] = np.asarray(rng.normal(size=self.mask_shape) * 2, np.float32)
+        if self.bias:
+            out["bias"] = rng.normal(size=3 * h * self.dh).astype(np.float32)
         return out
 
     def reference(self, feeds: dict) -> np.ndarray:
         from onnxfuse.cuda.attention_codegen import AttentionSpec
         from onnxfuse.cuda.attention_model import reference
 
-        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, self.has_mask)
+        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, self.has_mask, self.bias)
         if self.packed:
-            return reference(spec, feeds["qkv"], mask=feeds.get("mask"))
+            return reference(spec, feeds["qkv"], mask=feeds.get("mask"), bias=feeds.get("bias"))
         return reference(spec, feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
 
 
@@ -64,12 +67,18 @@ def reference_nodes(c: Case) -> tuple[list[onnx.NodeProto], list[str]]:
     nodes = []
     if c.packed:
         inputs = ["qkv"]
+        split_input = "qkv"
+        if c.bias:
+            nodes.append(helper.make_node("Add", ["qkv", "bias"], ["qkv_biased"]))
+            split_input = "qkv_biased"
         nodes += [_ints("split_sizes", [d, d, d]),
-                  helper.make_node("Split", ["qkv", "split_sizes"], ["q", "k", "v"], axis=2)]
+                  helper.make_node("Split", [split_input, "split_sizes"], ["q", "k", "v"], axis=2)]
     else:
         inputs = ["q", "k", "v"]
     if c.has_mask:
         inputs.append("mask")
+    if c.bias:
+        inputs.append("bias")
     nodes += [
         _ints("qk_heads", [0, 0, h, c.dh]), _ints("v_heads", [0, 0, h, c.dv]), _ints("merged", [0, 0, h * c.dv]),
         helper.make_node("Constant", [], ["scale"], value=numpy_helper.from_array(np.array(c.scale, np.float32), "scale")),
@@ -108,6 +117,8 @@ def _value_infos(c: Case) -> tuple[list, list]:
     if c.has_mask:
         # Symbolic dims: one model serves other sizes, and a wrong mask reaches the kernel's check.
         ins.append(helper.make_tensor_value_info("mask", f, [f"mask_d{i}" for i in range(len(c.mask_shape))]))
+    if c.bias:
+        ins.append(helper.make_tensor_value_info("bias", f, [3 * h * c.dh]))
     outs = [helper.make_tensor_value_info("out", f, ["batch", "sq", h * c.dv])]
     return ins, outs
 
@@ -128,7 +139,7 @@ def fused_model(c: Case) -> onnx.ModelProto:
     fn.overload = "Attention_0"
     node = helper.make_node("Attention", inputs, ["out"], name="attention", domain="onnxfuse",
                             num_heads=c.heads, scale=float(c.scale), has_mask=int(c.has_mask),
-                            qkv_packed=int(c.packed))
+                            qkv_packed=int(c.packed), **({"has_bias": 1} if c.bias else {}))
     node.overload = "Attention_0"
     ins, outs = _value_infos(c)
     graph = helper.make_graph([node], "attention", ins, outs)
@@ -138,7 +149,7 @@ def fused_model(c: Case) -> onnx.ModelProto:
 
 
 # Shapes the tests run: packed and unpacked, masks of every rank and broadcast pattern, Sq != Sk,
-# dh in {32, 64, 80}, dv != dh, several key tiles, batch > 1.
+# dh in {32, 64, 80}, dv != dh, several key tiles, batch > 1, the packed projection's bias.
 CASES = [
     Case(4, 32, 32, 1, 32, 32, packed=True, mask_shape=(1, 1, 32, 32)),  # gpt_stack's block
     Case(4, 32, 32, 3, 45, 45, packed=True, mask_shape=(45, 45)),
@@ -150,9 +161,11 @@ CASES = [
     Case(4, 64, 64, 1, 1, 65, mask_shape=()),
     Case(2, 32, 64, 3, 13, 40, mask_shape=(3, 2, 13, 40)),
     Case(2, 80, 80, 1, 64, 64, packed=True, mask_shape=(1, 64, 64)),
+    Case(4, 32, 32, 2, 32, 32, packed=True, mask_shape=(1, 1, 32, 32), bias=True),  # gpt_stack's, bias folded
+    Case(3, 24, 24, 2, 37, 37, packed=True, bias=True),
 ]
 
 
 def case_id(c: Case) -> str:
     mask = "nomask" if c.mask_shape is None else "mask" + "x".join(map(str, c.mask_shape)) if c.mask_shape else "mask0d"
-    return f"{'packed' if c.packed else 'qkv'}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"
+    return f"{'packed' if c.packed else 'qkv'}{'-bias' if c.bias else ''}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"

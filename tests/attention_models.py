@@ -23,6 +23,7 @@ def attention_model(
     softmax_axis=-1,
     q_perm=HEADS_PERM,
     extra_output=None,
+    qkv_bias=None,
     opset=17,
     seed=0,
 ):
@@ -38,6 +39,9 @@ def attention_model(
     merge:    "shape" (target Shape(x), packed only, or Shape(q) when dh == dv), "const"
               ([0, 0, H*dv])
     extra_output: name of an intermediate also made a graph output
+    qkv_bias: packed only, the projection's bias Add before the Split: "last" Add(x W, b [3D]),
+              "first" Add(b, x W), "rank3" b [1, 1, 3D], "scalar" b [1], "input" b a graph
+              input [3D] (not a constant); the Add's output is "qkv", the MatMul's "qkv_mm"
     """
     dv = dh if dv is None else dv
     rng = np.random.default_rng(seed)
@@ -52,7 +56,18 @@ def attention_model(
         assert dv == dh
         inputs.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", D]))
         const("w_qkv", (rng.standard_normal((D, 3 * D)) / np.sqrt(D)).astype(np.float32))
-        nodes.append(helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"], name="qkv_proj"))
+        if qkv_bias is None:
+            nodes.append(helper.make_node("MatMul", ["x", "w_qkv"], ["qkv"], name="qkv_proj"))
+        else:
+            nodes.append(helper.make_node("MatMul", ["x", "w_qkv"], ["qkv_mm"], name="qkv_proj"))
+            b = rng.standard_normal(3 * D).astype(np.float32)
+            if qkv_bias == "input":
+                inputs.append(helper.make_tensor_value_info("qkv_bias", TensorProto.FLOAT, [3 * D]))
+            else:
+                shape = {"last": (3 * D,), "first": (3 * D,), "rank3": (1, 1, 3 * D), "scalar": (1,)}[qkv_bias]
+                const("qkv_bias", b[: int(np.prod(shape))].reshape(shape))
+            operands = ["qkv_bias", "qkv_mm"] if qkv_bias == "first" else ["qkv_mm", "qkv_bias"]
+            nodes.append(helper.make_node("Add", operands, ["qkv"], name="qkv_bias_add"))
         if opset >= 13:
             nodes.append(helper.make_node("Split", ["qkv", const("split", np.array([D, D, D], np.int64))],
                                           ["q", "k", "v"], axis=2, name="split"))
@@ -143,7 +158,10 @@ def reference(q, k, v, mask, heads, scale):
 
 
 def packed_inputs(model, x):
-    """q, k, v of a packed attention_model for input x (its projection and Split)."""
-    w = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "w_qkv")
-    qkv = x.astype(np.float64) @ w.astype(np.float64)
+    """q, k, v of a packed attention_model for input x (its projection, bias and Split)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    qkv = x.astype(np.float64) @ inits["w_qkv"].astype(np.float64)
+    bias = [v for name, v in inits.items() if name.startswith("qkv_bias")]  # "qkv_bias_flat" once folded
+    if bias:
+        qkv = qkv + bias[0].astype(np.float64).reshape(-1)
     return np.split(qkv, 3, axis=2)

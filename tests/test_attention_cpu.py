@@ -1,11 +1,13 @@
 """onnxfuse.Attention's CPU kernel against numpy (float64) and against its fallback function, in
-the AVX2 and the baseline build, at one and two threads: packed and separate q/k/v, Sq != Sk,
-dh != dv, masks of every broadcast shape, rows masked out entirely, empty tensors."""
+the AVX2 and the baseline build, at one and two threads: packed (with and without the projection's
+bias) and separate q/k/v, Sq != Sk, dh != dv, masks of every broadcast shape, rows masked out
+entirely, empty tensors."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from attention_cases import CASES, case_id, fused_model
 from attention_models import attention_model, packed_inputs, reference
 from onnxfuse import runtime
 from test_pass_attention import PASS, feeds_for, fused
@@ -49,6 +51,29 @@ def test_packed_kernel_matches_numpy_and_the_fallback(heads, dh, b, s, build):
     want = reference(q, k, v, feeds["mask"], heads, 1 / np.sqrt(dh))
     for got in run_three_ways(opt, feeds):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads,dh", [(1, 1), (4, 32), (3, 21), (2, 64)])
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 5), (1, 33), (3, 70)])
+def test_packed_kernel_with_the_projection_bias_matches_numpy_and_the_fallback(heads, dh, b, s, build):
+    """The folded bias added to q rows, the key panel (8 x 8 blocks and the edges) and v."""
+    opt = optimized(heads=heads, dh=dh, scale_value=float(np.sqrt(dh)), qkv_bias="last")
+    assert len(fused(opt)[0].input) == 3  # qkv, mask, bias
+    feeds = feeds_for(opt, b, s, seed=heads * 1000 + s + 1)
+    q, k, v = packed_inputs(opt, feeds["x"])
+    want = reference(q, k, v, feeds["mask"], heads, 1 / np.sqrt(dh))
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+def test_bias_of_the_wrong_size_is_an_error_naming_it():
+    opt = optimized(heads=2, dh=8, qkv_bias="last")
+    bias = next(t for t in opt.graph.initializer if t.name == fused(opt)[0].input[2])
+    bias.dims[:] = [47]
+    del bias.float_data[:]
+    bias.raw_data = np.zeros(47, np.float32).tobytes()
+    with pytest.raises(Exception, match="bias of shape"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, feeds_for(opt, 1, 3))
 
 
 @pytest.mark.parametrize("mask", [None, (1, 1, "Sq", "Sk"), ("B", 1, 1, "Sk"), ("B", 3, "Sq", "Sk"), (1, 3, 1, 1),
@@ -125,3 +150,33 @@ def test_causal_mask_rows_skip_no_weight_and_keep_nan(masked, build):
     assert rows[:, 2].all() and rows.sum() == 2
     np.testing.assert_array_equal(np.isnan(kernel), np.isnan(fallback))
     np.testing.assert_array_equal(np.isnan(kernel2), np.isnan(fallback))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.bias], ids=case_id)
+def test_node_with_a_bias_input_agrees_with_its_fallback_and_numpy(case, build):
+    """A hand-built node whose bias is a graph input (not a constant): the library's kernel and the
+    fallback function (library not loaded) against float64 numpy."""
+    model = fused_model(case)
+    feeds = case.feeds(seed=9)
+    want = case.reference(feeds)
+    for with_library in (True, False):
+        for threads in (1, 2):
+            got = runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0]
+            assert_close(got, want)
+
+
+def test_infinite_key_bias_makes_its_head_nan_like_the_fallback(build):
+    """q . (k_t + bias_k) shifts a row's scores by q . bias_k, which softmax cancels; an infinite
+    key bias element shows that the panel carries the bias of its own head: that head's rows are
+    NaN in the fallback and must be in the kernel."""
+    case = next(c for c in CASES if c.bias and c.has_mask)
+    feeds = case.feeds(seed=10)
+    feeds["bias"][case.heads * case.dh + 2 * case.dh + 5] = np.inf  # head 2's keys, column 5
+    model = fused_model(case)
+    fallback = runtime.make_session(model, threads=1, with_library=False).run(None, feeds)[0]
+    head = np.isnan(fallback[..., 2 * case.dh:3 * case.dh])
+    assert head.all() and np.isnan(fallback).sum() == head.size
+    for threads in (1, 2):
+        got = runtime.make_session(model, threads=threads, with_library=True).run(None, feeds)[0]
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(fallback))
+        assert_close(np.nan_to_num(got), np.nan_to_num(fallback))

@@ -18,12 +18,12 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA
 
 
 def spec_of(c: Case) -> AttentionSpec:
-    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask)
+    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask, c.bias)
 
 
 def run_model(c: Case, feeds: dict) -> np.ndarray:
     if c.packed:
-        return am.run(spec_of(c), feeds["qkv"], mask=feeds.get("mask"))
+        return am.run(spec_of(c), feeds["qkv"], mask=feeds.get("mask"), bias=feeds.get("bias"))
     return am.run(spec_of(c), feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
 
 
@@ -96,6 +96,38 @@ def test_a_packing_offset_mistake_is_caught_by_the_model(monkeypatch):
         assert_matches(run_model(c, feeds), c.reference(feeds), "keys read from the query columns")
 
 
+def infinite_key_bias(c: Case, feeds: dict, head: int) -> dict:
+    """The key bias shifts all of a query row's scores by q . bias_k, which softmax cancels: only an
+    infinite element shows whether it reaches the scores, making that head's rows NaN."""
+    feeds["bias"][c.heads * c.dh + head * c.dh + 3] = np.inf
+    return feeds
+
+
+@pytest.mark.parametrize("table,name,wrong", [("q_load", "qb_src", "d"),  # every head with head 0's bias
+                                              ("k_load", "kb_src", "h * DH + kd"),  # keys with q's bias
+                                              ("v_load", "vb_src", "h * DV + vd")])  # values with q's bias
+def test_a_bias_offset_mistake_is_caught_by_the_model(monkeypatch, table, name, wrong):
+    c = next(c for c in CASES if c.bias and c.has_mask)
+    feeds = c.feeds(seed=5)
+    if table == "k_load":
+        feeds = infinite_key_bias(c, feeds, head=1)
+        got, want = run_model(c, feeds), c.reference(feeds)
+        assert np.isnan(want[..., c.dh:2 * c.dh]).all() and np.isnan(want).sum() == want[..., c.dh:2 * c.dh].size
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        monkeypatch.setattr(am, "INDEX", {**ac.INDEX, table: [(n, wrong if n == name else e) for n, e in ac.INDEX[table]]})
+        assert not np.array_equal(np.isnan(run_model(c, feeds)), np.isnan(want))
+        return
+    broken = {**ac.INDEX, table: [(n, wrong if n == name else e) for n, e in ac.INDEX[table]]}
+    monkeypatch.setattr(am, "INDEX", broken)
+    with pytest.raises(AssertionError):
+        assert_matches(run_model(c, feeds), c.reference(feeds), f"{name} read as {wrong}")
+
+
+def test_bias_without_packed_qkv_is_refused():
+    with pytest.raises(ValueError):
+        AttentionSpec(2, 32, 32, 0.125, False, False, True)
+
+
 def test_a_mask_stride_mistake_is_caught_by_the_model(monkeypatch):
     c = CASES[2]  # mask [B, 1, Sq, Sk]
     feeds = c.feeds(seed=6)
@@ -131,8 +163,8 @@ def test_entry_is_deterministic_and_names_the_specialisation():
     assert k1.source.count('extern "C" __global__') == 1
     others = [AttentionSpec(4, 32, 32, 0.25, True, True), AttentionSpec(4, 32, 32, 0.125, False, True),
               AttentionSpec(4, 32, 32, 0.125, True, False), AttentionSpec(2, 32, 32, 0.125, True, True),
-              AttentionSpec(4, 64, 64, 0.125, True, True)]
-    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 6
+              AttentionSpec(4, 64, 64, 0.125, True, True), AttentionSpec(4, 32, 32, 0.125, True, True, True)]
+    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 7
     assert "__int_as_float(0x3e000000)" in k1.source  # the scale, bit-exact
 
 
@@ -151,7 +183,7 @@ def test_launch_rule_covers_every_query_row():
     k = ac.generate(AttentionSpec(3, 32, 32, 1.0))
     assert k.threads == 32 * k.rows_per_block
     assert k.grid(2, 9) == 2 * 3 * 3 and k.grid(1, 8) == 3 * 2 and k.grid(0, 5) == 0
-    assert k.attrs() == {"cuda_abi": 1, "cuda_block": k.threads, "cuda_rows": k.rows_per_block,
+    assert k.attrs() == {"cuda_abi": 2, "cuda_block": k.threads, "cuda_rows": k.rows_per_block,
                          "cuda_dh": 32, "cuda_dv": 32}
 
 
@@ -160,7 +192,8 @@ def test_launch_rule_covers_every_query_row():
 
 SPECS = sorted({spec_of(c) for c in CASES} | {AttentionSpec(2, 256, 256, 0.0625, False, True),
                                               AttentionSpec(3, 7, 5, 1.0, False, True),
-                                              AttentionSpec(12, 64, 64, 0.125, True, True)}, key=str)
+                                              AttentionSpec(12, 64, 64, 0.125, True, True),
+                                              AttentionSpec(12, 64, 64, 0.125, True, True, True)}, key=str)
 
 
 @needs_nvcc

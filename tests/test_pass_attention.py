@@ -63,6 +63,37 @@ def test_gpt_block_fuses_with_the_split_and_reads_qkv_packed():
     check_runs_like_original(m, opt, [feeds_for(m, b, s) for b, s in ((1, 1), (2, 5), (3, 17))])
 
 
+@pytest.mark.parametrize("form", ["last", "first", "rank3"])
+def test_projection_bias_add_is_folded_into_the_attention_node(form):
+    m = attention_model(qkv_bias=form)
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert [x.op_type for x in opt.graph.node] == ["MatMul", "Attention"]
+    assert list(node.input[:2]) == ["qkv_mm", "mask"] and node.input[2].startswith("qkv_bias")
+    assert attrs(node) == {"num_heads": 2, "scale": pytest.approx(0.25), "has_mask": 1, "qkv_packed": 1,
+                           "has_bias": 1}
+    bias = next(t for t in opt.graph.initializer if t.name == node.input[2])
+    assert list(bias.dims) == [48]
+    [fn] = opt.functions
+    assert [x.op_type for x in fn.node][0] == "Add" and list(fn.input) == list(node.input)
+    check_runs_like_original(m, opt, [feeds_for(m, b, s) for b, s in ((1, 1), (2, 5), (3, 17))])
+
+
+@pytest.mark.parametrize("form", ["input", "scalar", "read-elsewhere"],
+                         ids=["bias-not-constant", "bias-of-one-element", "biased-qkv-read-elsewhere"])
+def test_projection_bias_add_that_cannot_fold_is_left_before_the_attention_node(form):
+    m = attention_model(qkv_bias="last" if form == "read-elsewhere" else form)
+    if form == "read-elsewhere":  # the biased projection is also a graph output
+        m.graph.output.append(onnx.helper.make_tensor_value_info("qkv", onnx.TensorProto.FLOAT, ["B", "S", 48]))
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert list(node.input) == ["qkv", "mask"] and "has_bias" not in attrs(node)
+    assert "Add" in [x.op_type for x in opt.graph.node]
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 5)])
+
+
 def test_cuda_target_fuses_only_when_opted_in_and_only_head_sizes_its_kernel_handles():
     # The CUDA kernel is not yet measured on a GPU: the rewrite waits for option attention_cuda.
     assert optimize(attention_model(), PASS, target="cuda")[1] == 0
@@ -158,7 +189,10 @@ def test_optimized_gpt_stack_has_one_attention_per_block_and_runs_at_other_batch
     original = onnx.load(zoo.resolve("gpt_stack"))
     opt = api.optimize(original, count_kernels=False).model
     assert len(fused(opt)) == 4
-    assert all(attrs(n)["qkv_packed"] == 1 and attrs(n)["has_mask"] == 1 for n in fused(opt))
+    assert all(attrs(n)["qkv_packed"] == 1 and attrs(n)["has_mask"] == 1 and attrs(n)["has_bias"] == 1
+               for n in fused(opt))
+    added = {o for n in opt.graph.node if n.op_type == "Add" for o in n.output}
+    assert not any(n.input[0] in added for n in fused(opt))  # the projection's bias Add is folded
     for b, s in ((1, 1), (1, 64), (3, 17), (2, 32)):
         ids = np.random.default_rng(b * 100 + s).integers(0, 256, (b, s)).astype(np.int64)
         want = runtime.make_session(original, threads=1).run(None, {"input_ids": ids})[0]

@@ -7,9 +7,11 @@ Contract of the op (float32):
 
 with `qkv_packed` the one input qkv [B, S, 3*H*dh] holds q, k and v at last-axis column offsets
 0, H*dh and 2*H*dh (dv = dh), read in place; the optional additive mask broadcasts (ONNX
-multidirectional, rank <= 4) to [B, H, Sq, Sk].
+multidirectional, rank <= 4) to [B, H, Sq, Sk]. With `has_bias` (packed only) a bias [3*H*dh] is
+added to qkv's columns as q, k, v are read: q = qkv[.., 0:D] + bias[0:D], and so on.
 
-One kernel per (heads, dh, dv, scale, packed, has_mask); B, Sq and Sk are run-time arguments.
+One kernel per (heads, dh, dv, scale, packed, has_mask, has_bias); B, Sq and Sk are run-time
+arguments.
 
 Design (simple on purpose; every B, Sq, Sk works):
 
@@ -17,11 +19,11 @@ Design (simple on purpose; every B, Sq, Sk works):
   and the ROWS consecutive query rows s = rb*ROWS + warp (INDEX["block"]). Warps whose row is
   past Sq load zeros, take part in every __syncthreads and store nothing.
 * Each warp keeps its query row in shared memory, qs[warp][0..dh) (unscaled: the scale
-  multiplies each dot product, as the contract writes it).
+  multiplies each dot product, as the contract writes it; the bias added when HAS_BIAS).
 * Keys and values are streamed through shared memory in tiles of TILE rows: the whole block
   loads ks[TILE][KS] (KS = dh, or dh + 1 when dh is even, so that lane j reading row j is free of
-  bank conflicts) and vs[TILE][dv], zero-filled past Sk (a zero value times a zero probability
-  stays zero; garbage could be NaN).
+  bank conflicts) and vs[TILE][dv], the bias added when HAS_BIAS, zero-filled past Sk (a zero
+  value times a zero probability stays zero; garbage could be NaN).
 * Within a tile, lane j scores key t0 + j: sequential fmaf dot product over d, times scale,
   plus the mask element (read through the broadcast strides, INDEX["mask"]); lanes past the
   tile's last key score -inf.
@@ -42,6 +44,7 @@ Kernel ABI (shared with kernels/cuda_attention.cc): every argument is one 8-byte
 
     struct ENTRY_args { const float* q; const float* k; const float* v;   // packed: all three = qkv
                         const float* mask;                                // nullptr without one
+                        const float* bias;                                // [3*H*dh]; nullptr without one
                         float* out;
                         long long batch, sq, sk;
                         long long mask_strides[4]; };   // element strides over [B, H, Sq, Sk], 0 = broadcast
@@ -54,7 +57,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: the bias pointer after the mask's
 ROWS = 4  # query rows (warps) per block
 MAX_HEAD_DIM = 256  # dh and dv the kernel supports (shared memory and accumulators)
 SHARED_LIMIT = 48 * 1024  # static shared memory per block
@@ -68,12 +71,15 @@ class AttentionSpec:
     scale: float
     packed: bool = False
     has_mask: bool = False
+    has_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.dh < 1 or self.dv < 1:
             raise ValueError(f"invalid attention dimensions {self}")
         if self.packed and self.dv != self.dh:
             raise ValueError("packed qkv needs dv == dh")
+        if self.has_bias and not self.packed:
+            raise ValueError("has_bias needs packed qkv")
 
     @property
     def tile(self) -> int:
@@ -92,7 +98,7 @@ class AttentionSpec:
             "TILE": self.tile, "KS": ks_stride(self.dh), "DVL": -(-self.dv // 32),
             "QROW": qrow, "KROW": qrow, "VROW": 3 * d if self.packed else self.heads * self.dv,
             "QOFF": 0, "KOFF": d if self.packed else 0, "VOFF": 2 * d if self.packed else 0,
-            "HAS_MASK": int(self.has_mask),
+            "HAS_MASK": int(self.has_mask), "HAS_BIAS": int(self.has_bias),
         }
 
 
@@ -124,16 +130,18 @@ INDEX = {
         ("h", "MOD(bh, H)"), ("b", "DIV(bh, H)"), ("s", "rb * ROWS + warp"), ("row_ok", "s < sq"),
     ],
     # element d of the warp's query row
-    "q_load": [("q_src", "(b * sq + s) * QROW + QOFF + h * DH + d")],
+    "q_load": [("q_src", "(b * sq + s) * QROW + QOFF + h * DH + d"), ("qb_src", "QOFF + h * DH + d")],
     # slot e of the key tile at t0
     "k_load": [
         ("kt", "DIV(e, DH)"), ("kd", "MOD(e, DH)"), ("k_ok", "t0 + kt < sk"),
         ("k_src", "(b * sk + t0 + kt) * KROW + KOFF + h * DH + kd"), ("k_dst", "kt * KS + kd"),
+        ("kb_src", "KOFF + h * DH + kd"),
     ],
     # slot e of the value tile at t0
     "v_load": [
         ("vt", "DIV(e, DV)"), ("vd", "MOD(e, DV)"), ("v_ok", "t0 + vt < sk"),
         ("v_src", "(b * sk + t0 + vt) * VROW + VOFF + h * DV + vd"), ("v_dst", "vt * DV + vd"),
+        ("vb_src", "VOFF + h * DV + vd"),
     ],
     # the mask element lane `lane` adds to its score
     "mask": [("m_src", "b * ms0 + h * ms1 + s * ms2 + (t0 + lane) * ms3")],
@@ -176,7 +184,8 @@ class Kernel:
 
 
 def entry_name(spec: AttentionSpec) -> str:
-    key = f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed} {spec.has_mask}"
+    key = (f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed}"
+           f" {spec.has_mask} {spec.has_bias}")
     return "onnxfuse_attn_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -193,6 +202,7 @@ def generate(spec: AttentionSpec) -> Kernel:
         f"struct {entry}_args {{",
         "  const float* q; const float* k; const float* v;",
         "  const float* mask;  // nullptr without one",
+        "  const float* bias;  // nullptr without one",
         "  float* out;",
         "  long long batch; long long sq; long long sk;",
         "  long long mask_strides[4];",
@@ -218,7 +228,7 @@ def generate(spec: AttentionSpec) -> Kernel:
     ]
     L += _c_lines("q_load", "    ")
     L += [
-        "    qs[warp][d] = row_ok ? a.q[q_src] : 0.0f;",
+        "    qs[warp][d] = row_ok ? (HAS_BIAS ? a.q[q_src] + a.bias[qb_src] : a.q[q_src]) : 0.0f;",
         "  }",
         "  float m = -INFINITY, l = 0.0f;",
         "  float acc[DVL];",
@@ -230,13 +240,13 @@ def generate(spec: AttentionSpec) -> Kernel:
     ]
     L += _c_lines("k_load", "      ")
     L += [
-        "      ks[k_dst] = k_ok ? a.k[k_src] : 0.0f;",
+        "      ks[k_dst] = k_ok ? (HAS_BIAS ? a.k[k_src] + a.bias[kb_src] : a.k[k_src]) : 0.0f;",
         "    }",
         "    for (int e = tid; e < TILE * DV; e += THREADS) {",
     ]
     L += _c_lines("v_load", "      ")
     L += [
-        "      vs[v_dst] = v_ok ? a.v[v_src] : 0.0f;",
+        "      vs[v_dst] = v_ok ? (HAS_BIAS ? a.v[v_src] + a.bias[vb_src] : a.v[v_src]) : 0.0f;",
         "    }",
         "    __syncthreads();",
         "    const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;",

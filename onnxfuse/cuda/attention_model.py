@@ -52,8 +52,8 @@ def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int])
     return strides
 
 
-def run(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
-    """The kernel's output for q, k, v (or packed qkv as `q`) and an optional mask."""
+def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
+    """The kernel's output for q, k, v (or packed qkv as `q`), an optional mask and (packed) bias."""
     c = spec.constants()
     q = np.ascontiguousarray(q, F)
     if spec.packed:
@@ -69,6 +69,12 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
         mf = m_arr.ravel()
     else:
         ms, mf = [0, 0, 0, 0], None
+    bf = np.ascontiguousarray(bias, F).ravel() if spec.has_bias else None
+
+    def biased(values, index, ok):  # the kernel's load, plus bias[index] where HAS_BIAS
+        if bf is None:
+            return values
+        return np.where(ok, (values + _gather(bf, index, ok)).astype(F), values)
     grid = batch * spec.heads * (-(-sq // c["ROWS"]))
     lanes = np.arange(32)
     env0 = {**c, "sq": sq, "sk": sk, "ms0": ms[0], "ms1": ms[1], "ms2": ms[2], "ms3": ms[3]}
@@ -82,17 +88,18 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
                 env = _eval("block", {**env0, "bid": bid, "warp": warp})
                 env["d"] = np.arange(c["DH"])
                 _eval("q_load", env)
-                qs = _gather(qf, env["q_src"], np.full(c["DH"], env["row_ok"]))
+                q_ok = np.full(c["DH"], env["row_ok"])
+                qs = biased(_gather(qf, env["q_src"], q_ok), env["qb_src"], q_ok)
                 warps.append((env, qs, F(-np.inf), F(0), np.zeros((32, c["DVL"]), F)))
             for t0 in range(0, sk, tile):
                 e = np.arange(tile * c["DH"])
                 ke = _eval("k_load", {**warps[0][0], "e": e, "t0": t0})
                 ks = np.zeros(tile * c["KS"], F)
-                ks[ke["k_dst"]] = _gather(kf, ke["k_src"], ke["k_ok"])
+                ks[ke["k_dst"]] = biased(_gather(kf, ke["k_src"], ke["k_ok"]), ke["kb_src"], ke["k_ok"])
                 e = np.arange(tile * dv)
                 ve = _eval("v_load", {**warps[0][0], "e": e, "t0": t0})
                 vs = np.zeros(tile * dv, F)
-                vs[ve["v_dst"]] = _gather(vf, ve["v_src"], ve["v_ok"])
+                vs[ve["v_dst"]] = biased(_gather(vf, ve["v_src"], ve["v_ok"]), ve["vb_src"], ve["v_ok"])
                 n_valid = min(sk - t0, tile)
                 for w, (env, qs, m, l, acc) in enumerate(warps):
                     if not env["row_ok"]:
@@ -128,10 +135,13 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
     return out.reshape(batch, sq, spec.heads * spec.dv)
 
 
-def reference(spec: AttentionSpec, q, k=None, v=None, mask=None) -> np.ndarray:
-    """Direct attention in float64: softmax(scale * q.k^T + mask) . v per head."""
+def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
+    """Direct attention in float64: softmax(scale * q.k^T + mask) . v per head (packed qkv: plus
+    the bias on its columns first)."""
     q = np.asarray(q, np.float64)
     d = spec.heads * spec.dh
+    if spec.has_bias:
+        q = q + np.asarray(bias, np.float64)
     if spec.packed:
         q, k, v = q[..., :d], q[..., d:2 * d], q[..., 2 * d:]
     k = np.asarray(k, np.float64)

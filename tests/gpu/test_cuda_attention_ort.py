@@ -38,7 +38,7 @@ def test_generated_kernel_alone_matches_its_numpy_model_and_direct_attention(run
     from onnxfuse.cuda import attention_model as am
     from onnxfuse.cuda.compile import compile_source
 
-    spec = ac.AttentionSpec(case.heads, case.dh, case.dv, case.scale, case.packed, case.has_mask)
+    spec = ac.AttentionSpec(case.heads, case.dh, case.dv, case.scale, case.packed, case.has_mask, case.bias)
     kernel = ac.generate(spec)
     fn = runner.load(compile_source(kernel.source, kernel.entry, arch).cubin, kernel.entry)
     feeds = case.feeds(seed=21)
@@ -51,12 +51,16 @@ def test_generated_kernel_alone_matches_its_numpy_model_and_direct_attention(run
         dev["mask"] = runner.to_device(np.atleast_1d(feeds["mask"]))
         mask_ptr = dev["mask"][1]
         strides = am.mask_strides(feeds["mask"].shape, (case.batch, case.heads, case.sq, case.sk))
+    bias_ptr = 0
+    if case.bias:
+        dev["bias"] = runner.to_device(feeds["bias"])
+        bias_ptr = dev["bias"][1]
     out, out_ptr = runner.empty((case.batch, case.sq, case.heads * case.dv), np.float32)
-    args = struct.pack("<12q", *ptrs, mask_ptr, out_ptr, case.batch, case.sq, case.sk, *strides)
+    args = struct.pack("<13q", *ptrs, mask_ptr, bias_ptr, out_ptr, case.batch, case.sq, case.sk, *strides)
     runner.launch(fn, kernel.grid(case.batch, case.sq), kernel.threads, args)
     got = runner.to_host(out)
     if case.packed:
-        model = am.run(spec, feeds["qkv"], mask=feeds.get("mask"))
+        model = am.run(spec, feeds["qkv"], mask=feeds.get("mask"), bias=feeds.get("bias"))
     else:
         model = am.run(spec, feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
     assert_attention_close(got, model, "vs the numpy model of the kernel")
