@@ -611,40 +611,18 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
 
 void destroy_kernel(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
 
-const char* op_name(const OrtCustomOp*) { return kAttentionName; }
-const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
-OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int min_arity(const OrtCustomOp*) { return 1; }
-int homogeneous(const OrtCustomOp*) { return 1; }
-
 // Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
 // the bias when has_bias).
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kOrtApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = cpu_provider;
-  op.GetInputType = float_type;
-  op.GetInputTypeCount = one;
-  op.GetOutputType = float_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = variadic;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = min_arity;
-  op.GetVariadicInputHomogeneity = homogeneous;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
-}
+struct AttentionSchema {
+  static constexpr const char* kName = kAttentionName;
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr int kMinInputs = 1;
+  static constexpr auto create = create_kernel;
+  static constexpr auto compute = onnxfuse::compute;
+  static constexpr auto destroy = destroy_kernel;
+};
 
-const OrtCustomOp kAttentionOp = make_op();
+const OrtCustomOp kAttentionOp = make_float_variadic_op<AttentionSchema>();
 ONNXFUSE_REGISTER_OP(kAttentionOp);
 
 }  // namespace

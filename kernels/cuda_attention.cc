@@ -204,42 +204,20 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
 
 void destroy_kernel(void* kernel) { delete static_cast<CudaAttentionKernel*>(kernel); }
 
-// The schema every registration of onnxfuse.Attention shares (registry.h; the CPU kernel's in
+// The schema every registration of onnxfuse.Attention shares (the CPU kernel's in
 // attention_cpu.cc): float32 inputs, variadic and homogeneous (qkv or q, k, v, then the mask when
-// has_mask, then the bias when has_bias), one output.
-const char* op_name(const OrtCustomOp*) { return kAttentionOpName; }
-const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
-ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
-OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int min_arity(const OrtCustomOp*) { return 1; }
-int homogeneous(const OrtCustomOp*) { return 1; }
+// has_mask, then the bias when has_bias), one output. Registered for CUDA sessions only
+// (registry.cc).
+struct CudaAttentionSchema {
+  static constexpr const char* kName = kAttentionOpName;
+  static constexpr const char* kProvider = "CUDAExecutionProvider";
+  static constexpr int kMinInputs = 1;
+  static constexpr auto create = create_kernel;
+  static constexpr auto compute = onnxfuse::compute;
+  static constexpr auto destroy = destroy_kernel;
+};
 
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kOrtApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = cuda_provider;
-  op.GetInputType = float_type;
-  op.GetInputTypeCount = one;
-  op.GetOutputType = float_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = variadic;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = min_arity;
-  op.GetVariadicInputHomogeneity = homogeneous;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
-}
-
-// Registered for CUDA sessions only (registry.cc).
-const OrtCustomOp kCudaAttentionOp = make_op();
+const OrtCustomOp kCudaAttentionOp = make_float_variadic_op<CudaAttentionSchema>();
 ONNXFUSE_REGISTER_OP(kCudaAttentionOp);
 
 }  // namespace

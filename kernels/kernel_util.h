@@ -82,4 +82,31 @@ inline bool use_avx2_fma() {
 #endif
 }
 
+// The schema of a fused op whose inputs are variadic, homogeneous float32 tensors (at least
+// Schema::kMinInputs) and whose one output is float32 (Attention, StackedMLP). onnxruntime
+// requires every provider's registration of one op name to declare the same schema, so the CPU
+// and CUDA kernels of an op build it from here. Schema supplies kName, kProvider, kMinInputs and
+// the kernel's create / compute / destroy.
+template <typename Schema>
+OrtCustomOp make_float_variadic_op() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = kOrtApiVersion;
+  op.GetName = [](const OrtCustomOp*) { return Schema::kName; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) { return Schema::kProvider; };
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.KernelDestroy = Schema::destroy;
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return Schema::kMinInputs; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernelV2 = Schema::create;
+  op.KernelComputeV2 = Schema::compute;
+  return op;
+}
+
 }  // namespace onnxfuse
