@@ -9,9 +9,11 @@
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
 //
 // q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
-// `row stride` apart), so the packed projection output is never copied apart. A first parallel
-// pass transposes each (batch, head)'s keys into a [dh, Sk] panel; then work items (batch, head,
-// block of query rows) run on onnxruntime's thread pool, four query rows at a time:
+// `row stride` apart), so the packed projection output is never copied apart. Each (batch,
+// head)'s keys are transposed into a [dh, Sk] panel: by the work item itself, into per-thread
+// scratch, when a pair is one work item (a single thread-pool pass per call, what short
+// sequences get), else by a first parallel pass shared by the pair's query blocks. Work items
+// (batch, head, block of query rows) run on onnxruntime's thread pool, four query rows at a time:
 // their scores against 16 keys at a time (an AVX2 register tile over the key panel), scale and
 // mask, a max-subtracted softmax, and the weighted sum of v rows, 16 output columns at a time.
 // Nothing of size [Sq, Sk] leaves the cache.
@@ -281,8 +283,9 @@ inline void exp8(float* p, float mx) {
 
 // The row's probabilities up to normalization, in place; returns 1 / their sum. The row holds
 // `sk` scores in a buffer of at least round_up(sk, 8) floats; the lanes past sk are set to -inf
-// first, so whole 8-key blocks are evaluated and those lanes come out 0.
-float softmax_avx2(float* s, int64_t sk, float mx) {
+// first, so whole 8-key blocks are evaluated and those lanes come out 0. [*live_begin,
+// *live_end) gets the keys outside of which every probability is exactly 0.
+float softmax_avx2(float* s, int64_t sk, float mx, int64_t* live_begin, int64_t* live_end) {
   const int64_t padded = (sk + 7) / 8 * 8;
   for (int64_t t = sk; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
   // Whole 8-key blocks whose exps are exactly 0 at either end of the row (a causal mask's
@@ -299,19 +302,22 @@ float softmax_avx2(float* s, int64_t sk, float mx) {
     vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
   }
   for (int64_t t = end; t < padded; t += 8) _mm256_storeu_ps(s + t, zero);
+  *live_begin = begin;
+  *live_end = std::min(end, sk);
   return 1.0f / hsum(vsum);
 }
 
-// out_r[j] = inv_r * sum_t p_r[t] * v[t, j] for R rows, 16 columns at a time (8, then scalar, at the end).
+// out_r[j] = inv_r * sum_t p_r[t] * v[t, j] for R rows and t0 <= t < t1, 16 columns at a time
+// (8, then scalar, at the end).
 template <int R>
 inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, const float* v, int64_t v_stride,
-                              int64_t sk, int64_t dv, float* out, int64_t out_stride) {
+                              int64_t t0, int64_t t1, int64_t dv, float* out, int64_t out_stride) {
   int64_t j = 0;
   for (; j + 16 <= dv; j += 16) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const float* vp = v + j;
-    for (int64_t t = 0; t < sk; ++t, vp += v_stride) {
+    const float* vp = v + t0 * v_stride + j;
+    for (int64_t t = t0; t < t1; ++t, vp += v_stride) {
       const __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 a = _mm256_broadcast_ss(p + r * ld + t);
@@ -328,8 +334,8 @@ inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, cons
   for (; j + 8 <= dv; j += 8) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    const float* vp = v + j;
-    for (int64_t t = 0; t < sk; ++t, vp += v_stride) {
+    const float* vp = v + t0 * v_stride + j;
+    for (int64_t t = t0; t < t1; ++t, vp += v_stride) {
       const __m256 v0 = _mm256_loadu_ps(vp);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ld + t), v0, acc[r]);
     }
@@ -338,15 +344,35 @@ inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, cons
   for (; j < dv; ++j) {
     for (int r = 0; r < R; ++r) {
       float acc = 0.0f;
-      for (int64_t t = 0; t < sk; ++t) acc = std::fma(p[r * ld + t], v[t * v_stride + j], acc);
+      for (int64_t t = t0; t < t1; ++t) acc = std::fma(p[r * ld + t], v[t * v_stride + j], acc);
       out[r * out_stride + j] = acc * inv[r];
     }
   }
 }
 
+// Whether every element of rows x cols (rows `stride` apart) is finite: x * 0 is 0 for finite x,
+// NaN for an infinity or NaN.
+bool all_finite(const float* x, int64_t stride, int64_t rows, int64_t cols) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 acc = zero;
+  float tail = 0.0f;
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* row = x + t * stride;
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(row + j), zero));
+    for (; j < cols; ++j) tail += row[j] * 0.0f;
+  }
+  return hsum(acc) + tail == 0.0f;
+}
+
+// v_finite: whether this (b, h)'s value rows are all finite. Then keys whose probabilities are
+// exactly 0 in all R rows (a causal mask's future) are left out of the weighted sum: each would
+// add 0 * v[t, j] = 0. An infinite or NaN v row must still make 0 * v NaN, as onnxruntime's
+// MatMul does, so then every key is summed.
 template <int R>
-void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
-               const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores, float* q_rows) {
+void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, bool v_finite,
+               const float* mask_bh, const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
+               float* q_rows) {
   if (q_bias != nullptr) {
     biased_rows(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, R, job.dh, q_rows);
     scores_tile<R>(q_rows, job.dh, keys, ld, job.dh, scores);
@@ -354,14 +380,19 @@ void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
     scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, job.dh, scores);
   }
   float inv[R];
+  int64_t t0 = job.sk, t1 = 0;
   for (int r = 0; r < R; ++r) {
     float* s = scores + r * ld;
     const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
     const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3]);
-    inv[r] = softmax_avx2(s, job.sk, mx);
+    int64_t begin = 0, end = 0;
+    inv[r] = softmax_avx2(s, job.sk, mx, &begin, &end);
+    t0 = std::min(t0, begin);
+    t1 = std::max(t1, end);
   }
+  if (!v_finite || t0 >= t1) t0 = 0, t1 = job.sk;
   const int64_t out_stride = job.heads * job.dv;
-  weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, job.sk, job.dv, out + r0 * out_stride, out_stride);
+  weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, t0, t1, job.dv, out + r0 * out_stride, out_stride);
   if (v_bias != nullptr) {
     for (int r = 0; r < R; ++r) {
       float* o = out + (r0 + r) * out_stride;
@@ -378,12 +409,14 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
                float* q_rows) {
   int64_t r = r0;
   const int64_t end = r0 + rows;
+  // v's bias is added to the output, not to v: the rows read are v's own.
+  const bool vf = all_finite(v, job.v.row_stride, job.sk, job.dv);
   for (; r + kRows <= end; r += kRows)
-    tile_avx2<kRows>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
+    tile_avx2<kRows>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
   switch (end - r) {
-    case 3: tile_avx2<3>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
-    case 2: tile_avx2<2>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
-    case 1: tile_avx2<1>(job, q, keys, ld, v, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 3: tile_avx2<3>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 2: tile_avx2<2>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 1: tile_avx2<1>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
     default: break;
   }
 }
@@ -391,13 +424,16 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
 #pragma GCC pop_options
 #endif
 
-// First pass: the key panel of one (b, h), shared by every query block of that pair.
-void pack_item(void* data, size_t index) {
-  const Job& job = *static_cast<const Job*>(data);
-  const int64_t bh = static_cast<int64_t>(index);
+// Per-thread scratch: one (b, h)'s key panel, when each work item packs its own.
+std::vector<float>& panel_scratch() {
+  thread_local std::vector<float> s;
+  return s;
+}
+
+// The key panel [dh, ld] of pair bh into `keys`.
+void pack_pair(const Job& job, int64_t bh, float* keys) {
   const int64_t b = bh / job.heads, h = bh % job.heads;
   const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
-  float* keys = job.keys + bh * job.dh * job.ld;
   // The bias's key block starts at column D = H * dh, as k's columns do in qkv.
   const float* k_bias = job.bias == nullptr ? nullptr : job.bias + job.heads * job.dh + h * job.dh;
 #if defined(__x86_64__)
@@ -407,6 +443,14 @@ void pack_item(void* data, size_t index) {
   }
 #endif
   pack_keys(k, job.k.row_stride, job.sk, job.dh, job.ld, k_bias, keys);
+}
+
+// First pass (several query blocks per pair): the key panel of one (b, h), shared by every
+// query block of that pair.
+void pack_item(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t bh = static_cast<int64_t>(index);
+  pack_pair(job, bh, job.keys + bh * job.dh * job.ld);
 }
 
 // One work item: (b, h, block of query rows).
@@ -421,7 +465,17 @@ void run_item(void* data, size_t index) {
   if (rows <= 0) return;
   const float* q = job.q.data + b * job.q.batch_stride + h * job.dh;
   const float* v = job.v.data + b * job.v.batch_stride + h * job.dv;
-  const float* keys = job.keys + bh * job.dh * job.ld;
+  // One query block per pair (job.keys null): the item packs the pair's keys itself, into
+  // per-thread scratch, so the call is a single thread-pool pass with no shared panel buffer.
+  const float* keys = nullptr;
+  if (job.keys == nullptr) {
+    std::vector<float>& panel = panel_scratch();
+    panel.resize(static_cast<size_t>(job.dh * job.ld));
+    pack_pair(job, bh, panel.data());
+    keys = panel.data();
+  } else {
+    keys = job.keys + bh * job.dh * job.ld;
+  }
   const float* mask_bh = job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1];
   float* out = job.out + b * job.sq * job.heads * job.dv + h * job.dv;
   const float* q_bias = job.bias == nullptr ? nullptr : job.bias + h * job.dh;
@@ -594,11 +648,16 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     }
     const int64_t pairs = job.batch * H;
     job.ld = padded_keys(job.sk);
-    std::vector<float> keys(static_cast<size_t>(std::max<int64_t>(1, pairs * job.dh * job.ld)));
-    job.keys = keys.data();
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_ParallelFor(ctx, pack_item, static_cast<size_t>(pairs), 0, &job), w);
     job.block_rows = pairs >= kMinItems ? job.sq : std::min<int64_t>(job.sq, kQueryBlock);
     job.query_blocks = (job.sq + job.block_rows - 1) / job.block_rows;
+    // Several query blocks per pair share its key panel, packed by a first pass; with one block
+    // per pair each work item packs its own (job.keys stays null).
+    std::unique_ptr<float[]> keys;
+    if (job.query_blocks > 1) {
+      keys.reset(new float[static_cast<size_t>(pairs * job.dh * job.ld)]);  // pack_keys writes every element
+      job.keys = keys.get();
+      ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_ParallelFor(ctx, pack_item, static_cast<size_t>(pairs), 0, &job), w);
+    }
     ONNXFUSE_RETURN_IF_ERROR(
         api.KernelContext_ParallelFor(ctx, run_item, static_cast<size_t>(pairs * job.query_blocks), 0, &job), w);
     return nullptr;
