@@ -152,6 +152,28 @@ def test_causal_mask_rows_skip_no_weight_and_keep_nan(masked, build):
     np.testing.assert_array_equal(np.isnan(kernel2), np.isnan(fallback))
 
 
+def test_infinite_value_under_a_causal_mask_makes_the_earlier_rows_nan_like_matmul(build):
+    """The kernel leaves keys whose probabilities are exactly 0 out of the weighted sum only while
+    every v row is finite: a masked-out infinite v still gives 0 * inf = NaN in the rows before
+    it, as the original MatMul does, and a finite v gives the full computation's result."""
+    s = 40
+    opt = optimized(packed=False, heads=2, dh=8, merge="const", mask=("B", 1, "Sq", "Sk"))
+    feeds = feeds_for(opt, 2, s, s, seed=5)
+    feeds["mask"][...] = np.triu(np.full((s, s), -1e9, np.float32), 1)
+    want = reference(feeds["q"], feeds["k"], feeds["v"], feeds["mask"].astype(np.float64), 2, 0.25)
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+    feeds["v"][0, 35, 3] = np.inf  # batch 0, key 35, head 0's column 3
+    kernel, kernel2, fallback = run_three_ways(opt, feeds)
+    nan = np.isnan(fallback)
+    assert nan[0, :35, 3].all() and nan.sum() == 35
+    for got in (kernel, kernel2):
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(fallback))
+        finite = np.isfinite(fallback)
+        assert_close(np.where(finite, got, 0), np.where(finite, fallback, 0))
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.bias], ids=case_id)
 def test_node_with_a_bias_input_agrees_with_its_fallback_and_numpy(case, build):
     """A hand-built node whose bias is a graph input (not a constant): the library's kernel and the
