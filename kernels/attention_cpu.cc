@@ -504,12 +504,6 @@ struct AttentionKernel {
 
 std::string where(const AttentionKernel* k) { return "onnxfuse Attention node '" + k->node_name + "': "; }
 
-std::string shape_text(const std::vector<int64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   OrtApiRef api(raw);
   try {
@@ -585,7 +579,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       const float* qkv = nullptr;
       ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "qkv", &qkv, &qd), "");
       if (qd.size() != 3 || qd[2] % (3 * H) != 0)
-        return invalid(api, w + "qkv of shape " + shape_text(qd) + " is not [B, S, 3 * " + std::to_string(H) + " * d]");
+        return invalid(api, w + "qkv of shape " + dims_text(qd) + " is not [B, S, 3 * " + std::to_string(H) + " * d]");
       const int64_t D = qd[2] / 3;
       const View base{qkv, qd[1] * qd[2], qd[2]};
       job.q = base;
@@ -601,7 +595,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
       ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "v", &v, &vd), "");
       if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || kd[0] != vd[0] || kd[1] != vd[1] ||
           qd[2] != kd[2] || qd[2] % H != 0 || vd[2] % H != 0)
-        return invalid(api, w + "q " + shape_text(qd) + ", k " + shape_text(kd) + ", v " + shape_text(vd) +
+        return invalid(api, w + "q " + dims_text(qd) + ", k " + dims_text(kd) + ", v " + dims_text(vd) +
                                 " are not [B, Sq, H*dh], [B, Sk, H*dh], [B, Sk, H*dv] with H = " + std::to_string(H));
       job.q = View{q, qd[1] * qd[2], qd[2]};
       job.k = View{kk, kd[1] * kd[2], kd[2]};
@@ -625,14 +619,14 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         stride *= dims4[i];
       }
       if (!fits)
-        return invalid(api, w + "mask of shape " + shape_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
-                                shape_text(std::vector<int64_t>(target, target + 4)));
+        return invalid(api, w + "mask of shape " + dims_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
+                                dims_text(std::vector<int64_t>(target, target + 4)));
     }
     if (k->has_bias) {
       std::vector<int64_t> bd;
       ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "bias", &job.bias, &bd), "");
       if (bd.size() != 1 || bd[0] != 3 * H * job.dh)
-        return invalid(api, w + "bias of shape " + shape_text(bd) + " is not [" + std::to_string(3 * H * job.dh) + "]");
+        return invalid(api, w + "bias of shape " + dims_text(bd) + " is not [" + std::to_string(3 * H * job.dh) + "]");
     }
     const int64_t out_dims[3] = {job.batch, job.sq, H * job.dv};
     OrtValue* y = nullptr;

@@ -88,12 +88,6 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   }
 }
 
-std::string dims_text(const std::vector<int64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   auto* k = static_cast<CudaAttentionKernel*>(kernel_ptr);
   const OrtApiRef& api = k->api;

@@ -44,6 +44,13 @@ inline OrtStatus* read_node_name(const OrtApiRef& api, const OrtKernelInfo* info
 
 namespace onnxfuse {
 
+// A shape as error messages print it: [2, 32, 384].
+inline std::string dims_text(const std::vector<int64_t>& d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
 // Element type, dimensions and data of input i. A missing optional input gives an empty shape,
 // null data and, when `present` is given, *present = false.
 inline OrtStatus* read_input(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, std::vector<int64_t>* shape,
