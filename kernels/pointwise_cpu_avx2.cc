@@ -57,11 +57,9 @@ ONNXFUSE_INLINE V scale_pow2(V y, __m256i N) {
   return _mm256_blendv_ps(_mm256_mul_ps(y1, s2), y, is_nan(y));
 }
 
-// exp(x) for x in [-104, 89] (NaN passes through): the scheme of num::exp_f32. x = n ln2 + r
-// (Cody-Waite, two FMAs), exp(r) = 1 + r + r^2 P(r) with P of degree 4 (relative error 3e-9),
-// then scale_pow2. exp(x) past num::kExpMaxFinite overflows to inf in the final multiplication.
-template <bool Upper>
-ONNXFUSE_INLINE V exp_reduced(V x) {
+// The shared part: y = exp(r) in [sqrt(1/2), sqrt(2)] and *N = n << 23 (the low bits of t shifted
+// into the exponent field; the magic's bits shift out), with exp(x) = y * 2^n.
+ONNXFUSE_INLINE V exp_mantissa(V x, __m256i* N) {
   const V magic = splat(12582912.0f);  // 1.5 * 2^23: t holds round(x / ln2) in its low bits
   V t = _mm256_fmadd_ps(x, splat(1.44269504088896341f), magic);
   V n = _mm256_sub_ps(t, magic);
@@ -72,28 +70,27 @@ ONNXFUSE_INLINE V exp_reduced(V x) {
   p = _mm256_fmadd_ps(p, r, splat(num::kExpP[2]));
   p = _mm256_fmadd_ps(p, r, splat(num::kExpP[3]));
   p = _mm256_fmadd_ps(p, r, splat(num::kExpP[4]));
-  V y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), splat(1.0f));
-  // The low bits of t shifted into the exponent field are n << 23 (the magic's bits shift out).
-  return scale_pow2<Upper>(y, _mm256_slli_epi32(_mm256_castps_si256(t), 23));
+  *N = _mm256_slli_epi32(_mm256_castps_si256(t), 23);
+  return _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), splat(1.0f));
+}
+
+// exp(x) for x in [-104, 89] (NaN passes through): the scheme of num::exp_f32. x = n ln2 + r
+// (Cody-Waite, two FMAs), exp(r) = 1 + r + r^2 P(r) with P of degree 4 (relative error 3e-9),
+// then scale_pow2. exp(x) past num::kExpMaxFinite overflows to inf in the final multiplication.
+template <bool Upper>
+ONNXFUSE_INLINE V exp_reduced(V x) {
+  __m256i N;
+  V y = exp_mantissa(x, &N);
+  return scale_pow2<Upper>(y, N);
 }
 
 // exp_reduced for |x| <= 86 in every lane: n = round(x / ln2) is within [-125, 125], so y * 2^n
 // is the normal float made by adding n to y's exponent field, what scale_pow2 computes there
 // (bit for bit) without its clamps, scaling and NaN check.
 ONNXFUSE_INLINE V exp_in_range(V x) {
-  const V magic = splat(12582912.0f);
-  V t = _mm256_fmadd_ps(x, splat(1.44269504088896341f), magic);
-  V n = _mm256_sub_ps(t, magic);
-  V r = _mm256_fnmadd_ps(n, splat(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, splat(-2.12194440e-4f), r);
-  V p = splat(num::kExpP[0]);
-  p = _mm256_fmadd_ps(p, r, splat(num::kExpP[1]));
-  p = _mm256_fmadd_ps(p, r, splat(num::kExpP[2]));
-  p = _mm256_fmadd_ps(p, r, splat(num::kExpP[3]));
-  p = _mm256_fmadd_ps(p, r, splat(num::kExpP[4]));
-  V y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), splat(1.0f));
-  return _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+  __m256i N;
+  V y = exp_mantissa(x, &N);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), N));
 }
 
 // True when every lane of x is within [-86, 86] (no NaN): exp_in_range applies.
