@@ -455,6 +455,32 @@ def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
 # accumulator tile stay in registers (ptxas reports no spills for any zoo layer).
 
 
+def _tile_load_lines(a_iters: int, b_iters: int) -> list[str]:
+    """Inside the k0 loop of both GEMM kernels: the block's threads stage the weight tile As
+    [BK][BM] and the im2col input tile Bs [BK][BN] in shared memory (0 outside the tensors),
+    then synchronize."""
+    L = [
+        "#pragma unroll",
+        f"    for (int it = 0; it < {a_iters}; ++it) {{",
+        "      const int e = tid + it * THREADS;",
+    ]
+    L += _c_lines("a_load", "      ")
+    L += [
+        "      if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;",
+        "    }",
+        "#pragma unroll",
+        f"    for (int it = 0; it < {b_iters}; ++it) {{",
+        "      const int e = tid + it * THREADS;",
+    ]
+    L += _c_lines("b_load", "      ")
+    L += [
+        "      if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;",
+        "    }",
+        "    __syncthreads();",
+    ]
+    return L
+
+
 def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
     entry = entry_name(shape, epi, tile)
     t = tile
@@ -497,23 +523,9 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
         "#pragma unroll",
         "    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;",
         "  for (int k0 = kbeg; k0 < kend; k0 += BK) {",
-        "#pragma unroll",
-        f"    for (int it = 0; it < {a_iters}; ++it) {{",
-        "      const int e = tid + it * THREADS;",
     ]
-    L += _c_lines("a_load", "      ")
+    L += _tile_load_lines(a_iters, b_iters)
     L += [
-        "      if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;",
-        "    }",
-        "#pragma unroll",
-        f"    for (int it = 0; it < {b_iters}; ++it) {{",
-        "      const int e = tid + it * THREADS;",
-    ]
-    L += _c_lines("b_load", "      ")
-    L += [
-        "      if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;",
-        "    }",
-        "    __syncthreads();",
         "#pragma unroll",
         "    for (int kk = 0; kk < BK; ++kk) {",
         "      float av[TM], bv[TN];",
@@ -630,23 +642,9 @@ def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kerne
         "#pragma unroll",
         "    for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);",
         "  for (int k0 = kbeg; k0 < kend; k0 += BK) {",
-        "#pragma unroll",
-        f"    for (int it = 0; it < {a_iters}; ++it) {{",
-        "      const int e = tid + it * THREADS;",
     ]
-    L += _c_lines("a_load", "      ")
+    L += _tile_load_lines(a_iters, b_iters)
     L += [
-        "      if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;",
-        "    }",
-        "#pragma unroll",
-        f"    for (int it = 0; it < {b_iters}; ++it) {{",
-        "      const int e = tid + it * THREADS;",
-    ]
-    L += _c_lines("b_load", "      ")
-    L += [
-        "      if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;",
-        "    }",
-        "    __syncthreads();",
         "#pragma unroll",
         "    for (int kk = 0; kk < BK; kk += 8) {",
         "      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a_big[FM], a_small[FM];",
