@@ -57,6 +57,29 @@ def _epilogue(v: np.ndarray, epi: Epilogue, z: np.ndarray | None, dst: np.ndarra
     return v
 
 
+def _stage_tiles(t, base: dict, k0, rows, blocks: int, a_iters: int, b_iters: int, wf, xf):
+    """One k0 step's shared-memory tiles As [blocks, BK, BM] and Bs [blocks, BK, BN], staged by the
+    INDEX a_load / b_load expressions as both GEMM kernels stage them; what no thread writes is
+    NaN (unwritten shared memory is poison)."""
+    As = np.full((blocks, t.bk, t.bm), np.nan, np.float32)
+    Bs = np.full((blocks, t.bk, t.bn), np.nan, np.float32)
+    for it in range(a_iters):
+        env = _eval("a_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
+        live = np.broadcast_to(env["e"] < t.bm * t.bk, env["ok"].shape)
+        ok = np.broadcast_to(env["ok"], live.shape)
+        val = np.where(ok, wf[np.where(ok, env["src"], 0)], np.float32(0))
+        r_, ak, am = np.broadcast_arrays(rows, env["ak"], env["am"])
+        As[r_[live], ak[live], am[live]] = val[live]
+    for it in range(b_iters):
+        env = _eval("b_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
+        ok = env["ok"]
+        live = np.broadcast_to(env["e"] < t.bk * t.bn, ok.shape)
+        val = np.where(ok, xf[np.where(ok, env["src"], 0)], np.float32(0))
+        r_, bkk, bj = np.broadcast_arrays(rows, env["bkk"], env["bj"])
+        Bs[r_[live], bkk[live], bj[live]] = val[live]
+    return As, Bs
+
+
 def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None) -> np.ndarray:
     """The implicit-GEMM kernel over grid (ceil(N*P*Q/BN), ceil(KG/BM), G*SPLITK)."""
     batch = x.shape[0]
@@ -92,22 +115,7 @@ def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None
         active = (k0 < base["kend"]).reshape(-1)
         if not active.any():
             break
-        As = np.full((blocks, t.bk, t.bm), np.nan, np.float32)  # unwritten shared memory is poison
-        Bs = np.full((blocks, t.bk, t.bn), np.nan, np.float32)
-        for it in range(a_iters):
-            env = _eval("a_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
-            live = np.broadcast_to(env["e"] < t.bm * t.bk, env["ok"].shape)
-            ok = np.broadcast_to(env["ok"], live.shape)
-            val = np.where(ok, wf[np.where(ok, env["src"], 0)], np.float32(0))
-            r_, ak, am = np.broadcast_arrays(rows, env["ak"], env["am"])
-            As[r_[live], ak[live], am[live]] = val[live]
-        for it in range(b_iters):
-            env = _eval("b_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
-            ok = env["ok"]
-            live = np.broadcast_to(env["e"] < t.bk * t.bn, ok.shape)
-            val = np.where(ok, xf[np.where(ok, env["src"], 0)], np.float32(0))
-            r_, bkk, bj = np.broadcast_arrays(rows, env["bkk"], env["bj"])
-            Bs[r_[live], bkk[live], bj[live]] = val[live]
+        As, Bs = _stage_tiles(t, base, k0, rows, blocks, a_iters, b_iters, wf, xf)
         for kk in range(t.bk):
             av = As[:, kk, :][:, (ty.reshape(-1, 1) + np.arange(t.tm) * (t.bm // t.tm))]  # [blocks, THREADS, TM]
             bv = Bs[:, kk, :][:, (tx.reshape(-1, 1) + np.arange(t.tn) * (t.bn // t.tn))]  # [blocks, THREADS, TN]
@@ -185,22 +193,7 @@ def run_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile, x, w, bias, z
         active = (k0 < base["kend"]).reshape(-1)
         if not active.any():
             break
-        As = np.full((blocks, t.bk, t.bm), np.nan, np.float32)
-        Bs = np.full((blocks, t.bk, t.bn), np.nan, np.float32)
-        for it in range(a_iters):
-            env = _eval("a_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
-            live = np.broadcast_to(env["e"] < t.bm * t.bk, env["ok"].shape)
-            ok = np.broadcast_to(env["ok"], live.shape)
-            val = np.where(ok, wf[np.where(ok, env["src"], 0)], np.float32(0))
-            r_, ak, am = np.broadcast_arrays(rows, env["ak"], env["am"])
-            As[r_[live], ak[live], am[live]] = val[live]
-        for it in range(b_iters):
-            env = _eval("b_load", {**base, "k0": k0, "e": base["tid"] + it * t.threads})
-            ok = env["ok"]
-            live = np.broadcast_to(env["e"] < t.bk * t.bn, ok.shape)
-            val = np.where(ok, xf[np.where(ok, env["src"], 0)], np.float32(0))
-            r_, bkk, bj = np.broadcast_arrays(rows, env["bkk"], env["bj"])
-            Bs[r_[live], bkk[live], bj[live]] = val[live]
+        As, Bs = _stage_tiles(t, base, k0, rows, blocks, a_iters, b_iters, wf, xf)
         for kk in range(0, t.bk, 8):
             for (wp, i, j), c in acc.items():
                 wm0, wn0 = warps[wp]
