@@ -314,6 +314,9 @@ def _optimize_text(s: dict) -> str:
 @click.option("--runs", type=click.IntRange(min=0), default=100, show_default=True,
               help="Timed runs per model (0: no timing).")
 @click.option("--warmup", type=click.IntRange(min=0), default=10, show_default=True, help="Untimed runs first.")
+@click.option("--profile-runs", type=click.IntRange(min=1), default=6, show_default=True,
+              help="Inferences under onnxruntime's profiler, for the counts and the kernel time by op type"
+                   " (the first is left out of the time).")
 @click.option("--ort-level", "level", type=click.Choice(["disable", "basic", "extended", "all"]), default="all",
               show_default=True, help="onnxruntime's own graph optimization level.")
 @dim_option
@@ -322,13 +325,15 @@ def _optimize_text(s: dict) -> str:
               help="Op types listed in the breakdown.")
 @json_option
 @debug_option
-def profile(model_a, model_b, provider, threads, runs, warmup, level, dims, seed, top, as_json):
+def profile(model_a, model_b, provider, threads, runs, warmup, profile_runs, level, dims, seed, top, as_json):
     """Kernels per inference, bytes moved and latency of MODEL in onnxruntime.
 
     Kernels are counted from onnxruntime's profiler (after its own optimizations at
-    --ort-level); latency is the median of --runs runs without the profiler. With MODEL2 the
-    two are shown side by side with ratios MODEL2/MODEL, timed interleaved. MODEL may be
-    zoo:NAME. The onnxfuse library is loaded for models that hold fused ops.
+    --ort-level), which also gives each op type's share of the kernel time (the profiler's
+    per-kernel overhead makes small kernels read long); latency is the median of --runs runs
+    without the profiler. With MODEL2 the two are shown side by side with ratios MODEL2/MODEL,
+    timed interleaved. MODEL may be zoo:NAME. The onnxfuse library is loaded for models that
+    hold fused ops.
     """
     from .modelio import normalize, resolve_input
     from .profile import profile_models, ratios
@@ -342,7 +347,7 @@ def profile(model_a, model_b, provider, threads, runs, warmup, level, dims, seed
     merged = effective_dims([m.model for m in loaded], {**defaults, **dims})
     reports = _run_or_input_error(
         lambda: profile_models([(m.label, m.model) for m in loaded], provider, threads, level, merged, runs, warmup,
-                               seed),
+                               seed, profile_runs),
         loaded,
     )
     result = {
@@ -399,17 +404,26 @@ def _profile_text(reports, result, top: int) -> str:
     if all(r.latency for r in reports):
         row("median latency", [f"{r.latency.median_ms:.4f} ms" for r in reports], ratios.get("median_ms"))
         row("p10 .. p90", [f"{r.latency.p10_ms:.4f} .. {r.latency.p90_ms:.4f}" for r in reports])
+    row("kernel time (profiler)", [f"{r.kernels.kernel_time_us / 1e3:.4f} ms" for r in reports],
+        ratios.get("kernel_time_us"))
     ops: list[str] = []
     for r in reports:
         ops += [k for k in r.kernels.by_op_type if k not in ops]
-    ops.sort(key=lambda k: -max(r.kernels.by_op_type.get(k, 0) for r in reports))
+    # Most kernel time first: where an inference spends its time is what the breakdown is for.
+    ops.sort(key=lambda k: (-max(r.kernels.time_us_by_op_type.get(k, 0.0) for r in reports),
+                            -max(r.kernels.by_op_type.get(k, 0) for r in reports)))
+
+    def cell(r, kinds) -> str:
+        count = sum(r.kernels.by_op_type.get(k, 0) for k in kinds)
+        share = sum(r.kernels.time_us_by_op_type.get(k, 0.0) for k in kinds) / (r.kernels.kernel_time_us or 1.0)
+        return f"{count} ({100 * share:.0f}%)" if count else "0"
+
     if top and ops:
-        rows.append(("kernels by op type",) + ("",) * (len(reports) + (1 if two else 0)))
+        rows.append(("kernels (share of kernel time) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
         for k in ops[:top]:
-            row(f"  {k}", [str(r.kernels.by_op_type.get(k, 0)) for r in reports])
+            row(f"  {k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
-            rest = [sum(v for kk, v in r.kernels.by_op_type.items() if kk in ops[top:]) for r in reports]
-            row(f"  ({len(ops) - top} more op types)", [str(x) for x in rest])
+            row(f"  ({len(ops) - top} more op types)", [cell(r, ops[top:]) for r in reports])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     header = (f"onnxruntime {result['provider'].upper()}, ORT level {result['ort_level']}, threads"
               f" {result['threads'] or 'default'}, dims {_dims_text(result['dims'])}")

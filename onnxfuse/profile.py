@@ -40,11 +40,23 @@ class KernelProfile:
     library_loaded: bool
     provider: str
     level: str
+    # Profiler time of the kernels per inference (microseconds), by op type, most first; the
+    # first run is left out when there are more (it pays one-off costs such as weight packing).
+    # The profiler adds overhead to every kernel, so small kernels read long: for shares only.
+    time_us_by_op_type: dict[str, float] = field(default_factory=dict)
+    timed_runs: int = 0
+
+    @property
+    def kernel_time_us(self) -> float:
+        return sum(self.time_us_by_op_type.values())
 
     def as_dict(self) -> dict:
         return {
             "kernels_per_inference": self.kernels_per_inference,
             "by_op_type": self.by_op_type,
+            "time_us_by_op_type": self.time_us_by_op_type,
+            "kernel_time_us": self.kernel_time_us,
+            "timed_runs": self.timed_runs,
             "by_provider": self.by_provider,
             "activation_bytes_read": self.activation_bytes_read,
             "parameter_bytes_read": self.parameter_bytes_read,
@@ -180,10 +192,21 @@ def kernel_events(events: Sequence[dict]) -> list[dict]:
 
 def summarize_events(events: Sequence[dict], runs: int, library_loaded: bool, provider: str, level: str) -> KernelProfile:
     """Per-inference counts and bytes from a profiler trace covering `runs` inferences."""
-    model_runs = sum(1 for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
-    runs = model_runs or runs
+    run_events = sorted(
+        (e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e.get("ts", 0)
+    )
+    runs = len(run_events) or runs
     kernels = kernel_events(events)
     by_op = Counter(e.get("args", {}).get("op_name", "?") for e in kernels)
+    # Kernel time: runs after the first (warm-up) when the trace holds more than one.
+    timed_runs, after_ts = runs, None
+    if len(run_events) > 1:
+        first = run_events[0]
+        timed_runs, after_ts = len(run_events) - 1, first.get("ts", 0) + first.get("dur", 0)
+    time_by_op: Counter = Counter()
+    for e in kernels:
+        if after_ts is None or e.get("ts", 0) >= after_ts:
+            time_by_op[e.get("args", {}).get("op_name", "?")] += float(e.get("dur", 0))
     by_provider = Counter(e.get("args", {}).get("provider", "?") for e in kernels)
     act = par = out = 0
     known = True
@@ -215,6 +238,8 @@ def summarize_events(events: Sequence[dict], runs: int, library_loaded: bool, pr
         library_loaded=library_loaded,
         provider=provider,
         level=level,
+        time_us_by_op_type={k: v / timed_runs for k, v in time_by_op.most_common()},
+        timed_runs=timed_runs,
     )
 
 
@@ -329,8 +354,10 @@ def profile_models(
     runs: int = 100,
     warmup: int = 10,
     seed: int = 0,
+    profile_runs: int = 6,
 ) -> list[ModelReport]:
-    """Kernel profile and latency of each (label, model), timed interleaved."""
+    """Kernel profile and latency of each (label, model), timed interleaved. The profile covers
+    `profile_runs` inferences: counts per inference, kernel time from all but the first."""
     reports: list[ModelReport] = []
     timed = []
     for label, model in models:
@@ -338,7 +365,7 @@ def profile_models(
             feeds = random_inputs(model, dims, seed)
         except UnfeedableInputError as e:
             raise UnfeedableInputError(f"{label}: {e}") from None
-        _, prof = profiled_run(model, feeds, provider, threads, level)
+        _, prof = profiled_run(model, feeds, provider, threads, level, runs=profile_runs)
         reports.append(ModelReport(label, prof))
         sess, _ = open_session(model, provider, threads, level)
         timed.append((sess, feeds))
@@ -372,6 +399,7 @@ def ratios(a: ModelReport, b: ModelReport) -> dict[str, float | None]:
         "kernels_per_inference": ratio(a.kernels.kernels_per_inference, b.kernels.kernels_per_inference),
         "activation_bytes_read": ratio(a.kernels.activation_bytes_read, b.kernels.activation_bytes_read),
         "bytes_written": ratio(a.kernels.bytes_written, b.kernels.bytes_written),
+        "kernel_time_us": ratio(a.kernels.kernel_time_us, b.kernels.kernel_time_us),
     }
     if a.latency and b.latency:
         out["median_ms"] = ratio(a.latency.median_ms, b.latency.median_ms)

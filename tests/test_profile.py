@@ -147,3 +147,45 @@ def test_profile_cuda_without_a_gpu_is_refused_not_silently_run_on_cpu(chain_pat
     result = cli("profile", chain_path, "--provider", "cuda", "--runs", 1)
     assert result.exit_code == 2
     assert len(stderr_lines(result)) == 1 and "cuda" in result.stderr.lower()
+
+
+def test_kernel_time_by_op_type_leaves_out_the_first_run(tmp_path):
+    from onnxfuse.profile import summarize_events
+
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "time")
+    sess = ort.InferenceSession(conv_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = random_inputs(conv_model())
+    for _ in range(4):
+        sess.run(None, feeds)
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    runs = sorted((e for e in events if e["cat"] == "Session" and e["name"] == "model_run"), key=lambda e: e["ts"])
+    assert len(runs) == 4
+    warm_end = runs[0]["ts"] + runs[0]["dur"]
+    expected: Counter = Counter()
+    for e in events:
+        if e["cat"] == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= warm_end:
+            expected[e["args"]["op_name"]] += e["dur"] / 3
+
+    prof = summarize_events(events, 4, False, "cpu", "all")
+    assert prof.timed_runs == 3
+    assert set(prof.time_us_by_op_type) == set(prof.by_op_type)
+    assert prof.time_us_by_op_type == pytest.approx(dict(expected))
+    assert prof.kernel_time_us == pytest.approx(sum(expected.values()))
+    assert list(prof.time_us_by_op_type.values()) == sorted(prof.time_us_by_op_type.values(), reverse=True)
+
+
+def test_profile_text_shows_each_op_types_share_of_kernel_time():
+    from click.testing import CliRunner
+
+    from onnxfuse.cli import main
+
+    path = os.path.join(os.path.dirname(__file__), "..", "models", "mlp_ensemble.onnx")
+    res = CliRunner().invoke(main, ["profile", path, "--runs", "3", "--profile-runs", "3", "--top", "3"])
+    assert res.exit_code == 0, res.output
+    assert "kernel time (profiler)" in res.output
+    shares = [int(line.split("(")[-1].rstrip("%)")) for line in res.output.splitlines()
+              if line.startswith("  ") and line.rstrip().endswith("%)")]
+    assert shares and 95 <= sum(shares) <= 105  # three op types plus "more", each rounded
