@@ -743,6 +743,61 @@ def match_conv_activation(a: "Analysis") -> Iterable[gs.Node]:
             yield r
 
 
+# onnxruntime's NCHWc layout (CPU, x86): convolutions run on channel-blocked tensors, and these
+# elementwise ops run on the blocked tensors in place, with no ReorderOutput / ReorderInput around
+# them, when every activation they read is blocked (binary ones: two blocked tensors of one
+# shape; Add and Sum even fold into the convolution as its sum input). Checked on onnxruntime
+# 1.31: LeakyRelu, Clip, Elu, Exp, Neg, Abs, Softplus, Sub, Div, Max and ops with a broadcast
+# constant are not among them (they get reorders). Pools of a blocked tensor stay blocked.
+_NCHWC_UNARY = ("Relu", "Sigmoid", "Tanh", "HardSigmoid")
+_NCHWC_BINARY = ("Add", "Sum", "Mul")
+_NCHWC_POOLS = ("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool")
+# MLAS's NCHWc block is 8 floats with AVX2 and 16 with AVX-512: 8 also holds for 16-wide
+# blocks only where channels are multiples of 16, so a 24-channel layer on an AVX-512 machine
+# is (wrongly) taken as blocked; that only leaves an op to onnxruntime that could have fused.
+_NCHWC_BLOCK = 8
+
+
+def nchwc_conv(n: gs.Node) -> bool:
+    """Whether onnxruntime's NCHWc layout takes this Conv: 2-D with constant weights, output
+    channels a multiple of the block, and either group 1 (input channels a multiple of the
+    block, or fewer than one block: the first layer reads NCHW) or depthwise."""
+    if not _std(n, "Conv") or len(n.inputs) < 2 or not isinstance(n.inputs[1], gs.Constant):
+        return False
+    w = gu.dims(n.inputs[1])
+    if w is None or len(w) != 4 or not all(isinstance(d, int) for d in w):
+        return False
+    cout, cin_per_group = w[0], w[1]
+    group = int(n.attrs.get("group", 1))
+    if cout % _NCHWC_BLOCK:
+        return False
+    if group == 1:
+        return cin_per_group % _NCHWC_BLOCK == 0 or cin_per_group < _NCHWC_BLOCK
+    return cin_per_group == 1 and group == cout
+
+
+def match_nchwc_elementwise(a: "Analysis") -> Iterable[gs.Node]:
+    """Elementwise ops that onnxruntime runs in its NCHWc layout between convolutions. In a
+    Pointwise region they would need a ReorderOutput before and a ReorderInput after: MobileNetV3's
+    x * HardSigmoid(x) ran as 3 kernels per block that way, against onnxruntime's 2 in place."""
+    blocked: set[int] = set()
+    for n in a.nodes:  # topological order
+        acts = [t for t in n.inputs if gu.is_present(t) and not isinstance(t, gs.Constant)]
+        if nchwc_conv(n):
+            keep = False
+        elif _std(n, *_NCHWC_UNARY) or _std(n, *_NCHWC_POOLS):
+            keep = len(acts) == 1 and id(acts[0]) in blocked
+        elif _std(n, *_NCHWC_BINARY):
+            keep = (len(n.inputs) == 2 == len(acts) and all(id(t) in blocked for t in acts)
+                    and gu.dims(acts[0]) is not None and gu.dims(acts[0]) == gu.dims(acts[1]))
+        else:
+            continue
+        if nchwc_conv(n) or keep:
+            blocked.update(id(t) for t in n.outputs)
+        if keep and not _std(n, *_NCHWC_POOLS):
+            yield n
+
+
 def match_matmul_gemm(a: "Analysis") -> Iterable[gs.Node]:
     """MatMul of two 2-D operands -> Add becomes Gemm (the addend is Gemm's C, added for free),
     and Gemm -> Relu|Sigmoid|Tanh|LeakyRelu|HardSigmoid becomes FusedGemm. Rank-3 MatMuls are
@@ -920,6 +975,7 @@ def match_gelu(a: "Analysis") -> Iterable[gs.Node]:
 POLICY: dict[str, tuple[Rule, ...]] = {
     "cpu": (
         Rule("conv-activation", "FusedConv", match_conv_activation),
+        Rule("nchwc-elementwise", "NCHWc layout (in place between convolutions)", match_nchwc_elementwise),
         Rule("matmul-gemm", "Gemm / FusedGemm", match_matmul_gemm),
         Rule("matmul-scale", "FusedMatMul", match_matmul_scale),
         Rule("skip-layernorm", "SkipLayerNormalization", match_skip_layernorm),

@@ -670,3 +670,60 @@ def test_split_piece_split_again_on_the_same_axis_is_read_stored():
     (pw,) = pointwise_nodes(out)
     assert "a" in pw.input and "x" not in pw.input
     check_equivalent(m, out, dims={"batch": 2})
+
+
+def conv_elementwise_conv(op: str, binary: bool, group: int = 1, channels: int = 16):
+    """Conv -> op (unary on the Conv, or binary on two Convs of one shape) -> Mul by the first
+    Conv (so that the op cannot fold into the Conv) -> Conv."""
+    W = lambda cin: RNG.standard_normal((channels, cin, 3, 3)).astype(np.float32)  # noqa: E731
+    nodes = [node("Conv", ["x", "W1"], ["c1"], pads=[1, 1, 1, 1], group=group)]
+    inits = {"W1": W(channels // group), "W2": W(channels)}
+    if binary:
+        nodes.append(node("Conv", ["x", "W3"], ["c3"], pads=[1, 1, 1, 1]))
+        inits["W3"] = W(channels)
+    nodes.append(node(op, ["c1", "c3"] if binary else ["c1"], ["a"]))
+    nodes += [node("Mul", ["a", "c1"], ["m"]), node("Conv", ["m", "W2"], ["y"], pads=[1, 1, 1, 1])]
+    return model(nodes, [("x", [1, channels, 10, 10])], [("y", [1, channels, 10, 10])], inits)
+
+
+NCHWC_CASES = [("HardSigmoid", False), ("Sigmoid", False), ("Tanh", False), ("Relu", False),
+               ("Add", True), ("Mul", True), ("Sum", True)]
+
+
+@pytest.mark.parametrize("op, binary", NCHWC_CASES)
+def test_nchwc_elementwise_ops_run_in_place_in_onnxruntime(op, binary):
+    """The measurement behind the nchwc-elementwise rule: between NCHWc convolutions,
+    onnxruntime runs these ops on the blocked tensors with no reorder around them (one
+    ReorderInput for the graph input, one ReorderOutput for the graph output)."""
+    kernels = ort_kernels(conv_elementwise_conv(op, binary))
+    assert kernels.count("ReorderInput") + kernels.count("ReorderOutput") == 2, kernels
+
+
+@pytest.mark.parametrize("op, binary", NCHWC_CASES)
+def test_cpu_policy_leaves_nchwc_elementwise_ops_to_onnxruntime(op, binary):
+    m = conv_elementwise_conv(op, binary)
+    out = fuse(m, "cpu")
+    assert "Pointwise" not in ops(out)
+    assert len(ort_kernels(out)) == len(ort_kernels(m))
+    check_equivalent(m, out)
+
+
+@pytest.mark.parametrize("op, binary", [("LeakyRelu", False), ("Sub", True)])
+def test_ops_onnxruntime_reorders_around_are_still_fused_between_convolutions(op, binary):
+    """LeakyRelu and Sub leave the NCHWc layout in onnxruntime (reorders around them), so the
+    region with the Mul after them is fused, and saves kernels."""
+    m = conv_elementwise_conv(op, binary)
+    assert ort_kernels(m).count("ReorderOutput") > 1
+    out = fuse(m, "cpu")
+    assert ops(out).count("Pointwise") == 1
+    assert len(ort_kernels(out, with_library=True)) < len(ort_kernels(m))
+    check_equivalent(m, out)
+
+
+def test_grouped_convolution_is_not_taken_as_nchwc():
+    """A grouped (not depthwise) convolution stays NCHW in onnxruntime: its activation and the
+    Mul after it are one region."""
+    m = conv_elementwise_conv("HardSigmoid", False, group=2)
+    out = fuse(m, "cpu")
+    assert ops(out).count("Pointwise") == 1
+    check_equivalent(m, out)
