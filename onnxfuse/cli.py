@@ -296,7 +296,8 @@ def _optimize_text(s: dict) -> str:
         if len(v["runs"]) > 1:
             extra = "; fallback functions match too"
         lines.append(f"  verified   {outputs} output(s) match on random inputs (seed {v['seed']}, dims"
-                     f" {_dims_text(v['dims'])}): max abs error {v['max_abs']:.3g},"
+                     f" {_dims_text(v['dims'])}): max abs error {v['max_abs']:.3g}"
+                     f" ({v.get('norm_rel', 0.0):.2g} of its output's largest value),"
                      f" max rel error {v['max_rel']:.3g}{extra}")
     for note in s.get("notes", []):
         lines.append(f"  note       {note}")

@@ -209,6 +209,9 @@ class OutputCheck:
     shape: tuple
     max_abs: float = 0.0
     max_rel: float = 0.0  # max |a - b| / (|b| + atol)
+    # max |a - b| / max |b|: the error relative to the output's scale (infinity norm), which,
+    # unlike max_rel, does not grow without bound where an element crosses zero.
+    norm_rel: float = 0.0
     atol: float = 0.0
     rtol: float = 0.0
     mismatched: int = 0  # elements outside the tolerance
@@ -225,6 +228,7 @@ class OutputCheck:
             "shape": list(self.shape),
             "max_abs": self.max_abs,
             "max_rel": self.max_rel,
+            "norm_rel": self.norm_rel,
             "atol": self.atol,
             "rtol": self.rtol,
             "mismatched": self.mismatched,
@@ -276,6 +280,8 @@ def compare_output(name: str, elem_type: int, expected: np.ndarray, actual: np.n
     if diff.size:
         check.max_abs = float(diff.max())
         check.max_rel = float((diff / (np.abs(e[both]) + max(atol, np.finfo(np.float64).tiny))).max())
+        scale = float(np.abs(e[both]).max())
+        check.norm_rel = check.max_abs / scale if scale > 0 else (0.0 if check.max_abs == 0 else float("inf"))
         bad = diff > atol + rtol * np.abs(e[both])
         check.mismatched = int(np.count_nonzero(bad))
     if check.mismatched:
@@ -326,6 +332,10 @@ class Verification:
     def max_rel(self) -> float:
         return max((o.max_rel for r in self.runs for o in r.outputs), default=0.0)
 
+    @property
+    def norm_rel(self) -> float:
+        return max((o.norm_rel for r in self.runs for o in r.outputs), default=0.0)
+
     def first_problem(self) -> str | None:
         for r in self.runs:
             if r.error:
@@ -343,6 +353,7 @@ class Verification:
             "provider": self.provider,
             "max_abs": self.max_abs,
             "max_rel": self.max_rel,
+            "norm_rel": self.norm_rel,
             "runs": [r.as_dict() for r in self.runs],
         }
 

@@ -74,6 +74,19 @@ def test_float_outputs_compare_within_dtype_tolerance_and_fail_beyond():
     assert "1 of 100 values" in check.problem
 
 
+def test_error_relative_to_the_outputs_scale_stays_small_at_a_zero_crossing():
+    """An element near zero makes the elementwise relative error large; relative to the
+    output's largest value the same error is small."""
+    ref = np.array([-4.0, 1e-6, 2.0, 8.0], dtype=np.float32)
+    out = ref + np.array([0, 4e-6, 0, 0], dtype=np.float32)
+    check = compare_output("y", TensorProto.FLOAT, ref, out)
+    assert check.ok
+    assert check.max_rel > 0.03
+    assert check.norm_rel == pytest.approx(check.max_abs / 8.0)
+    assert check.norm_rel < 1e-6
+    assert compare_output("y", TensorProto.FLOAT, np.zeros(3, np.float32), np.zeros(3, np.float32)).norm_rel == 0
+
+
 def test_half_precision_gets_a_wider_tolerance_than_single():
     ref = np.linspace(1, 2, 50).astype(np.float16)
     off = (ref.astype(np.float32) * 1.004).astype(np.float16)
