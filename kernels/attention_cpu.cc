@@ -324,21 +324,6 @@ float softmax_avx2(float* s, int64_t sk, float mx, int64_t* live_begin, int64_t*
   return 1.0f / hsum(vsum);
 }
 
-// A causal row's probabilities up to normalization, in place, for its n visible keys (the scores
-// s[0, n), maximum mx); returns 1 / their sum. s[n, width) is set to 0 (the future keys the tile's
-// weighted sum reads); the buffer holds at least max(round_up(n, 8), width) floats.
-float causal_softmax_avx2(float* s, int64_t n, float mx, int64_t width) {
-  const int64_t padded = (n + 7) / 8 * 8;
-  for (int64_t t = n; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
-  __m256 vsum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < padded; t += 8) {
-    exp8(s + t, mx);
-    vsum = _mm256_add_ps(vsum, _mm256_loadu_ps(s + t));
-  }
-  for (int64_t t = padded; t < width; ++t) s[t] = 0.0f;
-  return 1.0f / hsum(vsum);
-}
-
 // out_r[j] = inv_r * sum_t p_r[t] * v[t, j] for R rows and t0 <= t < t1, 16 columns at a time
 // (8, then scalar, at the end).
 template <int R>
@@ -383,18 +368,30 @@ inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, cons
 }
 
 // Whether every element of rows x cols (rows `stride` apart) is finite: x * 0 is 0 for finite x,
-// NaN for an infinity or NaN.
+// NaN for an infinity or NaN. Four running sums, so that their adds overlap.
 bool all_finite(const float* x, int64_t stride, int64_t rows, int64_t cols) {
   const __m256 zero = _mm256_setzero_ps();
-  __m256 acc = zero;
+  __m256 acc[4] = {zero, zero, zero, zero};
   float tail = 0.0f;
   for (int64_t t = 0; t < rows; ++t) {
     const float* row = x + t * stride;
     int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(row + j), zero));
+    for (; j + 32 <= cols; j += 32)
+      for (int u = 0; u < 4; ++u) acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(_mm256_loadu_ps(row + j + 8 * u), zero));
+    for (; j + 8 <= cols; j += 8) acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(_mm256_loadu_ps(row + j), zero));
     for (; j < cols; ++j) tail += row[j] * 0.0f;
   }
-  return hsum(acc) + tail == 0.0f;
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + tail == 0.0f;
+}
+
+// out[r * out_stride + j] += bias[j] for `rows` rows.
+inline void add_value_bias_avx2(float* out, int64_t out_stride, int64_t rows, const float* bias, int64_t dv) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * out_stride;
+    int64_t j = 0;
+    for (; j + 8 <= dv; j += 8) _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_loadu_ps(bias + j)));
+    for (; j < dv; ++j) o[j] += bias[j];
+  }
 }
 
 // v_finite: whether this (b, h)'s value rows are all finite. Then keys whose probabilities are
@@ -402,57 +399,103 @@ bool all_finite(const float* x, int64_t stride, int64_t rows, int64_t cols) {
 // add 0 * v[t, j] = 0. An infinite or NaN v row must still make 0 * v NaN, as onnxruntime's
 // MatMul does, so then every key is summed.
 //
-// skip_future (causal, with every key and value of this (b, h) finite): row i's scores,
-// probabilities and weighted sum cover keys t <= i alone, the tile's keys t < r0 + R. Otherwise a
-// causal row adds -inf to its future keys' scores, so a NaN or infinite future key makes the row
-// NaN, as it does in the original (whose mask adds a finite, very negative value).
+// A causal row (job.causal) adds -inf to its future keys' scores here, so a NaN or infinite future
+// key makes the row NaN, as it does in the original (whose mask adds a finite, very negative
+// value); causal_tile_avx2 skips them instead when the (b, h)'s keys and values are finite.
 template <int R>
 void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, bool v_finite,
-               bool skip_future, const float* mask_bh, const float* q_bias, const float* v_bias, float* out,
-               int64_t r0, float* scores, float* q_rows) {
-  // Keys any row of the tile weighs.
-  const int64_t kv = skip_future ? std::min(job.sk, r0 + R) : job.sk;
-  const int64_t cols = skip_future ? padded_keys(kv) : ld;
+               const float* mask_bh, const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
+               float* q_rows) {
   if (q_bias != nullptr) {
     biased_rows(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, R, job.dh, q_rows);
-    scores_tile<R>(q_rows, job.dh, keys, ld, cols, job.dh, scores);
+    scores_tile<R>(q_rows, job.dh, keys, ld, ld, job.dh, scores);
   } else {
-    scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, cols, job.dh, scores);
+    scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, ld, job.dh, scores);
   }
   float inv[R];
-  int64_t t0 = 0, t1 = kv;
-  if (skip_future) {
-    for (int r = 0; r < R; ++r) {
-      float* s = scores + r * ld;
-      const int64_t n = std::min(job.sk, r0 + r + 1);
-      const float mx = scale_and_mask_avx2(s, n, job.scale, nullptr, 0, n);
-      inv[r] = causal_softmax_avx2(s, n, mx, kv);
-    }
-  } else {
-    t0 = job.sk, t1 = 0;
-    for (int r = 0; r < R; ++r) {
-      float* s = scores + r * ld;
-      const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
-      const int64_t causal_end = job.causal ? r0 + r + 1 : job.sk;
-      const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3], causal_end);
-      int64_t begin = 0, end = 0;
-      inv[r] = softmax_avx2(s, job.sk, mx, &begin, &end);
-      t0 = std::min(t0, begin);
-      t1 = std::max(t1, end);
-    }
-    if (!v_finite || t0 >= t1) t0 = 0, t1 = job.sk;
+  int64_t t0 = job.sk, t1 = 0;
+  for (int r = 0; r < R; ++r) {
+    float* s = scores + r * ld;
+    const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
+    const int64_t causal_end = job.causal ? r0 + r + 1 : job.sk;
+    const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3], causal_end);
+    int64_t begin = 0, end = 0;
+    inv[r] = softmax_avx2(s, job.sk, mx, &begin, &end);
+    t0 = std::min(t0, begin);
+    t1 = std::max(t1, end);
   }
+  if (!v_finite || t0 >= t1) t0 = 0, t1 = job.sk;
   const int64_t out_stride = job.heads * job.dv;
   weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, t0, t1, job.dv, out + r0 * out_stride, out_stride);
-  if (v_bias != nullptr) {
+  if (v_bias != nullptr) add_value_bias_avx2(out + r0 * out_stride, out_stride, R, v_bias, job.dv);
+}
+
+// dst[r * dh + i] = scale * (q[r * q_stride + i] + bias[i]) (no bias: scale * q) for R rows: the
+// scores against these rows come out scaled.
+template <int R>
+inline void scaled_rows(const float* q, int64_t q_stride, const float* bias, float scale, int64_t dh, float* dst) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    const float* row = q + r * q_stride;
+    float* d = dst + r * dh;
+    int64_t i = 0;
+    for (; i + 8 <= dh; i += 8) {
+      __m256 x = _mm256_loadu_ps(row + i);
+      if (bias != nullptr) x = _mm256_add_ps(x, _mm256_loadu_ps(bias + i));
+      _mm256_storeu_ps(d + i, _mm256_mul_ps(x, vs));
+    }
+    for (; i < dh; ++i) d[i] = (bias != nullptr ? row[i] + bias[i] : row[i]) * scale;
+  }
+}
+
+// Causal rows whose (b, h) has finite keys and values: row i = r0 + r weighs keys t < n_r =
+// min(sk, i + 1) alone, so the scores stop at the 16-key tile holding the last row's key (q
+// scaled first), keys t >= n_r are set to -inf (exp gives exactly 0), and the weighted sum covers
+// the tile's keys t < r0 + R. The R rows' maxima, exps and sums go block by block across the rows,
+// so that their dependency chains overlap instead of running one row after the other.
+template <int R>
+void causal_tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v,
+                      const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
+                      float* q_rows) {
+  const int64_t kv = std::min(job.sk, r0 + R);
+  const int64_t width = (kv + 7) / 8 * 8;  // <= padded_keys(kv) <= ld
+  scaled_rows<R>(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, job.scale, job.dh, q_rows);
+  scores_tile<R>(q_rows, job.dh, keys, ld, padded_keys(kv), job.dh, scores);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i last[R];  // n_r - 1: lanes past it are the row's future
+  __m256 vmax[R];
+  for (int r = 0; r < R; ++r) {
+    last[r] = _mm256_set1_epi32(static_cast<int>(std::min(job.sk, r0 + r + 1) - 1));
+    vmax[r] = neg_inf;
+  }
+  for (int64_t t = 0; t < width; t += 8) {
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(t)));
     for (int r = 0; r < R; ++r) {
-      float* o = out + (r0 + r) * out_stride;
-      int64_t j = 0;
-      for (; j + 8 <= job.dv; j += 8)
-        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_loadu_ps(v_bias + j)));
-      for (; j < job.dv; ++j) o[j] += v_bias[j];
+      float* s = scores + r * ld + t;
+      const __m256 future = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, last[r]));
+      const __m256 x = _mm256_blendv_ps(_mm256_loadu_ps(s), neg_inf, future);
+      _mm256_storeu_ps(s, x);
+      vmax[r] = _mm256_max_ps(x, vmax[r]);  // NaN in x: keeps vmax (the row's sum turns NaN)
     }
   }
+  float mx[R], inv[R];
+  __m256 vsum[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = hmax(vmax[r]);
+    vsum[r] = _mm256_setzero_ps();
+  }
+  for (int64_t t = 0; t < width; t += 8) {
+    for (int r = 0; r < R; ++r) {
+      float* s = scores + r * ld + t;
+      exp8(s, mx[r]);
+      vsum[r] = _mm256_add_ps(vsum[r], _mm256_loadu_ps(s));
+    }
+  }
+  for (int r = 0; r < R; ++r) inv[r] = 1.0f / hsum(vsum[r]);
+  const int64_t out_stride = job.heads * job.dv;
+  weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, 0, kv, job.dv, out + r0 * out_stride, out_stride);
+  if (v_bias != nullptr) add_value_bias_avx2(out + r0 * out_stride, out_stride, R, v_bias, job.dv);
 }
 
 void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
@@ -463,13 +506,23 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
   // v's bias is added to the output, not to v: the rows read are v's own.
   const bool vf = all_finite(v, job.v.row_stride, job.sk, job.dv);
   // The key panel holds the biased keys, zero-padded: it is finite when the keys are.
-  const bool skip = job.causal && vf && all_finite(keys, ld, job.dh, ld);
+  if (job.causal && vf && all_finite(keys, ld, job.dh, ld)) {
+    for (; r + kRows <= end; r += kRows)
+      causal_tile_avx2<kRows>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows);
+    switch (end - r) {
+      case 3: causal_tile_avx2<3>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows); break;
+      case 2: causal_tile_avx2<2>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows); break;
+      case 1: causal_tile_avx2<1>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows); break;
+      default: break;
+    }
+    return;
+  }
   for (; r + kRows <= end; r += kRows)
-    tile_avx2<kRows>(job, q, keys, ld, v, vf, skip, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
+    tile_avx2<kRows>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
   switch (end - r) {
-    case 3: tile_avx2<3>(job, q, keys, ld, v, vf, skip, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
-    case 2: tile_avx2<2>(job, q, keys, ld, v, vf, skip, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
-    case 1: tile_avx2<1>(job, q, keys, ld, v, vf, skip, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 3: tile_avx2<3>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 2: tile_avx2<2>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 1: tile_avx2<1>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
     default: break;
   }
 }
@@ -536,7 +589,7 @@ void run_item(void* data, size_t index) {
   std::vector<float>& scores = score_scratch();
   scores.resize(static_cast<size_t>(kRows * job.ld));
   std::vector<float>& q_rows = query_scratch();
-  if (q_bias != nullptr) q_rows.resize(static_cast<size_t>(kRows * job.dh));
+  if (q_bias != nullptr || job.causal) q_rows.resize(static_cast<size_t>(kRows * job.dh));
 #if defined(__x86_64__)
   if (job.avx2) {
     rows_avx2(job, q, keys, job.ld, v, mask_bh, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_cases import CASES, case_id, fused_model
+from attention_cases import CASES, CAUSAL_CASES, case_id, fused_model
 from attention_models import attention_model, packed_inputs, reference
 from onnxfuse import runtime
 from test_pass_attention import PASS, feeds_for, fused
@@ -254,3 +254,16 @@ def test_causal_kernel_gives_the_originals_nan_rows_for_non_finite_inputs(tensor
         np.testing.assert_array_equal(np.isnan(got), nan)
         finite = np.isfinite(fallback)
         assert_close(np.where(finite, got, 0), np.where(finite, fallback, 0))
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=case_id)
+def test_causal_node_agrees_with_its_fallback_and_numpy(case, build):
+    """A hand-built causal node (the bias, where there is one, a graph input): the library's kernel
+    and the fallback function against float64 numpy."""
+    model = fused_model(case)
+    feeds = case.feeds(seed=12)
+    want = case.reference(feeds)
+    for with_library in (True, False):
+        for threads in (1, 2):
+            got = runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0]
+            assert_close(got, want)
