@@ -59,15 +59,18 @@ def interleaved(sess_a, sess_b, feeds, threads: int, rounds: int, burst: int, fe
     return float(np.median(ta)) * 1e3, float(np.median(tb)) * 1e3, float(np.median(ratios))
 
 
-def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "last"):
+def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "last", sliced: bool = False):
     """One GPT attention block (QKV projection and its bias, Split, heads, causal mask, merge) at
-    static sizes. bias "input": the bias a graph input, so fuse-attention leaves its Add separate."""
+    static sizes. bias "input": the bias a graph input, so fuse-attention leaves its Add separate.
+    sliced: the mask as torch exports it, a run-time slice of a triu(-1e9) buffer (fuse-attention's
+    causal mode), else that mask as a constant [1, 1, seq, seq] (an additive mask input)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from attention_models import attention_model
 
     causal = np.triu(np.full((seq, seq), -1e9, np.float32), 1)[None, None]
-    m = attention_model(heads=heads, dh=head_dim, mask=None, mask_const=causal, scale_value=float(np.sqrt(head_dim)),
-                        qkv_bias=bias)
+    masks = dict(causal=dict(table=causal)) if sliced else dict(mask_const=causal)
+    m = attention_model(heads=heads, dh=head_dim, mask=None, scale_value=float(np.sqrt(head_dim)), qkv_bias=bias,
+                        **masks)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((batch, seq, heads * head_dim)).astype(np.float32)}
     if bias == "input":
@@ -130,9 +133,14 @@ def main(argv=None) -> int:
     lines += ["", "## One attention block (QKV MatMul + bias + attention), batch 1, 4 heads of 32, causal mask, 1 thread", "",
               f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys). "
               "'bias separate': the bias a graph input, so its Add stays a kernel before the Attention node; "
-              "'bias folded': a constant bias, added by the Attention kernel.", "",
+              "'bias folded': a constant bias, added by the Attention kernel; both read the mask as an input. "
+              "'causal': the mask a run-time slice of a triu(-1e9) constant, as torch exports it, fused by "
+              "the CPU rule (the sequence dim symbolic and not declared, so the key-length limit does not "
+              "apply) into an Attention node with causal = 1 and no mask input, against that model's own "
+              "onnxruntime chain (the slice and its Shape arithmetic included).", "",
               "| seq | onnxruntime chain us | fused, bias separate us | fused, bias folded us | folded / onnxruntime "
-              "| folded / separate |", "|---:|---:|---:|---:|---:|---:|"]
+              "| folded / separate | sliced-mask chain us | fused, causal us | causal / its chain |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     from onnxfuse.pipeline import Context, run_passes, select_passes
 
     def fuse(m):
@@ -140,6 +148,15 @@ def main(argv=None) -> int:
         ctx = Context(target="cuda", options={"attention_cuda": True})
         fused, n = run_passes(m, select_passes(["fuse-attention"], "cpu"), ctx)
         assert sum(1 for x in fused.graph.node if x.op_type == "Attention") == 1, "fuse-attention did not apply"
+        return fused
+
+    def fuse_causal(m):
+        """The CPU rule (causal mode is CPU-only): None past CPU_MAX_KEYS, where it does not apply."""
+        fused, n = run_passes(m, select_passes(["fuse-attention"], "cpu"), Context(target="cpu"))
+        nodes = [x for x in fused.graph.node if x.op_type == "Attention"]
+        if not nodes:
+            return None
+        assert any(a.name == "causal" and a.i == 1 for a in nodes[0].attribute), "not fused as causal"
         return fused
 
     rounds = max(10, args.rounds // 3)
@@ -152,7 +169,15 @@ def main(argv=None) -> int:
         sc = runtime.make_session(fuse(m_sep), threads=1, with_library=True)
         a, b, r = interleaved(sa, sb, feeds, 1, rounds, args.burst)
         c, b2, r2 = interleaved(sc, sb, feeds_sep, 1, rounds, args.burst, feeds_b=feeds)
-        row = f"| {seq} | {a * 1e3:.1f} | {c * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} | {r2:.3f} |"
+        m_sliced, _ = block_model(seq, 4, 32, 1, sliced=True)
+        causal = fuse_causal(m_sliced)
+        causal_cells = "- | not fused | -"  # the CPU rule's key-length limit
+        if causal is not None:
+            se = runtime.make_session(m_sliced, threads=1)
+            sf = runtime.make_session(causal, threads=1, with_library=True)
+            e, f, r3 = interleaved(se, sf, feeds, 1, rounds, args.burst)
+            causal_cells = f"{e * 1e3:.1f} | {f * 1e3:.1f} | {r3:.3f}"
+        row = f"| {seq} | {a * 1e3:.1f} | {c * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} | {r2:.3f} | {causal_cells} |"
         print(row, flush=True)
         lines.append(row)
     text = "\n".join(lines) + "\n"
