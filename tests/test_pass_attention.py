@@ -220,6 +220,18 @@ def test_cpu_leaves_long_key_sequences_to_onnxruntime_and_cuda_does_not():
     assert optimize(static, PASS)[1] == 0
 
 
+def test_cpu_applies_causal_mode_up_to_its_own_key_limit():
+    from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEYS, CPU_MAX_KEYS
+
+    m = attention_model(mask=None, causal=dict(size=16))
+    assert CPU_MAX_CAUSAL_KEYS > CPU_MAX_KEYS
+    opt, n = optimize(m, PASS, dims={"S": CPU_MAX_CAUSAL_KEYS})
+    assert n == 1 and attrs(fused(opt)[0])["causal"] == 1
+    assert optimize(m, PASS, dims={"S": CPU_MAX_CAUSAL_KEYS + 1})[1] == 0
+    # A mask that is not causal keeps the shorter limit.
+    assert optimize(attention_model(), PASS, dims={"S": CPU_MAX_KEYS + 1})[1] == 0
+
+
 CAUSAL_ATTRS = {"num_heads": 2, "scale": pytest.approx(0.25), "has_mask": 0, "qkv_packed": 1, "causal": 1}
 
 
