@@ -9,15 +9,18 @@ time. CPU provider, ORT_ENABLE_ALL applied after our passes, the library loaded 
 optimized model.
 
     python bench/attention_cpu.py [--rounds 60] [--out bench/results/attention_cpu.md]
-                                  [--before OPTIMIZED.onnx]
+                                  [--before OPTIMIZED.onnx [--before-library LIB.so]]
 
 --before: gpt_stack as an earlier commit optimized it (onnxfuse optimize zoo:gpt_stack OUT at
-that commit), timed interleaved against this commit's optimization, both with this library.
+that commit), timed interleaved against this commit's optimization, both with this library, or
+the before model with --before-library (that commit's build of the library, loaded through
+ONNXFUSE_LIBRARY into the same process).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -85,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="times each end-to-end row is measured")
     ap.add_argument("--out", default=None)
     ap.add_argument("--before", default=None, help="gpt_stack optimized at an earlier commit")
+    ap.add_argument("--before-library", default=None, help="the library the --before model runs with")
     args = ap.parse_args(argv)
     import onnxruntime
 
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     lines = ["# Attention on the CPU: fused multi-head attention vs onnxruntime's chain", "",
              f"Command: `python bench/attention_cpu.py --rounds {args.rounds} --burst {args.burst} --repeats {args.repeats}"
-             + (f" --before {args.before}" if args.before else "") + "`", "",
+             + (f" --before {args.before}" if args.before else "")
+             + (f" --before-library {args.before_library}" if args.before_library else "") + "`", "",
              f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. Machine: "
              f"{platform.machine()}, 2-core VM shared with other jobs while measuring; onnxruntime {onnxruntime.__version__}, "
              f"onnx {onnx.__version__}, Python {platform.python_version()}.", "",
@@ -118,10 +123,18 @@ def main(argv=None) -> int:
                 lines.append(row)
     if args.before:
         before = onnx.load(args.before)
+        library = f"`{args.before_library}`" if args.before_library else "this library"
         lines += ["", f"## gpt_stack: this commit's optimization against `{args.before}`", "",
-                  "Both with this library, 1 thread, interleaved; ratio = this commit / before.", "",
-                  "| batch | seq | before ms | now ms | ratio |", "|---:|---:|---:|---:|---:|"]
+                  f"Before with {library}, now with this library; 1 thread, interleaved; ratio = this commit / before.",
+                  "", "| batch | seq | before ms | now ms | ratio |", "|---:|---:|---:|---:|---:|"]
+        saved = os.environ.get("ONNXFUSE_LIBRARY")
+        if args.before_library:
+            os.environ["ONNXFUSE_LIBRARY"] = args.before_library
         sa = runtime.make_session(before, threads=1)
+        if saved is None:
+            os.environ.pop("ONNXFUSE_LIBRARY", None)
+        else:
+            os.environ["ONNXFUSE_LIBRARY"] = saved
         sb = runtime.make_session(optimized, threads=1)
         for batch, seq in ((2, 32), (1, 32), (2, 64)):
             feeds = {"input_ids": np.random.default_rng(batch * 100 + seq).integers(0, 256, (batch, seq)).astype(np.int64)}
