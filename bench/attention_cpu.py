@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     import onnxruntime
 
     from onnxfuse import api, runtime, zoo
-    from onnxfuse.passes.attention import CPU_MAX_KEYS
+    from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEYS, CPU_MAX_KEYS
 
     original = onnx.load(str(zoo.get("gpt_stack").path))
     result = api.optimize(original, dims={"batch": 2, "seq": 32})
@@ -144,7 +144,8 @@ def main(argv=None) -> int:
                 print(row, flush=True)
                 lines.append(row)
     lines += ["", "## One attention block (QKV MatMul + bias + attention), batch 1, 4 heads of 32, causal mask, 1 thread", "",
-              f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys). "
+              f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys, "
+              f"{CPU_MAX_CAUSAL_KEYS} in causal mode). "
               "'bias separate': the bias a graph input, so its Add stays a kernel before the Attention node; "
               "'bias folded': a constant bias, added by the Attention kernel; both read the mask as an input. "
               "'causal': the mask a run-time slice of a triu(-1e9) constant, as torch exports it, fused by "
