@@ -501,25 +501,38 @@ def _causal_body(graph: gs.Graph, m: Match, nodes: list) -> None:
     """The fallback body slices the causal constant itself, to ends read from the scores' own
     shape [B, H, Sq, Sk] (which the matched ends were proved equal to), so that the fused node
     reads no mask and the graph's mask plumbing (Shape, Gather, Unsqueeze, Concat, Slice) loses
-    its reader. The constant goes into the body as a Constant node."""
+    its reader. A constant that is one value c above the diagonal (torch's triu(-1e9) buffer) is
+    built there, bit for bit, as Trilu(ConstantOfShape(its shape, c), k = 1) (opset >= 14):
+    every fused node's body holds a copy of what it reads, and a [1024, 1024] table would be
+    4 MiB per attention block; any other constant goes into the body as a Constant node."""
     add = next(n for n in m.nodes if gu.is_op(n, "Add") and m.mask in n.inputs)
     j = 0 if add.inputs[0] is m.mask else 1
     scores = add.inputs[1 - j]
     old = gu.producer(m.mask)
     table = old.inputs[0]
     value = gu.constant_value(table)
-    if not isinstance(table, gs.Constant):  # a Constant node's output: the body gets the value itself
-        table = gu.make_constant(graph, table.name, value)
     rank = value.ndim
 
-    def const(base, values):
-        return gu.make_constant(graph, f"{m.mask.name}_{base}", np.array(values, np.int64))
+    def const(base, values, dtype=np.int64):
+        return gu.make_constant(graph, f"{m.mask.name}_{base}", np.array(values, dtype))
 
     def var(base, dtype):
         return gs.Variable(gu.unique_name(graph, f"{m.mask.name}_{base}"), dtype=dtype)
 
+    made = []
+    future = value.reshape(value.shape[-2:])[np.triu(np.ones(value.shape[-2:], bool), 1)]
+    if graph.opset >= 14 and future.size and np.all(future == future[0]):
+        filled, table = var("filled", np.float32), var("table", np.float32)
+        made += [
+            gs.Node("ConstantOfShape", name=f"{old.name}_filled", inputs=[const("table_shape", list(value.shape))],
+                    outputs=[filled], attrs={"value": const("fill", [future[0]], np.float32)}),
+            gs.Node("Trilu", name=f"{old.name}_table", inputs=[filled, const("diagonal", 1)], outputs=[table],
+                    attrs={"upper": 1}),
+        ]
+    elif not isinstance(table, gs.Constant):  # a Constant node's output: the body gets the value itself
+        table = gu.make_constant(graph, table.name, value)
     shape, ends, mask = var("scores_shape", np.int64), var("ends", np.int64), var("causal", np.float32)
-    made = [
+    made += [
         gs.Node("Shape", name=f"{old.name}_scores_shape", inputs=[scores], outputs=[shape]),
         gs.Node("Slice", name=f"{old.name}_ends", inputs=[shape, const("from", [2]), const("to", [4]), const("axis", [0])],
                 outputs=[ends]),

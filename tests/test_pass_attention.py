@@ -336,3 +336,30 @@ def test_sequence_longer_than_the_causal_table_fails_like_the_original():
         runtime.make_session(opt, threads=1, with_library=True).run(None, feeds)
     with pytest.raises(Exception):
         runtime.make_session(opt, threads=1, with_library=False).run(None, feeds)
+
+
+@pytest.mark.parametrize(
+    "causal, opset, built",
+    [
+        (dict(size=16), 17, True),
+        (dict(table=np.triu(np.full((16, 16), -np.inf, np.float32), 1)[None, None]), 17, True),
+        (dict(table=np.triu(np.linspace(-2e9, -1e9, 256, dtype=np.float32).reshape(16, 16), 1)[None, None]), 17, False),
+        (dict(size=16), 13, False),
+    ],
+    ids=["uniform-fill", "minus-inf-fill", "varying-fill", "opset-13-no-trilu"],
+)
+def test_causal_body_builds_a_uniform_table_instead_of_holding_it(causal, opset, built):
+    """Each fused node's body holds a copy of the constants it reads: a table that is one value
+    above the diagonal is rebuilt there by ConstantOfShape + Trilu (opset 14 on), bit for bit."""
+    m = attention_model(mask=None, causal=causal, opset=opset)
+    opt, n = optimize(m, PASS)
+    assert n == 1 and attrs(fused(opt)[0])["causal"] == 1
+    [fn] = opt.functions
+    ops = [x.op_type for x in fn.node]
+    consts = [x for x in fn.node if x.op_type == "Constant"]
+    largest = max(int(np.prod(onnx.helper.get_attribute_value(c.attribute[0]).dims)) for c in consts)
+    if built:
+        assert "ConstantOfShape" in ops and "Trilu" in ops and largest < 256
+    else:
+        assert "Trilu" not in ops and largest == 256
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 16), feeds_for(m, 1, 3)])
