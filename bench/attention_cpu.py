@@ -9,15 +9,18 @@ time. CPU provider, ORT_ENABLE_ALL applied after our passes, the library loaded 
 optimized model.
 
     python bench/attention_cpu.py [--rounds 60] [--out bench/results/attention_cpu.md]
-                                  [--before OPTIMIZED.onnx]
+                                  [--before OPTIMIZED.onnx [--before-library LIB.so]]
 
 --before: gpt_stack as an earlier commit optimized it (onnxfuse optimize zoo:gpt_stack OUT at
-that commit), timed interleaved against this commit's optimization, both with this library.
+that commit), timed interleaved against this commit's optimization, both with this library, or
+the before model with --before-library (that commit's build of the library, loaded through
+ONNXFUSE_LIBRARY into the same process).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -59,15 +62,18 @@ def interleaved(sess_a, sess_b, feeds, threads: int, rounds: int, burst: int, fe
     return float(np.median(ta)) * 1e3, float(np.median(tb)) * 1e3, float(np.median(ratios))
 
 
-def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "last"):
+def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "last", sliced: bool = False):
     """One GPT attention block (QKV projection and its bias, Split, heads, causal mask, merge) at
-    static sizes. bias "input": the bias a graph input, so fuse-attention leaves its Add separate."""
+    static sizes. bias "input": the bias a graph input, so fuse-attention leaves its Add separate.
+    sliced: the mask as torch exports it, a run-time slice of a triu(-1e9) buffer (fuse-attention's
+    causal mode), else that mask as a constant [1, 1, seq, seq] (an additive mask input)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from attention_models import attention_model
 
     causal = np.triu(np.full((seq, seq), -1e9, np.float32), 1)[None, None]
-    m = attention_model(heads=heads, dh=head_dim, mask=None, mask_const=causal, scale_value=float(np.sqrt(head_dim)),
-                        qkv_bias=bias)
+    masks = dict(causal=dict(table=causal)) if sliced else dict(mask_const=causal)
+    m = attention_model(heads=heads, dh=head_dim, mask=None, scale_value=float(np.sqrt(head_dim)), qkv_bias=bias,
+                        **masks)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((batch, seq, heads * head_dim)).astype(np.float32)}
     if bias == "input":
@@ -82,11 +88,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="times each end-to-end row is measured")
     ap.add_argument("--out", default=None)
     ap.add_argument("--before", default=None, help="gpt_stack optimized at an earlier commit")
+    ap.add_argument("--before-library", default=None, help="the library the --before model runs with")
     args = ap.parse_args(argv)
     import onnxruntime
 
     from onnxfuse import api, runtime, zoo
-    from onnxfuse.passes.attention import CPU_MAX_KEYS
+    from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEYS, CPU_MAX_KEYS
 
     original = onnx.load(str(zoo.get("gpt_stack").path))
     result = api.optimize(original, dims={"batch": 2, "seq": 32})
@@ -94,7 +101,8 @@ def main(argv=None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     lines = ["# Attention on the CPU: fused multi-head attention vs onnxruntime's chain", "",
              f"Command: `python bench/attention_cpu.py --rounds {args.rounds} --burst {args.burst} --repeats {args.repeats}"
-             + (f" --before {args.before}" if args.before else "") + "`", "",
+             + (f" --before {args.before}" if args.before else "")
+             + (f" --before-library {args.before_library}" if args.before_library else "") + "`", "",
              f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. Machine: "
              f"{platform.machine()}, 2-core VM shared with other jobs while measuring; onnxruntime {onnxruntime.__version__}, "
              f"onnx {onnx.__version__}, Python {platform.python_version()}.", "",
@@ -115,10 +123,18 @@ def main(argv=None) -> int:
                 lines.append(row)
     if args.before:
         before = onnx.load(args.before)
+        library = f"`{args.before_library}`" if args.before_library else "this library"
         lines += ["", f"## gpt_stack: this commit's optimization against `{args.before}`", "",
-                  "Both with this library, 1 thread, interleaved; ratio = this commit / before.", "",
-                  "| batch | seq | before ms | now ms | ratio |", "|---:|---:|---:|---:|---:|"]
+                  f"Before with {library}, now with this library; 1 thread, interleaved; ratio = this commit / before.",
+                  "", "| batch | seq | before ms | now ms | ratio |", "|---:|---:|---:|---:|---:|"]
+        saved = os.environ.get("ONNXFUSE_LIBRARY")
+        if args.before_library:
+            os.environ["ONNXFUSE_LIBRARY"] = args.before_library
         sa = runtime.make_session(before, threads=1)
+        if saved is None:
+            os.environ.pop("ONNXFUSE_LIBRARY", None)
+        else:
+            os.environ["ONNXFUSE_LIBRARY"] = saved
         sb = runtime.make_session(optimized, threads=1)
         for batch, seq in ((2, 32), (1, 32), (2, 64)):
             feeds = {"input_ids": np.random.default_rng(batch * 100 + seq).integers(0, 256, (batch, seq)).astype(np.int64)}
@@ -128,11 +144,17 @@ def main(argv=None) -> int:
                 print(row, flush=True)
                 lines.append(row)
     lines += ["", "## One attention block (QKV MatMul + bias + attention), batch 1, 4 heads of 32, causal mask, 1 thread", "",
-              f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys). "
+              f"The fused op forced at every length (the pass applies it on the CPU up to {CPU_MAX_KEYS} keys, "
+              f"{CPU_MAX_CAUSAL_KEYS} in causal mode). "
               "'bias separate': the bias a graph input, so its Add stays a kernel before the Attention node; "
-              "'bias folded': a constant bias, added by the Attention kernel.", "",
+              "'bias folded': a constant bias, added by the Attention kernel; both read the mask as an input. "
+              "'causal': the mask a run-time slice of a triu(-1e9) constant, as torch exports it, fused by "
+              "the CPU rule (the sequence dim symbolic and not declared, so the key-length limit does not "
+              "apply) into an Attention node with causal = 1 and no mask input, against that model's own "
+              "onnxruntime chain (the slice and its Shape arithmetic included).", "",
               "| seq | onnxruntime chain us | fused, bias separate us | fused, bias folded us | folded / onnxruntime "
-              "| folded / separate |", "|---:|---:|---:|---:|---:|---:|"]
+              "| folded / separate | sliced-mask chain us | fused, causal us | causal / its chain |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     from onnxfuse.pipeline import Context, run_passes, select_passes
 
     def fuse(m):
@@ -140,6 +162,15 @@ def main(argv=None) -> int:
         ctx = Context(target="cuda", options={"attention_cuda": True})
         fused, n = run_passes(m, select_passes(["fuse-attention"], "cpu"), ctx)
         assert sum(1 for x in fused.graph.node if x.op_type == "Attention") == 1, "fuse-attention did not apply"
+        return fused
+
+    def fuse_causal(m):
+        """The CPU rule (causal mode is CPU-only): None past CPU_MAX_KEYS, where it does not apply."""
+        fused, n = run_passes(m, select_passes(["fuse-attention"], "cpu"), Context(target="cpu"))
+        nodes = [x for x in fused.graph.node if x.op_type == "Attention"]
+        if not nodes:
+            return None
+        assert any(a.name == "causal" and a.i == 1 for a in nodes[0].attribute), "not fused as causal"
         return fused
 
     rounds = max(10, args.rounds // 3)
@@ -152,7 +183,15 @@ def main(argv=None) -> int:
         sc = runtime.make_session(fuse(m_sep), threads=1, with_library=True)
         a, b, r = interleaved(sa, sb, feeds, 1, rounds, args.burst)
         c, b2, r2 = interleaved(sc, sb, feeds_sep, 1, rounds, args.burst, feeds_b=feeds)
-        row = f"| {seq} | {a * 1e3:.1f} | {c * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} | {r2:.3f} |"
+        m_sliced, _ = block_model(seq, 4, 32, 1, sliced=True)
+        causal = fuse_causal(m_sliced)
+        causal_cells = "- | not fused | -"  # the CPU rule's key-length limit
+        if causal is not None:
+            se = runtime.make_session(m_sliced, threads=1)
+            sf = runtime.make_session(causal, threads=1, with_library=True)
+            e, f, r3 = interleaved(se, sf, feeds, 1, rounds, args.burst)
+            causal_cells = f"{e * 1e3:.1f} | {f * 1e3:.1f} | {r3:.3f}"
+        row = f"| {seq} | {a * 1e3:.1f} | {c * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} | {r2:.3f} | {causal_cells} |"
         print(row, flush=True)
         lines.append(row)
     text = "\n".join(lines) + "\n"

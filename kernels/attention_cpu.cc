@@ -5,8 +5,10 @@
 //            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask) (, bias), q/k/v its column blocks 0, D, 2D
 //            mask: float32, additive, broadcastable to [B, H, Sq, Sk] (rank <= 4)
 //            bias: [3*H*dh] (has_bias, packed only), added to qkv's columns as they are read
-//   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0)
+//   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0), causal (absent = 0;
+//            then causal_max_queries, causal_max_keys: longer sequences are an error)
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
+//            (causal: mask[s, t] = -inf for t > s, 0 otherwise; no mask input)
 //
 // q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
 // `row stride` apart), so the packed projection output is never copied apart. Each (batch,
@@ -22,6 +24,11 @@
 // query rows of a register tile, to the keys as they are packed into the panel, and to the
 // output as bias_v[j] (sum_t p[t] * (v[t, j] + bias_v[j]) = sum_t p[t] * v[t, j] + bias_v[j]
 // with p normalized), so no [B, S, 3*H*dh] pass of its own.
+//
+// causal: query row i's scores, softmax and weighted sum cover keys t <= i alone (a register
+// tile's scores stop at the 16-key tile holding its last row's key), while the (b, h)'s key
+// panel and value rows are finite; a non-finite one makes the kernel add -inf to the future
+// keys' scores instead, so that its NaN reaches the rows the original's NaN reaches.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -67,6 +74,7 @@ struct Job {
   int64_t batch, heads, sq, sk, dh, dv;
   int64_t query_blocks, block_rows;
   float scale;
+  bool causal;  // key t of query row i is masked out for t > i (top-left causal mask, no mask input)
   bool avx2;
 };
 
@@ -112,13 +120,16 @@ void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64
   for (int64_t i = 0; i < dh; ++i) std::fill(keys + i * ld + sk, keys + (i + 1) * ld, 0.0f);
 }
 
-// scores[t] = scale * scores[t] + mask_row[t * mask_step] for t < sk (no mask: mask_row null).
-// Returns the maximum, NaN ignored (a NaN score makes the sum NaN, so the row is NaN anyway).
-float scale_and_mask_base(float* scores, int64_t sk, float scale, const float* mask_row, int64_t mask_step) {
+// scores[t] = scale * scores[t] + mask_row[t * mask_step] for t < sk (no mask: mask_row null), plus
+// -inf for t >= causal_end (a causal row's future keys; sk when not causal). Returns the maximum,
+// NaN ignored (a NaN score makes the sum NaN, so the row is NaN anyway).
+float scale_and_mask_base(float* scores, int64_t sk, float scale, const float* mask_row, int64_t mask_step,
+                          int64_t causal_end) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < sk; ++t) {
     float s = scores[t] * scale;
     if (mask_row != nullptr) s += mask_row[t * mask_step];
+    if (t >= causal_end) s += -std::numeric_limits<float>::infinity();
     scores[t] = s;
     mx = s > mx ? s : mx;
   }
@@ -155,7 +166,8 @@ void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, co
       for (int64_t t = 0; t < sk; ++t) s[t] += a * kr[t];
     }
     const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
-    const float mx = scale_and_mask_base(s, sk, job.scale, mrow, job.mask_stride[3]);
+    const int64_t causal_end = job.causal ? r0 + r + 1 : sk;
+    const float mx = scale_and_mask_base(s, sk, job.scale, mrow, job.mask_stride[3], causal_end);
     const float inv = softmax_base(s, sk, mx);
     float* o = out + (r0 + r) * out_stride;
     for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
@@ -187,11 +199,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(m);
 }
 
-// scores[r][t] = q_r . k_t for R rows and every t < ld (ld a multiple of kKeyTile; padded keys
-// are zero), 16 keys x R rows of accumulators per pass over the key panel.
+// scores[r * ld + t] = q_r . k_t for R rows and every t < cols (cols <= ld, both multiples of
+// kKeyTile; padded keys are zero), 16 keys x R rows of accumulators per pass over the key panel.
 template <int R>
-inline void scores_tile(const float* q, int64_t q_stride, const float* keys, int64_t ld, int64_t dh, float* scores) {
-  for (int64_t t0 = 0; t0 < ld; t0 += kKeyTile) {
+inline void scores_tile(const float* q, int64_t q_stride, const float* keys, int64_t ld, int64_t cols, int64_t dh,
+                        float* scores) {
+  for (int64_t t0 = 0; t0 < cols; t0 += kKeyTile) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float* kp = keys + t0;
@@ -210,11 +223,14 @@ inline void scores_tile(const float* q, int64_t q_stride, const float* keys, int
   }
 }
 
-float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_row, int64_t mask_step) {
+// scale_and_mask_base's result: keys t >= causal_end (sk when not causal) get -inf added.
+float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_row, int64_t mask_step,
+                          int64_t causal_end) {
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
-  for (; t + 8 <= sk; t += 8) {
+  const int64_t vec_end = std::min(sk, causal_end);
+  for (; t + 8 <= vec_end; t += 8) {
     __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), vs);
     if (mask_row != nullptr)
       x = _mm256_add_ps(x, mask_step == 1 ? _mm256_loadu_ps(mask_row + t) : _mm256_set1_ps(mask_row[0]));
@@ -225,6 +241,7 @@ float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_r
   for (; t < sk; ++t) {
     float x = s[t] * scale;
     if (mask_row != nullptr) x += mask_row[t * mask_step];
+    if (t >= causal_end) x += -std::numeric_limits<float>::infinity();
     s[t] = x;
     mx = x > mx ? x : mx;
   }
@@ -351,40 +368,57 @@ inline void weighted_sum_tile(const float* p, int64_t ld, const float* inv, cons
 }
 
 // Whether every element of rows x cols (rows `stride` apart) is finite: x * 0 is 0 for finite x,
-// NaN for an infinity or NaN.
+// NaN for an infinity or NaN. Four running sums, so that their adds overlap.
 bool all_finite(const float* x, int64_t stride, int64_t rows, int64_t cols) {
   const __m256 zero = _mm256_setzero_ps();
-  __m256 acc = zero;
+  __m256 acc[4] = {zero, zero, zero, zero};
   float tail = 0.0f;
   for (int64_t t = 0; t < rows; ++t) {
     const float* row = x + t * stride;
     int64_t j = 0;
-    for (; j + 8 <= cols; j += 8) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(row + j), zero));
+    for (; j + 32 <= cols; j += 32)
+      for (int u = 0; u < 4; ++u) acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(_mm256_loadu_ps(row + j + 8 * u), zero));
+    for (; j + 8 <= cols; j += 8) acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(_mm256_loadu_ps(row + j), zero));
     for (; j < cols; ++j) tail += row[j] * 0.0f;
   }
-  return hsum(acc) + tail == 0.0f;
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + tail == 0.0f;
+}
+
+// out[r * out_stride + j] += bias[j] for `rows` rows.
+inline void add_value_bias_avx2(float* out, int64_t out_stride, int64_t rows, const float* bias, int64_t dv) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * out_stride;
+    int64_t j = 0;
+    for (; j + 8 <= dv; j += 8) _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_loadu_ps(bias + j)));
+    for (; j < dv; ++j) o[j] += bias[j];
+  }
 }
 
 // v_finite: whether this (b, h)'s value rows are all finite. Then keys whose probabilities are
 // exactly 0 in all R rows (a causal mask's future) are left out of the weighted sum: each would
 // add 0 * v[t, j] = 0. An infinite or NaN v row must still make 0 * v NaN, as onnxruntime's
 // MatMul does, so then every key is summed.
+//
+// A causal row (job.causal) adds -inf to its future keys' scores here, so a NaN or infinite future
+// key makes the row NaN, as it does in the original (whose mask adds a finite, very negative
+// value); causal_tile_avx2 skips them instead when the (b, h)'s keys and values are finite.
 template <int R>
 void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, bool v_finite,
                const float* mask_bh, const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
                float* q_rows) {
   if (q_bias != nullptr) {
     biased_rows(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, R, job.dh, q_rows);
-    scores_tile<R>(q_rows, job.dh, keys, ld, job.dh, scores);
+    scores_tile<R>(q_rows, job.dh, keys, ld, ld, job.dh, scores);
   } else {
-    scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, job.dh, scores);
+    scores_tile<R>(q + r0 * job.q.row_stride, job.q.row_stride, keys, ld, ld, job.dh, scores);
   }
   float inv[R];
   int64_t t0 = job.sk, t1 = 0;
   for (int r = 0; r < R; ++r) {
     float* s = scores + r * ld;
     const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
-    const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3]);
+    const int64_t causal_end = job.causal ? r0 + r + 1 : job.sk;
+    const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3], causal_end);
     int64_t begin = 0, end = 0;
     inv[r] = softmax_avx2(s, job.sk, mx, &begin, &end);
     t0 = std::min(t0, begin);
@@ -393,15 +427,75 @@ void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
   if (!v_finite || t0 >= t1) t0 = 0, t1 = job.sk;
   const int64_t out_stride = job.heads * job.dv;
   weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, t0, t1, job.dv, out + r0 * out_stride, out_stride);
-  if (v_bias != nullptr) {
+  if (v_bias != nullptr) add_value_bias_avx2(out + r0 * out_stride, out_stride, R, v_bias, job.dv);
+}
+
+// dst[r * dh + i] = scale * (q[r * q_stride + i] + bias[i]) (no bias: scale * q) for R rows: the
+// scores against these rows come out scaled.
+template <int R>
+inline void scaled_rows(const float* q, int64_t q_stride, const float* bias, float scale, int64_t dh, float* dst) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    const float* row = q + r * q_stride;
+    float* d = dst + r * dh;
+    int64_t i = 0;
+    for (; i + 8 <= dh; i += 8) {
+      __m256 x = _mm256_loadu_ps(row + i);
+      if (bias != nullptr) x = _mm256_add_ps(x, _mm256_loadu_ps(bias + i));
+      _mm256_storeu_ps(d + i, _mm256_mul_ps(x, vs));
+    }
+    for (; i < dh; ++i) d[i] = (bias != nullptr ? row[i] + bias[i] : row[i]) * scale;
+  }
+}
+
+// Causal rows whose (b, h) has finite keys and values: row i = r0 + r weighs keys t < n_r =
+// min(sk, i + 1) alone, so the scores stop at the 16-key tile holding the last row's key (q
+// scaled first), keys t >= n_r are set to -inf (exp gives exactly 0), and the weighted sum covers
+// the tile's keys t < r0 + R. The R rows' maxima, exps and sums go block by block across the rows,
+// so that their dependency chains overlap instead of running one row after the other.
+template <int R>
+void causal_tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v,
+                      const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
+                      float* q_rows) {
+  const int64_t kv = std::min(job.sk, r0 + R);
+  const int64_t width = (kv + 7) / 8 * 8;  // <= padded_keys(kv) <= ld
+  scaled_rows<R>(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, job.scale, job.dh, q_rows);
+  scores_tile<R>(q_rows, job.dh, keys, ld, padded_keys(kv), job.dh, scores);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i last[R];  // n_r - 1: lanes past it are the row's future
+  __m256 vmax[R];
+  for (int r = 0; r < R; ++r) {
+    last[r] = _mm256_set1_epi32(static_cast<int>(std::min(job.sk, r0 + r + 1) - 1));
+    vmax[r] = neg_inf;
+  }
+  for (int64_t t = 0; t < width; t += 8) {
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(t)));
     for (int r = 0; r < R; ++r) {
-      float* o = out + (r0 + r) * out_stride;
-      int64_t j = 0;
-      for (; j + 8 <= job.dv; j += 8)
-        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_loadu_ps(v_bias + j)));
-      for (; j < job.dv; ++j) o[j] += v_bias[j];
+      float* s = scores + r * ld + t;
+      const __m256 future = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, last[r]));
+      const __m256 x = _mm256_blendv_ps(_mm256_loadu_ps(s), neg_inf, future);
+      _mm256_storeu_ps(s, x);
+      vmax[r] = _mm256_max_ps(x, vmax[r]);  // NaN in x: keeps vmax (the row's sum turns NaN)
     }
   }
+  float mx[R], inv[R];
+  __m256 vsum[R];
+  for (int r = 0; r < R; ++r) {
+    mx[r] = hmax(vmax[r]);
+    vsum[r] = _mm256_setzero_ps();
+  }
+  for (int64_t t = 0; t < width; t += 8) {
+    for (int r = 0; r < R; ++r) {
+      float* s = scores + r * ld + t;
+      exp8(s, mx[r]);
+      vsum[r] = _mm256_add_ps(vsum[r], _mm256_loadu_ps(s));
+    }
+  }
+  for (int r = 0; r < R; ++r) inv[r] = 1.0f / hsum(vsum[r]);
+  const int64_t out_stride = job.heads * job.dv;
+  weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, 0, kv, job.dv, out + r0 * out_stride, out_stride);
+  if (v_bias != nullptr) add_value_bias_avx2(out + r0 * out_stride, out_stride, R, v_bias, job.dv);
 }
 
 void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
@@ -411,6 +505,18 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
   const int64_t end = r0 + rows;
   // v's bias is added to the output, not to v: the rows read are v's own.
   const bool vf = all_finite(v, job.v.row_stride, job.sk, job.dv);
+  // The key panel holds the biased keys, zero-padded: it is finite when the keys are.
+  if (job.causal && vf && all_finite(keys, ld, job.dh, ld)) {
+    for (; r + kRows <= end; r += kRows)
+      causal_tile_avx2<kRows>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows);
+    switch (end - r) {
+      case 3: causal_tile_avx2<3>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows); break;
+      case 2: causal_tile_avx2<2>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows); break;
+      case 1: causal_tile_avx2<1>(job, q, keys, ld, v, q_bias, v_bias, out, r, scores, q_rows); break;
+      default: break;
+    }
+    return;
+  }
   for (; r + kRows <= end; r += kRows)
     tile_avx2<kRows>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
   switch (end - r) {
@@ -483,7 +589,7 @@ void run_item(void* data, size_t index) {
   std::vector<float>& scores = score_scratch();
   scores.resize(static_cast<size_t>(kRows * job.ld));
   std::vector<float>& q_rows = query_scratch();
-  if (q_bias != nullptr) q_rows.resize(static_cast<size_t>(kRows * job.dh));
+  if (q_bias != nullptr || job.causal) q_rows.resize(static_cast<size_t>(kRows * job.dh));
 #if defined(__x86_64__)
   if (job.avx2) {
     rows_avx2(job, q, keys, job.ld, v, mask_bh, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
@@ -500,6 +606,8 @@ struct AttentionKernel {
   int64_t heads = 0;
   float scale = 1.0f;
   bool has_mask = false, packed = false, has_bias = false, avx2 = false;
+  bool causal = false;
+  int64_t causal_max_queries = 0, causal_max_keys = 0;  // the causal mask constant's [R, C]
 };
 
 std::string where(const AttentionKernel* k) { return "onnxfuse Attention node '" + k->node_name + "': "; }
@@ -522,9 +630,23 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       api.ReleaseStatus(st);
       has_bias = 0;
     }
+    int64_t causal = 0;  // optional: absent = 0
+    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, "causal", &causal)) {
+      api.ReleaseStatus(st);
+      causal = 0;
+    }
     kernel->has_mask = has_mask != 0;
     kernel->packed = packed != 0;
     kernel->has_bias = has_bias != 0;
+    kernel->causal = causal != 0;
+    if (kernel->causal) {
+      ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "causal_max_queries", &kernel->causal_max_queries),
+                               w + "attribute 'causal_max_queries': ");
+      ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "causal_max_keys", &kernel->causal_max_keys),
+                               w + "attribute 'causal_max_keys': ");
+      if (kernel->has_mask)
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "causal and has_mask are exclusive").c_str());
+    }
     if (kernel->heads <= 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "num_heads must be positive").c_str());
     if (kernel->has_bias && !kernel->packed)
@@ -572,6 +694,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     job.heads = k->heads;
     job.scale = k->scale;
     job.avx2 = k->avx2;
+    job.causal = k->causal;
     const int64_t H = k->heads;
     std::vector<int64_t> qd, kd, vd, md;
     size_t next = 0;
@@ -622,6 +745,11 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
         return invalid(api, w + "mask of shape " + dims_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
                                 dims_text(std::vector<int64_t>(target, target + 4)));
     }
+    if (k->causal && (job.sq > k->causal_max_queries || job.sk > k->causal_max_keys))
+      return invalid(api, w + std::to_string(job.sq) + " queries and " + std::to_string(job.sk) +
+                              " keys exceed the causal mask's " + std::to_string(k->causal_max_queries) + " x " +
+                              std::to_string(k->causal_max_keys) +
+                              " (the original model's slice of that mask does not broadcast to the scores)");
     if (k->has_bias) {
       std::vector<int64_t> bd;
       ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "bias", &job.bias, &bd), "");

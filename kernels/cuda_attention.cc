@@ -63,10 +63,15 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                                                      " (optimize the model again)").c_str());
     if (v[4] != 32 * v[3] || v[4] > 1024)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "cuda_block is not 32 * cuda_rows").c_str());
-    int64_t packed = 0, has_mask = 0, has_bias = 0;
+    int64_t packed = 0, has_mask = 0, has_bias = 0, causal = 0;
     cuda::int_attr(api, info, "qkv_packed", &packed);
     cuda::int_attr(api, info, "has_mask", &has_mask);
     cuda::int_attr(api, info, "has_bias", &has_bias);  // absent = 0
+    cuda::int_attr(api, info, "causal", &causal);      // absent = 0
+    // fuse-attention writes causal = 1 for the CPU target alone; this kernel has no causal mode.
+    if (causal != 0)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "causal = 1 is not implemented by the CUDA kernel "
+                                                     "(optimize the model with --target cuda)").c_str());
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
     const size_t expected = (packed ? 1 : 3) + (has_mask ? 1 : 0) + (has_bias ? 1 : 0);

@@ -25,11 +25,22 @@ fuse-attention
                folded bias float32 of 3*H*dh elements, of rank <= 3 with every dim but the last
                1 (so the Add's output is t's [B, S, 3*H*dh]).
                cpu: the key length, static or declared (--dim; else read as 1), at most
-               CPU_MAX_KEYS (measured faster up to 256 keys, slower at 512). cuda: always.
+               CPU_MAX_KEYS (measured faster up to 256 keys, slower at 512), or in causal mode
+               (below) CPU_MAX_CAUSAL_KEYS (measured faster at 512: half the work). cuda: always.
+               causal (cpu only): the mask is Slice(c, starts [0, 0], ends, axes the last two,
+               steps [1, 1]) of a float32 constant c [1, ..., 1, R, C], R, C >= 2, that is 0 on and
+               below the diagonal and <= CAUSAL_MASKED_MAX (-1e4) or -inf above it, with ends
+               proved (symbolically, as shape-plumbing evaluates shape tensors) equal to [Sq, Sk]:
+               torch's `mask[:, :, :T, :T]` of a registered triu(-1e9) buffer. The mask is then
+               exactly the top-left causal mask while Sq <= R and Sk <= C (beyond, the original's
+               Add fails); see _causal_slice for why skipping masked keys gives its probabilities.
     rewrite:   onnxfuse.Attention, whose fallback function is the matched subgraph (a merge
                target computed from a Shape is written there as the equal [0, 0, H*dv]; a bias of
                shape [1, 1, 3*H*dh] or [1, 3*H*dh] is given to the node, and read by the body's Add,
-               as the same values reshaped to [3*H*dh], which broadcasts alike).
+               as the same values reshaped to [3*H*dh], which broadcasts alike). causal: the node
+               gets causal = 1 and no mask input; the body slices c itself, to the ends
+               Shape(scores)[2:4], equal to the matched ends, so the graph's Shape -> Gather ->
+               Unsqueeze -> Concat -> Slice of the mask lose their reader and go.
 
 Contract of onnxfuse.Attention (the CPU kernel kernels/attention_cpu.cc and the CUDA kernel
 implement exactly this):
@@ -43,13 +54,20 @@ implement exactly this):
                    [B, H, Sq, Sk]
     attrs    num_heads INT H; scale FLOAT; has_mask INT 0/1 (whether the last input is a mask);
              qkv_packed INT 0/1; has_bias INT 0/1, absent = 0 (whether the last input is a
-             bias [3*H*dh] float32 added to qkv's columns; only with qkv_packed = 1)
+             bias [3*H*dh] float32 added to qkv's columns; only with qkv_packed = 1);
+             causal INT 0/1, absent = 0 (only with has_mask = 0): the mask is the top-left causal
+             one, -inf for t > s, 0 otherwise (see "out" for how the kernel may skip those keys);
+             with causal, causal_max_queries INT R and causal_max_keys INT C: Sq > R or Sk > C
+             is an error (the constant the original sliced has R rows and C columns)
              input order: qkv (or q, k, v), then the mask if has_mask, then the bias if has_bias
     output   out [B, Sq, H*dv], float32:
              out[b, s, h*dv + j] = sum_t softmax_t(scale * (q[b, s, h, :] . k[b, t, h, :])
                                                     + mask[b, h, s, t]) * v[b, t, h, j]
              (q[b, s, h, i] = q[b, s, h*dh + i]; mask indexed after broadcasting). A row whose
-             scores are all -inf gives NaN, like onnxruntime's Softmax.
+             scores are all -inf gives NaN, like onnxruntime's Softmax. causal: keys t > s get
+             probability 0 and are left out while the (b, h)'s keys and values are finite (else
+             -inf is added to their scores and 0 * v summed, so a NaN or infinite one gives the
+             NaN rows the original gives).
 
 The op is registered (kernels/registry.h) with variadic float32 inputs (minimum arity 1,
 homogeneous) and one float32 output; every provider's registration must declare the same.
@@ -70,6 +88,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse import graphutil as gu
 from onnxfuse.passes.matmul_batch import infer_shapes
+from onnxfuse.passes.shape_plumbing import ShapeEvaluator
 from onnxfuse.pipeline import Context, Pass
 
 HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]
@@ -77,6 +96,10 @@ KEYS_PERM = [0, 2, 3, 1]  # [B, S, H, dh] -> [B, H, dh, S]
 LAST_TWO_PERM = [0, 1, 3, 2]
 # Longest key sequence (static or declared) for which the CPU kernel is applied: see _keys_pay_on_cpu.
 CPU_MAX_KEYS = 256
+CPU_MAX_CAUSAL_KEYS = 512  # in causal mode, which skips the masked half of the scores
+# A causal mask constant's entries above the diagonal must be at most this (or -inf) for the
+# kernel to skip those keys instead of adding them: see _causal_slice.
+CAUSAL_MASKED_MAX = -1e4
 
 
 @dataclass
@@ -102,6 +125,7 @@ class Match:
     split: gs.Node | None = None
     bias_add: gs.Node | None = None  # Add(t, bias) read by the packed Split (folded)
     bias: np.ndarray | None = None  # its constant, as [3*H*dh]
+    causal: tuple[int, int] | None = None  # the mask is a causal Slice of a [R, C] constant: (R, C)
 
 
 def _perm(node: gs.Node | None) -> list[int] | None:
@@ -222,15 +246,75 @@ def _mask_fits(mask: gs.Tensor, target: list, shapes: gu.ShapeTable, pinned: boo
     return all(m == 1 or _same_dim(m, t) for m, t in zip(md[::-1], target[::-1]))
 
 
-def _keys_pay_on_cpu(k: Heads, shapes: gu.ShapeTable, ctx: Context) -> bool:
+def _is_causal_constant(value: np.ndarray) -> bool:
+    """value [1, ..., 1, R, C] (R, C >= 2) with value[..., i, j] == 0 for j <= i and
+    <= CAUSAL_MASKED_MAX (or -inf) for j > i."""
+    if value.dtype != np.float32 or not 2 <= value.ndim <= 4 or any(d != 1 for d in value.shape[:-2]):
+        return False
+    rows, cols = value.shape[-2:]
+    if rows < 2 or cols < 2:
+        return False
+    v = value.reshape(rows, cols)
+    future = np.triu(np.ones((rows, cols), bool), 1)
+    return bool(np.all(v[~future] == 0.0)) and bool(np.all(v[future] <= CAUSAL_MASKED_MAX))
+
+
+def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: gu.ShapeTable) -> tuple[int, int] | None:
+    """(R, C) when `mask` is provably the top-left [Sq, Sk] corner of a causal constant
+    [1, ..., 1, R, C]: mask = Slice(c, starts 0, ends [Sq, Sk], axes the last two, steps 1), the
+    ends proved equal to q's and k's sequence dims (symbolically, as shape-plumbing evaluates
+    shape tensors). Then mask[..., i, j] is 0 for j <= i and very negative for j > i whenever
+    Sq <= R and Sk <= C; a longer sequence makes the original's Add fail (the slice stops at R
+    rows or C columns, neither 1 nor the scores' length), which the kernel reproduces as an error.
+
+    Why skipping the future keys gives the original's probabilities: a masked score is x + c with
+    c <= -1e4; it rounds to c itself for |x| small against c, and exp(x + c - m) (m the row's
+    maximum, which an unmasked key attains) is exactly 0 in float32 when x - m < |c| - 104. So the
+    rows are identical unless a masked scaled score exceeds the row's unmasked maximum by
+    |c| - 104 or more (about 1e9 for torch's -1e9 fill; 9.9e3 at the -1e4 bound). A NaN or
+    infinite masked score, which would make the original's row NaN, is kept by the kernel: it
+    then adds -inf to the future keys instead of skipping them (see kernels/attention_cpu.cc)."""
+    node = gu.producer(mask)
+    if not gu.is_op(node, "Slice") or graph.opset < 10 or len(node.inputs) < 3:
+        return None
+    data = node.inputs[0]
+    if not gu.is_constant(data):
+        return None
+    value = gu.constant_value(data)
+    if value is None or not _is_causal_constant(value):
+        return None
+    rank = value.ndim
+    ins = list(node.inputs) + [None] * (5 - len(node.inputs))
+    starts = gu.constant_ints(ins[1])
+    axes = gu.constant_ints(ins[3]) if gu.is_present(ins[3]) else None
+    steps = gu.constant_ints(ins[4]) if gu.is_present(ins[4]) else None
+    if starts is None or (gu.is_present(ins[3]) and axes is None) or (gu.is_present(ins[4]) and steps is None):
+        return None
+    axes = list(range(len(starts))) if axes is None else [a + rank if a < 0 else a for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    if sorted(axes) != [rank - 2, rank - 1] or len(starts) != 2 or starts != [0, 0] or steps != [1, 1]:
+        return None
+    ev = ShapeEvaluator(graph, shapes)
+    ends = ev.value(ins[2])
+    sq, sk = ev.dim_symbols(q.source), ev.dim_symbols(k.source)
+    if ends is None or ends.rank != 1 or len(ends.elems) != 2 or sq is None or sk is None:
+        return None
+    want = {rank - 2: sq[1], rank - 1: sk[1]}
+    if any(e is None or e != want[a] for a, e in zip(axes, ends.elems)):
+        return None
+    return int(value.shape[-2]), int(value.shape[-1])
+
+
+def _keys_pay_on_cpu(k: Heads, shapes: gu.ShapeTable, ctx: Context, causal: bool) -> bool:
     """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
-    CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows).
+    CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
+    in causal mode 0.62-0.68x the chain at 512 keys (untimed beyond: CPU_MAX_CAUSAL_KEYS).
     A symbolic key length is read as declared (optimize --dim, a zoo model's defaults), else as 1,
     the value verification uses."""
     sk = shapes.dims(k.source)[1]
     if isinstance(sk, str):
         sk = (ctx.options.get("dims") or {}).get(sk, 1)
-    return not isinstance(sk, int) or sk <= CPU_MAX_KEYS
+    return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
 
 
 def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context | None = None) -> Match | None:
@@ -279,8 +363,6 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
         return None
     if not (q.heads == k.heads == v.heads and q.width == k.width):
         return None
-    if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx):
-        return None
     if q_scale_node is not None:
         q.nodes.append(q_scale_node)
         scale *= q_scale
@@ -296,12 +378,18 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
     qd, kd, vd = (shapes.dims(h.source) for h in (q, k, v))
     if not pinned and not (_same_dim(qd[0], kd[0]) and _same_dim(kd[0], vd[0])):
         return None  # a batch broadcast between q, k and v would grow the output
+    causal = None
     if mask is not None:
+        # The CUDA kernel has no causal mode: there the mask stays an input.
+        if ctx is None or ctx.target == "cpu":
+            causal = _causal_slice(graph, mask, q, k, shapes)
         target = [qd[0], q.heads, qd[1], kd[1]]
-        if not _mask_fits(mask, target, shapes, pinned):
+        if causal is None and not _mask_fits(mask, target, shapes, pinned):
             return None
+    if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None):
+        return None
     chain = [qk] + list(reversed(chain_before)) + [softmax, pv, back, merge]
-    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge)
+    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal)
     m.split = _packed_split(graph, m, shapes)
     if m.split is not None:
         folded = _qkv_bias(graph, m.split, shapes)
@@ -389,19 +477,72 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context) -> None:
             inputs = [add.inputs[i]]
     else:
         inputs = [m.q.source, m.k.source, m.v.source]
-    if m.mask is not None:
+    if m.causal is not None:
+        _causal_body(graph, m, nodes)
+    elif m.mask is not None:
         inputs.append(m.mask)
     if bias is not None:
         inputs.append(bias)
     attrs = {
         "num_heads": int(m.q.heads),
         "scale": float(m.scale),
-        "has_mask": int(m.mask is not None),
+        "has_mask": int(m.mask is not None and m.causal is None),
         "qkv_packed": int(m.split is not None),
     }
     if bias is not None:
         attrs["has_bias"] = 1
+    if m.causal is not None:
+        attrs["causal"] = 1
+        attrs["causal_max_queries"], attrs["causal_max_keys"] = (int(x) for x in m.causal)
     ctx.fuse(graph, "Attention", nodes, inputs, [out], attrs)
+
+
+def _causal_body(graph: gs.Graph, m: Match, nodes: list) -> None:
+    """The fallback body slices the causal constant itself, to ends read from the scores' own
+    shape [B, H, Sq, Sk] (which the matched ends were proved equal to), so that the fused node
+    reads no mask and the graph's mask plumbing (Shape, Gather, Unsqueeze, Concat, Slice) loses
+    its reader. A constant that is one value c above the diagonal (torch's triu(-1e9) buffer) is
+    built there, bit for bit, as Trilu(ConstantOfShape(its shape, c), k = 1) (opset >= 14):
+    every fused node's body holds a copy of what it reads, and a [1024, 1024] table would be
+    4 MiB per attention block; any other constant goes into the body as a Constant node."""
+    add = next(n for n in m.nodes if gu.is_op(n, "Add") and m.mask in n.inputs)
+    j = 0 if add.inputs[0] is m.mask else 1
+    scores = add.inputs[1 - j]
+    old = gu.producer(m.mask)
+    table = old.inputs[0]
+    value = gu.constant_value(table)
+    rank = value.ndim
+
+    def const(base, values, dtype=np.int64):
+        return gu.make_constant(graph, f"{m.mask.name}_{base}", np.array(values, dtype))
+
+    def var(base, dtype):
+        return gs.Variable(gu.unique_name(graph, f"{m.mask.name}_{base}"), dtype=dtype)
+
+    made = []
+    future = value.reshape(value.shape[-2:])[np.triu(np.ones(value.shape[-2:], bool), 1)]
+    if graph.opset >= 14 and future.size and np.all(future == future[0]):
+        filled, table = var("filled", np.float32), var("table", np.float32)
+        made += [
+            gs.Node("ConstantOfShape", name=f"{old.name}_filled", inputs=[const("table_shape", list(value.shape))],
+                    outputs=[filled], attrs={"value": const("fill", [future[0]], np.float32)}),
+            gs.Node("Trilu", name=f"{old.name}_table", inputs=[filled, const("diagonal", 1)], outputs=[table],
+                    attrs={"upper": 1}),
+        ]
+    elif not isinstance(table, gs.Constant):  # a Constant node's output: the body gets the value itself
+        table = gu.make_constant(graph, table.name, value)
+    shape, ends, mask = var("scores_shape", np.int64), var("ends", np.int64), var("causal", np.float32)
+    made += [
+        gs.Node("Shape", name=f"{old.name}_scores_shape", inputs=[scores], outputs=[shape]),
+        gs.Node("Slice", name=f"{old.name}_ends", inputs=[shape, const("from", [2]), const("to", [4]), const("axis", [0])],
+                outputs=[ends]),
+        gs.Node("Slice", name=old.name, inputs=[table, const("starts", [0, 0]), ends,
+                                                const("axes", [rank - 2, rank - 1]), const("steps", [1, 1])],
+                outputs=[mask]),
+    ]
+    add.inputs[j] = mask
+    at = nodes.index(add)
+    nodes[at:at] = made
 
 
 def fuse_attention(graph: gs.Graph, ctx: Context) -> int:

@@ -58,6 +58,8 @@ def attention_spec(node: gs.Node, shapes: gu.ShapeTable | None = None) -> attent
     has_bias = bool(int(node.attrs.get("has_bias", 0)))
     if heads < 1 or not node.inputs:
         return None
+    if int(node.attrs.get("causal", 0)):
+        return None  # fuse-attention's CPU-only causal mode: the generated kernel has none
     first = _static_last_dim(node.inputs[0], shapes)
     if first is None:
         return None

@@ -24,6 +24,7 @@ class Case:
     mask_shape: tuple[int, ...] | None = None  # None: no mask
     scale: float = 0.125
     bias: bool = False  # packed only: the projection's bias [3*H*dh] (has_bias)
+    causal: int = 0  # N > 0: no mask input; the top-left [Sq, Sk] of triu(-1e9, 1) [N, N] (causal = 1)
 
     @property
     def has_mask(self) -> bool:
@@ -51,10 +52,13 @@ class Case:
         from onnxfuse.cuda.attention_codegen import AttentionSpec
         from onnxfuse.cuda.attention_model import reference
 
-        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, self.has_mask, self.bias)
+        mask = feeds.get("mask")
+        if self.causal:
+            mask = np.triu(np.full((self.sq, self.sk), -np.inf), 1)
+        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, mask is not None, self.bias)
         if self.packed:
-            return reference(spec, feeds["qkv"], mask=feeds.get("mask"), bias=feeds.get("bias"))
-        return reference(spec, feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
+            return reference(spec, feeds["qkv"], mask=mask, bias=feeds.get("bias"))
+        return reference(spec, feeds["q"], feeds["k"], feeds["v"], mask)
 
 
 def _ints(name: str, values) -> onnx.NodeProto:
@@ -92,6 +96,18 @@ def reference_nodes(c: Case) -> tuple[list[onnx.NodeProto], list[str]]:
         helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
     ]
     logits = "scaled"
+    if c.causal:  # what fuse-attention writes for a causal mask slice
+        table = np.triu(np.full((c.causal, c.causal), -1e9, np.float32), 1)[None, None]
+        nodes += [
+            helper.make_node("Constant", [], ["causal_table"], value=numpy_helper.from_array(table, "causal_table")),
+            _ints("zeros", [0, 0]), _ints("last_two", [2, 3]), _ints("ones", [1, 1]),
+            _ints("from", [2]), _ints("to", [4]), _ints("axis0", [0]),
+            helper.make_node("Shape", ["scaled"], ["scores_shape"]),
+            helper.make_node("Slice", ["scores_shape", "from", "to", "axis0"], ["causal_ends"]),
+            helper.make_node("Slice", ["causal_table", "zeros", "causal_ends", "last_two", "ones"], ["causal_mask"]),
+            helper.make_node("Add", ["scaled", "causal_mask"], ["masked"]),
+        ]
+        logits = "masked"
     if c.has_mask:
         nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
         logits = "masked"
@@ -139,7 +155,9 @@ def fused_model(c: Case) -> onnx.ModelProto:
     fn.overload = "Attention_0"
     node = helper.make_node("Attention", inputs, ["out"], name="attention", domain="onnxfuse",
                             num_heads=c.heads, scale=float(c.scale), has_mask=int(c.has_mask),
-                            qkv_packed=int(c.packed), **({"has_bias": 1} if c.bias else {}))
+                            qkv_packed=int(c.packed), **({"has_bias": 1} if c.bias else {}),
+                            **({"causal": 1, "causal_max_queries": c.causal, "causal_max_keys": c.causal}
+                               if c.causal else {}))
     node.overload = "Attention_0"
     ins, outs = _value_infos(c)
     graph = helper.make_graph([node], "attention", ins, outs)
@@ -165,7 +183,18 @@ CASES = [
     Case(3, 24, 24, 2, 37, 37, packed=True, bias=True),
 ]
 
+# The causal mode (CPU kernel only): gpt_stack's block, separate q, k, v with Sq != Sk, odd sizes.
+CAUSAL_CASES = [
+    Case(4, 32, 32, 2, 32, 32, packed=True, bias=True, causal=64),  # gpt_stack's, as optimized
+    Case(4, 32, 32, 1, 64, 64, packed=True, bias=True, causal=64),
+    Case(2, 64, 48, 2, 9, 33, causal=40),
+    Case(3, 20, 20, 2, 37, 11, causal=40),
+    Case(1, 8, 8, 3, 1, 1, packed=True, causal=2),
+]
+
 
 def case_id(c: Case) -> str:
     mask = "nomask" if c.mask_shape is None else "mask" + "x".join(map(str, c.mask_shape)) if c.mask_shape else "mask0d"
+    if c.causal:
+        mask = f"causal{c.causal}"
     return f"{'packed' if c.packed else 'qkv'}{'-bias' if c.bias else ''}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"

@@ -18,6 +18,7 @@ def attention_model(
     scale_value=4.0,
     mask=(1, 1, "S", "S"),
     mask_const=None,
+    causal=None,
     k_form="single",
     merge="shape",
     softmax_axis=-1,
@@ -35,6 +36,12 @@ def attention_model(
               "input" (scores / a graph input: not a constant)
     mask:     shape of the additive mask input (None: no mask); mask_const: its value as a
               constant instead
+    causal:   the mask as torch exports `self.mask[:, :, :T, :T]`: Slice(table, starts [0, 0],
+              ends read at run time (Shape -> Gather -> Unsqueeze -> Concat), axes [2, 3], steps
+              [1, 1]); a dict with "size" N (table triu(-1e9, 1) of [1, 1, N, N]) or "table" (the
+              constant), and overrides "starts", "axes", "steps", "ends_from" (the (tensor, axis)
+              pairs the ends are read from: by default x's axis 1 twice when packed, q's and k's
+              axis 1 otherwise)
     k_form:   "single" Transpose(0, 2, 3, 1) or "double" Transpose(0, 2, 1, 3) + (0, 1, 3, 2)
     merge:    "shape" (target Shape(x), packed only, or Shape(q) when dh == dv), "const"
               ([0, 0, H*dv])
@@ -112,7 +119,27 @@ def attention_model(
         inputs.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, []))
         nodes.append(helper.make_node("Div", ["scores", "c"], ["scaled"], name="scale"))
         logits = "scaled"
-    if mask_const is not None:
+    if causal is not None:
+        table = causal.get("table")
+        if table is None:
+            table = np.triu(np.full((causal["size"],) * 2, -1e9, np.float32), 1)[None, None]
+        ends_from = causal.get("ends_from", [("x", 1)] * 2 if packed else [("q", 1), ("k", 1)])
+        ends = []
+        for n, (source, axis) in enumerate(ends_from):
+            nodes += [helper.make_node("Shape", [source], [f"ends_shape{n}"], name=f"ends_shape{n}"),
+                      helper.make_node("Gather", [f"ends_shape{n}", const(f"ends_axis{n}", np.array(axis, np.int64))],
+                                       [f"ends_dim{n}"], axis=0, name=f"ends_gather{n}"),
+                      helper.make_node("Unsqueeze", [f"ends_dim{n}", const(f"ends_unsq{n}", np.array([0], np.int64))],
+                                       [f"ends_{n}"], name=f"ends_unsqueeze{n}")]
+            ends.append(f"ends_{n}")
+        nodes.append(helper.make_node("Concat", ends, ["causal_ends"], axis=0, name="causal_ends"))
+        params = [const(f"causal_{key}", np.array(causal.get(key, default), np.int64))
+                  for key, default in (("starts", [0, 0]), ("axes", [2, 3]), ("steps", [1, 1]))]
+        nodes.append(helper.make_node("Slice", [const("causal_table", np.asarray(table, np.float32)), params[0],
+                                                "causal_ends", params[1], params[2]], ["causal_mask"], name="causal_slice"))
+        nodes.append(helper.make_node("Add", [logits, "causal_mask"], ["masked"], name="mask_add"))
+        logits = "masked"
+    elif mask_const is not None:
         nodes.append(helper.make_node("Add", [logits, const("mask", np.asarray(mask_const, np.float32))], ["masked"], name="mask_add"))
         logits = "masked"
     elif mask is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_cases import CASES, case_id, fused_model
+from attention_cases import CASES, CAUSAL_CASES, case_id, fused_model
 from attention_models import attention_model, packed_inputs, reference
 from onnxfuse import runtime
 from test_pass_attention import PASS, feeds_for, fused
@@ -202,3 +202,68 @@ def test_infinite_key_bias_makes_its_head_nan_like_the_fallback(build):
         got = runtime.make_session(model, threads=threads, with_library=True).run(None, feeds)[0]
         np.testing.assert_array_equal(np.isnan(got), np.isnan(fallback))
         assert_close(np.nan_to_num(got), np.nan_to_num(fallback))
+
+
+def causal_reference(q, k, v, heads, scale):
+    sq, sk = q.shape[1], k.shape[1]
+    mask = np.triu(np.full((sq, sk), -np.inf), 1)  # top-left: key t is masked for query i < t
+    return reference(q, k, v, mask, heads, scale)
+
+
+@pytest.mark.parametrize("heads,dh", [(1, 1), (4, 32), (3, 21), (2, 64)])
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 5), (1, 33), (3, 70)])
+@pytest.mark.parametrize("bias", [None, "last"], ids=["no-bias", "bias"])
+def test_causal_kernel_matches_numpy_and_the_fallback(heads, dh, b, s, bias, build):
+    """causal = 1: the kernel masks key t > query i itself (no mask input), skipping those keys."""
+    opt = optimized(heads=heads, dh=dh, scale_value=float(np.sqrt(dh)), mask=None, causal=dict(size=70), qkv_bias=bias)
+    assert fused(opt)[0].attribute and len(fused(opt)[0].input) == (2 if bias else 1)
+    feeds = feeds_for(opt, b, s, seed=heads * 1000 + s + 2)
+    q, k, v = packed_inputs(opt, feeds["x"])
+    want = causal_reference(q, k, v, heads, 1 / np.sqrt(dh))
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("sq,sk", [(5, 19), (19, 5), (40, 40), (1, 9)])
+def test_causal_kernel_with_separate_qkv_is_top_left_aligned(sq, sk, build):
+    opt = optimized(packed=False, heads=3, dh=6, dv=11, merge="const", mask=None, causal=dict(size=40), scale="mul",
+                    scale_value=0.3)
+    feeds = feeds_for(opt, 2, sq, sk, seed=sq * 100 + sk + 7)
+    want = causal_reference(feeds["q"], feeds["k"], feeds["v"], 3, 0.3)
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("tensor,value", [("k", np.nan), ("k", np.inf), ("k", -np.inf), ("q", np.inf), ("v", np.inf)])
+def test_causal_kernel_gives_the_originals_nan_rows_for_non_finite_inputs(tensor, value, build):
+    """The original adds -1e9 to a future key's score: a NaN or +inf score stays NaN or +inf and
+    makes its row NaN, and 0 * an infinite v is NaN. The kernel skips future keys only while this
+    (batch, head)'s keys and values are finite; otherwise it adds -inf to them, which gives the
+    same NaN rows."""
+    s = 40
+    opt = optimized(packed=False, heads=2, dh=8, merge="const", mask=None, causal=dict(size=s))
+    feeds = feeds_for(opt, 2, s, s, seed=11)
+    row = {"q": 3, "k": 30, "v": 35}[tensor]
+    feeds[tensor][0, row, 3] = value  # batch 0, head 0's column 3
+    kernel, kernel2, fallback = run_three_ways(opt, feeds)
+    nan = np.isnan(fallback)
+    assert nan.any() and not nan[1].any()  # batch 1 is untouched
+    if tensor == "k" and np.isnan(value):
+        assert nan[0, :, :8].all()  # every query row of head 0: the past through its scores, the rest through the mask
+    for got in (kernel, kernel2):
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        finite = np.isfinite(fallback)
+        assert_close(np.where(finite, got, 0), np.where(finite, fallback, 0))
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=case_id)
+def test_causal_node_agrees_with_its_fallback_and_numpy(case, build):
+    """A hand-built causal node (the bias, where there is one, a graph input): the library's kernel
+    and the fallback function against float64 numpy."""
+    model = fused_model(case)
+    feeds = case.feeds(seed=12)
+    want = case.reference(feeds)
+    for with_library in (True, False):
+        for threads in (1, 2):
+            got = runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0]
+            assert_close(got, want)

@@ -183,16 +183,22 @@ def test_k_perm_of_the_wrong_axes_is_left_alone():
     assert n == 0
 
 
-def test_optimized_gpt_stack_has_one_attention_per_block_and_runs_at_other_batch_and_seq():
+def test_optimized_gpt_stack_has_one_causal_attention_per_block_and_runs_at_other_batch_and_seq():
     from onnxfuse import api, zoo
 
     original = onnx.load(zoo.resolve("gpt_stack"))
     opt = api.optimize(original, count_kernels=False).model
     assert len(fused(opt)) == 4
-    assert all(attrs(n)["qkv_packed"] == 1 and attrs(n)["has_mask"] == 1 and attrs(n)["has_bias"] == 1
+    assert all(attrs(n)["qkv_packed"] == 1 and attrs(n)["has_mask"] == 0 and attrs(n)["has_bias"] == 1
+               and attrs(n)["causal"] == 1 and (attrs(n)["causal_max_queries"], attrs(n)["causal_max_keys"]) == (64, 64)
                for n in fused(opt))
+    assert all(len(n.input) == 2 for n in fused(opt))  # qkv and the bias: no mask
     added = {o for n in opt.graph.node if n.op_type == "Add" for o in n.output}
     assert not any(n.input[0] in added for n in fused(opt))  # the projection's bias Add is folded
+    # The mask's slice and its ends (Shape, Gather, Unsqueeze, Concat) lost their reader; what is
+    # left of the shape arithmetic is the position embedding's Range.
+    ops = [n.op_type for n in opt.graph.node]
+    assert "Slice" not in ops and "Concat" not in ops and "Unsqueeze" not in ops and ops.count("Shape") == 1
     for b, s in ((1, 1), (1, 64), (3, 17), (2, 32)):
         ids = np.random.default_rng(b * 100 + s).integers(0, 256, (b, s)).astype(np.int64)
         want = runtime.make_session(original, threads=1).run(None, {"input_ids": ids})[0]
@@ -212,3 +218,148 @@ def test_cpu_leaves_long_key_sequences_to_onnxruntime_and_cuda_does_not():
         if vi.name in ("k", "v"):
             vi.type.tensor_type.shape.dim[1].dim_value = 600
     assert optimize(static, PASS)[1] == 0
+
+
+def test_cpu_applies_causal_mode_up_to_its_own_key_limit():
+    from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEYS, CPU_MAX_KEYS
+
+    m = attention_model(mask=None, causal=dict(size=16))
+    assert CPU_MAX_CAUSAL_KEYS > CPU_MAX_KEYS
+    opt, n = optimize(m, PASS, dims={"S": CPU_MAX_CAUSAL_KEYS})
+    assert n == 1 and attrs(fused(opt)[0])["causal"] == 1
+    assert optimize(m, PASS, dims={"S": CPU_MAX_CAUSAL_KEYS + 1})[1] == 0
+    # A mask that is not causal keeps the shorter limit.
+    assert optimize(attention_model(), PASS, dims={"S": CPU_MAX_KEYS + 1})[1] == 0
+
+
+CAUSAL_ATTRS = {"num_heads": 2, "scale": pytest.approx(0.25), "has_mask": 0, "qkv_packed": 1, "causal": 1}
+
+
+@pytest.mark.parametrize(
+    "causal, limits, sizes",
+    [
+        (dict(size=16), (16, 16), [(1, 1), (2, 5), (3, 16)]),
+        (dict(table=np.triu(np.full((16, 16), -np.inf, np.float32), 1)[None, None]), (16, 16), [(2, 9), (1, 16)]),
+        (dict(table=np.triu(np.full((16, 16), -1e4, np.float32), 1)[None, None]), (16, 16), [(2, 9)]),
+        (dict(table=np.triu(np.full((12, 20), -1e9, np.float32), 1), axes=[0, 1]), (12, 20), [(2, 1), (2, 12)]),
+        (dict(size=16, axes=[-1, -2]), (16, 16), [(2, 7)]),
+    ],
+    ids=["torch-minus-1e9", "minus-inf", "minus-1e4-bound", "rank-2-table-wider-than-tall", "axes-reversed"],
+)
+def test_causal_mask_slice_becomes_the_causal_attribute_and_its_shape_plumbing_goes(causal, limits, sizes):
+    m = attention_model(mask=None, causal=causal)
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert list(node.input) == ["qkv"]
+    assert attrs(node) == {**CAUSAL_ATTRS, "causal_max_queries": limits[0], "causal_max_keys": limits[1]}
+    # Shape -> Gather -> Unsqueeze -> Concat -> Slice had the mask Add as their only reader.
+    assert [x.op_type for x in opt.graph.node] == ["MatMul", "Attention"]
+    [fn] = opt.functions
+    body = [x.op_type for x in fn.node if x.op_type != "Constant"]
+    assert body.count("Slice") == 2 and "Shape" in body and list(fn.input) == ["qkv"]
+    check_runs_like_original(m, opt, [feeds_for(m, b, s) for b, s in sizes])
+
+
+def test_causal_mask_table_given_by_a_constant_node_goes_into_the_body():
+    m = attention_model(mask=None, causal=dict(size=8))
+    table = next(t for t in m.graph.initializer if t.name == "causal_table")
+    m.graph.initializer.remove(table)
+    m.graph.node.insert(0, onnx.helper.make_node("Constant", [], ["causal_table"], value=table))
+    opt, n = optimize(m, PASS)
+    [node] = fused(opt)
+    assert attrs(node)["causal"] == 1 and [x.op_type for x in opt.graph.node] == ["MatMul", "Attention"]
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 8)])
+
+
+def test_separate_q_k_v_causal_slice_to_their_own_lengths_is_top_left_causal():
+    m = attention_model(packed=False, merge="const", mask=None, causal=dict(size=12))
+    opt, n = optimize(m, PASS)
+    [node] = fused(opt)
+    assert list(node.input) == ["q", "k", "v"] and attrs(node)["causal"] == 1
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 4, 9), feeds_for(m, 2, 9, 4), feeds_for(m, 1, 12, 12),
+                                      feeds_for(m, 1, 1, 1)])
+
+
+@pytest.mark.parametrize(
+    "causal",
+    [
+        dict(table=np.triu(np.full((16, 16), -1e3, np.float32), 1)[None, None]),  # not negative enough to skip
+        dict(table=np.triu(np.full((16, 16), -1e9, np.float32), 0)[None, None]),  # the diagonal masked too
+        dict(table=(np.triu(np.full((16, 16), -1e9)) + np.tril(np.full((16, 16), 0.5), -1)).astype(np.float32)[None, None]),
+        dict(table=np.tril(np.full((16, 16), -1e9, np.float32), -1)[None, None]),  # the past masked
+        dict(table=np.broadcast_to(np.triu(np.full((16, 16), -1e9, np.float32), 1), (1, 2, 16, 16)).copy()),
+        dict(size=16, ends_from=[("x", 0), ("x", 1)]),  # rows sliced to the batch size
+        dict(table=np.triu(np.full((1, 16), -1e9, np.float32), 1)[None, None]),  # one row: broadcast up
+    ],
+    ids=["minus-1e3", "diagonal-masked", "past-not-zero", "anti-causal", "per-head-table", "ends-batch-by-seq",
+         "one-row-table"],
+)
+def test_masks_not_provably_causal_stay_a_mask_input(causal):
+    m = attention_model(mask=None, causal=causal)
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert attrs(node)["has_mask"] == 1 and "causal" not in attrs(node) and len(node.input) == 2
+    b, s = (1, 16) if "ends_from" in causal else (2, 9)  # the one-row table's row broadcast to 9
+    check_runs_like_original(m, opt, [feeds_for(m, b, s)])
+
+
+def test_cuda_target_keeps_the_causal_mask_an_input():
+    # The CUDA kernel has no causal mode.
+    opt, n = optimize(attention_model(mask=None, causal=dict(size=16)), PASS, target="cuda", attention_cuda=True)
+    [node] = fused(opt)
+    assert n == 1 and attrs(node)["has_mask"] == 1 and "causal" not in attrs(node)
+
+
+def test_cuda_compile_leaves_a_causal_node_to_its_fallback():
+    import onnx_graphsurgeon as gs
+
+    from onnxfuse.passes.cuda_compile import attention_spec
+
+    opt, _ = optimize(attention_model(mask=None, causal=dict(size=16)), PASS)
+    graph = gs.import_onnx(opt)
+    [node] = [n for n in graph.nodes if n.op == "Attention"]
+    assert node.attrs["causal"] == 1 and attention_spec(node) is None
+    del node.attrs["causal"]
+    assert attention_spec(node) is not None  # the same node without causal would be compiled
+
+
+def test_sequence_longer_than_the_causal_table_fails_like_the_original():
+    m = attention_model(mask=None, causal=dict(size=16))
+    opt, _ = optimize(m, PASS)
+    assert attrs(fused(opt)[0])["causal"] == 1
+    feeds = feeds_for(m, 1, 17)
+    with pytest.raises(Exception):
+        runtime.make_session(m, threads=1).run(None, feeds)
+    with pytest.raises(Exception, match="17 queries and 17 keys exceed the causal mask's 16 x 16"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, feeds)
+    with pytest.raises(Exception):
+        runtime.make_session(opt, threads=1, with_library=False).run(None, feeds)
+
+
+@pytest.mark.parametrize(
+    "causal, opset, built",
+    [
+        (dict(size=16), 17, True),
+        (dict(table=np.triu(np.full((16, 16), -np.inf, np.float32), 1)[None, None]), 17, True),
+        (dict(table=np.triu(np.linspace(-2e9, -1e9, 256, dtype=np.float32).reshape(16, 16), 1)[None, None]), 17, False),
+        (dict(size=16), 13, False),
+    ],
+    ids=["uniform-fill", "minus-inf-fill", "varying-fill", "opset-13-no-trilu"],
+)
+def test_causal_body_builds_a_uniform_table_instead_of_holding_it(causal, opset, built):
+    """Each fused node's body holds a copy of the constants it reads: a table that is one value
+    above the diagonal is rebuilt there by ConstantOfShape + Trilu (opset 14 on), bit for bit."""
+    m = attention_model(mask=None, causal=causal, opset=opset)
+    opt, n = optimize(m, PASS)
+    assert n == 1 and attrs(fused(opt)[0])["causal"] == 1
+    [fn] = opt.functions
+    ops = [x.op_type for x in fn.node]
+    consts = [x for x in fn.node if x.op_type == "Constant"]
+    largest = max(int(np.prod(onnx.helper.get_attribute_value(c.attribute[0]).dims)) for c in consts)
+    if built:
+        assert "ConstantOfShape" in ops and "Trilu" in ops and largest < 256
+    else:
+        assert "Trilu" not in ops and largest == 256
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 16), feeds_for(m, 1, 3)])
