@@ -17,9 +17,11 @@ condition
       symbolic names); a node that would break this is left out of the region;
     - no cycle: a region never feeds an outside node that feeds back into it;
     - the region pays: at least 2 ops that compute something, or 1 op and a Slice/Split that
-      disappears;
+      disappears, or 1 op that would otherwise go into a fusion of onnxruntime that is slower
+      on the target (PREEMPT below: SkipLayerNormalization on the CPU);
     - the target policy (POLICY below): ops that onnxruntime fuses into its own kernels
-      (FusedConv, Gemm, LayerNormalization, Gelu...) are left to it.
+      (FusedConv, Gemm, LayerNormalization, Gelu...), or runs in place in its NCHWc layout, are
+      left to it.
 rewrite
     one onnxfuse.Pointwise node per region, attribute ``program`` (onnxfuse.program), via
     ctx.fuse: its fallback function is the exact original subgraph, folded Slice/Split included.
@@ -293,6 +295,7 @@ class Analysis:
                         seen[id(c)] = c
             self.consumers[id(n)] = list(seen.values())
         self.reserved = reserved_for_runtime(graph, ctx.target, self)
+        self.preempted = preempted_from_runtime(ctx.target, self)
         self.views: dict[int, list[tuple[SliceSpec, ...]]] = {}
         self.pointwise: set[int] = set()
         for n in self.nodes:
@@ -603,12 +606,15 @@ def _work(r: Region) -> int:
 
 
 def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
-    """At least two ops that compute, or one and a Slice/Split that disappears."""
+    """At least two ops that compute, or one and a Slice/Split that disappears, or one that a
+    slower fusion of onnxruntime would otherwise take (PREEMPT)."""
     work = _work(r)
     if work >= 2:
         return True
     if work == 0:
         return False
+    if any(id(n) in a.preempted for n in r.members.values()):
+        return True
     views = [n for n in r.members.values() if n.op in VIEW_OPS] + r.lowered.views_read
     for v in views:
         readers = [c for o in v.outputs for c in o.outputs]
@@ -839,10 +845,20 @@ def match_matmul_scale(a: "Analysis") -> Iterable[gs.Node]:
 
 
 def match_skip_layernorm(a: "Analysis") -> Iterable[gs.Node]:
-    """Add -> LayerNormalization (the sum read by nothing else) becomes SkipLayerNormalization,
-    a bias Add before it included."""
+    """Add -> LayerNormalization (the sum read by nothing else; or by the written-out
+    LayerNormalization that onnxruntime first fuses, its mean and its Sub) becomes
+    SkipLayerNormalization, a bias Add before it included."""
+    written_out = {id(n) for n in match_layernorm(a)}
     for n in a.nodes:
-        if not _std(n, "Add") or not _std(_reader(a, n.outputs[0]), "LayerNormalization"):
+        if not _std(n, "Add"):
+            continue
+        readers = [] if n.outputs[0].name in a.graph_outputs else list(n.outputs[0].outputs)
+        one_ln = len(readers) == 1 and _std(readers[0], "LayerNormalization")
+        subs = [r for r in readers if _std(r, "Sub") and id(r) in written_out and r.inputs[0] is n.outputs[0]]
+        means = [r for r in readers if _std(r, "ReduceMean")]
+        written = (len(readers) == 2 and len(subs) == 1 and len(means) == 1
+                   and a.producer(subs[0].inputs[1]) is means[0])
+        if not (one_ln or written):
             continue
         yield n
         for t in n.inputs:
@@ -978,7 +994,6 @@ POLICY: dict[str, tuple[Rule, ...]] = {
         Rule("nchwc-elementwise", "NCHWc layout (in place between convolutions)", match_nchwc_elementwise),
         Rule("matmul-gemm", "Gemm / FusedGemm", match_matmul_gemm),
         Rule("matmul-scale", "FusedMatMul", match_matmul_scale),
-        Rule("skip-layernorm", "SkipLayerNormalization", match_skip_layernorm),
         Rule("layernorm", "LayerNormalization / SimplifiedLayerNormalization", match_layernorm),
         Rule("gelu", "Gelu / BiasGelu / FastGelu / QuickGelu", match_gelu),
     ),
@@ -993,6 +1008,26 @@ POLICY: dict[str, tuple[Rule, ...]] = {
         Rule("layernorm", "LayerNormalization / SimplifiedLayerNormalization", match_layernorm),
     ),
 }
+
+# Fusions of onnxruntime that run slower on the target than a Pointwise region plus the rest
+# left unfused: a region holding one of these ops pays even when that op is its only work, so
+# that onnxruntime does not make the fusion. On the CPU (onnxruntime 1.31), SkipLayerNormalization
+# took 1.9-3.8x the time of a Pointwise region with the residual (and bias) Add plus
+# LayerNormalization, at 64x128 to 2048x1024 (bench/skip_layernorm.py,
+# bench/results/skip_layernorm.md).
+PREEMPT: dict[str, tuple[Rule, ...]] = {
+    "cpu": (Rule("skip-layernorm", "SkipLayerNormalization", match_skip_layernorm),),
+}
+
+
+def preempted_from_runtime(target: str, a: "Analysis") -> dict[int, str]:
+    """Nodes that a region takes from one of onnxruntime's slower fusions: id(node) -> rule name."""
+    taken: dict[int, str] = {}
+    for rule in PREEMPT.get(target, ()):
+        for n in rule.match(a):
+            taken.setdefault(id(n), rule.name)
+    return taken
+
 
 PASS = Pass(
     name="pointwise",

@@ -1,0 +1,122 @@
+"""onnxruntime's CPU SkipLayerNormalization against what onnxfuse writes instead: the residual
+(and bias) Add as one Pointwise region, then onnxruntime's LayerNormalization.
+
+The model is [bias Add ->] residual Add -> LayerNormalization over the last axis on
+float32[2, rows / 2, d]; onnxruntime (ORT_ENABLE_ALL) fuses it into one SkipLayerNormalization.
+The onnxfuse side is the same model optimized by the default CPU pipeline (onnxfuse library
+loaded), which the pointwise pass's PREEMPT rule turns into Pointwise + LayerNormalization.
+Timed interleaved (A B B A rounds, bench/zoo_latency.py's timed_rounds): at one thread the
+calling thread's CPU time, at two wall time; ratio = onnxfuse / onnxruntime, median of the
+per-round ratios with a 95% bootstrap interval.
+
+    python bench/skip_layernorm.py [--out bench/results/skip_layernorm.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import zoo_latency  # noqa: E402
+
+SHAPES = [(64, 128), (512, 768), (2048, 1024)]
+
+
+def residual_layernorm(rows: int, d: int, bias: bool, seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(d)).astype(np.float32), "gamma"),
+             numpy_helper.from_array((0.1 * rng.standard_normal(d)).astype(np.float32), "beta")]
+    nodes, x = [], "x"
+    if bias:
+        inits.append(numpy_helper.from_array((0.1 * rng.standard_normal(d)).astype(np.float32), "bias"))
+        nodes.append(helper.make_node("Add", ["x", "bias"], ["xb"]))
+        x = "xb"
+    nodes.append(helper.make_node("Add", [x, "residual"], ["sum"]))
+    nodes.append(helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5))
+    shape = [2, rows // 2, d]
+    graph = helper.make_graph(
+        nodes, "residual_layernorm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+         helper.make_tensor_value_info("residual", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed rounds per row")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "skip_layernorm.md")
+    args = p.parse_args(argv)
+
+    import onnxruntime as ort
+
+    from onnxfuse import api
+    from onnxfuse.profile import count_kernels, open_session
+
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()
+    commit = zoo_latency.commit_text()
+    threads_list = [int(t) for t in args.threads.split(",")]
+    rows_out = []
+    for rows, d in SHAPES:
+        for bias in (True, False):
+            m = residual_layernorm(rows, d, bias)
+            fused = api.optimize(m, count_kernels=False).model
+            rng = np.random.default_rng(1)
+            feeds = {k: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for k in ("x", "residual")}
+            kernels_a = count_kernels(m, threads=1)[1]
+            kernels_b = count_kernels(fused, threads=1)[1]
+            cells = []
+            for threads in threads_list:
+                a, _ = open_session(m, "cpu", threads, "all", with_library=False)
+                b, _ = open_session(fused, "cpu", threads, "all", with_library=True)
+                t = zoo_latency.timed_rounds(a, b, feeds, threads, args.budget, 2.0, 15, 400)
+                c = t["cpu" if threads == 1 else "wall"]
+                cells.append(f"{c['ms_a'] * 1e3:.1f} / {c['ms_b'] * 1e3:.1f} | {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]")
+                print(f"{rows}x{d} bias={bias} threads={threads}: {cells[-1]}", file=sys.stderr, flush=True)
+            names = lambda k: " + ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in k.items())  # noqa: E731
+            rows_out.append(f"| {rows} x {d} | {'yes' if bias else 'no'} | {names(kernels_a)} | {names(kernels_b)} | "
+                            + " | ".join(cells) + " |")
+    head = "| rows x d | bias Add | onnxruntime runs | onnxfuse runs |"
+    rule = "|---|---|---|---|"
+    for th in threads_list:
+        clock = "thread CPU" if th == 1 else "wall"
+        head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
+        rule += "---|---|"
+    text = "\n".join([
+        "# onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
+        "",
+        "Command: `" + " ".join(["python bench/skip_layernorm.py", *argv]) + "`",
+        f"Date: {started}. Commit: {commit}. Machine: {platform.machine()}, {zoo_latency._cpu()}, "
+        f"{os.cpu_count()} logical CPUs (shared host; load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). "
+        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
+        "",
+        "[bias Add ->] residual Add -> LayerNormalization on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides; "
+        "onnxruntime alone fuses it into SkipLayerNormalization, onnxfuse's CPU pipeline writes the Adds as one "
+        "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule). Interleaved A B B A "
+        "rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
+        "",
+        head, rule, *rows_out, "",
+    ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
