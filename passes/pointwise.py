@@ -1011,10 +1011,10 @@ POLICY: dict[str, tuple[Rule, ...]] = {
 
 # Fusions of onnxruntime that run slower on the target than a Pointwise region plus the rest
 # left unfused: a region holding one of these ops pays even when that op is its only work, so
-# that onnxruntime does not make the fusion. On the CPU (onnxruntime 1.31), SkipLayerNormalization
-# took 1.9-3.8x the time of a Pointwise region with the residual (and bias) Add plus
-# LayerNormalization, at 64x128 to 2048x1024 (bench/skip_layernorm.py,
-# bench/results/skip_layernorm.md).
+# that onnxruntime does not make the fusion. On the CPU (onnxruntime 1.31), a Pointwise region
+# with the residual (and bias) Add plus LayerNormalization took 0.24-0.52x the time of
+# SkipLayerNormalization with one thread and 0.21-0.75x with two, at 64x128 to 2048x1024
+# (bench/skip_layernorm.py, bench/results/skip_layernorm.md).
 PREEMPT: dict[str, tuple[Rule, ...]] = {
     "cpu": (Rule("skip-layernorm", "SkipLayerNormalization", match_skip_layernorm),),
 }
