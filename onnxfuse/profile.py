@@ -43,8 +43,9 @@ class KernelProfile:
     # Profiler time of the kernels per inference (microseconds), by op type, most first; the
     # first run is left out when there are more (it pays one-off costs such as weight packing).
     # The profiler adds overhead to every kernel, so small kernels read long: for shares only.
-    time_us_by_op_type: dict[str, float] = field(default_factory=dict)
-    timed_runs: int = 0
+    # Timings differ from run to run, so they take no part in comparing two profiles.
+    time_us_by_op_type: dict[str, float] = field(default_factory=dict, compare=False)
+    timed_runs: int = field(default=0, compare=False)
 
     @property
     def kernel_time_us(self) -> float:
