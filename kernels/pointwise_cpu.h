@@ -53,10 +53,9 @@ struct ChainStage {
 constexpr bool elementary_kind(ChainStage::Kind k) { return k >= ChainStage::Exp; }
 constexpr bool affine_kind(ChainStage::Kind k) { return k <= ChainStage::Mul; }
 
-// A part of a chain that the AVX2 build runs as one loop: one elementary function with up to
-// kMaxAffine add/sub/mul stages right before and after it (one vector at a time: the function's
-// own steps keep the ports busy), or a run of other stages (several vectors at a time, so that
-// independent operations hide each stage's latency).
+// A part of a chain that the AVX2 build runs as one loop, several vectors at a time so that
+// independent operations hide each step's latency: one elementary function with up to kMaxAffine
+// add/sub/mul stages right before and after it, or a run of other stages.
 constexpr int kMaxAffine = 2;
 struct ChainSegment {
   int begin = 0, count = 0;  // stages [begin, begin + count) of the chain

@@ -11,9 +11,9 @@
 //
 // It also evaluates each chain of instructions (FusedStep, pointwise_cpu.h) without storing its
 // intermediate results (fused_step below), in segments: each elementary function with the
-// add/sub/mul instructions right around it, one vector at a time, and each run of the other
-// single operations (add, sub, mul, div, max, min, abs, neg, relu, ...) eight vectors at a time,
-// kept in registers from the first instruction to the last. A chain of cheap operations then
+// add/sub/mul instructions right around it, two or four vectors at a time, and each run of the
+// other single operations (add, sub, mul, div, max, min, abs, neg, relu, ...) eight vectors at a
+// time, kept in registers from the first instruction of the segment to the last. A chain of cheap operations then
 // costs about one pass over memory plus its arithmetic; a chain with elementary functions is
 // bound by their arithmetic, measured at about 8 cycles per eight elements for tanh and exp and 11
 // for sigmoid on AMD Zen 3 (bench/pointwise_cpu.py's eight-op tanh/sigmoid/exp chain spends
@@ -302,12 +302,13 @@ ONNXFUSE_INLINE void apply_stage(const StageLoop& c, V* x, int64_t j, __m256i ma
   ONNXFUSE_EACH x[i] = opaque(x[i]);
 }
 
-// Vectors a standalone elementary function takes at once (the N of the functions above): more
-// independent chains per step keep the ports busier (sigmoid, exp and log ran 10-15% faster with
-// four than with one) until their temporaries no longer fit in the sixteen vector registers (erf,
-// with two polynomials, ran 20% slower with four and 6% faster with two).
+// Vectors an elementary function takes at once (the N of the functions above): more independent
+// chains per step keep the ports busier (sigmoid, exp and log ran 5-15% faster with four than with
+// one) until their temporaries no longer fit in the sixteen vector registers (erf, with two
+// polynomials, ran 20% slower with four and 6% faster with two; tanh between add/mul stages was
+// fastest with two).
 template <ChainStage::Kind Kind>
-constexpr int unary_group() { return Kind == ChainStage::Erf ? 2 : 4; }
+constexpr int unary_group() { return Kind == ChainStage::Erf || Kind == ChainStage::Tanh ? 2 : 4; }
 
 // out[0..m) = the elementary function Kind of in[0..m): unary_group vectors at a time, then
 // single vectors, then the rest through masked loads and stores (lanes past the end read nothing:
@@ -424,37 +425,51 @@ ONNXFUSE_INLINE void start_cursors(const StageLoop* st, int n, int64_t j0, Curso
   for (int s = 0; s < n; ++s) c[s] = {st[s].o + (j0 & st[s].mask), st[s].mask & 8, st[s].kind};
 }
 
-template <int NPre, ChainStage::Kind Kind, int NPost, bool Tail>
-ONNXFUSE_INLINE V elementary8(const StageLoop& f, const Cursor* c, const float* in, __m256i mask) {
-  V x = load8<Tail>(in, mask);
-  for (int s = 0; s < NPre; ++s) x = affine_stage(c[s].kind, x, load8<Tail>(c[s].o, mask));
-  apply_stage<Kind, 1, Tail>(f, &x, 0, mask);
-  for (int s = NPre; s < NPre + NPost; ++s) x = affine_stage(c[s].kind, x, load8<Tail>(c[s].o, mask));
-  return x;
+// N vectors through the affine stage of cursor c: vector i's other operand is at c.o + i c.step.
+template <int N, bool Tail>
+ONNXFUSE_INLINE void affine_n(const Cursor& c, V* x, __m256i mask) {
+  V y[N];
+  ONNXFUSE_EACH y[i] = load8<Tail>(c.o + i * c.step, mask);
+  ONNXFUSE_EACH x[i] = affine_stage(c.kind, x[i], y[i]);
+}
+
+template <int NPre, ChainStage::Kind Kind, int NPost, int N, bool Tail>
+ONNXFUSE_INLINE void elementary_n(const StageLoop& f, const Cursor* c, const float* in, float* out, __m256i mask) {
+  V x[N];
+  ONNXFUSE_EACH x[i] = load8<Tail>(in + 8 * i, mask);
+  for (int s = 0; s < NPre; ++s) affine_n<N, Tail>(c[s], x, mask);
+  apply_stage<Kind, N, Tail>(f, x, 0, mask);
+  for (int s = NPre; s < NPre + NPost; ++s) affine_n<N, Tail>(c[s], x, mask);
+  ONNXFUSE_EACH store8<Tail>(out + 8 * i, mask, x[i]);
 }
 
 // out[0..m) = a segment applied to in[0..m) (elements [j0, j0 + m) of the block): NPre affine
-// stages, the elementary function Kind and NPost affine stages, one vector at a time in a register
-// (the function's own steps keep the ports busy; more vectors at once spill registers).
+// stages, the elementary function Kind and NPost affine stages, unary_group<Kind> vectors at a
+// time in registers.
 template <int NPre, ChainStage::Kind Kind, int NPost>
 void elementary_pass(const StageLoop* st, const float* in, float* out, int64_t j0, int64_t m) {
   // Locals: stores to out could alias *st as far as the compiler knows, which would reload every
   // field per vector.
   constexpr int kAffine = NPre + NPost;
+  constexpr int G = unary_group<Kind>();
   Cursor c[kAffine > 0 ? kAffine : 1];
   start_cursors(st, NPre, j0, c);
   start_cursors(st + NPre + 1, NPost, j0, c + NPre);
   const StageLoop f = st[NPre];
   const __m256i none = _mm256_setzero_si256();
   int64_t j = 0;
+  for (; j + 8 * G <= m; j += 8 * G) {
+    elementary_n<NPre, Kind, NPost, G, false>(f, c, in + j, out + j, none);
+    for (int s = 0; s < kAffine; ++s) c[s].o += G * c[s].step;
+  }
   for (; j + 8 <= m; j += 8) {
-    _mm256_storeu_ps(out + j, elementary8<NPre, Kind, NPost, false>(f, c, in + j, none));
+    elementary_n<NPre, Kind, NPost, 1, false>(f, c, in + j, out + j, none);
     for (int s = 0; s < kAffine; ++s) c[s].o += c[s].step;
   }
   if (j < m) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m - j)), lane);
-    _mm256_maskstore_ps(out + j, mask, elementary8<NPre, Kind, NPost, true>(f, c, in + j, mask));
+    elementary_n<NPre, Kind, NPost, 1, true>(f, c, in + j, out + j, mask);
   }
 }
 
