@@ -78,20 +78,67 @@ CompiledProgram::CompiledProgram(Program p) : program(std::move(p)) {
   plan_fused_steps();
 }
 
-bool fusable_unary(Op op) {
+namespace {
+
+// The stage kind of a chain instruction: unary opcodes by themselves, binary ones by which
+// argument (run_arg) carries the running value.
+bool chain_kind(Op op, int run_arg, ChainStage::Kind* kind) {
+  using K = ChainStage;
+  const bool first = run_arg == 0;
   switch (op) {
-    case Op::Exp:
-    case Op::Log:
-    case Op::Erf:
-    case Op::Tanh:
-    case Op::Sigmoid: return true;
+    case Op::Add: *kind = K::Add; return true;
+    case Op::Mul: *kind = K::Mul; return true;
+    case Op::Sub: *kind = first ? K::Sub : K::RSub; return true;
+    case Op::Div: *kind = first ? K::Div : K::RDiv; return true;
+    case Op::Max: *kind = first ? K::Max : K::RMax; return true;
+    case Op::Min: *kind = first ? K::Min : K::RMin; return true;
+    case Op::Neg: *kind = K::Neg; return true;
+    case Op::Abs: *kind = K::Abs; return true;
+    case Op::Relu: *kind = K::Relu; return true;
+    case Op::Sqrt: *kind = K::Sqrt; return true;
+    case Op::Recip: *kind = K::Recip; return true;
+    case Op::Floor: *kind = K::Floor; return true;
+    case Op::Ceil: *kind = K::Ceil; return true;
+    case Op::Round: *kind = K::Round; return true;
+    case Op::LeakyRelu: *kind = K::LeakyRelu; return true;
+    case Op::Clip: *kind = K::Clip; return true;
+    case Op::Exp: *kind = K::Exp; return true;
+    case Op::Log: *kind = K::Log; return true;
+    case Op::Erf: *kind = K::Erf; return true;
+    case Op::Tanh: *kind = K::Tanh; return true;
+    case Op::Sigmoid: *kind = K::Sigmoid; return true;
     default: return false;
   }
 }
 
+}  // namespace
+
+bool chain_op(Op op) {
+  ChainStage::Kind k;
+  return chain_kind(op, 0, &k);
+}
+
 namespace {
 
-bool affine_op(Op op) { return op == Op::Add || op == Op::Sub || op == Op::Mul; }
+// Segments in order: each elementary function with up to kMaxAffine affine stages right before
+// and after it (taken greedily, after it first), each run of other stages alone.
+void plan_segments(FusedStep* st) {
+  st->num_segments = 0;
+  const auto kind = [st](int s) { return st->stages[s].kind; };
+  for (int i = 0; i < st->count;) {
+    int f = i;
+    while (f < st->count && !elementary_kind(kind(f))) ++f;
+    int pre = f;
+    if (f < st->count)
+      while (pre > i && f - pre < kMaxAffine && affine_kind(kind(pre - 1))) --pre;
+    if (pre > i) st->segments[st->num_segments++] = {i, pre - i, -1};
+    if (f == st->count) break;
+    int post = f + 1;
+    while (post < st->count && post - f - 1 < kMaxAffine && affine_kind(kind(post))) ++post;
+    st->segments[st->num_segments++] = {pre, post - pre, f - pre};
+    i = post;
+  }
+}
 
 }  // namespace
 
@@ -111,48 +158,35 @@ void CompiledProgram::plan_fused_steps() {
     FusedStep st;
     st.first = k;
     int i = k;
-    for (; i < end; ++i) {
+    for (; i < end && i - k < kMaxChain; ++i) {
       const Instr& ins = program.instrs[i];
+      const int arity = op_info(ins.op).arity;
+      if (!chain_op(ins.op)) break;
       // The argument carrying the running value: for the first instruction a value (not a
-      // literal), afterwards the previous result, which must be read exactly once, here.
+      // literal; the first when both are values), afterwards the previous result, which must be
+      // read exactly once, here.
       int run_arg = -1;
       if (i == k) {
-        if (fusable_unary(ins.op)) {
-          run_arg = ins.args[0].is_literal ? -1 : 0;
-        } else if (affine_op(ins.op)) {
-          // The non-literal argument (the first when both are values); none when both are
-          // literals.
-          run_arg = !ins.args[0].is_literal ? 0 : (!ins.args[1].is_literal ? 1 : -1);
-        }
+        for (int a = arity - 1; a >= 0; --a)
+          if (!ins.args[a].is_literal) run_arg = a;
       } else {
         const int prev = nin + i - 1;
         if (uses[prev] != 1) break;
-        for (int a = 0; a < op_info(ins.op).arity; ++a)
+        for (int a = 0; a < arity; ++a)
           if (!ins.args[a].is_literal && ins.args[a].value == prev) run_arg = a;
       }
       if (run_arg < 0) break;
-      if (fusable_unary(ins.op)) {
-        if (st.has_unary) break;
-        st.has_unary = true;
-        st.unary = ins.op;
-      } else if (affine_op(ins.op)) {
-        int& count = st.has_unary ? st.num_post : st.num_pre;
-        if (count == kMaxAffine) break;
-        AffineStage& stage = st.stages[st.num_pre + st.num_post];
-        stage.instr = i;
-        stage.other = 1 - run_arg;
-        stage.kind = ins.op == Op::Add   ? AffineStage::Add
-                     : ins.op == Op::Mul ? AffineStage::Mul
-                     : run_arg == 0      ? AffineStage::Sub
-                                         : AffineStage::RSub;
-        ++count;
-      } else {
-        break;
-      }
+      ChainStage& stage = st.stages[i - k];
+      chain_kind(ins.op, run_arg, &stage.kind);
+      stage.instr = i;
+      stage.other = arity == 2 ? 1 - run_arg : -1;
+      stage.p0 = static_cast<float>(ins.params[0]);
+      stage.p1 = static_cast<float>(ins.params[1]);
       if (i == k) st.input_arg = run_arg;
     }
     st.count = i - k;
     if (st.count >= 2) {
+      plan_segments(&st);
       step_at[k] = static_cast<int>(steps.size());
       steps.push_back(st);
       k = i;

@@ -6,7 +6,7 @@
 // Inputs are read in place when they are already contiguous in the compute type, as a scalar
 // when constant over the block (broadcast), and converted into a register otherwise. Results
 // that are outputs of the compute type are written straight into the output tensor. The AVX2
-// build runs some float32 instruction runs (FusedStep) as one loop instead.
+// build runs float32 instruction chains (FusedStep) as one loop instead.
 //
 // Blocks are grouped into tasks run on onnxruntime's intra-op thread pool through
 // KernelContext_ParallelFor; each thread keeps its registers in thread-local scratch memory.
@@ -22,33 +22,56 @@ namespace onnxfuse {
 constexpr int64_t kBlock = 1024;            // elements per register block
 constexpr int64_t kTaskElements = 1 << 15;  // elements per parallel task (amortizes scheduling)
 
-// A run of consecutive instructions of a float32 program that the AVX2 build evaluates in one
-// pass over the block, each vector kept in a register from the first instruction to the last:
-// up to kMaxAffine affine stages (add, sub or mul of the running value and one other operand),
-// then optionally one of the unary functions that build vectorizes (fusable_unary), then up to
-// kMaxAffine more affine stages. Every result but the last is read only by the next instruction
-// of the run and is no output, so it needs no register. The baseline build runs the instructions
-// one at a time.
-constexpr int kMaxAffine = 2;
+// A run of consecutive instructions of a float32 program that the AVX2 build evaluates without a
+// pass over memory per instruction (a chain): it runs the chain in segments (ChainSegment below),
+// each of which loads its vectors once, carries them in registers through its instructions and
+// stores them once (between segments, into a tile buffer that stays in L1). Each instruction is a
+// stage: a unary opcode of the running value, or a binary one of the running value and one other
+// operand (a literal or a value with a register); chain_op says which opcodes. Every result but
+// the last is read only by the next instruction of the run and is no output, so it needs no
+// register. Each stage is the same single IEEE operation (or the same elementary function) as the
+// instruction it replaces, so results are the bits of one instruction at a time. The baseline
+// build runs the instructions one at a time.
+constexpr int kMaxChain = 32;
 
-struct AffineStage {
-  enum Kind : uint8_t { Add, Sub, RSub, Mul };  // x + o, x - o, o - x, x * o for running value x
+struct ChainStage {
+  // x is the running value, o the other operand; R* kinds have the running value second.
+  enum Kind : uint8_t {
+    Add, Sub, RSub, Mul, Div, RDiv, Max, RMax, Min, RMin,  // binary
+    MaxC, MinC,  // MAXPS/MINPS(o, x): what the executor runs Max/Min as for a constant o where exact
+    Neg, Abs, Relu, Sqrt, Recip, Floor, Ceil, Round,       // unary, exact
+    LeakyRelu, Clip,                                       // unary with parameters
+    Exp, Log, Erf, Tanh, Sigmoid,                          // unary, elementary functions
+  };
   Kind kind;
   int instr;  // the instruction it evaluates
-  int other;  // which argument of that instruction is the other operand
+  int other;  // the argument of that instruction that is the other operand; -1 for unary kinds
+  float p0 = 0.0f, p1 = 0.0f;  // the instruction's parameters, in float32 (LeakyRelu, Clip)
+};
+
+// Whether a stage kind is one of the elementary functions, and whether it is add, sub or mul.
+constexpr bool elementary_kind(ChainStage::Kind k) { return k >= ChainStage::Exp; }
+constexpr bool affine_kind(ChainStage::Kind k) { return k <= ChainStage::Mul; }
+
+// A part of a chain that the AVX2 build runs as one loop, several vectors at a time so that
+// independent operations hide each step's latency: one elementary function with up to kMaxAffine
+// add/sub/mul stages right before and after it, or a run of other stages.
+constexpr int kMaxAffine = 2;
+struct ChainSegment {
+  int begin = 0, count = 0;  // stages [begin, begin + count) of the chain
+  int pre = -1;              // stages before the elementary function; -1 when there is none
 };
 
 struct FusedStep {
-  int first = 0, count = 0;  // instructions [first, first + count)
+  int first = 0, count = 0;  // instructions [first, first + count), one stage each
   int input_arg = 0;         // the argument of instruction `first` that is the running value
-  int num_pre = 0, num_post = 0;
-  bool has_unary = false;
-  Op unary = Op::Exp;
-  AffineStage stages[2 * kMaxAffine];  // num_pre before the unary function, num_post after it
+  ChainStage stages[kMaxChain];
+  int num_segments = 0;
+  ChainSegment segments[kMaxChain];
 };
 
-// The unary opcodes a FusedStep may hold.
-bool fusable_unary(Op op);
+// Whether an opcode can be a stage of a chain.
+bool chain_op(Op op);
 
 // A Program with registers assigned, built once per kernel.
 struct CompiledProgram {
@@ -59,7 +82,7 @@ struct CompiledProgram {
   // For each value: the output it is written into directly when that output has the compute
   // type, -1 otherwise.
   std::vector<int> direct_output;
-  // Runs of two or more instructions evaluated in one pass (float32 programs only), and for each
+  // Chains of two or more instructions evaluated in one pass (float32 programs only), and for each
   // instruction the index of the run it starts, -1 where none starts.
   std::vector<FusedStep> steps;
   std::vector<int> step_at;

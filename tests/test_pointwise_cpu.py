@@ -308,6 +308,18 @@ FUSED_RUNS = [
     "t0 = sub 2.0 x0\nt1 = sub t0 x1\n",
     "t0 = add x0 x1\nt1 = sub 0.5 t0\n",
     "t0 = mul x2 x0\nt1 = mul x1 t0\n",
+    # Chains of the other single-operation stages, with each operand order and constant operands
+    # that are zeros, NaN, or numbers (max and min by a constant that is no zero or NaN take a
+    # shorter form: it must give the same bits).
+    "t0 = mul x0 0.9\nt1 = add t0 x1\nt2 = max t1 0.1\nt3 = sub t2 0.25\nt4 = mul t3 x1\nt5 = div t4 1.5\n"
+    "t6 = abs t5\nt7 = add t6 x1\n",
+    "t0 = max x0 0.0\nt1 = max -0.0 t0\nt2 = min t1 -0.0\nt3 = min 0.0 t2\nt4 = max t3 nan\nt5 = min nan t4\n",
+    "t0 = max x0 x1\nt1 = min x2 t0\nt2 = max 2.5 t1\nt3 = min t2 -0.5\nt4 = max t3 -1.0\nt5 = min 1.0 t4\n",
+    "t0 = div x0 x1\nt1 = div 2.0 t0\nt2 = recip t1\nt3 = neg t2\nt4 = relu t3\nt5 = sqrt t4\n",
+    "t0 = sub x0 x1\nt1 = floor t0\nt2 = mul t1 0.3\nt3 = ceil t2\nt4 = mul t3 0.7\nt5 = round t4\n",
+    "t0 = leakyrelu[0.01] x0\nt1 = clip[-1.5,2] t0\nt2 = clip[0,6] t1\nt3 = sub t2 x1\nt4 = clip[-0.0,0.0] t3\n",
+    "t0 = abs x0\nt1 = log t0\nt2 = max t1 -3.0\nt3 = tanh t2\nt4 = div t3 x1\nt5 = sigmoid t4\nt6 = neg t5\n"
+    "t7 = exp t6\nt8 = min t7 x2\nt9 = erf t8\n",
 ]
 
 
