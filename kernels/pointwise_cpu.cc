@@ -11,6 +11,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "numeric.h"
@@ -122,22 +123,23 @@ namespace {
 
 // Segments in order: each elementary function with up to kMaxAffine affine stages right before
 // and after it (taken greedily, after it first), each run of other stages alone.
-void plan_segments(FusedStep* st) {
-  st->num_segments = 0;
-  const auto kind = [st](int s) { return st->stages[s].kind; };
-  for (int i = 0; i < st->count;) {
+int plan_segments(const ChainStage* stages, int count, ChainSegment* segments) {
+  int num = 0;
+  const auto kind = [stages](int s) { return stages[s].kind; };
+  for (int i = 0; i < count;) {
     int f = i;
-    while (f < st->count && !elementary_kind(kind(f))) ++f;
+    while (f < count && !elementary_kind(kind(f))) ++f;
     int pre = f;
-    if (f < st->count)
+    if (f < count)
       while (pre > i && f - pre < kMaxAffine && affine_kind(kind(pre - 1))) --pre;
-    if (pre > i) st->segments[st->num_segments++] = {i, pre - i, -1};
-    if (f == st->count) break;
+    if (pre > i) segments[num++] = {i, pre - i, -1};
+    if (f == count) break;
     int post = f + 1;
-    while (post < st->count && post - f - 1 < kMaxAffine && affine_kind(kind(post))) ++post;
-    st->segments[st->num_segments++] = {pre, post - pre, f - pre};
+    while (post < count && post - f - 1 < kMaxAffine && affine_kind(kind(post))) ++post;
+    segments[num++] = {pre, post - pre, f - pre};
     i = post;
   }
+  return num;
 }
 
 }  // namespace
@@ -154,6 +156,9 @@ void CompiledProgram::plan_fused_steps() {
       if (!ins.args[a].is_literal) ++uses[ins.args[a].value];
   for (const ProgramOutput& out : program.outputs) uses[out.value] += 2;  // never absorbed
 
+  std::vector<std::pair<size_t, size_t>> begins;  // each step's first stage and segment
+  ChainStage stages[kMaxChain];
+  ChainSegment segments[kMaxChain];
   for (int k = 0; k < end;) {
     FusedStep st;
     st.first = k;
@@ -176,7 +181,7 @@ void CompiledProgram::plan_fused_steps() {
           if (!ins.args[a].is_literal && ins.args[a].value == prev) run_arg = a;
       }
       if (run_arg < 0) break;
-      ChainStage& stage = st.stages[i - k];
+      ChainStage& stage = stages[i - k];
       chain_kind(ins.op, run_arg, &stage.kind);
       stage.instr = i;
       stage.other = arity == 2 ? 1 - run_arg : -1;
@@ -186,13 +191,21 @@ void CompiledProgram::plan_fused_steps() {
     }
     st.count = i - k;
     if (st.count >= 2) {
-      plan_segments(&st);
+      st.num_segments = plan_segments(stages, st.count, segments);
+      begins.emplace_back(chain_stages.size(), chain_segments.size());
+      chain_stages.insert(chain_stages.end(), stages, stages + st.count);
+      chain_segments.insert(chain_segments.end(), segments, segments + st.num_segments);
       step_at[k] = static_cast<int>(steps.size());
       steps.push_back(st);
       k = i;
     } else {
       k += 1;
     }
+  }
+  // Pointers once the vectors are complete (appending may have moved them).
+  for (size_t j = 0; j < steps.size(); ++j) {
+    steps[j].stages = chain_stages.data() + begins[j].first;
+    steps[j].segments = chain_segments.data() + begins[j].second;
   }
 }
 
