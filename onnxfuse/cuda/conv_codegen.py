@@ -481,24 +481,23 @@ def _tile_load_lines(a_iters: int, b_iters: int) -> list[str]:
     return L
 
 
-def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
+def _gemm_prologue(title: str, shape: ConvShape, epi: Epilogue, tile, consts: dict[str, int],
+                   includes: tuple[str, ...] = (), preamble: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+    """(entry, the source up to the GEMM's own shared memory) of both GEMM kernels: the header,
+    the arguments, the constants (with split-K's SPLITK and SPS), the block's tile origin and
+    its K range (the cluster rank's slices with split-K, all of KRED without)."""
     entry = entry_name(shape, epi, tile)
-    t = tile
-    split = t.splitk > 1
-    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "TM": t.tm, "TN": t.tn,
-              "THREADS": t.threads}
+    split = tile.splitk > 1
     if split:
-        consts.update(SPLITK=t.splitk, SPS=t.slices_per_split(shape.kred))
-    a_iters = -(-t.bm * t.bk // t.threads)
-    b_iters = -(-t.bk * t.bn // t.threads)
-    L = [f"// onnxfuse ConvBiasAct implicit-GEMM kernel (ABI {ABI_VERSION})",
-         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>"]
+        consts = {**consts, "SPLITK": tile.splitk, "SPS": tile.slices_per_split(shape.kred)}
+    L = [f"// {title} (ABI {ABI_VERSION})", f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", *includes]
     if split:
         L.append("#include <cooperative_groups.h>")
     L.append(_INDEX_MACROS)
     L += _args_struct(entry)
-    cluster = f"__cluster_dims__(1, 1, {t.splitk}) " if split else ""
-    L.append(f'extern "C" __global__ void {cluster}__launch_bounds__({t.threads}, 1) {entry}(const {entry}_args a) {{')
+    cluster = f"__cluster_dims__(1, 1, {tile.splitk}) " if split else ""
+    L.append(f'extern "C" __global__ void {cluster}__launch_bounds__({tile.threads}, 1) {entry}(const {entry}_args a) {{')
+    L += list(preamble)
     L += _constants_block(consts, "  ")
     L += [
         "  const int NPQ = (int)a.batch * PQ;",
@@ -511,6 +510,26 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
         L += _c_lines("split", "  ")
     else:
         L += ["  const int g = blockIdx.z;", "  const int kbeg = 0, kend = KRED;"]
+    return entry, L
+
+
+def _gemm_kernel(kind: str, entry: str, lines: list[str], shape: ConvShape, epi: Epilogue, tile) -> Kernel:
+    """A GEMM kernel's launch record: one block per BN output pixels and BM output channels of a
+    group, SPLITK blocks (a cluster) per tile with split-K."""
+    return Kernel(entry=entry, source="\n".join(lines) + "\n", kind=kind, threads=tile.threads,
+                  cols_per_block=tile.bn, grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // tile.bm),
+                  grid_z=shape.group * tile.splitk, smem_bytes=tile.smem_bytes, tile=tile.as_list(),
+                  **_io(shape, epi))
+
+
+def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
+    t = tile
+    split = t.splitk > 1
+    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "TM": t.tm, "TN": t.tn,
+              "THREADS": t.threads}
+    a_iters = -(-t.bm * t.bk // t.threads)
+    b_iters = -(-t.bk * t.bn // t.threads)
+    entry, L = _gemm_prologue("onnxfuse ConvBiasAct implicit-GEMM kernel", shape, epi, t, consts)
     L += [
         "  __shared__ float As[BK][BM];",
         "  __shared__ float Bs[BK][BN];",
@@ -582,9 +601,26 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
     if split:
         L.append("  cluster.sync();")
     L.append("}")
-    return Kernel(entry=entry, source="\n".join(L) + "\n", kind="gemm", threads=t.threads, cols_per_block=t.bn,
-                  grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm), grid_z=shape.group * t.splitk,
-                  smem_bytes=t.smem_bytes, tile=t.as_list(), **_io(shape, epi))
+    return _gemm_kernel("gemm", entry, L, shape, epi, t)
+
+
+def _tf32_split_lines(name: str, i: str, count: str, tile_at: str) -> list[str]:
+    """Load the operand's `count` fragments from shared memory (`tile_at`: address, leading
+    dimension) into {name}_big and split each value v into TF32 parts: big = tf32(v), small =
+    tf32(v - big), for 3xTF32's big*small + small*big + big*big."""
+    return [
+        "#pragma unroll",
+        f"      for (int {i} = 0; {i} < {count}; ++{i}) {{",
+        f"        wmma::load_matrix_sync({name}_big[{i}], {tile_at});",
+        "#pragma unroll",
+        f"        for (int t = 0; t < {name}_big[{i}].num_elements; ++t) {{",
+        f"          const float v = {name}_big[{i}].x[t];",
+        "          const float hi = wmma::__float_to_tf32(v);",
+        f"          {name}_big[{i}].x[t] = hi;",
+        f"          {name}_small[{i}].x[t] = wmma::__float_to_tf32(v - hi);",
+        "        }",
+        "      }",
+    ]
 
 
 def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kernel:
@@ -597,38 +633,16 @@ def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kerne
     accumulates small terms first. The accumulators go to Cs[BM][BN]; the epilogue then walks Cs
     with every thread of the block (INDEX tc_store, slot e = tid + it * THREADS), so a warp's
     stores are consecutive pixels."""
-    entry = entry_name(shape, epi, tile)
     t = tile
     split = t.splitk > 1
     fm, fn = t.wm // 16, t.wn // 16
     consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "WM": t.wm, "WN": t.wn,
               "FM": fm, "FN": fn, "THREADS": t.threads}
-    if split:
-        consts.update(SPLITK=t.splitk, SPS=t.slices_per_split(shape.kred))
     a_iters = -(-t.bm * t.bk // t.threads)
     b_iters = -(-t.bk * t.bn // t.threads)
     c_iters = -(-t.bm * t.bn // t.threads)
-    L = [f"// onnxfuse ConvBiasAct implicit-GEMM kernel on tensor cores, 3xTF32 (ABI {ABI_VERSION})",
-         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", "#include <mma.h>"]
-    if split:
-        L.append("#include <cooperative_groups.h>")
-    L.append(_INDEX_MACROS)
-    L += _args_struct(entry)
-    cluster = f"__cluster_dims__(1, 1, {t.splitk}) " if split else ""
-    L.append(f'extern "C" __global__ void {cluster}__launch_bounds__({t.threads}, 1) {entry}(const {entry}_args a) {{')
-    L.append("  using namespace nvcuda;")
-    L += _constants_block(consts, "  ")
-    L += [
-        "  const int NPQ = (int)a.batch * PQ;",
-        "  const int tid = threadIdx.x;",
-        "  const int n0 = blockIdx.x * BN;",
-        "  const int m0 = blockIdx.y * BM;",
-    ]
-    if split:
-        L.append("  const int bz = blockIdx.z;")
-        L += _c_lines("split", "  ")
-    else:
-        L += ["  const int g = blockIdx.z;", "  const int kbeg = 0, kend = KRED;"]
+    entry, L = _gemm_prologue("onnxfuse ConvBiasAct implicit-GEMM kernel on tensor cores, 3xTF32", shape, epi, t,
+                              consts, includes=("#include <mma.h>",), preamble=("  using namespace nvcuda;",))
     L += [
         "  __shared__ __align__(32) float As[BK][BM];",
         "  __shared__ __align__(32) float Bs[BK][BN];",
@@ -649,28 +663,10 @@ def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kerne
         "    for (int kk = 0; kk < BK; kk += 8) {",
         "      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a_big[FM], a_small[FM];",
         "      wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b_big[FN], b_small[FN];",
-        "#pragma unroll",
-        "      for (int i = 0; i < FM; ++i) {",
-        "        wmma::load_matrix_sync(a_big[i], &As[kk][wm0 + i * 16], BM);",
-        "#pragma unroll",
-        "        for (int t = 0; t < a_big[i].num_elements; ++t) {",
-        "          const float v = a_big[i].x[t];",
-        "          const float hi = wmma::__float_to_tf32(v);",
-        "          a_big[i].x[t] = hi;",
-        "          a_small[i].x[t] = wmma::__float_to_tf32(v - hi);",
-        "        }",
-        "      }",
-        "#pragma unroll",
-        "      for (int j = 0; j < FN; ++j) {",
-        "        wmma::load_matrix_sync(b_big[j], &Bs[kk][wn0 + j * 16], BN);",
-        "#pragma unroll",
-        "        for (int t = 0; t < b_big[j].num_elements; ++t) {",
-        "          const float v = b_big[j].x[t];",
-        "          const float hi = wmma::__float_to_tf32(v);",
-        "          b_big[j].x[t] = hi;",
-        "          b_small[j].x[t] = wmma::__float_to_tf32(v - hi);",
-        "        }",
-        "      }",
+    ]
+    L += _tf32_split_lines("a", "i", "FM", "&As[kk][wm0 + i * 16], BM")
+    L += _tf32_split_lines("b", "j", "FN", "&Bs[kk][wn0 + j * 16], BN")
+    L += [
         "#pragma unroll",
         "      for (int i = 0; i < FM; ++i)",
         "#pragma unroll",
@@ -720,9 +716,7 @@ def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kerne
     if split:
         L.append("  cluster.sync();")
     L.append("}")
-    return Kernel(entry=entry, source="\n".join(L) + "\n", kind="gemm_tf32x3", threads=t.threads,
-                  cols_per_block=t.bn, grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // t.bm),
-                  grid_z=shape.group * t.splitk, smem_bytes=t.smem_bytes, tile=t.as_list(), **_io(shape, epi))
+    return _gemm_kernel("gemm_tf32x3", entry, L, shape, epi, t)
 
 
 def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> Kernel:
