@@ -80,28 +80,37 @@ def _stage_tiles(t, base: dict, k0, rows, blocks: int, a_iters: int, b_iters: in
     return As, Bs
 
 
+def _gemm_grid(shape: ConvShape, t, x, w, z, tile_consts: dict):
+    """What both GEMM kernels start from, for every block at once (axis 0 enumerates (blockIdx.z,
+    blockIdx.y, blockIdx.x), axis 1 the threads): (base, blocks, (grid y, grid x), x, w and z flattened in
+    float32, the zeroed flat output). base holds the constants (tile_consts added), the tile origin
+    m0, n0, tid, and the K range: the split table's g, ks, kbeg, kend with split-K, else the whole
+    of KRED."""
+    batch = x.shape[0]
+    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, **tile_consts, "THREADS": t.threads,
+              "NPQ": batch * shape.p * shape.q, "SPLITK": t.splitk, "SPS": t.slices_per_split(shape.kred)}
+    xf, wf = x.astype(np.float32).reshape(-1), w.astype(np.float32).reshape(-1)
+    zf = None if z is None else z.astype(np.float32).reshape(-1)
+    yf = np.zeros(batch * shape.k * shape.p * shape.q, np.float32)
+    gx, gy, gz = -(-consts["NPQ"] // t.bn), -(-shape.kg // t.bm), shape.group * t.splitk
+    bz, by, bx = np.meshgrid(np.arange(gz), np.arange(gy), np.arange(gx), indexing="ij")
+    blocks = bx.size
+    base = {**consts, "m0": by.reshape(-1, 1) * t.bm, "n0": bx.reshape(-1, 1) * t.bn,
+            "tid": np.arange(t.threads).reshape(1, -1)}
+    if t.splitk > 1:
+        base = _eval("split", {**base, "bz": bz.reshape(-1, 1)})
+    else:
+        base.update(g=bz.reshape(-1, 1), ks=np.zeros((blocks, 1), int), kbeg=np.zeros((blocks, 1), int),
+                    kend=np.full((blocks, 1), shape.kred))
+    return base, blocks, (gy, gx), xf, wf, zf, yf
+
+
 def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None) -> np.ndarray:
     """The implicit-GEMM kernel over grid (ceil(N*P*Q/BN), ceil(KG/BM), G*SPLITK)."""
     batch = x.shape[0]
     t = tile
     split = t.splitk > 1
-    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "TM": t.tm, "TN": t.tn,
-              "THREADS": t.threads, "NPQ": batch * shape.p * shape.q,
-              "SPLITK": t.splitk, "SPS": t.slices_per_split(shape.kred)}
-    xf, wf = x.astype(np.float32).reshape(-1), w.astype(np.float32).reshape(-1)
-    zf = None if z is None else z.astype(np.float32).reshape(-1)
-    yf = np.zeros(batch * shape.k * shape.p * shape.q, np.float32)
-    gx, gy, gz = -(-consts["NPQ"] // t.bn), -(-shape.kg // t.bm), shape.group * t.splitk
-    # Every block at once: axis 0 enumerates (blockIdx.z, blockIdx.y, blockIdx.x), axis 1 threads.
-    bz, by, bx = np.meshgrid(np.arange(gz), np.arange(gy), np.arange(gx), indexing="ij")
-    blocks = bx.size
-    base = {**consts, "m0": by.reshape(-1, 1) * t.bm, "n0": bx.reshape(-1, 1) * t.bn,
-            "tid": np.arange(t.threads).reshape(1, -1)}
-    if split:
-        base = _eval("split", {**base, "bz": bz.reshape(-1, 1)})
-    else:
-        base.update(g=bz.reshape(-1, 1), ks=np.zeros((blocks, 1), int), kbeg=np.zeros((blocks, 1), int),
-                    kend=np.full((blocks, 1), shape.kred))
+    base, blocks, (gy, gx), xf, wf, zf, yf = _gemm_grid(shape, t, x, w, z, {"TM": t.tm, "TN": t.tn})
     th = _eval("thread", dict(base))
     ty, tx = th["ty"], th["tx"]  # [1, THREADS]
     acc = np.zeros((blocks, t.threads, t.tm, t.tn), np.float32)
@@ -166,21 +175,7 @@ def run_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile, x, w, bias, z
     batch = x.shape[0]
     t = tile
     split = t.splitk > 1
-    consts = {**shape.constants(), "BM": t.bm, "BN": t.bn, "BK": t.bk, "THREADS": t.threads,
-              "NPQ": batch * shape.p * shape.q, "SPLITK": t.splitk, "SPS": t.slices_per_split(shape.kred)}
-    xf, wf = x.astype(np.float32).reshape(-1), w.astype(np.float32).reshape(-1)
-    zf = None if z is None else z.astype(np.float32).reshape(-1)
-    yf = np.zeros(batch * shape.k * shape.p * shape.q, np.float32)
-    gx, gy, gz = -(-consts["NPQ"] // t.bn), -(-shape.kg // t.bm), shape.group * t.splitk
-    bz, by, bx = np.meshgrid(np.arange(gz), np.arange(gy), np.arange(gx), indexing="ij")
-    blocks = bx.size
-    base = {**consts, "m0": by.reshape(-1, 1) * t.bm, "n0": bx.reshape(-1, 1) * t.bn,
-            "tid": np.arange(t.threads).reshape(1, -1)}
-    if split:
-        base = _eval("split", {**base, "bz": bz.reshape(-1, 1)})
-    else:
-        base.update(g=bz.reshape(-1, 1), ks=np.zeros((blocks, 1), int), kbeg=np.zeros((blocks, 1), int),
-                    kend=np.full((blocks, 1), shape.kred))
+    base, blocks, (gy, gx), xf, wf, zf, yf = _gemm_grid(shape, t, x, w, z, {})
     # warp -> (wm0, wn0), as in the source
     warps = [((wp // (t.bn // t.wn)) * t.wm, (wp % (t.bn // t.wn)) * t.wn) for wp in range(t.warps)]
     acc = {(wp, i, j): np.zeros((blocks, 16, 16), np.float32)
