@@ -790,18 +790,19 @@ def match_nchwc_elementwise(a: "Analysis") -> Iterable[gs.Node]:
     for n in a.nodes:  # topological order
         acts = [t for t in n.inputs if gu.is_present(t) and not isinstance(t, gs.Constant)]
         if nchwc_conv(n):
-            keep = False
-        elif _std(n, *_NCHWC_UNARY) or _std(n, *_NCHWC_POOLS):
+            blocked.update(id(t) for t in n.outputs)
+            continue
+        if _std(n, *_NCHWC_UNARY) or _std(n, *_NCHWC_POOLS):
             keep = len(acts) == 1 and id(acts[0]) in blocked
         elif _std(n, *_NCHWC_BINARY):
             keep = (len(n.inputs) == 2 == len(acts) and all(id(t) in blocked for t in acts)
                     and gu.dims(acts[0]) is not None and gu.dims(acts[0]) == gu.dims(acts[1]))
         else:
             continue
-        if nchwc_conv(n) or keep:
+        if keep:
             blocked.update(id(t) for t in n.outputs)
-        if keep and not _std(n, *_NCHWC_POOLS):
-            yield n
+            if not _std(n, *_NCHWC_POOLS):
+                yield n
 
 
 def match_matmul_gemm(a: "Analysis") -> Iterable[gs.Node]:
