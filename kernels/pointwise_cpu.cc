@@ -214,12 +214,15 @@ void init_geometry(ExecJob* job) {
   int64_t numel = 1;
   for (int d = 0; d < job->rank; ++d) numel *= job->shape[d];
   job->rows = job->inner ? numel / job->inner : 0;
+  // Rows shorter than kBlock go several to a block, through registers: a streaming job's blocks
+  // grow only where a block is a chunk of one row.
+  job->block = job->streaming && job->inner >= kBlock ? kStreamBlock : kBlock;
   if (job->inner >= kBlock) {
     // Chunks of equal length, rounded up to a multiple of 16 elements: the vector loops then run
     // without a remainder except in a row's last chunk, and chunks of a float32 row start on
     // 64-byte boundaries (an odd length such as 1021 for a row of 1e5 would send every chunk
     // through the scalar remainder path and misalign the next).
-    const int64_t chunks = (job->inner + kBlock - 1) / kBlock;
+    const int64_t chunks = (job->inner + job->block - 1) / job->block;
     job->chunk = ((job->inner + chunks - 1) / chunks + 15) & ~static_cast<int64_t>(15);
     job->chunks_per_row = (job->inner + job->chunk - 1) / job->chunk;
     job->num_blocks = job->rows * job->chunks_per_row;
@@ -232,7 +235,7 @@ void init_geometry(ExecJob* job) {
   // About kTaskElements per task, in tasks of equal size whose count is a multiple of 4 when
   // there are several: the thread pool hands each thread a contiguous share of the tasks, so
   // 1e5 elements as 32+32+32+2 blocks gave one of two threads 64 blocks and the other 34.
-  const int64_t target = std::max<int64_t>(1, kTaskElements / kBlock);
+  const int64_t target = std::max<int64_t>(1, kTaskElements / job->block);
   int64_t tasks = (job->num_blocks + target - 1) / target;
   if (tasks > 1) tasks = std::min(job->num_blocks, (tasks + 3) & ~static_cast<int64_t>(3));
   job->blocks_per_task = tasks > 0 ? (job->num_blocks + tasks - 1) / tasks : 1;
@@ -467,6 +470,33 @@ OrtStatus* legacy_type_and_shape(const OrtApiRef& api, const OrtValue* value, ON
   return st;
 }
 
+// Whether a run of the program over this plan can use streaming blocks (kStreamBlock): every
+// instruction's result goes to the next stage of its chain or straight into an output (so no
+// register is touched, where the AVX2 build runs the chains), and every input is read in place
+// (contiguous rows of the compute type) or as one scalar per block (constant along the rows), as
+// run_block reads them. A chain whose running value is a scalar per block runs one instruction
+// at a time through registers, so it does not stream either.
+bool streaming_program(const CompiledProgram& cp, const IterPlan& plan) {
+  const Program& prog = cp.program;
+  if (prog.compute != DType::F32 || !use_avx2_fma()) return false;
+  const int nin = static_cast<int>(prog.inputs.size());
+  auto inner_stride = [&](int input) { return plan.inputs[input].strides.back(); };
+  for (int i = 0; i < nin; ++i) {
+    const DType dtype = prog.inputs[i].dtype;
+    const bool in_place = inner_stride(i) == 1 && dtype_size(dtype) == sizeof(float) && dtype != DType::Bool;
+    if (inner_stride(i) != 0 && !in_place) return false;
+  }
+  std::vector<bool> chained(prog.instrs.size(), false);  // a chain's result before its last
+  for (const FusedStep& st : cp.steps) {
+    const Operand& run = prog.instrs[st.first].args[st.input_arg];
+    if (run.is_literal || (run.value < nin && inner_stride(run.value) == 0)) return false;
+    for (int k = st.first; k < st.first + st.count - 1; ++k) chained[k] = true;
+  }
+  for (size_t k = 0; k < prog.instrs.size(); ++k)
+    if (!chained[k] && cp.direct_output[nin + k] < 0) return false;
+  return true;
+}
+
 // Resolves views and broadcasting for these shapes (the slow path, once per shape combination).
 bool build_plan(const PointwiseKernel& k, size_t n, const size_t* ranks, const int64_t* const* dims,
                 ResolvedPlan* out, std::string* error) {
@@ -490,6 +520,7 @@ bool build_plan(const PointwiseKernel& k, size_t n, const size_t* ranks, const i
   out->job.rank = static_cast<int>(out->shape.size());
   out->job.inputs = nullptr;
   out->job.outputs = nullptr;
+  out->job.streaming = streaming_program(k.prog, plan);
   init_geometry(&out->job);
   return true;
 }

@@ -274,6 +274,25 @@ def test_sizes_around_block_and_task_boundaries(n):
     check(text, [sample(n, rng), sample(n, rng)])
 
 
+# Programs whose every result goes to the next instruction of a chain or straight to an output
+# run in blocks as long as a task (kStreamBlock, 32768 elements) where the AVX2 build runs the
+# chains: the same sizes around those boundaries, rows cut into several long chunks, and one and
+# two threads.
+STREAMING_RUN = "t0 = mul x0 1.5\nt1 = add t0 x1\nt2 = tanh t1\nt3 = mul t2 x2\n"
+
+
+@pytest.mark.parametrize("shapes", [[(n,), (n,), (1,)] for n in (32767, 32768, 32769, 65537, 100_003, 131_072)]
+                         + [[(3, 70_001), (70_001,), (3, 1)], [(2, 5, 9000), (5, 9000), (2, 1, 1)]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_chains_around_long_block_and_task_boundaries(shapes, threads):
+    rng = np.random.default_rng(sum(map(sum, shapes)) + threads)
+    arrays = [sample(s, rng).astype(np.float32) for s in shapes]
+    streaming, stepwise = _with_intermediates_out(STREAMING_RUN, 3)
+    got = check(streaming, arrays, threads=threads)[0]
+    want = run_kernel(stepwise, arrays, threads=threads)[0][0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("inner", [1, 3, 1000, 1024, 1500])
 def test_short_and_long_rows_with_row_and_column_broadcasts(inner):
     rng = np.random.default_rng(inner)
