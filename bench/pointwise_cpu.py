@@ -10,6 +10,12 @@ bound once (IOBinding) so both sides pay the same fixed costs; the table shows m
 ratio = median(separate nodes) / median(Pointwise), above 1 when the fused kernel is faster.
 Outputs of the two models are compared before timing.
 
+Where a chain has elementary functions, a third model times them alone: one Pointwise node with
+only the chain's Tanh, Sigmoid and Exp, in order, then one Add of y when the chain reads y. That
+is a floor for any fused kernel with these functions (one pass over the same memory plus their
+arithmetic), so separate / that floor is the most fusion can gain on the chain without cheaper
+functions: the table's "ceiling".
+
     python bench/pointwise_cpu.py --out bench/results/pointwise_cpu.md
     python bench/pointwise_cpu.py --sizes 1e5 1e6 --chains 4 --threads 1 --seconds 0.5
     python bench/pointwise_cpu.py --cycle arithmetic --out bench/results/pointwise_cpu_arithmetic.md
@@ -99,6 +105,34 @@ def chain_models(length: int, cycle: list = CYCLE) -> tuple[onnx.ModelProto, onn
     return separate, fused
 
 
+ELEMENTARY = {"tanh", "sigmoid", "exp"}
+
+
+def functions_only_model(length: int, cycle: list = CYCLE) -> onnx.ModelProto | None:
+    """One Pointwise node applying only the chain's elementary functions to x, in order, then adding
+    y if the chain reads it (the same memory traffic); None when the chain has none."""
+    steps = [cycle[k % len(cycle)] for k in range(length)]
+    opcodes = [opcode for _, operand, opcode in steps if operand is None and opcode in ELEMENTARY]
+    if not opcodes:
+        return None
+    prog = Program()
+    cur, y = prog.add_input("f32"), prog.add_input("f32")
+    for opcode in opcodes:
+        cur = prog.emit(opcode, cur)
+    if any(operand == "y" for _, operand, _ in steps):
+        cur = prog.emit("add", cur, y)
+    prog.add_output(cur, "f32")
+    io = (
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]), helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n"])],
+    )
+    node = helper.make_node("Pointwise", ["x", "y"], ["out"], domain="onnxfuse", program=prog.to_text())
+    model = helper.make_model(helper.make_graph([node], "functions_only", *io),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse", 1)])
+    model.ir_version = 10
+    return model
+
+
 class Runner:
     """A session with its inputs and output bound once."""
 
@@ -130,22 +164,22 @@ def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds:
     x = rng.standard_normal(size).astype(np.float32)
     y = rng.standard_normal(size).astype(np.float32)
     separate, fused = chain_models(length, cycle)
-    a = Runner(separate, threads, x, y)
-    b = Runner(fused, threads, x, y)
-    np.testing.assert_allclose(b.result(), a.result(), rtol=1e-5, atol=1e-5)
+    floor_model = functions_only_model(length, cycle)
+    runners = [Runner(separate, threads, x, y), Runner(fused, threads, x, y)]
+    if floor_model is not None:
+        runners.append(Runner(floor_model, threads, x, y))
+    np.testing.assert_allclose(runners[1].result(), runners[0].result(), rtol=1e-5, atol=1e-5)
     for _ in range(2):
-        a.run()
-        b.run()
-    ta: list[float] = []
-    tb: list[float] = []
+        for r in runners:
+            r.run()
+    times: list[list[float]] = [[] for _ in runners]
     start = time.perf_counter()
-    while len(ta) < 2 * max_rounds and (len(ta) < 2 * min_rounds or time.perf_counter() - start < seconds):
-        ta.append(a.run())
-        tb.append(b.run())
-        tb.append(b.run())
-        ta.append(a.run())
-    ma, mb = statistics.median(ta), statistics.median(tb)
-    return {"length": length, "size": size, "threads": threads, "ms": (ma, mb), "ratio": ma / mb, "runs": len(ta)}
+    while len(times[0]) < 2 * max_rounds and (len(times[0]) < 2 * min_rounds or time.perf_counter() - start < seconds):
+        for i in list(range(len(runners))) + list(reversed(range(len(runners)))):  # A B C C B A
+            times[i].append(runners[i].run())
+    med = [statistics.median(t) for t in times]
+    return {"length": length, "size": size, "threads": threads, "ms": tuple(med), "ratio": med[0] / med[1],
+            "ceiling": med[0] / med[2] if len(med) > 2 else None, "runs": len(times[0])}
 
 
 def machine() -> str:
@@ -188,8 +222,9 @@ def main(argv=None) -> int:
                 rounds = (args.min_rounds, 10) if size >= 10**7 else (args.min_rounds, args.max_rounds)
                 r = bench_case(length, size, threads, args.seconds, *rounds, cycle=CYCLES[args.cycle])
                 rows.append(r)
+                floor = f", functions only {r['ms'][2]:9.3f} ms, ceiling x{r['ceiling']:.2f}" if r["ceiling"] else ""
                 print(f"threads {threads} n {size:>9} chain {length:>2}: separate {r['ms'][0]:9.3f} ms, "
-                      f"Pointwise {r['ms'][1]:9.3f} ms, x{r['ratio']:.2f} ({r['runs']} runs each)", file=sys.stderr)
+                      f"Pointwise {r['ms'][1]:9.3f} ms, x{r['ratio']:.2f}{floor} ({r['runs']} runs each)", file=sys.stderr)
 
     cmd = "python bench/pointwise_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
@@ -204,13 +239,23 @@ def main(argv=None) -> int:
         + "; ORT_ENABLE_ALL for both models, intra-op threads as listed; inputs and output bound once"
         " (IOBinding). Models timed interleaved (A B B A per round); median latency shown;"
         " ratio = separate / Pointwise (> 1: Pointwise faster).",
-        "",
-        "| threads | elements | chain | separate nodes ms | Pointwise ms | ratio | runs each |",
-        "|---|---|---|---|---|---|---|",
     ]
+    floors = any(r["ceiling"] for r in rows)
+    if floors:
+        lines += [
+            "Functions only: one Pointwise node with just the chain's elementary functions and one Add of y"
+            " (the same memory traffic), timed in the same rounds (A B C C B A); ceiling = separate /"
+            " functions only, the most a fused kernel with these functions can gain on the chain.",
+        ]
+    lines += ["", "| threads | elements | chain | separate nodes ms | Pointwise ms | ratio |"
+              + (" functions only ms | ceiling |" if floors else "") + " runs each |",
+              "|---|---|---|---|---|---|" + ("---|---|" if floors else "") + "---|"]
     for r in rows:
+        floor = ""
+        if floors:
+            floor = f" {r['ms'][2]:.4f} | {r['ceiling']:.2f} |" if r["ceiling"] else " - | - |"
         lines.append(f"| {r['threads']} | {r['size']:.0e} | {r['length']} | {r['ms'][0]:.4f} | {r['ms'][1]:.4f} | "
-                     f"{r['ratio']:.2f} | {r['runs']} |")
+                     f"{r['ratio']:.2f} |{floor} {r['runs']} |")
     worst2 = min((r for r in rows if r["length"] == 2), key=lambda r: r["ratio"], default=None)
     long_big = [r for r in rows if r["length"] >= 4 and r["size"] >= 10**5]
     lines.append("")
@@ -220,6 +265,13 @@ def main(argv=None) -> int:
         w = min(long_big, key=lambda r: r["ratio"])
         lines.append(f"Worst ratio for chains >= 4 ops on >= 1e5 elements: {w['ratio']:.2f} "
                      f"(chain {w['length']}, n {w['size']:.0e}, {w['threads']} threads).")
+        bounded = [r for r in long_big if r["ceiling"]]
+        if bounded:
+            top = max(bounded, key=lambda r: r["ceiling"])
+            share = min(r["ratio"] / r["ceiling"] for r in bounded)
+            lines.append(f"Highest ceiling for chains >= 4 ops on >= 1e5 elements: {top['ceiling']:.2f} "
+                         f"(chain {top['length']}, n {top['size']:.0e}, {top['threads']} threads); every such "
+                         f"ratio is at least {share:.0%} of its ceiling.")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
