@@ -8,6 +8,10 @@ For every chain length, size and thread count both models run in onnxruntime's C
 interleaved (A B B A per round, so drift on a shared host hits both alike), inputs and outputs
 bound once (IOBinding) so both sides pay the same fixed costs; the table shows medians and
 ratio = median(separate nodes) / median(Pointwise), above 1 when the fused kernel is faster.
+Each sample is back-to-back runs of one model lasting about --sample-ms, timed as one: with two
+intra-op threads, a session's pool thread spins for a while after its run, and on a 2-CPU
+machine that spinning took a CPU from the next model's first run (one run per sample showed
+2-thread Pointwise no faster than 1-thread while a third session sped up 2x in the same rounds).
 Outputs of the two models are compared before timing.
 
 Where a chain has elementary functions, a third model times them alone: one Pointwise node with
@@ -148,10 +152,12 @@ class Runner:
             else:
                 self.binding.bind_ortvalue_input(name, value)
 
-    def run(self) -> float:
+    def run(self, times: int = 1) -> float:
+        """ms per run of `times` back-to-back runs."""
         t0 = time.perf_counter_ns()
-        self.session.run_with_iobinding(self.binding)
-        return (time.perf_counter_ns() - t0) / 1e6
+        for _ in range(times):
+            self.session.run_with_iobinding(self.binding)
+        return (time.perf_counter_ns() - t0) / 1e6 / times
 
     def result(self) -> np.ndarray:
         self.session.run_with_iobinding(self.binding)
@@ -159,7 +165,7 @@ class Runner:
 
 
 def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds: int, max_rounds: int,
-               cycle: list = CYCLE) -> dict:
+               cycle: list = CYCLE, sample_ms: float = 2.0) -> dict:
     rng = np.random.default_rng(size + length)
     x = rng.standard_normal(size).astype(np.float32)
     y = rng.standard_normal(size).astype(np.float32)
@@ -169,17 +175,16 @@ def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds:
     if floor_model is not None:
         runners.append(Runner(floor_model, threads, x, y))
     np.testing.assert_allclose(runners[1].result(), runners[0].result(), rtol=1e-5, atol=1e-5)
-    for _ in range(2):
-        for r in runners:
-            r.run()
+    # Runs per sample: enough to last sample_ms for the slowest model.
+    per_sample = max(1, round(sample_ms / max(min(r.run() for _ in range(3)) for r in runners)))
     times: list[list[float]] = [[] for _ in runners]
     start = time.perf_counter()
     while len(times[0]) < 2 * max_rounds and (len(times[0]) < 2 * min_rounds or time.perf_counter() - start < seconds):
         for i in list(range(len(runners))) + list(reversed(range(len(runners)))):  # A B C C B A
-            times[i].append(runners[i].run())
+            times[i].append(runners[i].run(per_sample))
     med = [statistics.median(t) for t in times]
     return {"length": length, "size": size, "threads": threads, "ms": tuple(med), "ratio": med[0] / med[1],
-            "ceiling": med[0] / med[2] if len(med) > 2 else None, "runs": len(times[0])}
+            "ceiling": med[0] / med[2] if len(med) > 2 else None, "runs": len(times[0]) * per_sample}
 
 
 def machine() -> str:
@@ -207,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=float, nargs="+", default=[1e3, 1e4, 1e5, 1e6, 1e7])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--seconds", type=float, default=1.0, help="time per case (each model), at least")
+    ap.add_argument("--sample-ms", type=float, default=2.0, help="back-to-back runs per sample, about this long")
     ap.add_argument("--min-rounds", type=int, default=5, help="A B B A rounds per case, at least")
     ap.add_argument("--max-rounds", type=int, default=2000, help="rounds per case, at most")
     ap.add_argument("--cycle", choices=sorted(CYCLES), default="transcendental",
@@ -220,7 +226,8 @@ def main(argv=None) -> int:
             for length in args.chains:
                 # The 1e7 cases take 10-200 ms per run: a few rounds give a stable median.
                 rounds = (args.min_rounds, 10) if size >= 10**7 else (args.min_rounds, args.max_rounds)
-                r = bench_case(length, size, threads, args.seconds, *rounds, cycle=CYCLES[args.cycle])
+                r = bench_case(length, size, threads, args.seconds, *rounds, cycle=CYCLES[args.cycle],
+                               sample_ms=args.sample_ms)
                 rows.append(r)
                 floor = f", functions only {r['ms'][2]:9.3f} ms, ceiling x{r['ceiling']:.2f}" if r["ceiling"] else ""
                 print(f"threads {threads} n {size:>9} chain {length:>2}: separate {r['ms'][0]:9.3f} ms, "
@@ -237,8 +244,9 @@ def main(argv=None) -> int:
         "Chains over x, y: float32[n] of ops onnxruntime does not fuse, cycling "
         + ", ".join(f"{op}({'x' if o is None else 'x, ' + str(o)})" for op, o, _ in CYCLES[args.cycle])
         + "; ORT_ENABLE_ALL for both models, intra-op threads as listed; inputs and output bound once"
-        " (IOBinding). Models timed interleaved (A B B A per round); median latency shown;"
-        " ratio = separate / Pointwise (> 1: Pointwise faster).",
+        f" (IOBinding). Models timed interleaved (A B B A per round), each sample back-to-back runs lasting"
+        f" about {args.sample_ms:g} ms; median time per run shown; ratio = separate / Pointwise (> 1: Pointwise"
+        " faster).",
     ]
     floors = any(r["ceiling"] for r in rows)
     if floors:
