@@ -33,7 +33,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,24 +42,6 @@ import onnx
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "zoo_latency.md"
 LIMIT = 1.02
-
-
-def executed_graph(model: onnx.ModelProto, with_library: bool) -> onnx.ModelProto:
-    """The graph onnxruntime executes for `model` (CPU, ORT_ENABLE_ALL, one thread)."""
-    import onnxruntime as ort
-
-    from onnxfuse import runtime
-
-    so = runtime.session_options(with_library=with_library, threads=1, level="all")
-    so.log_severity_level = 4
-    fd, path = tempfile.mkstemp(suffix=".onnx")
-    os.close(fd)
-    try:
-        so.optimized_model_filepath = path
-        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return onnx.load(path)
-    finally:
-        os.remove(path)
 
 
 def graph_signature(model: onnx.ModelProto) -> tuple[list[str], list[str], list[str]]:
@@ -136,7 +117,7 @@ def timed_rounds(sess_a, sess_b, feeds, threads: int, budget_s: float, sample_ms
 
 
 def bench_model(zm, threads_list: list[int], args, log) -> dict:
-    from onnxfuse import api
+    from onnxfuse import api, runtime
     from onnxfuse.profile import needs_library, open_session
     from onnxfuse.verify import random_inputs
 
@@ -151,8 +132,8 @@ def bench_model(zm, threads_list: list[int], args, log) -> dict:
         "kernels": [result.summary.get("kernels_before"), result.summary.get("kernels_after")],
         "optimize_s": time.perf_counter() - t0,
     }
-    sig_a = graph_signature(executed_graph(original, False))
-    sig_b = graph_signature(executed_graph(optimized, lib))
+    sig_a = graph_signature(runtime.executed_graph(original, False))
+    sig_b = graph_signature(runtime.executed_graph(optimized, lib))
     entry["same_graph"] = sig_a[:2] == sig_b[:2]
     entry["same_weights"] = entry["same_graph"] and sig_a[2] == sig_b[2]
     entry["timing"] = {}

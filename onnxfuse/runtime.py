@@ -107,6 +107,25 @@ def session_options(
     return so
 
 
+def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.ModelProto:
+    """The graph onnxruntime executes for `model`: CPU provider, ORT_ENABLE_ALL, one thread, as
+    saved after all of onnxruntime's own optimizations (SessionOptions.optimized_model_filepath)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    so = session_options(with_library=with_library, threads=1, level="all")
+    so.log_severity_level = 4  # saving at level "all" warns that the NCHWc layout is machine-specific
+    fd, path = tempfile.mkstemp(suffix=".onnx")
+    os.close(fd)
+    try:
+        so.optimized_model_filepath = path
+        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return onnx.load(path)
+    finally:
+        os.remove(path)
+
+
 def make_session(
     model: onnx.ModelProto | str | bytes,
     provider: str = "cpu",

@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxfuse import runtime
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts, not a package
 
 import zoo_latency  # noqa: E402
@@ -43,7 +45,7 @@ def test_graph_signature_sees_attributes_and_weight_contents():
 
 
 def test_executed_graph_is_what_onnxruntime_runs():
-    g = zoo_latency.executed_graph(two_branch_model(), with_library=False)
+    g = runtime.executed_graph(two_branch_model(), with_library=False)
     assert isinstance(g, onnx.ModelProto)
     assert {n.op_type for n in g.graph.node} >= {"Relu", "LeakyRelu"}
 
