@@ -682,12 +682,56 @@ class Rule:
 
 
 def reserved_for_runtime(graph: gs.Graph, target: str, a: "Analysis") -> dict[int, str]:
-    """Nodes left to onnxruntime's own fusions on `target`: id(node) -> the rule's name."""
+    """Nodes left to onnxruntime's own fusions on `target`: id(node) -> the rule's name.
+
+    A rule describes a pattern; whether onnxruntime fuses a given instance depends on details a
+    rule does not repeat (onnxruntime 1.31 fuses no FastGelu whose result is a graph output, and
+    none with the cube written x * x * x). Where the rule's fusion removes the nodes it takes
+    (CONFIRMED), the graph onnxruntime would execute is consulted: a node it still runs as it is
+    was not fused, and is not left to it."""
     reserved: dict[int, str] = {}
     for rule in POLICY.get(target, ()):
         for n in rule.match(a):
             reserved.setdefault(id(n), rule.name)
+    confirmed = CONFIRMED.get(target, frozenset())
+    if any(name in confirmed for name in reserved.values()):
+        unfused = runtime_unfused(graph)
+        if unfused is not None:
+            reserved = {k: name for k, name in reserved.items() if name not in confirmed or k not in unfused}
     return reserved
+
+
+PROBE_NAME = "onnxfuse_probe_"
+PROBE_ELEMENTS = 1 << 16
+
+
+def runtime_unfused(graph: gs.Graph) -> set[int] | None:
+    """id() of the top-level nodes that onnxruntime (CPU provider, ORT_ENABLE_ALL, our library
+    registered) runs as they are: the same name, domain and op type in the graph it executes,
+    every node named for the probe by its position. Weights of more than PROBE_ELEMENTS
+    elements go in as graph inputs of their shape, so that asking costs a session over the
+    graph's structure (GPT-2 small's 650 MB are not copied); the CONFIRMED fusions look at
+    scalar constants and per-channel parameters only. None when onnxruntime cannot be asked
+    (the graph does not export or load): the rules then stand alone."""
+    from onnxfuse import runtime
+    from onnxfuse.fused import DOMAIN, DOMAIN_VERSION
+
+    nodes = list(graph.nodes)
+    try:
+        model, _ = gu.export_model(graph, keep_elements=PROBE_ELEMENTS)
+        if len(model.graph.node) != len(nodes):
+            return None
+        model.ir_version = 10
+        for i, node in enumerate(model.graph.node):
+            node.name = f"{PROBE_NAME}{i}"
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+        executed = runtime.executed_graph(model)
+    except Exception:  # noqa: BLE001 - onnxruntime raises its own types; the rules stand alone
+        return None
+    kept = {(n.name, n.domain or "", n.op_type) for n in executed.graph.node}
+    return {id(n) for i, n in enumerate(nodes)
+            if (f"{PROBE_NAME}{i}", model.graph.node[i].domain or "", model.graph.node[i].op_type) in kept}
 
 
 def _reader(a: "Analysis", t: gs.Tensor) -> gs.Node | None:
@@ -1008,6 +1052,14 @@ POLICY: dict[str, tuple[Rule, ...]] = {
         Rule("skip-layernorm", "SkipLayerNormalization", match_skip_layernorm),
         Rule("layernorm", "LayerNormalization / SimplifiedLayerNormalization", match_layernorm),
     ),
+}
+
+# The rules checked against the graph onnxruntime executes (reserved_for_runtime): fusions that
+# remove the nodes they take and decide on scalar constants and per-channel parameters alone, so
+# that the probe's weights-as-inputs graph (runtime_unfused) gets the same answer. Not the
+# convolution and MatMul rules: onnxruntime's NCHWc layout and Gemm fusions look at the weights.
+CONFIRMED: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"layernorm", "gelu"}),
 }
 
 # Fusions of onnxruntime that run slower on the target than a Pointwise region plus the rest

@@ -585,7 +585,8 @@ def ort_kernels(m, with_library=False) -> list[str]:
 
 
 # onnxruntime 1.31 fuses the tanh GELU of gpt_stack (FastGelu) but not this standalone copy of
-# it; the rule is checked on the zoo model instead (test_gpt_stack_keeps_onnxruntime_fastgelu).
+# it, whose result is the graph output (test_gelus_onnxruntime_does_not_fuse_become_regions); the
+# rule is checked with an op after it and on the zoo model (test_gpt_stack_keeps_onnxruntime_fastgelu).
 @pytest.mark.parametrize("name", sorted(set(POLICY_CASES) - {"bias-gelu-tanh"}))
 def test_cpu_policy_patterns_are_fused_by_onnxruntime(name):
     """The measurement behind each CPU rule: onnxruntime runs the pattern as one kernel (a
@@ -603,6 +604,51 @@ def test_cpu_policy_leaves_onnxruntime_fusions_alone(name):
     out = fuse(m, "cpu")
     assert c["kept"] in ops(out)
     assert "Pointwise" not in ops(out)  # the op around it alone does not pay
+    check_equivalent(m, out)
+
+
+def _tanh_gelu_with_cube(cube_nodes):
+    return [*cube_nodes, node("Mul", ["c3", "k"], ["kc"]), node("Add", ["x", "kc"], ["in"]),
+            node("Mul", ["in", "s2pi"], ["ins"]), node("Tanh", ["ins"], ["t"]), node("Add", ["t", "one"], ["a"]),
+            node("Mul", ["x", "half"], ["xh"]), node("Mul", ["xh", "a"], ["y"])]
+
+
+GELU_CONSTS = {"three": SCAL(3.0), "k": SCAL(0.044715), "s2pi": SCAL(0.7978845608), "one": SCAL(1.0), "half": SCAL(0.5)}
+# Tanh GELUs the gelu rule matches but onnxruntime 1.31 does not fuse: the result is the graph
+# output, or the cube is written x * x * x. The pass asks onnxruntime (reserved_for_runtime)
+# and makes them regions instead of leaving nine kernels.
+UNFUSED_GELUS = {
+    "result-is-graph-output": model(POLICY_CASES["bias-gelu-tanh"]["pattern"], [("x0", [2, 4, 16])], [("y", [2, 4, 16])],
+                                    POLICY_CASES["bias-gelu-tanh"]["inits"]),
+    "cube-as-products": model(_tanh_gelu_with_cube([node("Mul", ["x", "x"], ["x2"]), node("Mul", ["x2", "x"], ["c3"])])
+                              + EXP_AFTER, [("x", [2, 4, 16])], [("z", [2, 4, 16])], GELU_CONSTS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNFUSED_GELUS))
+def test_gelus_onnxruntime_does_not_fuse_become_regions(name):
+    m = UNFUSED_GELUS[name]
+    assert "Tanh" in ort_kernels(m)  # the premise: onnxruntime leaves it in pieces
+    out = fuse(m, "cpu")
+    assert ops(out) == ["Pointwise"]
+    check_equivalent(m, out)
+
+
+def test_gelu_onnxruntime_fuses_stays_with_it_beside_one_it_does_not():
+    """One graph, two GELUs: the one onnxruntime fuses (FastGelu) is left to it, the other (cube
+    written x * x * x) becomes a region: the probe decides node by node."""
+    fused_one = [node("Pow", ["x", "three"], ["c3"])]
+    other = [node("Mul", ["x", "x"], ["x2"]), node("Mul", ["x2", "x"], ["c3"])]
+    rename = lambda nodes, sfx: [node(n.op_type, [i if i in GELU_CONSTS else i + sfx for i in n.input],  # noqa: E731
+                                      [o + sfx for o in n.output]) for n in nodes]
+    # Two graph inputs: GELUs of one value would share x * 0.5, which onnxruntime 1.31 merges and
+    # then removes with the FastGelu it fuses, leaving the other GELU reading nothing.
+    nodes = (rename(_tanh_gelu_with_cube(fused_one), "_a") + rename(_tanh_gelu_with_cube(other), "_b")
+             + [node("Add", ["y_a", "y_b"], ["z"])])
+    m = model(nodes, [("x_a", [2, 4, 16]), ("x_b", [2, 4, 16])], [("z", [2, 4, 16])], GELU_CONSTS)
+    out = fuse(m, "cpu")
+    kernels = ort_kernels(out, with_library=True)
+    assert kernels.count("FastGelu") == 1 and "Tanh" not in kernels, kernels
     check_equivalent(m, out)
 
 
