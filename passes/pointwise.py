@@ -21,7 +21,8 @@ condition
       on the target (PREEMPT below: SkipLayerNormalization on the CPU);
     - the target policy (POLICY below): ops that onnxruntime fuses into its own kernels
       (FusedConv, Gemm, LayerNormalization, Gelu...), or runs in place in its NCHWc layout, are
-      left to it.
+      left to it; the LayerNormalization and GELU rules only where the graph onnxruntime would
+      execute shows the fusion (CONFIRMED, runtime_unfused).
 rewrite
     one onnxfuse.Pointwise node per region, attribute ``program`` (onnxfuse.program), via
     ctx.fuse: its fallback function is the exact original subgraph, folded Slice/Split included.
