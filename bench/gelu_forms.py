@@ -1,0 +1,127 @@
+"""Tanh GELUs on the CPU: onnxruntime alone against the model onnxfuse writes, for the forms
+onnxruntime fuses into FastGelu and the forms it leaves in pieces.
+
+The model is bias Add -> tanh GELU 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) on
+float32[2, rows / 2, d], in three forms:
+- pow, then Exp: the cube as Pow(x, 3) and an op after the GELU, as torch.onnx.export writes
+  it inside a model; onnxruntime makes one FastGelu and onnxfuse leaves it to it (the control);
+- pow, result out: the same GELU whose result is the graph output; onnxruntime 1.31 makes no
+  FastGelu of it;
+- x*x*x, then Exp: the cube written as two products; onnxruntime 1.31 makes no FastGelu of it.
+onnxfuse's pointwise pass asks onnxruntime's executed graph which GELUs it fuses and makes the
+others one Pointwise region. Timed interleaved (A B B A rounds, bench/zoo_latency.py's
+timed_rounds): at one thread the calling thread's CPU time, at two wall time; ratio = onnxfuse /
+onnxruntime, median of the per-round ratios with a 95% bootstrap interval.
+
+    python bench/gelu_forms.py [--out bench/results/gelu_forms.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import zoo_latency  # noqa: E402
+
+SHAPES = [(64, 512), (512, 3072)]
+FORMS = ["pow, then Exp", "pow, result out", "x*x*x, then Exp"]
+
+
+def gelu_model(rows: int, d: int, form: str, seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    consts = {"three": 3.0, "k": 0.044715, "s2pi": 0.7978845608, "one": 1.0, "half": 0.5}
+    inits = [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in consts.items()]
+    inits.append(numpy_helper.from_array((0.1 * rng.standard_normal(d)).astype(np.float32), "bias"))
+    node = helper.make_node
+    cube = ([node("Pow", ["x", "three"], ["c3"])] if form.startswith("pow")
+            else [node("Mul", ["x", "x"], ["x2"]), node("Mul", ["x2", "x"], ["c3"])])
+    result_out = form.endswith("result out")
+    nodes = [node("Add", ["x0", "bias"], ["x"]), *cube,
+             node("Mul", ["c3", "k"], ["kc"]), node("Add", ["x", "kc"], ["inner"]),
+             node("Mul", ["inner", "s2pi"], ["u"]), node("Tanh", ["u"], ["t"]), node("Add", ["t", "one"], ["a"]),
+             node("Mul", ["x", "half"], ["xh"]), node("Mul", ["xh", "a"], ["y" if result_out else "g"])]
+    if not result_out:
+        nodes.append(node("Exp", ["g"], ["y"]))
+    shape = [2, rows // 2, d]
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed rounds per row")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gelu_forms.md")
+    args = p.parse_args(argv)
+
+    import onnxruntime as ort
+
+    from onnxfuse import api
+    from onnxfuse.profile import count_kernels, open_session
+
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = os.getloadavg()
+    commit = zoo_latency.commit_text()
+    threads_list = [int(t) for t in args.threads.split(",")]
+    rows_out = []
+    for rows, d in SHAPES:
+        for form in FORMS:
+            m = gelu_model(rows, d, form)
+            fused = api.optimize(m, count_kernels=False).model
+            feeds = {"x0": np.random.default_rng(1).standard_normal((2, rows // 2, d)).astype(np.float32)}
+            kernels_a = count_kernels(m, threads=1)[1]
+            kernels_b = count_kernels(fused, threads=1)[1]
+            cells = []
+            for threads in threads_list:
+                a, _ = open_session(m, "cpu", threads, "all", with_library=False)
+                b, _ = open_session(fused, "cpu", threads, "all", with_library=True)
+                t = zoo_latency.timed_rounds(a, b, feeds, threads, args.budget, 2.0, 15, 400)
+                c = t["cpu" if threads == 1 else "wall"]
+                cells.append(f"{c['ms_a'] * 1e3:.1f} / {c['ms_b'] * 1e3:.1f} | {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]")
+                print(f"{rows}x{d} {form} threads={threads}: {cells[-1]}", file=sys.stderr, flush=True)
+            names = lambda k: " + ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in k.items())  # noqa: E731
+            rows_out.append(f"| {rows} x {d} | {form} | {names(kernels_a)} | {names(kernels_b)} | " + " | ".join(cells) + " |")
+    head = "| rows x d | form | onnxruntime runs | onnxfuse runs |"
+    rule = "|---|---|---|---|"
+    for th in threads_list:
+        clock = "thread CPU" if th == 1 else "wall"
+        head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
+        rule += "---|---|"
+    text = "\n".join([
+        "# Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse",
+        "",
+        "Command: `" + " ".join(["python bench/gelu_forms.py", *argv]) + "`",
+        f"Date: {started}. Commit: {commit}. Machine: {platform.machine()}, {zoo_latency._cpu()}, "
+        f"{os.cpu_count()} logical CPUs (shared host; load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). "
+        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
+        "",
+        "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"
+        " op after the GELU (onnxruntime fuses it: FastGelu); *pow, result out*: the GELU's result is the graph output;"
+        " *x\\*x\\*x, then Exp*: the cube as two products (onnxruntime 1.31 fuses neither). onnxfuse leaves to"
+        " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region. Interleaved"
+        " A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
+        "",
+        head, rule, *rows_out, "",
+    ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
