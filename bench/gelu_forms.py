@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -68,54 +67,28 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gelu_forms.md")
     args = p.parse_args(argv)
 
-    import onnxruntime as ort
-
-    from onnxfuse import api
-    from onnxfuse.profile import count_kernels, open_session
-
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()
     commit = zoo_latency.commit_text()
     threads_list = [int(t) for t in args.threads.split(",")]
-    rows_out = []
-    for rows, d in SHAPES:
-        for form in FORMS:
-            m = gelu_model(rows, d, form)
-            fused = api.optimize(m, count_kernels=False).model
-            feeds = {"x0": np.random.default_rng(1).standard_normal((2, rows // 2, d)).astype(np.float32)}
-            kernels_a = count_kernels(m, threads=1)[1]
-            kernels_b = count_kernels(fused, threads=1)[1]
-            cells = []
-            for threads in threads_list:
-                a, _ = open_session(m, "cpu", threads, "all", with_library=False)
-                b, _ = open_session(fused, "cpu", threads, "all", with_library=True)
-                t = zoo_latency.timed_rounds(a, b, feeds, threads, args.budget, 2.0, 15, 400)
-                c = t["cpu" if threads == 1 else "wall"]
-                cells.append(f"{c['ms_a'] * 1e3:.1f} / {c['ms_b'] * 1e3:.1f} | {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]")
-                print(f"{rows}x{d} {form} threads={threads}: {cells[-1]}", file=sys.stderr, flush=True)
-            names = lambda k: " + ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in k.items())  # noqa: E731
-            rows_out.append(f"| {rows} x {d} | {form} | {names(kernels_a)} | {names(kernels_b)} | " + " | ".join(cells) + " |")
-    head = "| rows x d | form | onnxruntime runs | onnxfuse runs |"
-    rule = "|---|---|---|---|"
-    for th in threads_list:
-        clock = "thread CPU" if th == 1 else "wall"
-        head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
-        rule += "---|---|"
+
+    def cases():
+        for rows, d in SHAPES:
+            for form in FORMS:
+                feeds = {"x0": np.random.default_rng(1).standard_normal((2, rows // 2, d)).astype(np.float32)}
+                yield [f"{rows} x {d}", form], gelu_model(rows, d, form), feeds
+
+    head, rule, rows_out = zoo_latency.optimized_ab_table(cases(), threads_list, args.budget)
     text = "\n".join([
-        "# Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse",
-        "",
-        "Command: `" + " ".join(["python bench/gelu_forms.py", *argv]) + "`",
-        f"Date: {started}. Commit: {commit}. Machine: {platform.machine()}, {zoo_latency._cpu()}, "
-        f"{os.cpu_count()} logical CPUs (shared host; load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). "
-        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        "",
+        *zoo_latency.report_header("Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse", "gelu_forms.py",
+                                   argv, started, load, commit),
         "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"
         " op after the GELU (onnxruntime fuses it: FastGelu); *pow, result out*: the GELU's result is the graph output;"
         " *x\\*x\\*x, then Exp*: the cube as two products (onnxruntime 1.31 fuses neither). onnxfuse leaves to"
         " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region. Interleaved"
         " A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
         "",
-        head, rule, *rows_out, "",
+        "| rows x d | form |" + head, "|---|---|" + rule, *rows_out, "",
     ])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

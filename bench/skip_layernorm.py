@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -62,55 +61,28 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "skip_layernorm.md")
     args = p.parse_args(argv)
 
-    import onnxruntime as ort
-
-    from onnxfuse import api
-    from onnxfuse.profile import count_kernels, open_session
-
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()
     commit = zoo_latency.commit_text()
     threads_list = [int(t) for t in args.threads.split(",")]
-    rows_out = []
-    for rows, d in SHAPES:
-        for bias in (True, False):
-            m = residual_layernorm(rows, d, bias)
-            fused = api.optimize(m, count_kernels=False).model
-            rng = np.random.default_rng(1)
-            feeds = {k: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for k in ("x", "residual")}
-            kernels_a = count_kernels(m, threads=1)[1]
-            kernels_b = count_kernels(fused, threads=1)[1]
-            cells = []
-            for threads in threads_list:
-                a, _ = open_session(m, "cpu", threads, "all", with_library=False)
-                b, _ = open_session(fused, "cpu", threads, "all", with_library=True)
-                t = zoo_latency.timed_rounds(a, b, feeds, threads, args.budget, 2.0, 15, 400)
-                c = t["cpu" if threads == 1 else "wall"]
-                cells.append(f"{c['ms_a'] * 1e3:.1f} / {c['ms_b'] * 1e3:.1f} | {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]")
-                print(f"{rows}x{d} bias={bias} threads={threads}: {cells[-1]}", file=sys.stderr, flush=True)
-            names = lambda k: " + ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in k.items())  # noqa: E731
-            rows_out.append(f"| {rows} x {d} | {'yes' if bias else 'no'} | {names(kernels_a)} | {names(kernels_b)} | "
-                            + " | ".join(cells) + " |")
-    head = "| rows x d | bias Add | onnxruntime runs | onnxfuse runs |"
-    rule = "|---|---|---|---|"
-    for th in threads_list:
-        clock = "thread CPU" if th == 1 else "wall"
-        head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
-        rule += "---|---|"
+
+    def cases():
+        for rows, d in SHAPES:
+            for bias in (True, False):
+                rng = np.random.default_rng(1)
+                feeds = {k: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for k in ("x", "residual")}
+                yield [f"{rows} x {d}", "yes" if bias else "no"], residual_layernorm(rows, d, bias), feeds
+
+    head, rule, rows_out = zoo_latency.optimized_ab_table(cases(), threads_list, args.budget)
     text = "\n".join([
-        "# onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
-        "",
-        "Command: `" + " ".join(["python bench/skip_layernorm.py", *argv]) + "`",
-        f"Date: {started}. Commit: {commit}. Machine: {platform.machine()}, {zoo_latency._cpu()}, "
-        f"{os.cpu_count()} logical CPUs (shared host; load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). "
-        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        "",
+        *zoo_latency.report_header("onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
+                                   "skip_layernorm.py", argv, started, load, commit),
         "[bias Add ->] residual Add -> LayerNormalization on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides; "
         "onnxruntime alone fuses it into SkipLayerNormalization, onnxfuse's CPU pipeline writes the Adds as one "
         "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule). Interleaved A B B A "
         "rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
         "",
-        head, rule, *rows_out, "",
+        "| rows x d | bias Add |" + head, "|---|---|" + rule, *rows_out, "",
     ])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

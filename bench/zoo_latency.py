@@ -188,17 +188,55 @@ def commit_text() -> str:
     return _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
-def render(entries: list[dict], threads_list: list[int], argv: list[str], started: str, load: tuple, commit: str) -> str:
+def report_header(title: str, script: str, argv: list[str], started: str, load: tuple, commit: str) -> list[str]:
+    """The first lines of a report: title, command, date, commit, machine and versions."""
     import onnxruntime as ort
 
-    lines = [
-        "# No zoo model slower: the graph onnxruntime runs, and interleaved CPU time",
+    return [
+        f"# {title}",
         "",
-        "Command: `" + " ".join(["python bench/zoo_latency.py", *argv]) + "`",
+        "Command: `" + " ".join([f"python bench/{script}", *argv]) + "`",
         f"Date: {started}. Commit: {commit}. Machine: {platform.machine()}, {_cpu()}, {os.cpu_count()} logical CPUs "
         f"(shared host; load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). "
         f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
         "",
+    ]
+
+
+def optimized_ab_table(cases, threads_list: list[int], budget_s: float) -> tuple[str, str, list[str]]:
+    """Each case (label: its first table cells, model, feeds) run by onnxruntime alone and as the
+    default CPU pipeline writes it (onnxfuse library loaded): the kernels each runs, then per
+    thread count the interleaved time (timed_rounds: thread CPU time at one thread, wall time
+    above) and ratio onnxfuse / onnxruntime. Returns the table's head and rule after the label
+    columns, and its rows."""
+    from onnxfuse import api
+    from onnxfuse.profile import count_kernels, open_session
+
+    names = lambda k: " + ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in k.items())  # noqa: E731
+    rows = []
+    for label, m, feeds in cases:
+        fused = api.optimize(m, count_kernels=False).model
+        cells = [*label, names(count_kernels(m, threads=1)[1]), names(count_kernels(fused, threads=1)[1])]
+        for threads in threads_list:
+            a, _ = open_session(m, "cpu", threads, "all", with_library=False)
+            b, _ = open_session(fused, "cpu", threads, "all", with_library=True)
+            c = timed_rounds(a, b, feeds, threads, budget_s, 2.0, 15, 400)["cpu" if threads == 1 else "wall"]
+            cells.append(f"{c['ms_a'] * 1e3:.1f} / {c['ms_b'] * 1e3:.1f} | {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]")
+            print(f"{' '.join(label)} threads={threads}: {cells[-1]}", file=sys.stderr, flush=True)
+        rows.append("| " + " | ".join(cells) + " |")
+    head = " onnxruntime runs | onnxfuse runs |"
+    rule = "---|---|"
+    for th in threads_list:
+        clock = "thread CPU" if th == 1 else "wall"
+        head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
+        rule += "---|---|"
+    return head, rule, rows
+
+
+def render(entries: list[dict], threads_list: list[int], argv: list[str], started: str, load: tuple, commit: str) -> str:
+    lines = [
+        *report_header("No zoo model slower: the graph onnxruntime runs, and interleaved CPU time", "zoo_latency.py",
+                       argv, started, load, commit),
         "Each model is optimized with the default CPU pipeline (outputs verified), then both run by onnxruntime "
         "(CPU provider, ORT_ENABLE_ALL, the zoo's default dims, seeded random inputs). "
         "Column *graph*: whether the graphs onnxruntime executes after its own optimizations are the same DAG "
