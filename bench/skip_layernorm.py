@@ -14,8 +14,6 @@ per-round ratios with a 95% bootstrap interval.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 from pathlib import Path
 
@@ -61,9 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "skip_layernorm.md")
     args = p.parse_args(argv)
 
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load = os.getloadavg()
-    commit = zoo_latency.commit_text()
+    started, load, commit = zoo_latency.run_stamp()
     threads_list = [int(t) for t in args.threads.split(",")]
 
     def cases():
@@ -84,9 +80,7 @@ def main(argv=None) -> int:
         "",
         "| rows x d | bias Add |" + head, "|---|---|" + rule, *rows_out, "",
     ])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    zoo_latency.write_report(args.out, text)
     return 0
 
 

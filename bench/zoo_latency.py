@@ -188,6 +188,19 @@ def commit_text() -> str:
     return _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
+def run_stamp() -> tuple[str, tuple, str]:
+    """(start time, load average, commit) for a report's header, taken when a run starts."""
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return started, os.getloadavg(), commit_text()
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write a report (creating its folder) and print it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+
+
 def report_header(title: str, script: str, argv: list[str], started: str, load: tuple, commit: str) -> list[str]:
     """The first lines of a report: title, command, date, commit, machine and versions."""
     import onnxruntime as ort
@@ -317,18 +330,14 @@ def main(argv=None) -> int:
 
     names = args.models.split(",") if args.models else zoo.names()
     threads_list = [int(t) for t in args.threads.split(",")]
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load = os.getloadavg()
-    commit = commit_text()
+    started, load, commit = run_stamp()
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     entries = [bench_model(zoo.get(n), threads_list, args, log) for n in names]
     text = render(entries, threads_list, argv, started, load, commit)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, text)
     return 0
 
 
