@@ -634,6 +634,19 @@ def test_gelus_onnxruntime_does_not_fuse_become_regions(name):
     check_equivalent(m, out)
 
 
+def test_rules_stand_alone_when_onnxruntime_cannot_be_asked(monkeypatch):
+    from onnxfuse import runtime
+
+    def unavailable(model, with_library=True):
+        raise RuntimeError("no session")
+
+    monkeypatch.setattr(runtime, "executed_graph", unavailable)
+    m = UNFUSED_GELUS["cube-as-products"]
+    out = fuse(m, "cpu")
+    assert "Pointwise" not in ops(out) and "Tanh" in ops(out)  # left to onnxruntime, as the rule says
+    check_equivalent(m, out)
+
+
 def test_gelu_onnxruntime_fuses_stays_with_it_beside_one_it_does_not():
     """One graph, two GELUs: the one onnxruntime fuses (FastGelu) is left to it, the other (cube
     written x * x * x) becomes a region: the probe decides node by node."""
