@@ -1,8 +1,9 @@
 // The CPU Pointwise executor: a blocked virtual machine over the expression program.
 //
-// The iteration space (pointwise_plan.h) is cut into blocks of at most kBlock elements. For each
-// block every instruction runs as one tight loop over contiguous registers of the compute type
-// (numexpr's model): intermediates stay in L1, loops vectorize, dispatch costs once per block.
+// The iteration space (pointwise_plan.h) is cut into blocks of at most kBlock elements (of
+// kStreamBlock, one per task, for a streaming job: see there). For each block every instruction
+// runs as one tight loop over contiguous registers of the compute type (numexpr's model):
+// intermediates stay in L1, loops vectorize, dispatch costs once per block.
 // Inputs are read in place when they are already contiguous in the compute type, as a scalar
 // when constant over the block (broadcast), and converted into a register otherwise. Results
 // that are outputs of the compute type are written straight into the output tensor. The AVX2
