@@ -17,7 +17,6 @@ onnxruntime, median of the per-round ratios with a 95% bootstrap interval.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -57,37 +56,22 @@ def gelu_model(rows: int, d: int, form: str, seed: int = 0) -> onnx.ModelProto:
     return m
 
 
+def cases():
+    for rows, d in SHAPES:
+        for form in FORMS:
+            feeds = {"x0": np.random.default_rng(1).standard_normal((2, rows // 2, d)).astype(np.float32)}
+            yield [f"{rows} x {d}", form], gelu_model(rows, d, form), feeds
+
+
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed rounds per row")
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gelu_forms.md")
-    args = p.parse_args(argv)
-
-    started, load, commit = zoo_latency.run_stamp()
-    threads_list = [int(t) for t in args.threads.split(",")]
-
-    def cases():
-        for rows, d in SHAPES:
-            for form in FORMS:
-                feeds = {"x0": np.random.default_rng(1).standard_normal((2, rows // 2, d)).astype(np.float32)}
-                yield [f"{rows} x {d}", form], gelu_model(rows, d, form), feeds
-
-    head, rule, rows_out = zoo_latency.optimized_ab_table(cases(), threads_list, args.budget)
-    text = "\n".join([
-        *zoo_latency.report_header("Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse", "gelu_forms.py",
-                                   argv, started, load, commit),
+    return zoo_latency.optimized_ab_main(
+        argv, "gelu_forms.py", __doc__, "Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse",
         "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"
         " op after the GELU (onnxruntime fuses it: FastGelu); *pow, result out*: the GELU's result is the graph output;"
         " *x\\*x\\*x, then Exp*: the cube as two products (onnxruntime 1.31 fuses neither). onnxfuse leaves to"
         " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region. Interleaved"
         " A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
-        "",
-        "| rows x d | form |" + head, "|---|---|" + rule, *rows_out, "",
-    ])
-    zoo_latency.write_report(args.out, text)
-    return 0
+        ["rows x d", "form"], cases)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ per-round ratios with a 95% bootstrap interval.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -51,37 +50,23 @@ def residual_layernorm(rows: int, d: int, bias: bool, seed: int = 0) -> onnx.Mod
     return m
 
 
+def cases():
+    for rows, d in SHAPES:
+        for bias in (True, False):
+            rng = np.random.default_rng(1)
+            feeds = {k: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for k in ("x", "residual")}
+            yield [f"{rows} x {d}", "yes" if bias else "no"], residual_layernorm(rows, d, bias), feeds
+
+
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed rounds per row")
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "skip_layernorm.md")
-    args = p.parse_args(argv)
-
-    started, load, commit = zoo_latency.run_stamp()
-    threads_list = [int(t) for t in args.threads.split(",")]
-
-    def cases():
-        for rows, d in SHAPES:
-            for bias in (True, False):
-                rng = np.random.default_rng(1)
-                feeds = {k: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for k in ("x", "residual")}
-                yield [f"{rows} x {d}", "yes" if bias else "no"], residual_layernorm(rows, d, bias), feeds
-
-    head, rule, rows_out = zoo_latency.optimized_ab_table(cases(), threads_list, args.budget)
-    text = "\n".join([
-        *zoo_latency.report_header("onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
-                                   "skip_layernorm.py", argv, started, load, commit),
+    return zoo_latency.optimized_ab_main(
+        argv, "skip_layernorm.py", __doc__,
+        "onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
         "[bias Add ->] residual Add -> LayerNormalization on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides; "
         "onnxruntime alone fuses it into SkipLayerNormalization, onnxfuse's CPU pipeline writes the Adds as one "
         "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule). Interleaved A B B A "
         "rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
-        "",
-        "| rows x d | bias Add |" + head, "|---|---|" + rule, *rows_out, "",
-    ])
-    zoo_latency.write_report(args.out, text)
-    return 0
+        ["rows x d", "bias Add"], cases)
 
 
 if __name__ == "__main__":

@@ -246,6 +246,28 @@ def optimized_ab_table(cases, threads_list: list[int], budget_s: float) -> tuple
     return head, rule, rows
 
 
+def optimized_ab_main(argv, script: str, doc: str, title: str, description: str, labels: list[str], cases) -> int:
+    """The command line of a bench script that times cases with optimized_ab_table (--budget,
+    --threads, --out; default out bench/results/<script>.md): labels name the cases' first table
+    columns, cases() yields them; the report is written and printed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed rounds per row")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / (Path(script).stem + ".md"))
+    args = p.parse_args(argv)
+    started, load, commit = run_stamp()
+    head, rule, rows = optimized_ab_table(cases(), [int(t) for t in args.threads.split(",")], args.budget)
+    text = "\n".join([
+        *report_header(title, script, argv, started, load, commit),
+        description,
+        "",
+        "| " + " | ".join(labels) + " |" + head, "|" + "---|" * len(labels) + rule, *rows, "",
+    ])
+    write_report(args.out, text)
+    return 0
+
+
 def render(entries: list[dict], threads_list: list[int], argv: list[str], started: str, load: tuple, commit: str) -> str:
     lines = [
         *report_header("No zoo model slower: the graph onnxruntime runs, and interleaved CPU time", "zoo_latency.py",
