@@ -682,6 +682,15 @@ class Rule:
     match: Callable[["Analysis"], Iterable[gs.Node]]
 
 
+def matched_nodes(rules: Iterable[Rule], a: "Analysis") -> dict[int, str]:
+    """id(node) -> the name of the first of `rules` whose match yields it."""
+    matched: dict[int, str] = {}
+    for rule in rules:
+        for n in rule.match(a):
+            matched.setdefault(id(n), rule.name)
+    return matched
+
+
 def reserved_for_runtime(graph: gs.Graph, target: str, a: "Analysis") -> dict[int, str]:
     """Nodes left to onnxruntime's own fusions on `target`: id(node) -> the rule's name.
 
@@ -690,10 +699,7 @@ def reserved_for_runtime(graph: gs.Graph, target: str, a: "Analysis") -> dict[in
     none with the cube written x * x * x). Where the rule's fusion removes the nodes it takes
     (CONFIRMED), the graph onnxruntime would execute is consulted: a node it still runs as it is
     was not fused, and is not left to it."""
-    reserved: dict[int, str] = {}
-    for rule in POLICY.get(target, ()):
-        for n in rule.match(a):
-            reserved.setdefault(id(n), rule.name)
+    reserved = matched_nodes(POLICY.get(target, ()), a)
     confirmed = CONFIRMED.get(target, frozenset())
     if any(name in confirmed for name in reserved.values()):
         unfused = runtime_unfused(graph)
@@ -1076,11 +1082,7 @@ PREEMPT: dict[str, tuple[Rule, ...]] = {
 
 def preempted_from_runtime(target: str, a: "Analysis") -> dict[int, str]:
     """Nodes that a region takes from one of onnxruntime's slower fusions: id(node) -> rule name."""
-    taken: dict[int, str] = {}
-    for rule in PREEMPT.get(target, ()):
-        for n in rule.match(a):
-            taken.setdefault(id(n), rule.name)
-    return taken
+    return matched_nodes(PREEMPT.get(target, ()), a)
 
 
 PASS = Pass(
