@@ -21,7 +21,8 @@ import onnx
 import onnxruntime as ort
 
 from onnxfuse import api
-from onnxfuse.modelio import normalize, resolve_input
+from onnxfuse.modelio import normalize
+from onnxfuse.zoo import resolve_input
 from onnxfuse.profile import compare, open_session
 from onnxfuse.verify import random_inputs
 

@@ -15,7 +15,8 @@ from collections import Counter
 
 from onnxfuse.cuda.compile import compiler_version, find_nvcc
 from onnxfuse.cuda.conv_codegen import Epilogue, clusters_supported, generate, heuristic_tile, ptxas_check, tensor_cores_supported
-from onnxfuse.modelio import normalize, resolve_input
+from onnxfuse.modelio import normalize
+from onnxfuse.zoo import resolve_input
 from onnxfuse.passes.conv_bias_act import conv_layers
 
 CNNS = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet", "squeezenet",

@@ -128,7 +128,8 @@ def compact_epilogue(e) -> str:
 
 
 def distinct_layers(models):
-    from onnxfuse.modelio import normalize, resolve_input
+    from onnxfuse.modelio import normalize
+    from onnxfuse.zoo import resolve_input
     from onnxfuse.passes.conv_bias_act import conv_layers
 
     seen, rows = {}, []

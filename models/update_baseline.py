@@ -19,6 +19,7 @@ import time
 import onnxruntime
 
 from onnxfuse import zoo
+from onnxfuse.api import optimize_for_baseline
 
 
 def _format(doc: dict) -> str:
@@ -44,7 +45,7 @@ def main() -> int:
     counts = dict(baseline.get("models", {}))
     for model in models:
         t0 = time.perf_counter()
-        summary = zoo.optimize_for_baseline(model).summary
+        summary = optimize_for_baseline(model).summary
         counts[model.name] = {"ort": summary["kernels_before"], "onnxfuse": summary["kernels_after"]}
         print(
             f"{model.name:14s} ort {summary['kernels_before']:5d}  onnxfuse {summary['kernels_after']:5d}"

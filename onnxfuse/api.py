@@ -17,9 +17,10 @@ from typing import Mapping, Sequence
 import onnx
 
 from .fused import DOMAIN
-from .modelio import InputError, LoadedModel, normalize, parse_model, check_model, resolve_input, save_model
+from .modelio import InputError, LoadedModel, normalize, parse_model, check_model, save_model
 from .pipeline import TARGETS, Context, PassStats, run_passes, select_passes
 from .verify import Verification, VerificationError, check_dims, effective_dims, verify
+from .zoo import ZooModel, resolve_input
 
 
 @dataclass
@@ -191,6 +192,14 @@ def _count_before_after(original, optimized, label, dims, seed, threads):
         raise
     except Exception as e:  # onnxruntime's exception types
         return before, None, f"onnxruntime cannot run the optimized model: {ort_error_text(e)}"
+
+
+def optimize_for_baseline(model: ZooModel) -> OptimizeResult:
+    """Optimize a zoo model with the default CPU pipeline the way the regression suite does:
+    verified against the original on seeded inputs (dims = the model's defaults), kernels per
+    inference counted before and after (onnxruntime ORT_ENABLE_ALL, CPU provider, 1 thread).
+    Raises VerificationError on a mismatch."""
+    return optimize(model.load(), dims=model.dims or None, threads=1, label=model.uri)
 
 
 def save(model: onnx.ModelProto, path: str) -> list[str]:

@@ -336,9 +336,10 @@ def profile(model_a, model_b, provider, threads, runs, warmup, profile_runs, lev
     timed interleaved. MODEL may be zoo:NAME. The onnxfuse library is loaded for models that
     hold fused ops.
     """
-    from .modelio import normalize, resolve_input
+    from .modelio import normalize
     from .profile import profile_models, ratios
     from .verify import check_dims, effective_dims
+    from .zoo import resolve_input
 
     loaded = [normalize(resolve_input(m)) for m in [model_a, model_b] if m is not None]
     check_dims(dims, [m.model for m in loaded])

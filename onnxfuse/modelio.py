@@ -210,26 +210,6 @@ def load_model(path: str | os.PathLike, label: str | None = None) -> LoadedModel
     return LoadedModel(model=model, label=label, path=str(path))
 
 
-def resolve_input(spec: str) -> LoadedModel:
-    """A path, or zoo:NAME for a bundled model (its symbolic dims come with it)."""
-    if spec.startswith("zoo:"):
-        name = spec[len("zoo:"):]
-        try:
-            from . import zoo
-        except ImportError:
-            raise InputError(f"{spec}: the model zoo is not available in this installation") from None
-        try:
-            path = zoo.resolve(name)
-        except zoo.ZooError as e:
-            raise InputError(f"{spec}: {e}") from None
-        loaded = load_model(path, label=spec)
-        entry = next((m for m in zoo.list_models() if m.name == name), None)
-        if entry is not None:
-            loaded.dims = dict(entry.dims or {})
-        return loaded
-    return load_model(spec)
-
-
 # --------------------------------------------------------------------------- structural checks
 
 
@@ -439,7 +419,7 @@ def infer_shapes(model: onnx.ModelProto, notes: list[str] | None = None) -> onnx
 
 
 # Initializers larger than this (elements) are described by type and shape alone while
-# inferring shapes (graphutil.ShapeTable keeps the same ones).
+# inferring shapes (graph.core.ShapeTable keeps the same ones).
 INFER_KEEP_ELEMENTS = 4096
 
 

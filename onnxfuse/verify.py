@@ -511,8 +511,7 @@ def verify(
 def _verify(original, optimized, original_source, optimized_source, feeds, dims, seed, provider, threads, fallback,
             original_label) -> Verification:
     """verify() with the models as onnxruntime is to load them (ModelProtos or file paths)."""
-    from .profile import profiled_run
-    from .runtime import needs_library
+    from .runtime import needs_library, profiled_run
 
     result = Verification(seed=seed, dims=dims, provider=provider)
     try:

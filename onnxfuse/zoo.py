@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .modelio import InputError, LoadedModel, load_model
+
 ZOO_PREFIX = "zoo:"
 SOURCES = ("onnx-wheel", "generated")
 MANIFEST = "manifest.json"
@@ -161,6 +163,22 @@ def resolve(name_or_uri: str) -> str:
     return str(model.path)
 
 
+def resolve_input(spec: str) -> LoadedModel:
+    """A path, or zoo:NAME for a bundled model (its symbolic dims come with it)."""
+    if not spec.startswith(ZOO_PREFIX):
+        return load_model(spec)
+    name = spec[len(ZOO_PREFIX):]
+    try:
+        path = resolve(name)
+    except ZooError as e:
+        raise InputError(f"{spec}: {e}") from None
+    loaded = load_model(path, label=spec)
+    entry = next((m for m in list_models() if m.name == name), None)
+    if entry is not None:
+        loaded.dims = dict(entry.dims or {})
+    return loaded
+
+
 # --------------------------------------------------------------------------- regression baseline
 
 
@@ -173,13 +191,3 @@ def load_baseline() -> dict:
     if not path.is_file():
         return {"models": {}}
     return json.loads(path.read_text())
-
-
-def optimize_for_baseline(model: ZooModel):
-    """Optimize a zoo model with the default CPU pipeline the way the regression suite does:
-    verified against the original on seeded inputs (dims = the model's defaults), kernels per
-    inference counted before and after (onnxruntime ORT_ENABLE_ALL, CPU provider, 1 thread).
-    Returns onnxfuse.api.OptimizeResult; raises VerificationError on a mismatch."""
-    from .api import optimize
-
-    return optimize(model.load(), dims=model.dims or None, threads=1, label=model.uri)

@@ -350,7 +350,8 @@ def test_tensor_cores_are_opt_in_and_need_sm80(arch, tensor_cores):
 @pytest.mark.parametrize("name,policy,expected", [("resnet50", "always", 49), ("mobilenetv3", "always", 33),
                                                   ("resnet50", "pays", 4), ("mobilenetv3", "pays", 29)])
 def test_zoo_cnn_fuses_and_fallback_matches(name, policy, expected):
-    from onnxfuse.modelio import normalize, resolve_input
+    from onnxfuse.modelio import normalize
+    from onnxfuse.zoo import resolve_input
     from onnxfuse.verify import random_inputs
 
     m = normalize(resolve_input(f"zoo:{name}")).model

@@ -18,6 +18,7 @@ import onnx
 import pytest
 
 from onnxfuse import zoo
+from onnxfuse.api import optimize_for_baseline
 from onnxfuse.runtime import make_session
 
 MODELS = zoo.list_models()
@@ -34,7 +35,7 @@ def _params(models):
 @pytest.mark.parametrize("model", _params(MODELS))
 def test_optimized_zoo_model_matches_original_and_kernel_baseline(model):
     # optimize_for_baseline raises VerificationError when any output differs from the original's
-    result = _OPTIMIZED[model.name] = zoo.optimize_for_baseline(model)
+    result = _OPTIMIZED[model.name] = optimize_for_baseline(model)
     assert result.verification is not None and result.verification.ok
     before = result.summary["kernels_before"]
     after = result.summary["kernels_after"]
@@ -73,7 +74,7 @@ def test_light_zoo_model_matches_reference_output_and_original_logits(model):
         result = optimize(original, threads=1, count_kernels=False, label=model.uri)
         assert logits in [o.name for o in result.verification.runs[0].outputs]
     else:
-        result = _OPTIMIZED.get(model.name) or zoo.optimize_for_baseline(model)
+        result = _OPTIMIZED.get(model.name) or optimize_for_baseline(model)
     assert result.verification.ok
 
     outputs = make_session(result.model, threads=1).run(None, model.reference_inputs())
