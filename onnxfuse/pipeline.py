@@ -13,8 +13,9 @@ from typing import Callable, Sequence
 import onnx
 import onnx_graphsurgeon as gs
 
+from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
-from .graphutil import cleanup, export_model, toposort
+from .graph.core import cleanup, export_model, toposort
 
 TARGETS = ("cpu", "cuda")
 
@@ -42,6 +43,12 @@ class PassStats:
         }
 
 
+def _executed_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph onnxruntime executes for `model` (looked up at call time, so that a replaced
+    runtime.executed_graph is the one asked)."""
+    return runtime.executed_graph(model)
+
+
 @dataclass
 class Context:
     """What a pass may read and use besides the graph."""
@@ -52,6 +59,9 @@ class Context:
     options: dict = field(default_factory=dict)
     # Attributes graphsurgeon cannot carry, set aside at import and restored at export.
     binary_attributes: dict = field(default_factory=dict)
+    # What onnxruntime executes for a model, for passes that must not block its fusions: the
+    # ort layer opens the session, never a pass. None: the passes' rules stand alone.
+    executed_graph: Callable[[onnx.ModelProto], onnx.ModelProto] | None = _executed_graph
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function."""

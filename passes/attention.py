@@ -86,9 +86,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
-from onnxfuse.passes.matmul_batch import infer_shapes
-from onnxfuse.passes.shape_plumbing import ShapeEvaluator
+from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.pipeline import Context, Pass
 
 HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]

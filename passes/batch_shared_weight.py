@@ -2,7 +2,7 @@
 
 batch-shared-weight-matmul
     match:     n >= 2 linear nodes (MatMul(x_i, W) or Gemm(x_i, W, C) with transA=0, each
-               optionally followed by Add(constant row bias); see matmul_batch.match_linear)
+               optionally followed by Add(constant row bias); see onnxfuse.graph.linear.match_linear)
                that compute the same thing (one constant W, the same transB/alpha, the same
                bias) on distinct 2-D inputs x_i of one static shape [B, K]: an unrolled RNN's
                per-step input projection of a second layer (x_t = h1_t), a model applying one
@@ -23,8 +23,9 @@ from collections import defaultdict
 
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
-from onnxfuse.passes.matmul_batch import Linear, infer_shapes, match_linear, split_node
+from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.pipeline import Context, Pass
 
 MAX_ROWS = 256
@@ -120,7 +121,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
                 gu.disconnect(node)
             out.shape = [rows, n]
             outputs.append(out)
-        nodes.append(split_node(graph, y, [rows] * len(members), outputs, axis=0, name=f"{base}/Split"))
+        nodes.append(gu.split_node(graph, y, [rows] * len(members), outputs, axis=0, name=f"{base}/Split"))
         graph.nodes.extend(nodes)
         made += len(members)
     if made:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
+from onnxfuse.graph import core as gu
 from onnxfuse.cuda.conv_codegen import (ConvShape, Epilogue, Kernel, clusters_supported, generate, heuristic_tile,
                                         tensor_cores_supported, tune)
 from onnxfuse.pipeline import Context, Pass
@@ -343,13 +343,12 @@ def run(graph: gs.Graph, ctx: Context) -> int:
 def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
     """Every 2-D Conv of an ONNX model after BN folding: (node name, shape, epilogue), the
     epilogue None where this pass would leave the Conv alone (a bare Conv)."""
-    from onnxfuse.pipeline import import_graph
-
-    from . import fold_batchnorm
+    from onnxfuse.pipeline import import_graph, select_passes
 
     ctx = Context(target="cuda")
     graph, _, _ = import_graph(model, ctx)
-    fold_batchnorm.run(graph, ctx)
+    for fold in select_passes(["fold-batchnorm"], "cuda"):
+        fold.run(graph, ctx)
     gu.toposort(gu.cleanup(graph))
     shapes = gu.ShapeTable(graph)
     out = []

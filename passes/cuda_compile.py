@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
+from onnxfuse.graph import core as gu
 from onnxfuse.cuda import attention_codegen, codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse.fused import DOMAIN

@@ -3,7 +3,7 @@
 batch-ensemble
     match:     K >= 2 branches that start with linear readers of one tensor x (MatMul(x, W) or
                Gemm(x, W, C) with transA=0, constant 2-D weights of one shape, optional constant
-               row bias; see matmul_batch.match_linear) and continue in lockstep with the same
+               row bias; see onnxfuse.graph.linear.match_linear) and continue in lockstep with the same
                ops: further linear layers on constant weights of one shape per layer, and unary
                activations with equal attributes. Every intermediate tensor is read only by its
                branch. x must be 2-D ([B, D]).
@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
-from onnxfuse.passes.matmul_batch import ACTIVATIONS, Linear, _rank, infer_shapes, match_linear, split_node
+from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.linear import Linear, match_linear
+from onnxfuse.graph.patterns import ACTIVATIONS
 from onnxfuse.pipeline import Context, Pass
 
 # On the CPU provider (1 thread) the stacked form was faster at batch 1 for every width
@@ -231,7 +233,7 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
         # Shape known here: the fused op's output has no shape inference of its own in this
         # pipeline, and the pointwise pass reads the Split pieces in place only with known ranks.
         flat = gs.Variable(f"{base}_flat", dtype=dtype, shape=[gu.dims(x)[0], k_count * out_width])
-        split = split_node(graph, flat, [out_width] * k_count, outs, name=f"{base}/Split")
+        split = gu.split_node(graph, flat, [out_width] * k_count, outs, name=f"{base}/Split")
     nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[flat]))
     if fused_acts is not None:
         if flat.dtype is None:
@@ -247,7 +249,7 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
     infer_shapes(graph)
     rewrites = 0
     for x in list(graph.tensors().values()):
-        if isinstance(x, gs.Constant) or len(x.outputs) < 2 or _rank(x) != 2:
+        if isinstance(x, gs.Constant) or len(x.outputs) < 2 or gu.rank(x) != 2:
             continue
         first = [m for m in (match_linear(graph, n, x) for n in list(x.outputs)) if m is not None]
         groups: dict[tuple, list[Linear]] = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
+from onnxfuse.graph import core as gu
 from onnxfuse.pipeline import Context, Pass
 
 # Shape-only ops whose constant inputs are folded when resolving a weight's value.
@@ -83,7 +83,7 @@ def resolve_constant(tensor: gs.Tensor | None) -> np.ndarray | None:
 
 def write_constant(graph: gs.Graph, base: str, value: np.ndarray, taken: set[str] | None = None) -> gs.Tensor:
     """A tensor holding `value`: an initializer, or a ConstantOfShape node when it is one repeated
-    value (so a fill stays a fill). `taken`: the names in use (see graphutil.unique_name)."""
+    value (so a fill stays a fill). `taken`: the names in use (see graph.core.unique_name)."""
     value = np.ascontiguousarray(value)
     if value.size >= _COMPACT_FILL_ELEMENTS and np.all(value == value.flat[0]):
         shape = gu.make_constant(graph, f"{base}_shape", np.array(value.shape, dtype=np.int64), taken)

@@ -21,8 +21,9 @@ from collections import defaultdict
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
-from onnxfuse.passes.matmul_batch import ELEMENTWISE, infer_shapes
+from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.patterns import ELEMENTWISE
 from onnxfuse.pipeline import Context, Pass
 
 

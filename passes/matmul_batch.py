@@ -56,142 +56,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
+from onnxfuse.graph import core as gu
+from onnxfuse.graph import linear as gl
+from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.linear import Linear, match_linear
+from onnxfuse.graph.patterns import ACTIVATIONS, ELEMENTWISE
 from onnxfuse.pipeline import Context, Pass
 
 # A Split that stays a real copy pays only up to this many GEMM rows (static); see
 # bench/results/matmul_batch.md (mlp_ensemble: faster at batch 4, 3-8% slower at 64..1024).
 SPLIT_COPY_MAX_ROWS = 16
-
-# Unary elementwise ops an activation may be (equal attributes across members required).
-ACTIVATIONS = {
-    "Relu", "Sigmoid", "Tanh", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish",
-    "Softplus", "Softsign", "Gelu", "Erf", "Abs", "Neg", "Exp", "Log", "Sqrt", "Mish", "ThresholdedRelu",
-}
-# Ops the pointwise-fusion pass fuses: a Split piece read only by these is read in place.
-ELEMENTWISE = ACTIVATIONS | {
-    "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Where", "Clip", "Reciprocal",
-    "Floor", "Ceil", "Round", "Sign", "Cast", "Not", "And", "Or", "Equal", "Less", "Greater",
-    "Sin", "Cos",
-}
-FLOAT_KINDS = "f"
-
-
-@dataclass
-class Linear:
-    """One member: x @ weight (+ bias) (+ activation) -> output."""
-
-    nodes: list[gs.Node]
-    weight: np.ndarray  # effective [K, N]: transB and alpha applied
-    bias: np.ndarray | None  # effective [N]: beta and any Add bias applied
-    output: gs.Variable
-    key: tuple  # identifies members that compute the same thing
-    activation: gs.Node | None = None
-
-
-def _row_bias(value: np.ndarray, n: int, out_rank: int | None) -> np.ndarray | None:
-    """value as an [n] vector when adding it to an [..., n] tensor broadcasts along the last
-    axis only (and does not raise the rank); else None."""
-    if value.ndim == 0 or value.size == 1:
-        if out_rank is not None and value.ndim > out_rank:
-            return None
-        return np.full((n,), value.reshape(()), dtype=value.dtype)
-    if value.shape[-1] != n or any(d != 1 for d in value.shape[:-1]):
-        return None
-    if value.ndim > max(out_rank or 2, 2) or (out_rank is None and value.ndim > 1):
-        return None
-    return value.reshape(n)
-
-
-def infer_shapes(graph: gs.Graph) -> None:
-    """Fill in the shapes of intermediate tensors that the model did not record (ONNX shape
-    inference on an exported copy); the rules below need ranks and leading dims."""
-    import onnx
-
-    if all(t.shape is not None for t in graph.tensors().values() if isinstance(t, gs.Variable) and t.inputs):
-        return
-    try:
-        model = gs.export_onnx(graph.copy(), do_type_check=False)
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # shape inference is best effort: unknown shapes only disable rewrites
-        return
-    known = {vi.name: vi for vi in list(model.graph.value_info) + list(model.graph.output)}
-    for name, t in graph.tensors().items():
-        vi = known.get(name)
-        if not isinstance(t, gs.Variable) or vi is None or t.shape is not None:
-            continue
-        tt = vi.type.tensor_type
-        if not tt.HasField("shape"):
-            continue
-        t.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
-        if t.dtype is None and tt.elem_type:
-            t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-
-
-def _rank(t: gs.Tensor) -> int | None:
-    d = gu.dims(t)
-    return None if d is None else len(d)
-
-
-def _plain(t: gs.Tensor, graph: gs.Graph) -> bool:
-    """An intermediate tensor that can be rewired: not a graph output."""
-    return not gu.is_graph_output(graph, t)
-
-
-def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
-    """node as x @ W' + b' when it reads x as its left operand with a constant weight."""
-    if not gu.is_op(node, "MatMul", "Gemm") or len(node.inputs) < 2 or node.inputs[0] is not x:
-        return None
-    if node.inputs[1] is x:
-        return None
-    w = gu.constant_value(node.inputs[1])
-    if w is None or w.ndim != 2 or w.dtype.kind not in FLOAT_KINDS or w.size == 0:
-        return None
-    x_rank = _rank(x)
-    bias = None
-    key: tuple
-    if node.op == "MatMul":
-        if x_rank is not None and x_rank < 2:
-            return None
-        key = ("W", node.inputs[1].name, 0, 1.0)
-    else:
-        if gu.attr(node, "transA", 0):
-            return None
-        if x_rank is not None and x_rank != 2:
-            return None
-        alpha = float(gu.attr(node, "alpha", 1.0))
-        beta = float(gu.attr(node, "beta", 1.0))
-        trans_b = int(gu.attr(node, "transB", 0))
-        key = ("W", node.inputs[1].name, trans_b, alpha)
-        if trans_b:
-            w = w.T
-        if alpha != 1.0:
-            w = (w * np.asarray(alpha, w.dtype)).astype(w.dtype)
-        if len(node.inputs) > 2 and gu.is_present(node.inputs[2]):
-            c = gu.constant_value(node.inputs[2])
-            if c is None or c.dtype != w.dtype:
-                return None
-            c = _row_bias(c, w.shape[1], 2)
-            if c is None:
-                return None
-            bias = (c * np.asarray(beta, c.dtype)).astype(c.dtype) if beta != 1.0 else c
-    w = np.ascontiguousarray(w)
-    out = node.outputs[0]
-    nodes = [node]
-    # MatMul/Gemm + Add(constant row bias)
-    reader = gu.single_consumer(out)
-    if _plain(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
-        other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
-        b = gu.constant_value(other) if other is not out else None
-        out_rank = 2 if node.op == "Gemm" else x_rank
-        if b is not None and b.dtype == w.dtype:
-            b = _row_bias(b, w.shape[1], out_rank)
-            if b is not None:
-                bias = b if bias is None else (bias + b).astype(w.dtype)
-                nodes.append(reader)
-                out = reader.outputs[0]
-    bias_key = None if bias is None else (bias.shape, bias.tobytes())
-    return Linear(nodes, w, bias, out, key + (bias_key,))
 
 
 def _same_activation(a: gs.Node, b: gs.Node) -> bool:
@@ -203,7 +77,7 @@ def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
     acts = []
     for m in members:
         r = gu.single_consumer(m.output)
-        if not _plain(m.output, graph) or not gu.is_op(r, *ACTIVATIONS) or len(r.inputs) != 1:
+        if not gl.rewirable(m.output, graph) or not gu.is_op(r, *ACTIVATIONS) or len(r.inputs) != 1:
             return
         acts.append(r)
     if all(_same_activation(acts[0], a) for a in acts[1:]):
@@ -260,20 +134,6 @@ def _static_rows(x: gs.Tensor) -> int | None:
     return int(np.prod(d[:-1], dtype=np.int64))
 
 
-def split_node(graph: gs.Graph, src: gs.Tensor, sizes: list[int], outputs: list[gs.Variable], axis: int = -1,
-               name: str | None = None) -> gs.Node:
-    """Split of `src` into pieces of `sizes` along `axis`, in the form the graph's opset takes
-    (sizes as an input from opset 13, as an attribute before)."""
-    if graph.opset >= 13:
-        sizes_t = gu.make_constant(graph, f"{src.name}_split", np.asarray(sizes, np.int64))
-        node = gs.Node("Split", inputs=[src, sizes_t], outputs=outputs, attrs={"axis": axis})
-    else:
-        node = gs.Node("Split", inputs=[src], outputs=outputs, attrs={"axis": axis, "split": list(sizes)})
-    if name is not None:
-        node.name = name
-    return node
-
-
 def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Context) -> bool:
     _attach_activations(graph, members)
     blocks: list[Linear] = []
@@ -288,7 +148,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
             duplicates.append((m, first))
     outputs = [b.output for b in blocks]
     split_free = pointwise_fusion_runs(ctx) and _pieces_read_in_place(graph, outputs)
-    before, after = _kernels(members, len(blocks), _rank(x), split_free)
+    before, after = _kernels(members, len(blocks), gu.rank(x), split_free)
     # A materialized Split copies rows x sum(N) values; that cost grows with the batch while the
     # saved dispatches do not (measured: faster at 4 rows, slower at 64 and more).
     rows = _static_rows(x)
@@ -324,7 +184,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
         # Only duplicates: the single block writes its own output.
         new_nodes[-1].outputs[0] = outputs[0]
     else:
-        new_nodes.append(split_node(graph, cur, sizes, outputs))
+        new_nodes.append(gu.split_node(graph, cur, sizes, outputs))
         new_nodes[-1].name = f"{base}/Split"
     for dup, first in duplicates:
         if gu.is_graph_output(graph, dup.output):
@@ -377,8 +237,8 @@ def _gather_member(graph: gs.Graph, mm: gs.Node):
     idx = gu.constant_value(g.inputs[1])
     w = gu.constant_value(mm.inputs[1])
     src = g.inputs[0]
-    rank = _rank(src)
-    if idx is None or w is None or w.ndim != 2 or w.dtype.kind not in FLOAT_KINDS or rank is None:
+    rank = gu.rank(src)
+    if idx is None or w is None or w.ndim != 2 or w.dtype.kind not in gl.FLOAT_KINDS or rank is None:
         return None
     axis = int(gu.attr(g, "axis", 0))
     axis = axis + rank if axis < 0 else axis
@@ -386,10 +246,10 @@ def _gather_member(graph: gs.Graph, mm: gs.Node):
         return None
     nodes, out, bias = [mm], mm.outputs[0], None
     reader = gu.single_consumer(out)
-    if _plain(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
+    if gl.rewirable(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
         other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
         b = gu.constant_value(other) if other is not out else None
-        b = _row_bias(b, w.shape[1], None) if b is not None and b.dtype == w.dtype else None
+        b = gl.row_bias(b, w.shape[1], None) if b is not None and b.dtype == w.dtype else None
         if b is not None:
             nodes.append(reader)
             out, bias = reader.outputs[0], b
@@ -468,7 +328,7 @@ def _collect_add_tree(graph: gs.Graph, root: gs.Node) -> _AddTree:
             if (
                 gu.is_op(p, "Add")
                 and len(t.outputs) == 1
-                and _plain(t, graph)
+                and gl.rewirable(t, graph)
                 and node.inputs.count(t) == 1
                 and p.outputs[0].dtype == root.outputs[0].dtype
             ):
@@ -498,7 +358,7 @@ def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
         out = root.outputs[0]
         # Only the top of a tree: a root read by another Add of the tree is handled there.
         reader = gu.single_consumer(out)
-        if gu.is_op(reader, "Add") and _plain(out, graph):
+        if gu.is_op(reader, "Add") and gl.rewirable(out, graph):
             continue
         tree = _collect_add_tree(graph, root)
         terms, rest = [], []
@@ -506,10 +366,10 @@ def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
             p = gu.producer(leaf)
             w = gu.constant_value(p.inputs[1]) if gu.is_op(p, "MatMul") else None
             if (
-                w is not None and w.ndim == 2 and w.dtype.kind in FLOAT_KINDS
-                and len(leaf.outputs) == 1 and _plain(leaf, graph)
+                w is not None and w.ndim == 2 and w.dtype.kind in gl.FLOAT_KINDS
+                and len(leaf.outputs) == 1 and gl.rewirable(leaf, graph)
                 and not isinstance(p.inputs[0], gs.Constant)
-                and _rank(p.inputs[0]) == 2
+                and gu.rank(p.inputs[0]) == 2
             ):
                 terms.append((p, w))
             else:
@@ -528,7 +388,7 @@ def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
         biases, others = [], []
         for t in rest:
             v = gu.constant_value(t)
-            b = _row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
+            b = gl.row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
             if b is not None:
                 biases.append(b)
             else:

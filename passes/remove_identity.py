@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
+from onnxfuse.graph import core as gu
 from onnxfuse.pipeline import Context, Pass
 
 

@@ -30,66 +30,15 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from onnxfuse import graphutil as gu
+from onnxfuse.graph import core as gu
+from onnxfuse.graph.slices import UNREACHABLE_END, normalize_axis, read_slice, slice_indices
 from onnxfuse.pipeline import Context, Pass
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
-# An end at least this large reaches past the end of any tensor that fits in memory.
-_UNREACHABLE_END = 2**62
 
 
 # Slice parameters ---------------------------------------------------------------------------
-
-
-def _normalize_axis(axis: int, rank: int | None) -> int | None:
-    if axis >= 0:
-        return axis if rank is None or axis < rank else None
-    if rank is None or axis < -rank:
-        return None
-    return axis + rank
-
-
-def read_slice(node: gs.Node, opset: int, rank: int | None) -> dict[int, tuple[int, int, int]] | None:
-    """{axis: (start, end, step)} of a Slice with constant parameters, axes made non-negative;
-    None when a parameter is computed or invalid."""
-    if opset < 10:
-        starts, ends = gu.attr(node, "starts"), gu.attr(node, "ends")
-        axes = gu.attr(node, "axes")
-        steps = None
-    else:
-        ins = list(node.inputs) + [None] * (5 - len(node.inputs))
-        starts, ends = gu.constant_ints(ins[1]), gu.constant_ints(ins[2])
-        axes = gu.constant_ints(ins[3]) if gu.is_present(ins[3]) else None
-        steps = gu.constant_ints(ins[4]) if gu.is_present(ins[4]) else None
-        if (gu.is_present(ins[3]) and axes is None) or (gu.is_present(ins[4]) and steps is None):
-            return None
-    if starts is None or ends is None or len(starts) != len(ends):
-        return None
-    axes = list(range(len(starts))) if axes is None else list(axes)
-    steps = [1] * len(starts) if steps is None else list(steps)
-    if len(axes) != len(starts) or len(steps) != len(starts) or 0 in steps:
-        return None
-    out: dict[int, tuple[int, int, int]] = {}
-    for a, s, e, k in zip(axes, starts, ends, steps):
-        axis = _normalize_axis(int(a), rank)
-        if axis is None or axis in out:
-            return None
-        out[axis] = (int(s), int(e), int(k))
-    return out
-
-
-def slice_indices(dim: int, start: int, end: int, step: int) -> range:
-    """The indices an ONNX Slice takes along an axis of static size `dim`."""
-    if start < 0:
-        start += dim
-    if end < 0:
-        end += dim
-    if step > 0:
-        start, end = min(max(start, 0), dim), min(max(end, 0), dim)
-    else:
-        start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
-    return range(start, end, step)
 
 
 def _range_params(r: range) -> tuple[int, int, int]:
@@ -104,7 +53,7 @@ def _keeps_axis(params: tuple[int, int, int], dim: int | str | None) -> bool:
     start, end, step = params
     if isinstance(dim, int):
         return slice_indices(dim, start, end, step) == range(dim)
-    return step == 1 and (start == 0 or start <= -_UNREACHABLE_END) and end >= _UNREACHABLE_END
+    return step == 1 and (start == 0 or start <= -UNREACHABLE_END) and end >= UNREACHABLE_END
 
 
 def _compose(outer_of_inner: tuple[int, int, int], inner: tuple[int, int, int], dim) -> tuple[int, int, int] | None:
@@ -218,7 +167,7 @@ def merge_slices(graph: gs.Graph, ctx: Context) -> int:
 
 
 def _split_axis(node: gs.Node, rank: int | None) -> int | None:
-    return _normalize_axis(int(gu.attr(node, "axis", 0)), rank)
+    return normalize_axis(int(gu.attr(node, "axis", 0)), rank)
 
 
 def _split_sizes(node: gs.Node, opset: int) -> list[int] | None | bool:
@@ -251,7 +200,7 @@ def remove_split_concat(graph: gs.Graph, ctx: Context) -> int:
                     len(run) == k
                     and all(t is s for t, s in zip(run, split.outputs))
                     and axis is not None
-                    and axis == _normalize_axis(int(gu.attr(concat, "axis", 0)), rank)
+                    and axis == normalize_axis(int(gu.attr(concat, "axis", 0)), rank)
                 ):
                     for _ in range(k):
                         concat.inputs.pop(i)
@@ -276,7 +225,7 @@ def remove_concat_split(graph: gs.Graph, ctx: Context) -> int:
             continue
         rank = shapes.rank(split.inputs[0])
         axis = _split_axis(split, rank)
-        if axis is None or axis != _normalize_axis(int(gu.attr(concat, "axis", 0)), rank):
+        if axis is None or axis != normalize_axis(int(gu.attr(concat, "axis", 0)), rank):
             continue
         if any(gu.is_graph_output(graph, s) for s in split.outputs):
             continue

@@ -4,7 +4,7 @@ Independent of program.py's reference: for every ONNX op the program supports, e
 backend test cases (onnx.backend.test.case.node) becomes a one-node model whose node is an
 onnxfuse.Pointwise running the op as a program; its outputs must match the case's expected
 outputs within the case's own tolerances. The ONNX -> program mapping here is deliberately local
-and minimal (passes/pointwise.py has the real lowering). Cases the program cannot express
+and minimal (onnxfuse/lowering.py has the real lowering). Cases the program cannot express
 (integer or string dtypes, non-constant Clip bounds...) are skipped with the reason.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The faster stand-ins for graphsurgeon and onnx steps that `optimize` uses (graphutil.toposort,
+"""The faster stand-ins for graphsurgeon and onnx steps that `optimize` uses (graph.core.toposort,
 cleanup, export_model, the weight-free shape inference, fold-batchnorm's name set, verification
 through model files) give exactly what the originals give."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxfuse import api, graphutil as gu, modelio, verify, zoo
+from onnxfuse import api, modelio, verify, zoo
+from onnxfuse.graph import core as gu
 from onnxfuse.passes import fold_batchnorm
 
 ZOO = ["inception_v1", "shufflenet", "gpt_stack", "mobilenetv3"]

@@ -572,3 +572,22 @@ def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = 
     cache[key] = (found_types, table)
     types.update(found_types)
     return dict(table)
+
+
+def rank(t: gs.Tensor) -> int | None:
+    d = dims(t)
+    return None if d is None else len(d)
+
+
+def split_node(graph: gs.Graph, src: gs.Tensor, sizes: list[int], outputs: list[gs.Variable], axis: int = -1,
+               name: str | None = None) -> gs.Node:
+    """Split of `src` into pieces of `sizes` along `axis`, in the form the graph's opset takes
+    (sizes as an input from opset 13, as an attribute before)."""
+    if graph.opset >= 13:
+        sizes_t = make_constant(graph, f"{src.name}_split", np.asarray(sizes, np.int64))
+        node = gs.Node("Split", inputs=[src, sizes_t], outputs=outputs, attrs={"axis": axis})
+    else:
+        node = gs.Node("Split", inputs=[src], outputs=outputs, attrs={"axis": axis, "split": list(sizes)})
+    if name is not None:
+        node.name = name
+    return node

@@ -1,0 +1,13 @@
+"""The shared graph layer every pass builds on (onnx-graphsurgeon graphs).
+
+core          producers, consumers, constants, dims, names, cleanup, toposort, export
+index         a graph's top-level nodes by identity, with producers and consumers
+facts         element types and shapes filled in by inference
+slices        ONNX Slice semantics
+shape_values  symbolic values of integer shape tensors
+linear        linear layers (MatMul/Gemm with a constant weight, + row bias)
+patterns      op vocabularies the passes match on
+ort_fusions   a model of onnxruntime's own fusions, which passes must not block
+
+No pass imports another pass: what two passes share lives here.
+"""

@@ -1,0 +1,99 @@
+"""Linear layers: x @ W (+ b) as MatMul or Gemm with a constant weight, an Add of a constant
+row bias after it included."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from . import core as gu
+
+FLOAT_KINDS = "f"
+
+
+@dataclass
+class Linear:
+    """One member: x @ weight (+ bias) (+ activation) -> output."""
+
+    nodes: list[gs.Node]
+    weight: np.ndarray  # effective [K, N]: transB and alpha applied
+    bias: np.ndarray | None  # effective [N]: beta and any Add bias applied
+    output: gs.Variable
+    key: tuple  # identifies members that compute the same thing
+    activation: gs.Node | None = None
+
+
+def row_bias(value: np.ndarray, n: int, out_rank: int | None) -> np.ndarray | None:
+    """value as an [n] vector when adding it to an [..., n] tensor broadcasts along the last
+    axis only (and does not raise the rank); else None."""
+    if value.ndim == 0 or value.size == 1:
+        if out_rank is not None and value.ndim > out_rank:
+            return None
+        return np.full((n,), value.reshape(()), dtype=value.dtype)
+    if value.shape[-1] != n or any(d != 1 for d in value.shape[:-1]):
+        return None
+    if value.ndim > max(out_rank or 2, 2) or (out_rank is None and value.ndim > 1):
+        return None
+    return value.reshape(n)
+
+
+def rewirable(t: gs.Tensor, graph: gs.Graph) -> bool:
+    """An intermediate tensor that can be rewired: not a graph output."""
+    return not gu.is_graph_output(graph, t)
+
+
+def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
+    """node as x @ W' + b' when it reads x as its left operand with a constant weight."""
+    if not gu.is_op(node, "MatMul", "Gemm") or len(node.inputs) < 2 or node.inputs[0] is not x:
+        return None
+    if node.inputs[1] is x:
+        return None
+    w = gu.constant_value(node.inputs[1])
+    if w is None or w.ndim != 2 or w.dtype.kind not in FLOAT_KINDS or w.size == 0:
+        return None
+    x_rank = gu.rank(x)
+    bias = None
+    key: tuple
+    if node.op == "MatMul":
+        if x_rank is not None and x_rank < 2:
+            return None
+        key = ("W", node.inputs[1].name, 0, 1.0)
+    else:
+        if gu.attr(node, "transA", 0):
+            return None
+        if x_rank is not None and x_rank != 2:
+            return None
+        alpha = float(gu.attr(node, "alpha", 1.0))
+        beta = float(gu.attr(node, "beta", 1.0))
+        trans_b = int(gu.attr(node, "transB", 0))
+        key = ("W", node.inputs[1].name, trans_b, alpha)
+        if trans_b:
+            w = w.T
+        if alpha != 1.0:
+            w = (w * np.asarray(alpha, w.dtype)).astype(w.dtype)
+        if len(node.inputs) > 2 and gu.is_present(node.inputs[2]):
+            c = gu.constant_value(node.inputs[2])
+            if c is None or c.dtype != w.dtype:
+                return None
+            c = row_bias(c, w.shape[1], 2)
+            if c is None:
+                return None
+            bias = (c * np.asarray(beta, c.dtype)).astype(c.dtype) if beta != 1.0 else c
+    w = np.ascontiguousarray(w)
+    out = node.outputs[0]
+    nodes = [node]
+    # MatMul/Gemm + Add(constant row bias)
+    reader = gu.single_consumer(out)
+    if rewirable(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
+        other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
+        b = gu.constant_value(other) if other is not out else None
+        out_rank = 2 if node.op == "Gemm" else x_rank
+        if b is not None and b.dtype == w.dtype:
+            b = row_bias(b, w.shape[1], out_rank)
+            if b is not None:
+                bias = b if bias is None else (bias + b).astype(w.dtype)
+                nodes.append(reader)
+                out = reader.outputs[0]
+    bias_key = None if bias is None else (bias.shape, bias.tobytes())
+    return Linear(nodes, w, bias, out, key + (bias_key,))
