@@ -8,7 +8,7 @@ other processes on a shared machine do not inflate by preempting it; at two thre
 time. CPU provider, ORT_ENABLE_ALL applied after our passes, the library loaded for the
 optimized model.
 
-    python bench/attention_cpu.py [--rounds 60] [--out bench/results/attention_cpu.md]
+    python -m bench.attention_cpu [--rounds 60] [--out bench/results/attention_cpu.md]
                                   [--before OPTIMIZED.onnx [--before-library LIB.so]]
 
 --before: gpt_stack as an earlier commit optimized it (onnxfuse optimize zoo:gpt_stack OUT at
@@ -18,48 +18,26 @@ ONNXFUSE_LIBRARY into the same process).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
-import subprocess
 import sys
-import time
-from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import onnx
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import harness
 
 
 def interleaved(sess_a, sess_b, feeds, threads: int, rounds: int, burst: int, feeds_b=None) -> tuple[float, float, float]:
-    """(median ms of a, median ms of b, median per-round ratio b / a); b runs on feeds_b if given."""
-    clock = time.thread_time if threads == 1 else time.perf_counter
-    inputs = {id(sess_a): feeds, id(sess_b): feeds if feeds_b is None else feeds_b}
-    for s in (sess_a, sess_b):
-        for _ in range(10):
-            s.run(None, inputs[id(s)])
-
-    def one_burst(s):
-        f = inputs[id(s)]
-        ts = []
-        for _ in range(burst):
-            t = clock()
-            s.run(None, f)
-            ts.append(clock() - t)
-        return float(np.median(ts))
-
-    ta, tb = [], []
-    for r in range(rounds):
-        if r % 2:
-            a, b = one_burst(sess_a), one_burst(sess_b)
-        else:
-            b, a = one_burst(sess_b), one_burst(sess_a)
-        ta.append(a)
-        tb.append(b)
-    ratios = np.array(tb) / np.array(ta)
-    return float(np.median(ta)) * 1e3, float(np.median(tb)) * 1e3, float(np.median(ratios))
+    """(median ms of a, median ms of b, median per-round ratio b / a); b runs on feeds_b if given.
+    Samples of `burst` runs, the order alternating between rounds; the calling thread's CPU time
+    at one thread, wall time above."""
+    samples = harness.interleave(
+        {"a": harness.session_run(sess_a, feeds), "b": harness.session_run(sess_b, feeds if feeds_b is None else feeds_b)},
+        order="rotate", min_rounds=rounds, max_rounds=rounds, warmup=10, runs=burst, cpu_clock=threads == 1)
+    clock = "cpu" if threads == 1 else "wall"
+    return samples.median_ms("a", clock), samples.median_ms("b", clock), samples.ratio("a", "b", clock)
 
 
 def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "last", sliced: bool = False):
@@ -67,8 +45,7 @@ def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "la
     static sizes. bias "input": the bias a graph input, so fuse-attention leaves its Add separate.
     sliced: the mask as torch exports it, a run-time slice of a triu(-1e9) buffer (fuse-attention's
     causal mode), else that mask as a constant [1, 1, seq, seq] (an additive mask input)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from attention_models import attention_model
+    from tests.attention_models import attention_model
 
     causal = np.triu(np.full((seq, seq), -1e9, np.float32), 1)[None, None]
     masks = dict(causal=dict(table=causal)) if sliced else dict(mask_const=causal)
@@ -81,31 +58,21 @@ def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "la
     return m, feeds
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--burst", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=2, help="times each end-to-end row is measured")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--before", default=None, help="gpt_stack optimized at an earlier commit")
-    ap.add_argument("--before-library", default=None, help="the library the --before model runs with")
-    args = ap.parse_args(argv)
-    import onnxruntime
-
+@harness.script(__doc__)
+@click.option("--rounds", type=int, default=60, show_default=True)
+@click.option("--burst", type=int, default=10, show_default=True)
+@click.option("--repeats", type=int, default=2, show_default=True, help="times each end-to-end row is measured")
+@click.option("--out", default=None, help="write the report here (default: print it only)")
+@click.option("--before", default=None, help="gpt_stack optimized at an earlier commit")
+@click.option("--before-library", default=None, help="the library the --before model runs with")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import api, runtime, zoo
     from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEYS, CPU_MAX_KEYS
 
     original = onnx.load(str(zoo.get("gpt_stack").path))
     result = api.optimize(original, dims={"batch": 2, "seq": 32})
     optimized = result.model
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    lines = ["# Attention on the CPU: fused multi-head attention vs onnxruntime's chain", "",
-             f"Command: `python bench/attention_cpu.py --rounds {args.rounds} --burst {args.burst} --repeats {args.repeats}"
-             + (f" --before {args.before}" if args.before else "")
-             + (f" --before-library {args.before_library}" if args.before_library else "") + "`", "",
-             f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. Machine: "
-             f"{platform.machine()}, 2-core VM shared with other jobs while measuring; onnxruntime {onnxruntime.__version__}, "
-             f"onnx {onnx.__version__}, Python {platform.python_version()}.", "",
+    lines = [*stamp.header("Attention on the CPU: fused multi-head attention vs onnxruntime's chain"),
              f"gpt_stack kernels per inference (ORT_ENABLE_ALL, 1 thread): {result.summary.get('kernels_before', '?')} -> "
              f"{result.summary.get('kernels_after', '?')}.", "",
              "## gpt_stack end to end", "",
@@ -194,13 +161,11 @@ def main(argv=None) -> int:
         row = f"| {seq} | {a * 1e3:.1f} | {c * 1e3:.1f} | {b * 1e3:.1f} | {r:.3f} | {r2:.3f} | {causal_cells} |"
         print(row, flush=True)
         lines.append(row)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    else:
-        print(text)
+    harness.write_report(args.out, "\n".join(lines) + "\n")
     return 0
 
+
+main = harness.main_of(cli)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,14 +28,13 @@ GPT-2-small-sized model (bench/gpt2_small.py), and when a time goal is missed re
 the time goes (stages, passes, the hottest functions).
 
     pip install -e '.[bench]'
-    python bench/compare.py                      # writes bench/RESULTS.md, bench/results/compare.{json,png}
-    python bench/compare.py --models char_rnn,gpt_stack --runs 50 --no-optimize-time
-    python bench/compare.py --render-only        # rewrite RESULTS.md and the chart from compare.json
-    python bench/readme_section.py               # README's benchmark section from compare.json
+    python -m bench.compare                      # writes bench/RESULTS.md, bench/results/compare.{json,png}
+    python -m bench.compare --models char_rnn,gpt_stack --runs 50 --no-optimize-time
+    python -m bench.compare --render-only        # rewrite RESULTS.md and the chart from compare.json
+    python -m bench.readme_section               # README's benchmark section from compare.json
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -48,12 +47,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-DEFAULT_OUT = HERE / "RESULTS.md"
-DEFAULT_JSON = HERE / "results" / "compare.json"
-DEFAULT_CHART = HERE / "results" / "compare.png"
+import click
+
+from bench import harness
+
+REPO = harness.ROOT
+DEFAULT_OUT = REPO / "bench" / "RESULTS.md"
+DEFAULT_JSON = harness.RESULTS / "compare.json"
+DEFAULT_CHART = harness.RESULTS / "compare.png"
 FORMAT = 1
 
 VARIANTS = ("ort", "onnxsim", "onnxslim", "onnxoptimizer", "onnxfuse")
@@ -74,7 +77,7 @@ INSTALL_HINT = "pip install -e '.[bench]'"
 
 
 # =========================================================================== optimizer workers
-# Run in a child process: `compare.py --worker JSON` optimizes one model with one tool.
+# Run in a child process: `python -m bench.compare --worker JSON` optimizes one model with one tool.
 
 
 def _optimize_with(tool: str, model, dims: dict, target: str):
@@ -198,7 +201,7 @@ def run_tool(tool: str, model_path, out_path, dims: dict | None = None, target: 
     """Optimize model_path with `tool` in a fresh process; failures come back as ToolRun.error."""
     job = {"tool": tool, "model": str(model_path), "out": str(out_path) if out_path else None,
            "dims": dict(dims or {}), "target": target, "profile_top": profile_top}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(job)]
+    cmd = [sys.executable, "-m", "bench.compare", "--worker", json.dumps(job)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
     except subprocess.TimeoutExpired:
@@ -241,39 +244,20 @@ class Setting:
 
 def interleaved_latency(sessions: dict, feeds: dict, rounds: int, min_rounds: int, budget_s: float,
                         warmup: int, sample_ms: float, baseline: str | None = None) -> dict[str, dict]:
-    """Latency per session: warm-up, then rotating rounds: at least `min_rounds`, then until
-    `rounds` or the time budget, whichever comes first. With a baseline session, each entry's
-    "ratio" is the median over rounds of (its sample / the baseline's sample of the same round):
-    a paired figure that load changes between rounds do not move."""
-    clock = time.perf_counter
-    min_rounds = min(min_rounds, rounds)
-    inner = {}
-    for name, sess in sessions.items():
-        times = []
-        for _ in range(max(1, warmup)):
-            t0 = clock()
-            sess.run(None, feeds)
-            times.append(clock() - t0)
-        inner[name] = max(1, math.ceil(sample_ms / 1e3 / max(min(times), 1e-7)))
-    order = list(sessions)
-    samples = {name: [] for name in order}
-    start = clock()
-    for r in range(max(1, rounds)):
-        shift = r % len(order)
-        for name in order[shift:] + order[:shift]:
-            sess, k = sessions[name], inner[name]
-            t0 = clock()
-            for _ in range(k):
-                sess.run(None, feeds)
-            samples[name].append((clock() - t0) / k * 1e3)
-        if r + 1 >= min_rounds and clock() - start > budget_s:
-            break  # enough rounds and the time budget spent; fast models reach `rounds` first
+    """Latency per session: warm-up, then rotating rounds (harness.interleave): at least
+    `min_rounds`, then until `rounds` or the time budget, whichever comes first. With a baseline
+    session, each entry's "ratio" is the median over rounds of (its sample / the baseline's
+    sample of the same round): a paired figure that load changes between rounds do not move."""
+    samples = harness.interleave({name: harness.session_run(sess, feeds) for name, sess in sessions.items()},
+                                 order="rotate", min_rounds=min_rounds, max_rounds=max(1, rounds), budget_s=budget_s,
+                                 warmup=warmup, sample_ms=sample_ms, same_runs=False)
     result = {}
-    for name, ms in samples.items():
-        result[name] = {"min_ms": min(ms), "median_ms": statistics.median(ms), "max_ms": max(ms), "runs": len(ms),
-                        "inferences_per_sample": inner[name]}
-        if baseline in samples:
-            result[name]["ratio"] = statistics.median(a / b for a, b in zip(ms, samples[baseline]))
+    for name in sessions:
+        result[name] = {"min_ms": samples.min_ms(name), "median_ms": samples.median_ms(name),
+                        "max_ms": samples.max_ms(name), "runs": samples.rounds,
+                        "inferences_per_sample": samples.runs[name]}
+        if baseline in sessions:
+            result[name]["ratio"] = samples.ratio(baseline, name)
     return result
 
 
@@ -398,23 +382,6 @@ def time_optimize(label: str, path: Path, dims: dict, goal_s: float, reps: int, 
 # =========================================================================== environment
 
 
-def _git(*argv) -> str:
-    try:
-        return subprocess.run(["git", *argv], capture_output=True, text=True, cwd=str(REPO), timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -438,15 +405,15 @@ def _version(module: str) -> str:
 
 
 def environment(argv: list[str]) -> dict:
-    modified = [ln for ln in _git("status", "--porcelain", "--untracked-files=no").splitlines() if ln.strip()]
+    modified = [ln for ln in harness.git("status", "--porcelain", "--untracked-files=no").splitlines() if ln.strip()]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python bench/compare.py" + "".join(f" {a}" for a in argv),
-        "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, {_memory_gib()} GiB;"
+        "command": harness.command_line("compare", argv),
+        "machine": f"{platform.machine()}, {harness.cpu_model()}, {os.cpu_count()} cores, {_memory_gib()} GiB;"
                    f" {platform.platform()}",
         "python": platform.python_version(),
         "versions": [_version(m) for m in ("onnxruntime", "onnx", "onnxsim", "onnxslim", "onnxoptimizer")],
-        "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
+        "commit": harness.git("rev-parse", "--short", "HEAD") or "unknown",
         "modified_tracked_files": len(modified),
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
     }
@@ -623,7 +590,7 @@ def render_markdown(results: dict, chart_name: str | None) -> str:
     out = [
         "# onnxfuse beside onnxruntime's optimizer and the ONNX simplifiers",
         "",
-        "Generated by `bench/compare.py` (do not edit by hand; `python bench/compare.py --render-only` rewrites it"
+        "Generated by `python -m bench.compare` (do not edit by hand; `python -m bench.compare --render-only` rewrites it"
         " from `bench/results/compare.json`).",
         "",
         f"- Command: `{meta['command']}`",
@@ -639,7 +606,7 @@ def render_markdown(results: dict, chart_name: str | None) -> str:
         f" (at least {meta['min_runs']}, stopping after {meta['budget_s']:g} s per model and setting); a sample is the"
         f" mean of back-to-back inferences lasting about {meta['sample_ms']:g} ms. Seeded random inputs (seed"
         f" {meta['seed']}), the zoo's default sizes of symbolic dimensions.",
-        f"- Kernels per inference: onnxruntime's profiler, one inference, CPU provider, 1 thread, ORT_ENABLE_ALL.",
+        "- Kernels per inference: onnxruntime's profiler, one inference, CPU provider, 1 thread, ORT_ENABLE_ALL.",
         f"- CUDA provider: {meta['cuda']}",
         "",
         "Variants (each then run by onnxruntime, ORT_ENABLE_ALL):",
@@ -754,59 +721,69 @@ def write_outputs(results: dict, out: Path, json_path: Path, chart: Path | None)
 # =========================================================================== command line
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+@harness.script(__doc__)
+@click.option("--worker", hidden=True, help="optimize one model with one tool (JSON job) and print the result")
+@click.option("--models", callback=harness.csv(), help="comma-separated zoo names (default: every zoo model)")
+@click.option("--tools", callback=harness.csv(), default=",".join(VARIANTS[1:]), show_default=True,
+              help="optimizers beside onnxruntime alone")
+@click.option("--threads", callback=harness.csv(int), default="1,2", show_default=True, help="CPU intra-op thread counts")
+@click.option("--runs", type=int, default=200, show_default=True, help="most timed rounds per model and setting")
+@click.option("--min-runs", type=int, default=10, show_default=True, help="fewest timed rounds, whatever the budget")
+@click.option("--budget", type=float, default=20.0, show_default=True,
+              help="seconds of timed rounds per model and setting, after --min-runs")
+@click.option("--warmup", type=int, default=3, show_default=True, help="warm-up inferences per variant")
+@click.option("--sample-ms", type=float, default=1.0, show_default=True, help="about how long one latency sample lasts")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tool-timeout", type=float, default=900.0, show_default=True, help="seconds one optimizer run may take")
+@click.option("--no-optimize-time", is_flag=True,
+              help="skip timing `optimize` on the largest zoo model and a GPT-2-small-sized model")
+@click.option("--optimize-reps", type=int, default=3, show_default=True, help="runs of each `optimize` timing")
+@click.option("--profile-top", type=int, default=15, show_default=True,
+              help="functions listed when an optimize-time goal is missed (0: no profiled run)")
+@click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, help="markdown report",
+              show_default=str(DEFAULT_OUT.relative_to(REPO)))
+@click.option("--json", type=click.Path(path_type=Path), default=DEFAULT_JSON, help="results data",
+              show_default=str(DEFAULT_JSON.relative_to(REPO)))
+@click.option("--chart", type=click.Path(path_type=Path), default=DEFAULT_CHART, help="PNG chart",
+              show_default=str(DEFAULT_CHART.relative_to(REPO)))
+@click.option("--no-chart", is_flag=True)
+@click.option("--optimize-only", is_flag=True,
+              help="only time `optimize` (largest zoo model, GPT-2 small) and update --json, --out and --chart")
+@click.option("--render-only", is_flag=True, help="rewrite --out and --chart from --json without measuring")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+    if args.worker is not None:
+        return _worker_main(args.worker)
+    return run(_checked(vars(args)))
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=_csv, default=None, help="comma-separated zoo names (default: every zoo model)")
-    p.add_argument("--tools", type=_csv, default=list(VARIANTS[1:]),
-                   help=f"optimizers beside onnxruntime alone (default: {','.join(VARIANTS[1:])})")
-    p.add_argument("--threads", type=lambda t: [int(x) for x in _csv(t)], default=[1, 2],
-                   help="CPU intra-op thread counts (default: 1,2)")
-    p.add_argument("--runs", type=int, default=200, help="most timed rounds per model and setting (default 200)")
-    p.add_argument("--min-runs", type=int, default=10, help="fewest timed rounds, whatever the budget (default 10)")
-    p.add_argument("--budget", type=float, default=20.0,
-                   help="seconds of timed rounds per model and setting, after --min-runs (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up inferences per variant (default 3)")
-    p.add_argument("--sample-ms", type=float, default=1.0, help="about how long one latency sample lasts (default 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tool-timeout", type=float, default=900.0, help="seconds one optimizer run may take (default 900)")
-    p.add_argument("--no-optimize-time", action="store_true",
-                   help="skip timing `optimize` on the largest zoo model and a GPT-2-small-sized model")
-    p.add_argument("--optimize-reps", type=int, default=3, help="runs of each `optimize` timing (default 3)")
-    p.add_argument("--profile-top", type=int, default=15,
-                   help="functions listed when an optimize-time goal is missed (0: no profiled run)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"markdown report (default {DEFAULT_OUT.relative_to(REPO)})")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="results data (default bench/results/compare.json)")
-    p.add_argument("--chart", type=Path, default=DEFAULT_CHART, help="PNG chart (default bench/results/compare.png)")
-    p.add_argument("--no-chart", action="store_true")
-    p.add_argument("--optimize-only", action="store_true",
-                   help="only time `optimize` (largest zoo model, GPT-2 small) and update --json, --out and --chart")
-    p.add_argument("--render-only", action="store_true",
-                   help="rewrite --out and --chart from --json without measuring")
-    args = p.parse_args(argv)
+def _checked(params: dict) -> SimpleNamespace:
+    """The options as attributes, after the checks click's types do not make."""
+    args = SimpleNamespace(**params)
     unknown = [t for t in args.tools if t not in VARIANTS[1:]]
     if unknown:
-        p.error(f"--tools: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS[1:])})")
+        raise click.BadParameter(f"unknown {', '.join(unknown)} (known: {', '.join(VARIANTS[1:])})", param_hint="--tools")
     if not args.threads or any(t < 1 for t in args.threads):
-        p.error("--threads: positive thread counts, comma-separated")
+        raise click.BadParameter("positive thread counts, comma-separated", param_hint="--threads")
     if args.runs < 1 or args.min_runs < 1:
-        p.error("--runs and --min-runs must be at least 1")
+        raise click.UsageError("--runs and --min-runs must be at least 1")
     return args
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        return _worker_main(argv[1])
-    args = parse_args(argv)
-    chart = None if args.no_chart else args.chart
+def parse_args(argv) -> SimpleNamespace:
+    """The options of a command line, as `main` reads them (for tests and callers)."""
+    params = dict(cli.make_context("compare", list(argv)).params)
+    params.pop("worker", None)
+    return _checked(params)
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+
+main = harness.main_of(cli)
+
+
+def run(args: SimpleNamespace) -> int:
+    """The benchmark (or, with --render-only or --optimize-only, part of it) for checked options."""
+    argv = harness.invoked_argv()
+    chart = None if args.no_chart else args.chart
+    log = harness.log
 
     if args.render_only or args.optimize_only:
         if not args.json.is_file():
@@ -879,8 +856,7 @@ def optimize_times(args, argv: list[str], workdir: Path, log) -> tuple[dict, lis
 
     from onnxfuse import zoo
 
-    sys.path.insert(0, str(HERE))
-    import gpt2_small
+    from bench import gpt2_small
 
     env = environment(argv)
     meta = {k: env[k] for k in ("date", "command", "commit", "modified_tracked_files", "load_average_start")}

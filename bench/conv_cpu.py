@@ -5,21 +5,19 @@ verify the outputs (seeded random inputs), then time both models side by side in
 CPU provider, interleaved (A B A B ...), and report the median latency ratio and the kernels per
 inference (ORT profiler) of each. Writes a markdown table.
 
-    python bench/conv_cpu.py --out bench/results/conv_cpu.md
-    python bench/conv_cpu.py --models resnet50 mobilenetv3 --threads 2 --seconds 10
+    python -m bench.conv_cpu --out bench/results/conv_cpu.md
+    python -m bench.conv_cpu --models resnet50,mobilenetv3 --threads 2 --seconds 10
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
-import statistics
 import sys
 import time
+from types import SimpleNamespace
 
+import click
 import onnx
-import onnxruntime as ort
 
+from bench import harness
 from onnxfuse import api
 from onnxfuse.modelio import normalize
 from onnxfuse.zoo import resolve_input
@@ -32,31 +30,14 @@ PASSES = ["fold-batchnorm", "conv-bias-act"]
 
 
 def timed_pairs(original: onnx.ModelProto, optimized: onnx.ModelProto, threads: int, seconds: float,
-                min_runs: int) -> tuple[list[float], list[float]]:
-    """Latencies (ms) of both models, in A B B A order per round so that drift on a shared host
-    hits both alike; entries 2i and 2i+1 of each list belong to round i."""
+                min_runs: int) -> harness.Samples:
+    """Both models timed in A B B A rounds (one run per sample), so that drift on a shared host
+    hits both alike, for `seconds` and at least `min_runs` runs of each."""
     feeds = random_inputs(original, {}, 0)
     sa, _ = open_session(original, "cpu", threads, "all")
     sb, _ = open_session(optimized, "cpu", threads, "all")
-    for _ in range(3):
-        sa.run(None, feeds)
-        sb.run(None, feeds)
-    clock = time.perf_counter_ns
-    ta: list[float] = []
-    tb: list[float] = []
-
-    def one(sess, out):
-        t0 = clock()
-        sess.run(None, feeds)
-        out.append((clock() - t0) / 1e6)
-
-    start = time.perf_counter()
-    while len(ta) < min_runs or time.perf_counter() - start < seconds:
-        one(sa, ta)
-        one(sb, tb)
-        one(sb, tb)
-        one(sa, ta)
-    return ta, tb
+    return harness.interleave({"a": harness.session_run(sa, feeds), "b": harness.session_run(sb, feeds)},
+                              order="mirror", min_rounds=(min_runs + 1) // 2, budget_s=seconds, warmup=3, runs=1)
 
 
 def bench_one(name: str, threads: int, seconds: float, min_runs: int) -> dict:
@@ -65,7 +46,7 @@ def bench_one(name: str, threads: int, seconds: float, min_runs: int) -> dict:
     optimized = result.model
     kernels = compare(original, optimized, threads=threads, runs=0)  # profiler: kernels per inference
     a, b = kernels["a"].kernels, kernels["b"].kernels
-    ta, tb = timed_pairs(original, optimized, threads, seconds, min_runs)
+    samples = timed_pairs(original, optimized, threads, seconds, min_runs)
     ver = result.summary["verification"] or {}
     return {
         "model": name,
@@ -74,35 +55,31 @@ def bench_one(name: str, threads: int, seconds: float, min_runs: int) -> dict:
         "verified": ver.get("ok"),
         "kernels": (a.kernels_per_inference, b.kernels_per_inference),
         "same_kernels": a.by_op_type == b.by_op_type,
-        "ms": (statistics.median(ta), statistics.median(tb)),
-        "ratio": statistics.median(tb) / statistics.median(ta),
+        "ms": (samples.median_ms("a"), samples.median_ms("b")),
+        "ratio": samples.median_ms("b") / samples.median_ms("a"),
         # per round (A B B A): the two B runs over the two A runs, then the median over rounds
-        "paired": statistics.median((tb[i] + tb[i + 1]) / (ta[i] + ta[i + 1]) for i in range(0, len(ta), 2)),
-        "runs": len(ta),
+        "paired": samples.ratio("a", "b"),
+        "runs": samples.total_runs("a"),
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="*", default=CNNS)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seconds", type=float, default=8.0, help="timing budget per model (both variants)")
-    ap.add_argument("--min-runs", type=int, default=20)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--models", callback=harness.csv(), default=",".join(CNNS), show_default=True,
+              help="comma-separated zoo CNNs")
+@click.option("--threads", type=int, default=1, show_default=True)
+@click.option("--seconds", type=float, default=8.0, show_default=True, help="timing budget per model (both variants)")
+@click.option("--min-runs", type=int, default=20, show_default=True)
+@click.option("--out", default=None, help="write the report here (default: print it only)")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     rows = []
     for name in args.models:
         t0 = time.time()
         row = bench_one(name, args.threads, args.seconds, args.min_runs)
         rows.append(row)
-        print(f"{name}: ratio {row['ratio']:.3f} paired {row['paired']:.3f} kernels {row['kernels']} verified {row['verified']} "
-              f"({time.time() - t0:.0f}s)", flush=True)
+        harness.log(f"{name}: ratio {row['ratio']:.3f} paired {row['paired']:.3f} kernels {row['kernels']} "
+                    f"verified {row['verified']} ({time.time() - t0:.0f}s)")
     lines = [
-        "# Conv passes on --target cpu: optimized vs original under ORT_ENABLE_ALL",
-        "",
-        f"Command: `python bench/conv_cpu.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
-        f"Date: {datetime.date.today().isoformat()}. Machine: {platform.machine()}, {platform.processor() or 'cpu'}, "
-        f"shared 2-core host; onnxruntime {ort.__version__}, onnx {onnx.__version__}, Python {platform.python_version()}.",
+        *stamp.header("Conv passes on --target cpu: optimized vs original under ORT_ENABLE_ALL")[:-1],
         f"onnxruntime CPU provider, ORT_ENABLE_ALL, intra-op threads {args.threads}, batch 1, seeded random inputs; "
         "both models timed interleaved (A B B A per round), median of the runs shown; "
         "ratio = median(optimized) / median(original); paired = median over rounds of "
@@ -121,12 +98,11 @@ def main(argv=None) -> int:
     worst = max(rows, key=lambda r: r["paired"]) if rows else None
     if worst:
         lines += ["", f"Worst paired ratio: {worst['paired']:.3f} ({worst['model']})."]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    harness.write_report(args.out, "\n".join(lines) + "\n")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
 """Compile the ConvBiasAct kernel of every zoo CNN conv layer for a CUDA architecture (no GPU
 needed) and write ptxas's resource report: registers, spills, shared memory, tile, grid at batch 1.
 
-    python bench/conv_cuda_kernels.py --arch sm_90 --out bench/results/conv_cuda_ptxas.md
-    python bench/conv_cuda_kernels.py --models resnet50 mobilenetv3 --split-k --tensor-cores \
+    python -m bench.conv_cuda_kernels --arch sm_90 --out bench/results/conv_cuda_ptxas.md
+    python -m bench.conv_cuda_kernels --models resnet50,mobilenetv3 --split-k --tensor-cores \
         --out bench/results/conv_cuda_ptxas_splitk_tc.md     (the opt-in kernels' heuristic tiles)
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import sys
 import time
 from collections import Counter
+from types import SimpleNamespace
+
+import click
+
+from bench import harness
 
 from onnxfuse.cuda.compile import compiler_version, find_nvcc
 from onnxfuse.cuda.conv_codegen import Epilogue, clusters_supported, generate, heuristic_tile, ptxas_check, tensor_cores_supported
@@ -23,14 +26,14 @@ CNNS = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50
         "vgg19", "zfnet512", "mobilenetv3"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--models", nargs="*", default=CNNS)
-    ap.add_argument("--split-k", action="store_true", help="heuristic tiles with split-K over clusters (sm_90+)")
-    ap.add_argument("--tensor-cores", action="store_true", help="heuristic tiles of the 3xTF32 tensor-core GEMM (sm_80+)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--arch", default="sm_90", show_default=True)
+@click.option("--models", callback=harness.csv(), default=",".join(CNNS), show_default=True,
+              help="comma-separated zoo CNNs")
+@click.option("--split-k", is_flag=True, help="heuristic tiles with split-K over clusters (sm_90+)")
+@click.option("--tensor-cores", is_flag=True, help="heuristic tiles of the 3xTF32 tensor-core GEMM (sm_80+)")
+@click.option("--out", default=None, help="write the report here")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     clusters = args.split_k and clusters_supported(args.arch)
     tensor_cores = args.tensor_cores and tensor_cores_supported(args.arch)
     rows = []
@@ -49,12 +52,10 @@ def main(argv=None) -> int:
     kinds = Counter(k.kind for k in kernels)
     nvcc = find_nvcc()
     lines = [
-        f"# ConvBiasAct kernels of every zoo CNN conv layer, compiled for {args.arch}",
-        "",
-        f"Command: `python bench/conv_cuda_kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`".rstrip(),
-        f"Date: {datetime.date.today().isoformat()}. {compiler_version(nvcc)}; flags as onnxfuse.cuda.compile "
+        *stamp.header(f"ConvBiasAct kernels of every zoo CNN conv layer, compiled for {args.arch}")[:-1],
+        f"{compiler_version(nvcc)}; flags as onnxfuse.cuda.compile "
         f"plus -cubin -Xptxas -v; one translation unit of {len({k.entry for k in kernels})} distinct kernels "
-        f"compiled in {seconds:.0f} s on the shared 2-core host. No GPU: these are compile-time facts only.",
+        f"compiled in {seconds:.0f} s. No GPU: these are compile-time facts only.",
         "",
         f"Layers: {len(rows)} ({kinds['gemm']} implicit GEMM, {kinds['gemm_tf32x3']} implicit GEMM on tensor cores "
         f"(3xTF32), {kinds['depthwise']} direct depthwise); "
@@ -80,12 +81,12 @@ def main(argv=None) -> int:
             f"{','.join(map(str, s.pads))} / {s.dilation[0]},{s.dilation[1]} / {s.group} | {e} | {k.kind} | {tile} | "
             f"{'x'.join(map(str, k.grid(1)))} | {info.registers} | {info.spill_stores}/{info.spill_loads} | {info.smem_bytes} |"
         )
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    harness.write_report(args.out, "\n".join(lines) + "\n", echo=False)
     print("\n".join(lines[:8]))
     return 1 if spills else 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,22 @@ Correctness: ours against onnxruntime's CUDA Conv with TF32 off (use_tf32=0), ma
 to the output's largest magnitude. Latency: median per run, which includes onnxruntime's per-run
 overhead (the same for both); `diff us` = ours - ort is what the layer adds or saves in a model.
 
-    python bench/conv_cuda_layers.py [--models resnet50,mobilenetv3] [--tune] [--split-k] [--tensor-cores] [--md F] [--json F]
+    python -m bench.conv_cuda_layers [--models resnet50,mobilenetv3] [--tune] [--split-k] [--tensor-cores] [--md F] [--json F]
 """
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from bench import harness
+from bench.gpu import cuda_onnxruntime, device_arch, report_options
 
 MODELS = ["resnet50", "mobilenetv3", "squeezenet", "inception_v1", "densenet121"]
 ONNX_ACT = {"relu": "Relu", "leakyrelu": "LeakyRelu", "sigmoid": "Sigmoid", "hardsigmoid": "HardSigmoid",
@@ -91,18 +94,11 @@ def bound(ort, sess, feeds, out_shape):
 
 
 def time_pair(ort, sessions: dict, feeds, out_shape, runs: int, warmup: int) -> dict:
+    """Median microseconds per run of each session, one run of each per round (A B A B ...)."""
     ios = {k: bound(ort, s, feeds, out_shape) for k, s in sessions.items()}
-    for k, s in sessions.items():
-        for _ in range(warmup):
-            s.run_with_iobinding(ios[k][0])
-    samples = {k: [] for k in sessions}
-    clock = time.perf_counter_ns
-    for _ in range(runs):
-        for k, s in sessions.items():
-            t = clock()
-            s.run_with_iobinding(ios[k][0])
-            samples[k].append((clock() - t) / 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    samples = harness.interleave({k: (lambda s=s, io=ios[k][0]: s.run_with_iobinding(io)) for k, s in sessions.items()},
+                                 order="cycle", min_rounds=runs, max_rounds=runs, warmup=warmup, runs=1)
+    return {k: samples.median_ms(k) * 1e3 for k in sessions}
 
 
 def compact_shape(s) -> str:
@@ -147,33 +143,24 @@ def distinct_layers(models):
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(MODELS[:3]))
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--runs", type=int, default=100)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--tune", action="store_true", help="also time our kernel with the tile --tune picks")
-    ap.add_argument("--split-k", action="store_true",
-                    help="heuristic tiles with split-K over thread-block clusters (pass option conv_split_k)")
-    ap.add_argument("--tensor-cores", action="store_true",
-                    help="the 3xTF32 tensor-core GEMM (pass option conv_tensor_cores)")
-    ap.add_argument("--budget", type=float, default=1e9, help="seconds; layers that would not fit are skipped")
-    ap.add_argument("--md", default=None)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--env", default=None, help="a markdown file describing the machine, put above the table")
-    args = ap.parse_args(argv)
-    import onnxruntime as ort
-
+@harness.script(__doc__)
+@click.option("--models", default=",".join(MODELS[:3]), show_default=True, help="comma-separated zoo CNNs")
+@click.option("--batch", type=int, default=1, show_default=True)
+@click.option("--runs", type=int, default=100, show_default=True)
+@click.option("--warmup", type=int, default=10, show_default=True)
+@click.option("--tune", is_flag=True, help="also time our kernel with the tile --tune picks")
+@click.option("--split-k", is_flag=True,
+              help="heuristic tiles with split-K over thread-block clusters (pass option conv_split_k)")
+@click.option("--tensor-cores", is_flag=True, help="the 3xTF32 tensor-core GEMM (pass option conv_tensor_cores)")
+@click.option("--budget", type=float, default=1e9, help="seconds; layers that would not fit are skipped")
+@report_options
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import api
     from onnxfuse.cuda.conv_codegen import heuristic_tile
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        print("bench/conv_cuda_layers.py: this onnxruntime has no CUDA provider", file=sys.stderr)
+    ort = cuda_onnxruntime("bench.conv_cuda_layers")
+    if ort is None:
         return 2
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from gpu import device_arch
-
     arch = device_arch()
     layers = distinct_layers([m.strip() for m in args.models.split(",") if m.strip()])
     start = time.monotonic()
@@ -221,24 +208,21 @@ def main(argv=None) -> int:
         us = row.get("us", {})
         print(f"[layers] {i + 1}/{len(layers)} {L['model']} {L['node']}: {us} {row.get('error', '')}", flush=True)
 
-    text = markdown(out, args, skipped, open(args.env).read() if args.env else "")
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    harness.write_report(args.md, markdown(out, args, skipped, open(args.env).read() if args.env else "", stamp))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": arch, "batch": args.batch, "runs": args.runs, "rows": out, "skipped": skipped}, f, indent=1)
     return 0
 
 
-def markdown(rows, args, skipped, env) -> str:
-    lines = ["# ConvBiasAct per layer on the GPU: our kernel vs onnxruntime's CUDA Conv", ""]
+main = harness.main_of(cli)
+
+
+def markdown(rows, args, skipped, env, stamp: harness.RunStamp) -> str:
+    lines = stamp.header("ConvBiasAct per layer on the GPU: our kernel vs onnxruntime's CUDA Conv")
     if env:
         lines += [env.strip(), ""]
-    lines += [f"Command: `python bench/conv_cuda_layers.py --models {args.models}{' --tune' if args.tune else ''}"
-              f"{' --split-k' if args.split_k else ''}{' --tensor-cores' if args.tensor_cores else ''} "
-              f"--batch {args.batch} --runs {args.runs}`. Median microseconds per run (IOBinding, "
+    lines += ["Median microseconds per run (IOBinding, "
               "onnxruntime's per-run overhead included in both); ratio = ours / ort (> 1: ours slower); "
               "rel err = max |ours - ort(TF32 off)| / max |ort|.", ""]
     head = "| model | node | layers | shape | epilogue | MMAC | tile | ort us | ours us | ratio | rel err |"

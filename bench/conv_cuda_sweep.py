@@ -7,36 +7,36 @@ conv_codegen.candidates(clusters=True) is compiled (one nvcc call per layer, lay
 and timed with CUDA events around single launches (median of --reps), in the device's primary
 context; the heuristic's choice is marked. No onnxruntime overhead is in these figures.
 
-    python bench/conv_cuda_sweep.py [--models resnet50,mobilenetv3] [--reps 50] [--md F] [--json F]
+    python -m bench.conv_cuda_sweep [--models resnet50,mobilenetv3] [--reps 50] [--md F] [--json F]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
+import click
 import numpy as np
+
+from bench import harness
+from bench.conv_cuda_layers import compact_epilogue, compact_shape, distinct_layers
 
 
 def _key(tile) -> str:
     return f"{type(tile).__name__}{tile.as_list() if hasattr(tile, 'as_list') else [tile.threads]}"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="resnet50,mobilenetv3")
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--md", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from conv_cuda_layers import compact_epilogue, compact_shape, distinct_layers
-
+@harness.script(__doc__)
+@click.option("--models", default="resnet50,mobilenetv3", show_default=True, help="comma-separated zoo CNNs")
+@click.option("--reps", type=int, default=50, show_default=True)
+@click.option("--arch", default="sm_90", show_default=True)
+@click.option("--md", default=None, help="write the markdown table here")
+@click.option("--json", default=None, help="write the rows as JSON here")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse.cuda.compile import NVCC_FLAGS, find_nvcc
     from onnxfuse.cuda.conv_codegen import candidates, generate, heuristic_tile
 
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": args.arch, "reps": args.reps, "rows": rows}, f, indent=1)
-    lines = ["| model | node | layers | shape | epilogue | cudnn us | heuristic | heuristic us | best | best us |",
+    lines = [*stamp.header("ConvBiasAct tile candidates per layer: kernel-only GPU times"),
+             "| model | node | layers | shape | epilogue | cudnn us | heuristic | heuristic us | best | best us |",
              "|---|---|---:|---|---|---:|---|---:|---|---:|"]
     for r in rows:
         h = r["times"].get(r["heuristic"])
@@ -148,12 +149,11 @@ def main(argv=None) -> int:
                      if r["cudnn_us"] is not None and h is not None else
                      f"| {r['model']} | {r['node']} | {r['count']} | {r['shape']} | {r['epilogue']} | - | {r['heuristic']} | "
                      f"{h} | {r['best']} | {r['times'][r['best']]:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    harness.write_report(args.md, "\n".join(lines) + "\n")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

@@ -9,25 +9,21 @@ float32[2, rows / 2, d], in three forms:
   FastGelu of it;
 - x*x*x, then Exp: the cube written as two products; onnxruntime 1.31 makes no FastGelu of it.
 onnxfuse's pointwise pass asks onnxruntime's executed graph which GELUs it fuses and makes the
-others one Pointwise region. Timed interleaved (A B B A rounds, bench/zoo_latency.py's
-timed_rounds): at one thread the calling thread's CPU time, at two wall time; ratio = onnxfuse /
+others one Pointwise region. Timed interleaved (A B B A rounds, bench/harness.py's
+interleave): at one thread the calling thread's CPU time, at two wall time; ratio = onnxfuse /
 onnxruntime, median of the per-round ratios with a 95% bootstrap interval.
 
-    python bench/gelu_forms.py [--out bench/results/gelu_forms.md]
+    python -m bench.gelu_forms [--out bench/results/gelu_forms.md]
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import zoo_latency  # noqa: E402
+from bench import harness
 
 SHAPES = [(64, 512), (512, 3072)]
 FORMS = ["pow, then Exp", "pow, result out", "x*x*x, then Exp"]
@@ -63,15 +59,14 @@ def cases():
             yield [f"{rows} x {d}", form], gelu_model(rows, d, form), feeds
 
 
-def main(argv=None) -> int:
-    return zoo_latency.optimized_ab_main(
-        argv, "gelu_forms.py", __doc__, "Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse",
-        "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"
-        " op after the GELU (onnxruntime fuses it: FastGelu); *pow, result out*: the GELU's result is the graph output;"
-        " *x\\*x\\*x, then Exp*: the cube as two products (onnxruntime 1.31 fuses neither). onnxfuse leaves to"
-        " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region. Interleaved"
-        " A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
-        ["rows x d", "form"], cases)
+main = harness.optimized_ab_command(
+    "gelu_forms", __doc__, "Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse",
+    "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"
+    " op after the GELU (onnxruntime fuses it: FastGelu); *pow, result out*: the GELU's result is the graph output;"
+    " *x\\*x\\*x, then Exp*: the cube as two products (onnxruntime 1.31 fuses neither). onnxfuse leaves to"
+    " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region. Interleaved"
+    " A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
+    ["rows x d", "form"], cases)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,23 @@ MLP 3072, vocabulary 50257, 1024 positions. gpt_stack shares one set of block ma
 its blocks to keep the committed file small; here every block gets its own matrices, so the
 model holds GPT-2 small's ~124M parameters (~500 MB) and the optimizer copies and rewrites
 a model of that size. The file is generated on demand (into a temporary directory by
-bench/compare.py), never committed.
+`python -m bench.compare`), never committed.
 
-    python bench/gpt2_small.py --out /tmp/gpt2_small.onnx
+    python -m bench.gpt2_small --out /tmp/gpt2_small.onnx
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import click
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from bench import harness
 
 GPT2_SMALL = dict(blocks=12, d_model=768, heads=12, vocab=50257, max_seq=1024)
 SEED = 20240603
@@ -34,12 +36,7 @@ SHARED_BLOCK_WEIGHTS = (
 
 
 def _gpt_stack_module():
-    from onnxfuse.zoo import models_dir
-
-    root = str(models_dir())
-    if root not in sys.path:
-        sys.path.insert(0, root)  # gpt_stack.py imports its sibling _build.py
-    return importlib.import_module("gpt_stack")
+    return importlib.import_module("onnxfuse.models.gpt_stack")
 
 
 @contextmanager
@@ -108,17 +105,19 @@ def parameters(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims)) for t in model.graph.initializer)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Write a GPT-2-small-sized decoder (gpt_stack's graph, per-block weights).")
-    parser.add_argument("--out", required=True, type=Path, help="output model path")
-    parser.add_argument("--blocks", type=int, default=GPT2_SMALL["blocks"])
-    parser.add_argument("--d-model", type=int, default=GPT2_SMALL["d_model"])
-    parser.add_argument("--heads", type=int, default=GPT2_SMALL["heads"])
-    args = parser.parse_args(argv)
-    model = build(blocks=args.blocks, d_model=args.d_model, heads=args.heads)
-    onnx.save(model, str(args.out))
-    print(f"wrote {args.out}: {len(model.graph.node)} nodes, {parameters(model) / 1e6:.1f}M parameters", file=sys.stderr)
+@click.command(help="Write a GPT-2-small-sized decoder (gpt_stack's graph, per-block weights).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="output model path")
+@click.option("--blocks", type=int, default=GPT2_SMALL["blocks"], show_default=True)
+@click.option("--d-model", type=int, default=GPT2_SMALL["d_model"], show_default=True)
+@click.option("--heads", type=int, default=GPT2_SMALL["heads"], show_default=True)
+def cli(out: Path, blocks: int, d_model: int, heads: int) -> int:
+    model = build(blocks=blocks, d_model=d_model, heads=heads)
+    onnx.save(model, str(out))
+    harness.log(f"wrote {out}: {len(model.graph.node)} nodes, {parameters(model) / 1e6:.1f}M parameters")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,23 @@ bound on the device at fixed addresses (IOBinding), so what is timed is one infe
 Kernels per inference come from onnxruntime's profiler (Node events, one run). Our outputs are
 checked against onnxruntime's before timing.
 
-    python bench/gpu.py [--runs 200] [--budget SECONDS] [--md FILE] [--json FILE] [--env FILE]
+    python -m bench.gpu [--runs 200] [--budget SECONDS] [--md FILE] [--json FILE] [--env FILE]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import onnx
+
+from bench import harness
 
 # (label, zoo model, symbolic dims); in priority order: the budget may cut the tail.
 CASES = [
@@ -47,6 +49,28 @@ class Row:
     p90_ms: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     max_abs_diff: float | None = None
+
+
+def report_options(f):
+    """--md, --json and --env, the options of every GPU bench script's report."""
+    f = click.option("--env", default=None, help="a markdown file describing the machine, put above the table")(f)
+    f = click.option("--json", default=None, help="write the rows as JSON here")(f)
+    return click.option("--md", default=None, help="write the markdown report here")(f)
+
+
+def cuda_onnxruntime(script: str):
+    """onnxruntime, or None (with a message) when it cannot run a session on a GPU here."""
+    import onnxruntime as ort
+
+    from onnxfuse.profile import cuda_usable
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        harness.log(f"{script}: this onnxruntime has no CUDA provider (install onnxruntime-gpu)")
+        return None
+    if not cuda_usable():
+        harness.log(f"{script}: onnxruntime cannot use a GPU on this machine")
+        return None
+    return ort
 
 
 def device_arch() -> str:
@@ -150,16 +174,12 @@ def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, spl
             bound[cfg] = b
         except Exception as e:  # onnxruntime refuses graph capture for some models (CPU nodes)
             row.notes.append(f"{cfg}: not run ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-    samples = {cfg: [] for cfg in bound}
-    clock = time.perf_counter_ns
-    for _ in range(runs):
-        for cfg, b in bound.items():
-            t = clock()
-            b.run()
-            samples[cfg].append((clock() - t) / 1e6)
-    for cfg, s in samples.items():
-        row.median_ms[cfg] = statistics.median(s)
-        row.p90_ms[cfg] = statistics.quantiles(s, n=10)[-1]
+    if bound:
+        samples = harness.interleave({cfg: b.run for cfg, b in bound.items()}, order="cycle", min_rounds=runs,
+                                     max_rounds=runs, warmup=1, runs=1)
+        for cfg in bound:
+            row.median_ms[cfg] = samples.median_ms(cfg)
+            row.p90_ms[cfg] = samples.quantile_ms(cfg, 0.9)
     return row
 
 
@@ -171,8 +191,8 @@ def ratio(a, b):
     return f"{a / b:.2f}x" if a and b else "n/a"
 
 
-def markdown(rows, env: str, runs: int, skipped) -> str:
-    lines = ["# onnxfuse on the GPU: --target cuda vs onnxruntime's CUDA provider", ""]
+def markdown(rows, env: str, runs: int, skipped, stamp: harness.RunStamp) -> str:
+    lines = stamp.header("onnxfuse on the GPU: --target cuda vs onnxruntime's CUDA provider")
     if env:
         lines += [env.strip(), ""]
     lines += [f"Median latency of one inference over {runs} interleaved runs (IOBinding, data on the device), "
@@ -192,29 +212,24 @@ def markdown(rows, env: str, runs: int, skipped) -> str:
         notes.append(f"- not run (time budget): {', '.join(skipped)}")
     if notes:
         lines += ["", "Notes:", *notes]
-    lines += ["", "Produced by `python bench/gpu.py` (run by `bash gpu/run.sh` on the GPU host)."]
+    lines += ["", "Produced by `bash gpu/run.sh` on the GPU host."]
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--budget", type=float, default=1e9, help="seconds; cases that would not fit are skipped")
-    ap.add_argument("--models", default=None, help="comma-separated labels or zoo names")
-    ap.add_argument("--conv-policy", default=None, choices=["pays", "always"],
-                    help="conv-bias-act's rule on cuda: pays (default, layers our kernel wins) or always (every layer)")
-    ap.add_argument("--split-k", action="store_true", help="conv-bias-act's split-K over thread-block clusters")
-    ap.add_argument("--tensor-cores", action="store_true", help="conv-bias-act's 3xTF32 tensor-core GEMM")
-    ap.add_argument("--attention", action="store_true", help="fuse-attention on cuda (pass option attention_cuda)")
-    ap.add_argument("--md", default=None)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--env", default=None, help="a markdown file describing the machine, put above the table")
-    args = ap.parse_args(argv)
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        print("bench/gpu.py: this onnxruntime has no CUDA provider (install onnxruntime-gpu)", file=sys.stderr)
+@harness.script(__doc__)
+@click.option("--runs", type=int, default=200, show_default=True)
+@click.option("--warmup", type=int, default=20, show_default=True)
+@click.option("--budget", type=float, default=1e9, help="seconds; cases that would not fit are skipped")
+@click.option("--models", default=None, help="comma-separated labels or zoo names")
+@click.option("--conv-policy", default=None, type=click.Choice(["pays", "always"]),
+              help="conv-bias-act's rule on cuda: pays (default, layers our kernel wins) or always (every layer)")
+@click.option("--split-k", is_flag=True, help="conv-bias-act's split-K over thread-block clusters")
+@click.option("--tensor-cores", is_flag=True, help="conv-bias-act's 3xTF32 tensor-core GEMM")
+@click.option("--attention", is_flag=True, help="fuse-attention on cuda (pass option attention_cuda)")
+@report_options
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+    ort = cuda_onnxruntime("bench.gpu")
+    if ort is None:
         return 2
     arch = device_arch()
     env = open(args.env).read() if args.env else ""
@@ -242,16 +257,14 @@ def main(argv=None) -> int:
         durations.append(time.monotonic() - t)
         rows.append(row)
         print(f"[bench] {label}: kernels {row.kernels} median ms {row.median_ms} ({durations[-1]:.0f} s)", flush=True)
-    text = markdown(rows, env, args.runs, skipped)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    harness.write_report(args.md, markdown(rows, env, args.runs, skipped, stamp))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"arch": arch, "runs": args.runs, "rows": [asdict(r) for r in rows], "skipped": skipped}, f, indent=1)
     return 0
 
+
+main = harness.main_of(cli)
 
 if __name__ == "__main__":
     sys.exit(main())

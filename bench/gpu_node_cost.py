@@ -5,11 +5,10 @@ the launch; the GPU runs asynchronously), for a model as is and optimized with -
 At batch 1 these models are bound by this host-side cost, not by the GPU, so the per-node figure
 of our fused ops against onnxruntime's own ops says what a fused node must save to pay.
 
-    python bench/gpu_node_cost.py [--models char_rnn,gpt_stack] [--runs 50] [--md FILE]
+    python -m bench.gpu_node_cost [--models char_rnn,gpt_stack] [--runs 50] [--md FILE]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -17,16 +16,16 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 
+import click
 import onnx
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from bench import harness
+from bench.gpu import device_arch, make_session
 
 
 def profile(ort, model, library: bool, feeds, runs: int) -> dict:
-    from gpu import make_session
-
     with tempfile.TemporaryDirectory() as tmp:
         sess = make_session(ort, model, library, graph=False, profile_prefix=os.path.join(tmp, "p"))
         for _ in range(5):
@@ -48,24 +47,22 @@ def profile(ort, model, library: bool, feeds, runs: int) -> dict:
                     for op, d in by_op.items()}}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="char_rnn,gpt_stack")
-    ap.add_argument("--runs", type=int, default=50)
-    ap.add_argument("--md", default=None)
-    ap.add_argument("--env", default=None)
-    args = ap.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--models", default="char_rnn,gpt_stack", show_default=True, help="comma-separated zoo names")
+@click.option("--runs", type=int, default=50, show_default=True)
+@click.option("--md", default=None, help="write the markdown report here")
+@click.option("--env", default=None, help="a markdown file describing the machine, put above the tables")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     import onnxruntime as ort
 
-    from gpu import device_arch
     from onnxfuse import api, zoo
     from onnxfuse.verify import random_inputs
 
     arch = device_arch()
-    lines = ["# Host-side cost per node on the CUDA provider", ""]
+    lines = stamp.header("Host-side cost per node on the CUDA provider")
     if args.env:
         lines += [open(args.env).read().strip(), ""]
-    lines += [f"Command: `python bench/gpu_node_cost.py --models {args.models} --runs {args.runs}`. Profiled runs "
+    lines += ["Profiled runs "
               "(onnxruntime profiler on, which adds its own cost to every node): median host time per node "
               "(kernel_time event) and its total per inference, by op type; `model_run` = the profiler's "
               "whole-run time.", ""]
@@ -91,11 +88,11 @@ def main(argv=None) -> int:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         print("\n".join(lines[-(len(ops) + 6):]), flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    harness.write_report(args.md, "\n".join(lines) + "\n", echo=False)
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

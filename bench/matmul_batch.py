@@ -9,24 +9,21 @@ batch-sibling-matmul, and with batch-ensemble forced (--target cuda rewrites), t
 CPU rule of batch-ensemble. Latency: interleaved rounds (A B C A B C ...), median and min of
 per-round means, so that drift on a shared host hits every model alike.
 
-    python bench/matmul_batch.py --out bench/results/matmul_batch.md
+    python -m bench.matmul_batch --out bench/results/matmul_batch.md
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
-import statistics
 import sys
-import time
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from bench import harness
 from onnxfuse import api
-from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.pipeline import select_passes
 from onnxfuse.profile import count_kernels, open_session
 from onnxfuse.verify import random_inputs
 
@@ -81,22 +78,11 @@ def forced_siblings(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def interleaved(models: dict[str, onnx.ModelProto], feeds, seconds: float) -> dict[str, tuple[float, float]]:
+    """(median, min) ms per run of each model over A B C rounds, each sample about 2 ms of runs."""
     sessions = {k: open_session(m, "cpu", 1, "all")[0] for k, m in models.items()}
-    for s in sessions.values():
-        for _ in range(10):
-            s.run(None, feeds)
-    probe = time.perf_counter()
-    next(iter(sessions.values())).run(None, feeds)
-    inner = max(1, int(0.002 / max(time.perf_counter() - probe, 1e-6)))
-    samples = {k: [] for k in sessions}
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(samples[next(iter(samples))]) < 20:
-        for k, s in sessions.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                s.run(None, feeds)
-            samples[k].append((time.perf_counter() - t0) / inner * 1e3)
-    return {k: (statistics.median(v), min(v)) for k, v in samples.items()}
+    samples = harness.interleave({k: harness.session_run(s, feeds) for k, s in sessions.items()}, order="cycle",
+                                 min_rounds=20, budget_s=seconds, warmup=10, sample_ms=2.0)
+    return {k: (samples.median_ms(k), samples.min_ms(k)) for k in sessions}
 
 
 def table(rows: list[list[str]], head: list[str]) -> str:
@@ -129,21 +115,15 @@ def ensemble(width: int, members: int = 8, classes: int = 10) -> onnx.ModelProto
     return m
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="write the markdown here (default: stdout)")
-    ap.add_argument("--seconds", type=float, default=3.0, help="timing per configuration")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 64, 256])
-    ap.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])
-    args = ap.parse_args()
-    parts = [
-        f"Machine: {platform.processor() or platform.machine()}, {platform.platform()}; python {platform.python_version()}, "
-        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}; CPU provider, 1 thread, ORT_ENABLE_ALL; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
-        "Command: `python bench/matmul_batch.py --out bench/results/matmul_batch.md`",
-    ]
+@harness.script(__doc__)
+@click.option("--out", help="write the markdown here (default: print it only)")
+@click.option("--seconds", type=float, default=3.0, show_default=True, help="timing per configuration")
+@click.option("--batches", callback=harness.csv(int), default="1,4,64,256", show_default=True)
+@click.option("--widths", callback=harness.csv(int), default="16,32,64,128", show_default=True)
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+    parts = [f"Command: `{stamp.command}`\n{stamp.line()} CPU provider, 1 thread, ORT_ENABLE_ALL."]
 
-    mlp = onnx.load("models/mlp_ensemble.onnx")
+    mlp = onnx.load(str(harness.ROOT / "models" / "mlp_ensemble.onnx"))
     variants = {"original": mlp, "default pipeline": optimized(mlp, None),
                 "siblings, copy rule lifted": forced_siblings(mlp), "stacked (cuda rewrite)": optimized(mlp, ["batch-ensemble"], "cuda")}
     kern = {k: count_kernels(m, "cpu", 1, "all", {"batch": 4})[0] for k, m in variants.items()}
@@ -157,7 +137,7 @@ def main() -> int:
                  "(on a loaded shared host the median is noisy; the min is the comparable figure):\n\n"
                  + table(rows, ["batch"] + list(variants)))
 
-    rnn = onnx.load("models/char_rnn.onnx")
+    rnn = onnx.load(str(harness.ROOT / "models" / "char_rnn.onnx"))
     variants = {"original": rnn, "default without ours": optimized(rnn, without_ours()), "default pipeline": optimized(rnn, None)}
     kern = {k: count_kernels(m, "cpu", 1, "all")[0] for k, m in variants.items()}
     t = interleaved(variants, random_inputs(rnn, {}, 0), args.seconds)
@@ -173,18 +153,15 @@ def main() -> int:
             t = interleaved(v, random_inputs(m, {"batch": b}, 0), args.seconds / 2)
             base = t["as is"][1]
             rows.append([str(width), str(b)] + [f"{t[k][1]:.4f} ({t[k][1] / base:.2f}x)" for k in v])
-        print(f"width {width} done", file=sys.stderr)
+        harness.log(f"width {width} done")
     parts.append("## Stacked ensemble on the CPU provider (rule of batch-ensemble)\n\n8 members, width H; "
                  "latency ms, min of per-round means (ratio to as is):\n\n" + table(rows, ["H", "batch", "as is", "siblings, copy rule lifted", "stacked"]))
     parts.append(RULES)
-    text = "\n\n".join(parts) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("# Linear-layer batching: measured figures\n\n" + text)
-    else:
-        print(text)
+    harness.write_report(args.out, "# Linear-layer batching: measured figures\n\n" + "\n\n".join(parts) + "\n")
     return 0
 
 
+main = harness.main_of(cli)
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -16,20 +16,18 @@ the figure measures float32 summation order, not a defect of a rewrite. Where on
 the model in float64 (no Conv), both float32 results are also compared with that float64 result:
 the elementwise max rel error of the original's float32 run and of ours, against exact-ish values.
 
-    python bench/numerics.py [--models a,b] [--seeds 3] [--out bench/results/numerics.md]
+    python -m bench.numerics [--models a,b] [--seeds 3] [--out bench/results/numerics.md]
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import harness
 
 
 def _accumulate(worst: dict, prefix: str, got: np.ndarray, want: np.ndarray) -> None:
@@ -103,38 +101,28 @@ def measure(name: str, seeds: int) -> dict:
     return {"model": name, "fused": fused, **worst}
 
 
-def main(argv=None) -> int:
+@harness.script(__doc__)
+@click.option("--models", callback=harness.csv(), help="comma-separated zoo names (default: every zoo model)")
+@click.option("--seeds", type=int, default=3, show_default=True, help="input draws per model")
+@click.option("--out", type=click.Path(path_type=Path), default=harness.RESULTS / "numerics.md", show_default=True)
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import zoo
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", help="comma-separated zoo names (default: every zoo model)")
-    ap.add_argument("--seeds", type=int, default=3, help="input draws per model")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/numerics.md")
-    args = ap.parse_args(argv)
-    names = args.models.split(",") if args.models else [m.name for m in zoo.list_models()]
+    models, seeds, out = args.models, args.seeds, args.out
+    names = models or [m.name for m in zoo.list_models()]
     rows = []
     for name in names:
-        r = measure(name, args.seeds)
+        r = measure(name, seeds)
         rows.append(r)
-        print(f"{name:14s} fused {r['fused']:3d}  max abs {r['abs']:.3g}  max rel {r['rel']:.3g}  normwise rel {r['norm']:.3g}"
+        harness.log(f"{name:14s} fused {r['fused']:3d}  max abs {r['abs']:.3g}  max rel {r['rel']:.3g}  normwise rel {r['norm']:.3g}"
               f"  | onnxruntime all vs none: max rel {r['ort_rel']:.3g}  normwise rel {r['ort_norm']:.3g}"
-              + (f"  | vs float64: original max rel {r['ort64_rel']:.3g}, ours {r['ours64_rel']:.3g}" if "ort64_rel" in r else ""),
-              flush=True)
-    import onnx
-    import onnxruntime
-
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+                    + (f"  | vs float64: original max rel {r['ort64_rel']:.3g}, ours {r['ours64_rel']:.3g}"
+                       if "ort64_rel" in r else ""))
     lines = [
-        "# Numerical agreement of optimized zoo models with the originals",
-        "",
-        f"Command: `python bench/numerics.py --seeds {args.seeds}`",
-        f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. "
-        f"Machine: {platform.machine()}, {platform.processor() or 'cpu'}; Python {platform.python_version()}, "
-        f"onnxruntime {onnxruntime.__version__}, onnx {onnx.__version__}.",
-        "",
+        *stamp.header("Numerical agreement of optimized zoo models with the originals"),
         "Original vs optimized (default CPU pipeline, onnxfuse library registered), onnxruntime CPU provider, "
         "1 thread, ORT_ENABLE_ALL, seeded random inputs (the zoo's default dims), worst output over "
-        f"{args.seeds} draws. *max rel* is elementwise over nonzero reference elements (unbounded where "
+        f"{seeds} draws. *max rel* is elementwise over nonzero reference elements (unbounded where "
         "an output crosses zero); *normwise rel* is max |error| / max |reference|, the relative error "
         "of the output as a vector (infinity norm). The last three columns are the yardstick: the "
         "original model under onnxruntime's own optimizations (ORT_ENABLE_ALL) against the same model "
@@ -160,10 +148,12 @@ def main(argv=None) -> int:
         for r in exact_rows:
             lines.append(f"| {r['model']} | {r['ort64_rel']:.3g} | {r['ort64_norm']:.3g} "
                          f"| {r['ours64_rel']:.3g} | {r['ours64_norm']:.3g} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    harness.write_report(out, "\n".join(lines) + "\n", echo=False)
+    harness.log(f"wrote {out}")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

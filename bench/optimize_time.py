@@ -4,13 +4,13 @@ faster changed no optimized model.
 Times `onnxfuse.api.optimize(model)` (CLI defaults: default CPU pipeline, outputs verified,
 kernels counted) on the largest zoo model (densenet121) and on a GPT-2-small-sized model
 (bench/gpt2_small.py), each run in a fresh Python process, timed around the API call alone
-(imports and reading the file excluded), as bench/compare.py --optimize-only does.
+(imports and reading the file excluded), as `python -m bench.compare --optimize-only` does.
 
-    python bench/optimize_time.py                          # both models, 3 runs each
-    python bench/optimize_time.py --models densenet121 --reps 1 --profile 25
-    python bench/optimize_time.py --gpt2 /tmp/gpt2_small.onnx   # reuse a generated model
-    python bench/optimize_time.py --fingerprints before.json    # every zoo model + GPT-2 small:
-    python bench/optimize_time.py --fingerprints after.json --compare before.json
+    python -m bench.optimize_time                          # both models, 3 runs each
+    python -m bench.optimize_time --models densenet121 --reps 1 --profile 25
+    python -m bench.optimize_time --gpt2 /tmp/gpt2_small.onnx   # reuse a generated model
+    python -m bench.optimize_time --fingerprints before.json    # every zoo model + GPT-2 small:
+    python -m bench.optimize_time --fingerprints after.json --compare before.json
 
 --fingerprints optimizes every zoo model and the GPT-2-small-sized model (without verification:
 it does not change the model) and records a SHA-256 of each optimized model's serialization;
@@ -18,7 +18,6 @@ it does not change the model) and records a SHA-256 of each optimized model's se
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -27,9 +26,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+import click
+
+from bench import harness
+
+REPO = harness.ROOT
 GPT2_DIMS = {"batch": 2, "seq": 32}
 GOALS_S = {"densenet121": 2.0, "gpt2_small": 10.0}
 MARK = "@@optimize-time "
@@ -73,8 +76,8 @@ def _child(job: dict) -> dict:
 
 def run_child(name: str, path: str, dims: dict, verify: bool = True, profile: int = 0) -> dict:
     job = {"name": name, "path": path, "dims": dims, "verify": verify, "profile": profile}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True,
-                          cwd=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", "bench.optimize_time", "--child", json.dumps(job)],
+                          capture_output=True, text=True, cwd=str(REPO))
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
@@ -84,8 +87,7 @@ def run_child(name: str, path: str, dims: dict, verify: bool = True, profile: in
 def gpt2_path(given: str | None, tmp: Path) -> str:
     if given and Path(given).is_file():
         return given
-    sys.path.insert(0, str(HERE))
-    import gpt2_small
+    from bench import gpt2_small
 
     path = Path(given) if given else tmp / "gpt2_small.onnx"
     print(f"generating {path}", file=sys.stderr)
@@ -105,28 +107,23 @@ def models(names: list[str], gpt2: str | None, tmp: Path) -> list[tuple[str, str
     return out
 
 
-def _git(*argv: str) -> str:
-    return subprocess.run(["git", *argv], capture_output=True, text=True, cwd=str(REPO)).stdout.strip()
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--models", default="densenet121,gpt2_small",
-                   help="zoo model names and/or gpt2_small, comma-separated (default: densenet121,gpt2_small)")
-    p.add_argument("--gpt2", help="the GPT-2-small-sized model file (generated there when missing)")
-    p.add_argument("--reps", type=int, default=3, help="fresh-process runs per model (default 3; the best counts)")
-    p.add_argument("--profile", type=int, default=0, help="one more run under cProfile, printing the top N functions")
-    p.add_argument("--fingerprints", help="write SHA-256 of every zoo model's and GPT-2 small's optimized form here")
-    p.add_argument("--compare", help="an earlier --fingerprints file to compare with")
-    args = p.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--child", hidden=True)
+@click.option("--models", default="densenet121,gpt2_small", show_default=True,
+              help="zoo model names and/or gpt2_small, comma-separated")
+@click.option("--gpt2", help="the GPT-2-small-sized model file (generated there when missing)")
+@click.option("--reps", type=int, default=3, show_default=True, help="fresh-process runs per model (the best counts)")
+@click.option("--profile", type=int, default=0, help="one more run under cProfile, printing the top N functions")
+@click.option("--fingerprints", help="write SHA-256 of every zoo model's and GPT-2 small's optimized form here")
+@click.option("--compare", help="an earlier --fingerprints file to compare with")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     if args.child:
         result = _child(json.loads(args.child))
         print(MARK + json.dumps(result), flush=True)
         return 0
     with tempfile.TemporaryDirectory(prefix="onnxfuse-optimize-time-") as tmp:
         if args.fingerprints:
-            record = {"commit": _git("rev-parse", "--short", "HEAD"), "models": {}}
+            record = {"commit": harness.git("rev-parse", "--short", "HEAD"), "models": {}}
             for name, path, dims in models(["all-zoo", "gpt2_small"], args.gpt2, Path(tmp)):
                 r = run_child(name, path, dims, verify=False)
                 record["models"][name] = r["sha256"]
@@ -138,7 +135,7 @@ def main(argv=None) -> int:
                 print("identical optimized models" if not differ else f"DIFFERENT: {', '.join(differ)}")
                 return 1 if differ else 0
             return 0
-        print(f"commit {_git('rev-parse', '--short', 'HEAD')}, load average {os.getloadavg()[0]:.2f}")
+        print(f"commit {harness.git('rev-parse', '--short', 'HEAD')}, load average {os.getloadavg()[0]:.2f}")
         for name, path, dims in models(args.models.split(","), args.gpt2, Path(tmp)):
             runs = [run_child(name, path, dims) for _ in range(args.reps)]
             best = min(runs, key=lambda r: r["seconds"])
@@ -152,6 +149,8 @@ def main(argv=None) -> int:
                 print(run_child(name, path, dims, profile=args.profile)["profile"])
     return 0
 
+
+main = harness.main_of(cli)
 
 if __name__ == "__main__":
     sys.exit(main())

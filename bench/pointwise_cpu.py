@@ -20,26 +20,23 @@ is a floor for any fused kernel with these functions (one pass over the same mem
 arithmetic), so separate / that floor is the most fusion can gain on the chain without cheaper
 functions: the table's "ceiling".
 
-    python bench/pointwise_cpu.py --out bench/results/pointwise_cpu.md
-    python bench/pointwise_cpu.py --sizes 1e5 1e6 --chains 4 --threads 1 --seconds 0.5
-    python bench/pointwise_cpu.py --cycle arithmetic --out bench/results/pointwise_cpu_arithmetic.md
+    python -m bench.pointwise_cpu --out bench/results/pointwise_cpu.md
+    python -m bench.pointwise_cpu --sizes 1e5,1e6 --chains 4 --threads 1 --seconds 0.5
+    python -m bench.pointwise_cpu --cycle arithmetic --out bench/results/pointwise_cpu_arithmetic.md
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from bench import harness
 from onnxfuse import runtime
 from onnxfuse.program import Program
 
@@ -153,12 +150,8 @@ class Runner:
             else:
                 self.binding.bind_ortvalue_input(name, value)
 
-    def run(self, times: int = 1) -> float:
-        """ms per run of `times` back-to-back runs."""
-        t0 = time.perf_counter_ns()
-        for _ in range(times):
-            self.session.run_with_iobinding(self.binding)
-        return (time.perf_counter_ns() - t0) / 1e6 / times
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
 
     def result(self) -> np.ndarray:
         self.session.run_with_iobinding(self.binding)
@@ -176,70 +169,44 @@ def bench_case(length: int, size: int, threads: int, seconds: float, min_rounds:
     if floor_model is not None:
         runners.append(Runner(floor_model, threads, x, y))
     np.testing.assert_allclose(runners[1].result(), runners[0].result(), rtol=1e-5, atol=1e-5)
-    # Runs per sample: enough to last sample_ms for the slowest model.
-    per_sample = max(1, round(sample_ms / max(min(r.run() for _ in range(3)) for r in runners)))
-    times: list[list[float]] = [[] for _ in runners]
-    start = time.perf_counter()
-    while len(times[0]) < 2 * max_rounds and (len(times[0]) < 2 * min_rounds or time.perf_counter() - start < seconds):
-        for i in list(range(len(runners))) + list(reversed(range(len(runners)))):  # A B C C B A
-            times[i].append(runners[i].run(per_sample))
-    med = [statistics.median(t) for t in times]
+    # A B C C B A rounds; runs per sample: enough to last sample_ms for the slowest model.
+    samples = harness.interleave({i: r.run for i, r in enumerate(runners)}, order="mirror", min_rounds=min_rounds,
+                                 max_rounds=max_rounds, budget_s=seconds, warmup=3, sample_ms=sample_ms)
+    med = [samples.median_ms(i) for i in range(len(runners))]
     return {"length": length, "size": size, "threads": threads, "ms": tuple(med), "ratio": med[0] / med[1],
-            "ceiling": med[0] / med[2] if len(med) > 2 else None, "runs": len(times[0]) * per_sample}
+            "ceiling": med[0] / med[2] if len(med) > 2 else None, "runs": samples.total_runs(0)}
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{platform.machine()}, {model}, {os.cpu_count()} logical CPUs"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chains", type=int, nargs="+", default=[2, 4, 8, 16])
-    ap.add_argument("--sizes", type=float, nargs="+", default=[1e3, 1e4, 1e5, 1e6, 1e7])
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--seconds", type=float, default=1.0, help="time per case (each model), at least")
-    ap.add_argument("--sample-ms", type=float, default=2.0, help="back-to-back runs per sample, about this long")
-    ap.add_argument("--min-rounds", type=int, default=5, help="A B B A rounds per case, at least")
-    ap.add_argument("--max-rounds", type=int, default=2000, help="rounds per case, at most")
-    ap.add_argument("--cycle", choices=sorted(CYCLES), default="transcendental",
-                    help="the ops the chains cycle through (default: transcendental)")
-    ap.add_argument("--out", help="write the markdown report here")
-    args = ap.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--chains", callback=harness.csv(int), default="2,4,8,16", show_default=True, help="chain lengths")
+@click.option("--sizes", callback=harness.csv(float), default="1e3,1e4,1e5,1e6,1e7", show_default=True,
+              help="elements per input")
+@click.option("--threads", callback=harness.csv(int), default="1,2", show_default=True)
+@click.option("--seconds", type=float, default=1.0, show_default=True, help="time per case (each model), at least")
+@click.option("--sample-ms", type=float, default=2.0, show_default=True,
+              help="back-to-back runs per sample, about this long")
+@click.option("--min-rounds", type=int, default=5, show_default=True, help="A B B A rounds per case, at least")
+@click.option("--max-rounds", type=int, default=2000, show_default=True, help="rounds per case, at most")
+@click.option("--cycle", type=click.Choice(sorted(CYCLES)), default="transcendental", show_default=True,
+              help="the ops the chains cycle through")
+@click.option("--out", help="write the markdown report here")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
 
     rows = []
     for threads in args.threads:
         for size in (int(s) for s in args.sizes):
             for length in args.chains:
-                # The 1e7 cases take 10-200 ms per run: a few rounds give a stable median.
+                # A run of the 1e7 cases is long enough that a few rounds give a stable median.
                 rounds = (args.min_rounds, 10) if size >= 10**7 else (args.min_rounds, args.max_rounds)
                 r = bench_case(length, size, threads, args.seconds, *rounds, cycle=CYCLES[args.cycle],
                                sample_ms=args.sample_ms)
                 rows.append(r)
                 floor = f", functions only {r['ms'][2]:9.3f} ms, ceiling x{r['ceiling']:.2f}" if r["ceiling"] else ""
-                print(f"threads {threads} n {size:>9} chain {length:>2}: separate {r['ms'][0]:9.3f} ms, "
-                      f"Pointwise {r['ms'][1]:9.3f} ms, x{r['ratio']:.2f}{floor} ({r['runs']} runs each)", file=sys.stderr)
+                harness.log(f"threads {threads} n {size:>9} chain {length:>2}: separate {r['ms'][0]:9.3f} ms, "
+                            f"Pointwise {r['ms'][1]:9.3f} ms, x{r['ratio']:.2f}{floor} ({r['runs']} runs each)")
 
-    cmd = "python bench/pointwise_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        f"# Pointwise CPU kernel vs separate onnxruntime nodes ({args.cycle} chains)",
-        "",
-        f"Command: `{cmd.strip()}`",
-        f"Date: {datetime.date.today().isoformat()}. Commit: {commit()}. Machine: {machine()} (shared host).",
-        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        "",
+        *stamp.header(f"Pointwise CPU kernel vs separate onnxruntime nodes ({args.cycle} chains)"),
         "Chains over x, y: float32[n] of ops onnxruntime does not fuse, cycling "
         + ", ".join(f"{op}({'x' if o is None else 'x, ' + str(o)})" for op, o, _ in CYCLES[args.cycle])
         + "; ORT_ENABLE_ALL for both models, intra-op threads as listed; inputs and output bound once"
@@ -281,12 +248,11 @@ def main(argv=None) -> int:
     if any(r["threads"] >= cpus for r in rows):
         lines.append(f"Rows with {cpus} or more threads use every CPU of this machine: their wall times also carry"
                      " whatever else the host runs there, and scatter far more between runs than 1-thread rows.")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    harness.write_report(args.out, "\n".join(lines) + "\n")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

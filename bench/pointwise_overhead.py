@@ -14,36 +14,34 @@ thread, ORT_ENABLE_ALL, input and output bound once (IOBinding):
                      (9 inputs through views, 13 instructions) plus the Add(c, h): 2 kernels
 
 Every model also runs as a 1-node (1-step) chain; cost per node = (median(N) - median(1)) / (N-1),
-which removes the fixed cost of a session run. All models are timed interleaved, in a rotating
-order, many rounds, so drift on a shared host hits all alike. --baseline LIB adds the Pointwise
-models once more with another build of the library (both loaded in one process, one per session):
-a before/after comparison under the same load.
+which removes the fixed cost of a session run. All models are timed interleaved, the starting
+model rotating from round to round, many rounds, so drift on a shared host hits all alike.
+--baseline LIB adds the Pointwise models once more with another build of the library (both
+loaded in one process, one per session): a before/after comparison under the same load.
 
-    python bench/pointwise_overhead.py --out bench/results/pointwise_overhead.md
-    python bench/pointwise_overhead.py --baseline /tmp/old/_onnxfuse_ops.so --seconds 20
+    python -m bench.pointwise_overhead --out bench/results/pointwise_overhead.md
+    python -m bench.pointwise_overhead --baseline /tmp/old/_onnxfuse_ops.so --seconds 20
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import hashlib
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from bench import harness
 from onnxfuse import runtime
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 FLOOR_SOURCE = ROOT / "bench" / "overhead_floor.cc"
 COLS = 128
 CELL_PROGRAM = """\
@@ -173,41 +171,22 @@ class Runner:
         self.out = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, COLS), np.float32))
         self.binding.bind_ortvalue_output("y", self.out)
 
-    def run(self) -> float:
-        t0 = time.perf_counter_ns()
+    def run(self) -> None:
         self.session.run_with_iobinding(self.binding)
-        return (time.perf_counter_ns() - t0) / 1e3
 
     def result(self) -> np.ndarray:
         self.session.run_with_iobinding(self.binding)
         return self.out.numpy().copy()
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{platform.machine()}, {model}, {os.cpu_count()} logical CPUs"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=ROOT).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=100, help="chain length N")
-    ap.add_argument("--seconds", type=float, default=30.0, help="total timing budget")
-    ap.add_argument("--runs-per-turn", type=int, default=5, help="consecutive runs of one model per turn")
-    ap.add_argument("--baseline", help="another build of the custom-op library to compare with (before/after)")
-    ap.add_argument("--out", help="write the markdown report here")
-    args = ap.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--nodes", type=int, default=100, show_default=True, help="chain length N")
+@click.option("--seconds", type=float, default=30.0, show_default=True, help="total timing budget")
+@click.option("--runs-per-turn", type=int, default=5, show_default=True,
+              help="consecutive runs of one model per turn")
+@click.option("--baseline", help="another build of the custom-op library to compare with (before/after)")
+@click.option("--out", help="write the markdown report here")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
 
     rng = np.random.default_rng(1)
     x = {"x": rng.standard_normal((1, COLS)).astype(np.float32)}
@@ -234,29 +213,13 @@ def main(argv=None) -> int:
     for a, b in (("ort-sigmoid", "pointwise-sigmoid"), ("ort-cell", "pointwise-cell")):
         for n in (1, args.nodes):
             np.testing.assert_allclose(runners[(b, n)].result(), runners[(a, n)].result(), rtol=1e-5, atol=1e-6)
-    keys = list(runners)
-    times: dict = {k: [] for k in keys}
-    for r in runners.values():
-        for _ in range(20):
-            r.run()
-    start = time.perf_counter()
-    turn = 0
-    while time.perf_counter() - start < args.seconds or turn < 3 * len(keys):
-        key = keys[(turn * 7 + turn // len(keys)) % len(keys)]  # rotating order
-        r = runners[key]
-        times[key] += [r.run() for _ in range(args.runs_per_turn)]
-        turn += 1
-
+    samples = harness.interleave({k: r.run for k, r in runners.items()}, order="rotate", min_rounds=3,
+                                 budget_s=args.seconds, warmup=20, runs=args.runs_per_turn)
     n = args.nodes
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: samples.median_ms(k) * 1e3 for k in runners}  # us
     per_node = {label: (med[(label, n)] - med[(label, 1)]) / (n - 1) for label, *_ in cases}
     lines = [
-        "# Pointwise CPU kernel: per-call cost",
-        "",
-        f"Command: `python bench/pointwise_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`", 0),
-        f"Date: {datetime.date.today().isoformat()}. Commit: {commit()}. Machine: {machine()} (shared host).",
-        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, Python {platform.python_version()}.",
-        "",
+        *stamp.header("Pointwise CPU kernel: per-call cost"),
         f"Chains of N = {n} nodes on float32[1, {COLS}] (cell: N LSTM cell steps), 1 intra-op thread, ORT_ENABLE_ALL,"
         " IOBinding; all models interleaved in rotating order; cost per node (step) = (median(N) - median(1)) / (N - 1).",
         "",
@@ -265,7 +228,7 @@ def main(argv=None) -> int:
     ]
     for label, *_ in cases:
         lines.append(f"| {label} | {med[(label, 1)]:.1f} | {med[(label, n)]:.1f} | {per_node[label]:.2f} | "
-                     f"{len(times[(label, n)])} |")
+                     f"{samples.total_runs((label, n))} |")
     pw, fl, os_ = per_node["pointwise-sigmoid"], per_node["floor"], per_node["ort-sigmoid"]
     lines += [
         "",
@@ -278,11 +241,11 @@ def main(argv=None) -> int:
         b1, b2 = per_node["pointwise-sigmoid (baseline)"], per_node["pointwise-cell (baseline)"]
         lines.append(f"Against the baseline library: sigmoid node {b1:.2f} -> {pw:.2f} us (ours above the floor"
                      f" {b1 - fl:.2f} -> {pw - fl:.2f} us); cell step {b2:.2f} -> {per_node['pointwise-cell']:.2f} us.")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    harness.write_report(args.out, "\n".join(lines) + "\n")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

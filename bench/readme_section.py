@@ -5,23 +5,22 @@ between them is replaced by the chart and the summary tables that bench/compare.
 into bench/RESULTS.md, from the same data (bench/results/compare.json), so the README never
 shows figures other than the committed ones.
 
-    python bench/readme_section.py               # rewrites README.md
-    python bench/readme_section.py --check       # exit 1 when README.md is out of date
+    python -m bench.readme_section               # rewrites README.md
+    python -m bench.readme_section --check       # exit 1 when README.md is out of date
 
 Exit codes: 0 done (or up to date), 1 out of date (--check), 2 bad input (no markers, no data).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import click
 
-import compare  # noqa: E402  (bench/ is a directory of scripts, not a package)
+from bench import compare, harness
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
@@ -42,7 +41,7 @@ def section(results: dict, readme: Path, chart: Path, results_md: Path) -> str:
         f" {meta['machine'].split(';')[0]} (a shared machine, load average"
         f" {meta['load_average_start'][0]:g}: latencies are noisy). Full tables, latency spreads, optimize times"
         f" and failures: [{rel(results_md)}]({rel(results_md)}). Reproduce with `pip install -e '.[bench]'` and"
-        " `python bench/compare.py`.",
+        " `python -m bench.compare`.",
         "",
     ]
     if chart.is_file():
@@ -61,19 +60,20 @@ def rewrite(text: str, body: str) -> str:
     return f"{head}{START}\n{body}{END}{tail}"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Rewrite README.md's benchmark section from bench/results/compare.json.")
-    p.add_argument("--readme", type=Path, default=compare.REPO / "README.md")
-    p.add_argument("--json", type=Path, default=compare.DEFAULT_JSON)
-    p.add_argument("--chart", type=Path, default=compare.DEFAULT_CHART)
-    p.add_argument("--results", type=Path, default=compare.DEFAULT_OUT, help="the full report the section links to")
-    p.add_argument("--check", action="store_true", help="do not write; exit 1 when the section is out of date")
-    args = p.parse_args(argv)
+@click.command(help="Rewrite README.md's benchmark section from bench/results/compare.json.")
+@click.option("--readme", type=click.Path(path_type=Path), default=harness.ROOT / "README.md", show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=compare.DEFAULT_JSON, show_default=True)
+@click.option("--chart", type=click.Path(path_type=Path), default=compare.DEFAULT_CHART, show_default=True)
+@click.option("--results", type=click.Path(path_type=Path), default=compare.DEFAULT_OUT, show_default=True,
+              help="the full report the section links to")
+@click.option("--check", is_flag=True, help="do not write; exit 1 when the section is out of date")
+def cli(readme: Path, json_path: Path, chart: Path, results: Path, check: bool) -> int:
+    args = SimpleNamespace(readme=readme, json=json_path, chart=chart, results=results, check=check)
     try:
         try:
             results = json.loads(args.json.read_text())
         except (OSError, ValueError) as e:
-            raise SectionError(f"cannot read {args.json}: {e}; run bench/compare.py first") from None
+            raise SectionError(f"cannot read {args.json}: {e}; run python -m bench.compare first") from None
         try:
             text = args.readme.read_text()
         except OSError as e:
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         print(f"{args.readme}: benchmark section up to date", file=sys.stderr)
         return 0
     if args.check:
-        print(f"{args.readme}: benchmark section out of date; run python bench/readme_section.py", file=sys.stderr)
+        print(f"{args.readme}: benchmark section out of date; run python -m bench.readme_section", file=sys.stderr)
         return 1
     from onnxfuse.modelio import write_text_atomic
 
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     print(f"rewrote the benchmark section of {args.readme}", file=sys.stderr)
     return 0
 
+
+main = harness.main_of(cli)
 
 if __name__ == "__main__":
     sys.exit(main())

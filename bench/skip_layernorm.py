@@ -5,25 +5,21 @@ The model is [bias Add ->] residual Add -> LayerNormalization over the last axis
 float32[2, rows / 2, d]; onnxruntime (ORT_ENABLE_ALL) fuses it into one SkipLayerNormalization.
 The onnxfuse side is the same model optimized by the default CPU pipeline (onnxfuse library
 loaded), which the pointwise pass's PREEMPT rule turns into Pointwise + LayerNormalization.
-Timed interleaved (A B B A rounds, bench/zoo_latency.py's timed_rounds): at one thread the
+Timed interleaved (A B B A rounds, bench/harness.py's interleave): at one thread the
 calling thread's CPU time, at two wall time; ratio = onnxfuse / onnxruntime, median of the
 per-round ratios with a 95% bootstrap interval.
 
-    python bench/skip_layernorm.py [--out bench/results/skip_layernorm.md]
+    python -m bench.skip_layernorm [--out bench/results/skip_layernorm.md]
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import zoo_latency  # noqa: E402
+from bench import harness
 
 SHAPES = [(64, 128), (512, 768), (2048, 1024)]
 
@@ -58,15 +54,14 @@ def cases():
             yield [f"{rows} x {d}", "yes" if bias else "no"], residual_layernorm(rows, d, bias), feeds
 
 
-def main(argv=None) -> int:
-    return zoo_latency.optimized_ab_main(
-        argv, "skip_layernorm.py", __doc__,
-        "onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
-        "[bias Add ->] residual Add -> LayerNormalization on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides; "
-        "onnxruntime alone fuses it into SkipLayerNormalization, onnxfuse's CPU pipeline writes the Adds as one "
-        "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule). Interleaved A B B A "
-        "rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
-        ["rows x d", "bias Add"], cases)
+main = harness.optimized_ab_command(
+    "skip_layernorm", __doc__,
+    "onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
+    "[bias Add ->] residual Add -> LayerNormalization on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides; "
+    "onnxruntime alone fuses it into SkipLayerNormalization, onnxfuse's CPU pipeline writes the Adds as one "
+    "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule). Interleaved A B B A "
+    "rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
+    ["rows x d", "bias Add"], cases)
 
 
 if __name__ == "__main__":

@@ -11,25 +11,25 @@ floor: one custom op that only gets its output [batch, 80] from x [batch, 64]
 rotation (a before/after under the same load). --bounds appends what one core can do at most
 (bench/machine_bounds.cc: FMA rate, streaming the 852 KB of packed weights from L3 and from L2).
 
-    python bench/stacked_mlp.py [--runs 3000] [--baseline /tmp/old/_onnxfuse_ops.so] [--bounds]
+    python -m bench.stacked_mlp [--runs 3000] [--baseline /tmp/old/_onnxfuse_ops.so] [--bounds]
                                 [--out bench/results/stacked_mlp.md]
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import onnx
 from onnx import TensorProto, helper
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from pointwise_overhead import build_floor_library  # noqa: E402
+from bench import harness
+from bench.pointwise_overhead import build_floor_library
+
+ROOT = harness.ROOT
 
 
 def floor_model(batch: int, width_in: int, width_out: int) -> onnx.ModelProto:
@@ -70,31 +70,21 @@ def packed_weight_floats(optimized: onnx.ModelProto) -> int:
     return total
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=3000)
-    ap.add_argument("--batches", default="1,4,16,64,256")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--baseline", help="another build of the custom-op library, timed in the same rotation")
-    ap.add_argument("--bounds", action="store_true", help="append the machine's FMA and streaming bounds")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    import onnxruntime
-
+@harness.script(__doc__)
+@click.option("--runs", type=int, default=3000, show_default=True, help="rounds (one run of each session per round)")
+@click.option("--batches", callback=harness.csv(int), default="1,4,16,64,256", show_default=True)
+@click.option("--threads", callback=harness.csv(int), default="1,2", show_default=True)
+@click.option("--baseline", help="another build of the custom-op library, timed in the same rotation")
+@click.option("--bounds", is_flag=True, help="append the machine's FMA and streaming bounds")
+@click.option("--out", default=None, help="write the report here (default: print it only)")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import api, zoo
-    from onnxfuse.profile import _latency, _timed_runs, open_session, profile_models, random_inputs
+    from onnxfuse.profile import open_session, profile_models, random_inputs
 
     original = onnx.load(str(zoo.get("mlp_ensemble").path))
     optimized = api.optimize(original, verify_outputs=True, count_kernels=False, options={"stacked_mlp": "always"}).model
     floor_lib = build_floor_library(Path(tempfile.gettempdir()))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    command = f"python bench/stacked_mlp.py --runs {args.runs}" + (" --baseline LIB" if args.baseline else "") + \
-        (" --bounds" if args.bounds else "")
-    lines = ["# StackedMLP on the CPU: the MLP ensemble, one fused op vs onnxruntime", "",
-             f"Command: `{command}`", "",
-             f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Commit: {commit}. Machine: "
-             f"{platform.machine()}, 2-core shared VM (AMD EPYC); onnxruntime {onnxruntime.__version__}, onnx {onnx.__version__}, "
-             f"Python {platform.python_version()}.", "",
+    lines = [*stamp.header("StackedMLP on the CPU: the MLP ensemble, one fused op vs onnxruntime"),
              "Zoo `mlp_ensemble` (8 members, 64 -> 128 -> 128 -> 10, Relu) as is vs optimized (1 StackedMLP "
              "node; fused here at every batch to show where it stops paying). ratio = ours / onnxruntime (< 1: faster). "
              "floor: a one-node custom-op model with the same input and output shapes, timed in the same rotation "
@@ -105,18 +95,20 @@ def main(argv=None) -> int:
         header += " baseline ms | baseline ratio |"
         rule += "---:|---:|"
     lines += [header, rule]
-    for threads in [int(t) for t in args.threads.split(",")]:
-        for batch in [int(b) for b in args.batches.split(",")]:
+    for threads in args.threads:
+        for batch in args.batches:
             dims = {"batch": batch}
             a, b = profile_models([("a", original), ("b", optimized)], "cpu", threads, "all", dims, runs=0)
             feeds = random_inputs(original, dims, 0)
             ort_session = open_session(original, "cpu", threads, "all")[0]
             width_out = ort_session.run(None, feeds)[0].shape[1]
-            timed = [(ort_session, feeds), (open_session(optimized, "cpu", threads, "all")[0], feeds),
-                     (session_with(floor_lib, floor_model(batch, feeds["x"].shape[1], width_out), threads), feeds)]
+            timed = [ort_session, open_session(optimized, "cpu", threads, "all")[0],
+                     session_with(floor_lib, floor_model(batch, feeds["x"].shape[1], width_out), threads)]
             if args.baseline:
-                timed.append((session_with(args.baseline, optimized, threads), feeds))
-            med = [_latency(s).median_ms for s in _timed_runs(timed, args.runs, 50)]
+                timed.append(session_with(args.baseline, optimized, threads))
+            samples = harness.interleave({i: harness.session_run(s, feeds) for i, s in enumerate(timed)}, order="cycle",
+                                         min_rounds=args.runs, max_rounds=args.runs, warmup=50, runs=1)
+            med = [samples.median_ms(i) for i in range(len(timed))]
             row = (f"| {threads} | {batch} | {a.kernels.kernels_per_inference} | {b.kernels.kernels_per_inference} | "
                    f"{med[0]:.4f} | {med[1]:.4f} | {med[1] / med[0]:.2f} | {med[2]:.4f} |")
             if args.baseline:
@@ -133,14 +125,13 @@ def main(argv=None) -> int:
         stream = float(next(f for f in figures if f.startswith("stream_l3_us")).split()[1])
         lines += [f"{per_row} 8-float FMAs per row ({weight_bytes // 4} packed weights): at {rate / 1e9:.2f} G FMA/s the "
                   "arithmetic alone takes " + ", ".join(f"{b * per_row / rate * 1e6:.1f} us at batch {b}"
-                                                        for b in [int(x) for x in args.batches.split(",")]) +
+                                                        for b in args.batches) +
                   f" on one core (half that on two); streaming the weights from L3 takes {stream:.1f} us on one core."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    harness.write_report(args.out, "\n".join(lines) + "\n")
     return 0
+
+
+main = harness.main_of(cli)
 
 
 if __name__ == "__main__":

@@ -22,25 +22,22 @@ Two answers, the first exact, the second measured:
    and a 95% bootstrap interval of that median. A model counts as "at most 1.02" when the upper
    end of the interval is at most 1.02.
 
-    python bench/zoo_latency.py [--models a,b] [--threads 1,2] [--budget 20] [--out FILE.md]
+    python -m bench.zoo_latency [--models a,b] [--threads 1,2] [--budget 20] [--out FILE.md]
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import hashlib
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
+import click
 import onnx
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "bench" / "results" / "zoo_latency.md"
+from bench import harness
+
+DEFAULT_OUT = harness.RESULTS / "zoo_latency.md"
 LIMIT = 1.02
 
 
@@ -67,52 +64,16 @@ def graph_signature(model: onnx.ModelProto) -> tuple[list[str], list[str], list[
     return sorted(nodes), outputs, contents
 
 
-def bootstrap_median_interval(ratios: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(ratios), size=(reps, len(ratios)))
-    medians = np.median(ratios[picks], axis=1)
-    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
-
-
 def timed_rounds(sess_a, sess_b, feeds, threads: int, budget_s: float, sample_ms: float,
                  min_rounds: int, max_rounds: int) -> dict:
-    """Interleaved A B B A rounds; per-round ratios b / a on CPU time (one thread) and wall time."""
-    for s in (sess_a, sess_b):
-        for _ in range(5):
-            s.run(None, feeds)
-    t0 = time.perf_counter()
-    sess_a.run(None, feeds)
-    per_run = max(time.perf_counter() - t0, 1e-6)
-    burst = max(1, int(sample_ms / 1e3 / per_run))
-
-    def sample(sess) -> tuple[int, int]:
-        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        for _ in range(burst):
-            sess.run(None, feeds)
-        return time.thread_time_ns() - c0, time.perf_counter_ns() - w0
-
-    cpu_a, cpu_b, wall_a, wall_b = [], [], [], []
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < budget_s):
-        a1, b1, b2, a2 = sample(sess_a), sample(sess_b), sample(sess_b), sample(sess_a)
-        cpu_a.append(a1[0] + a2[0]); cpu_b.append(b1[0] + b2[0])
-        wall_a.append(a1[1] + a2[1]); wall_b.append(b1[1] + b2[1])
-        rounds += 1
-    result = {"rounds": rounds, "burst": burst}
-    clocks = {"wall": (np.array(wall_a, float), np.array(wall_b, float))}
-    if threads == 1:
-        clocks["cpu"] = (np.array(cpu_a, float), np.array(cpu_b, float))
-    for clock, (a, b) in clocks.items():
-        ratios = b / a
-        lo, hi = bootstrap_median_interval(ratios)
-        result[clock] = {
-            "ms_a": float(np.median(a)) / 2 / burst / 1e6,
-            "ms_b": float(np.median(b)) / 2 / burst / 1e6,
-            "ratio": float(np.median(ratios)),
-            "low": lo,
-            "high": hi,
-        }
+    """Interleaved A B B A rounds (harness.interleave); per-round ratios b / a on CPU time (one
+    thread) and wall time, each with its median and 95% bootstrap interval."""
+    samples = harness.interleave({"a": harness.session_run(sess_a, feeds), "b": harness.session_run(sess_b, feeds)},
+                                 order="mirror", min_rounds=min_rounds, max_rounds=max_rounds, budget_s=budget_s,
+                                 warmup=5, sample_ms=sample_ms, cpu_clock=threads == 1)
+    result = {"rounds": samples.rounds, "burst": samples.runs["a"]}
+    for clock in ("wall", "cpu") if threads == 1 else ("wall",):
+        result[clock] = samples.interval("a", "b", clock)
     return result
 
 
@@ -153,13 +114,6 @@ def bench_model(zm, threads_list: list[int], args, log) -> dict:
     return entry
 
 
-def _git(*argv) -> str:
-    try:
-        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def verdict(entry: dict) -> str:
     t1 = entry["timing"].get(1)
     if entry["same_graph"]:
@@ -183,95 +137,9 @@ def _cell(t: dict | None, clock: str) -> str:
     return f"{c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
 
 
-def commit_text() -> str:
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return _git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
-
-
-def run_stamp() -> tuple[str, tuple, str]:
-    """(start time, load average, commit) for a report's header, taken when a run starts."""
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return started, os.getloadavg(), commit_text()
-
-
-def write_report(path: Path, text: str) -> None:
-    """Write a report (creating its folder) and print it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(text)
-
-
-def report_header(title: str, script: str, argv: list[str], started: str, load: tuple, commit: str) -> list[str]:
-    """The first lines of a report: title, command, date, commit, machine and versions."""
-    import onnxruntime as ort
-
-    return [
-        f"# {title}",
-        "",
-        "Command: `" + " ".join([f"python bench/{script}", *argv]) + "`",
-        f"Date: {started}. Commit: {commit}. Machine: {platform.machine()}, {_cpu()}, {os.cpu_count()} logical CPUs "
-        f"(shared host; load average at the start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}). "
-        f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        "",
-    ]
-
-
-def optimized_ab_table(cases, threads_list: list[int], budget_s: float) -> tuple[str, str, list[str]]:
-    """Each case (label: its first table cells, model, feeds) run by onnxruntime alone and as the
-    default CPU pipeline writes it (onnxfuse library loaded): the kernels each runs, then per
-    thread count the interleaved time (timed_rounds: thread CPU time at one thread, wall time
-    above) and ratio onnxfuse / onnxruntime. Returns the table's head and rule after the label
-    columns, and its rows."""
-    from onnxfuse import api
-    from onnxfuse.profile import count_kernels, open_session
-
-    names = lambda k: " + ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in k.items())  # noqa: E731
-    rows = []
-    for label, m, feeds in cases:
-        fused = api.optimize(m, count_kernels=False).model
-        cells = [*label, names(count_kernels(m, threads=1)[1]), names(count_kernels(fused, threads=1)[1])]
-        for threads in threads_list:
-            a, _ = open_session(m, "cpu", threads, "all", with_library=False)
-            b, _ = open_session(fused, "cpu", threads, "all", with_library=True)
-            c = timed_rounds(a, b, feeds, threads, budget_s, 2.0, 15, 400)["cpu" if threads == 1 else "wall"]
-            cells.append(f"{c['ms_a'] * 1e3:.1f} / {c['ms_b'] * 1e3:.1f} | {c['ratio']:.3f} [{c['low']:.3f}, {c['high']:.3f}]")
-            print(f"{' '.join(label)} threads={threads}: {cells[-1]}", file=sys.stderr, flush=True)
-        rows.append("| " + " | ".join(cells) + " |")
-    head = " onnxruntime runs | onnxfuse runs |"
-    rule = "---|---|"
-    for th in threads_list:
-        clock = "thread CPU" if th == 1 else "wall"
-        head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
-        rule += "---|---|"
-    return head, rule, rows
-
-
-def optimized_ab_main(argv, script: str, doc: str, title: str, description: str, labels: list[str], cases) -> int:
-    """The command line of a bench script that times cases with optimized_ab_table (--budget,
-    --threads, --out; default out bench/results/<script>.md): labels name the cases' first table
-    columns, cases() yields them; the report is written and printed."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--budget", type=float, default=6.0, help="seconds of timed rounds per row")
-    p.add_argument("--threads", default="1,2")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / (Path(script).stem + ".md"))
-    args = p.parse_args(argv)
-    started, load, commit = run_stamp()
-    head, rule, rows = optimized_ab_table(cases(), [int(t) for t in args.threads.split(",")], args.budget)
-    text = "\n".join([
-        *report_header(title, script, argv, started, load, commit),
-        description,
-        "",
-        "| " + " | ".join(labels) + " |" + head, "|" + "---|" * len(labels) + rule, *rows, "",
-    ])
-    write_report(args.out, text)
-    return 0
-
-
-def render(entries: list[dict], threads_list: list[int], argv: list[str], started: str, load: tuple, commit: str) -> str:
+def render(entries: list[dict], threads_list: list[int], stamp: harness.RunStamp) -> str:
     lines = [
-        *report_header("No zoo model slower: the graph onnxruntime runs, and interleaved CPU time", "zoo_latency.py",
-                       argv, started, load, commit),
+        *stamp.header("No zoo model slower: the graph onnxruntime runs, and interleaved CPU time"),
         "Each model is optimized with the default CPU pipeline (outputs verified), then both run by onnxruntime "
         "(CPU provider, ORT_ENABLE_ALL, the zoo's default dims, seeded random inputs). "
         "Column *graph*: whether the graphs onnxruntime executes after its own optimizations are the same DAG "
@@ -322,46 +190,29 @@ def render(entries: list[dict], threads_list: list[int], argv: list[str], starte
     return "\n".join(lines) + "\n"
 
 
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=None, help="comma-separated zoo names (default: every zoo model)")
-    p.add_argument("--threads", default="1,2", help="intra-op thread counts (default 1,2)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds of timed rounds per model and thread count")
-    p.add_argument("--sample-ms", type=float, default=2.0, help="about how long one sample lasts (default 2)")
-    p.add_argument("--min-rounds", type=int, default=15)
-    p.add_argument("--max-rounds", type=int, default=400)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-same", action="store_true",
-                   help="time models whose executed graphs are the same too (a check of the timing: expect 1)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = p.parse_args(argv)
-
-    sys.path.insert(0, str(ROOT))
+@harness.script(__doc__)
+@click.option("--models", callback=harness.csv(), help="comma-separated zoo names (default: every zoo model)")
+@click.option("--threads", default="1,2", callback=harness.csv(int), show_default=True,
+              help="intra-op thread counts")
+@click.option("--budget", type=float, default=20.0, show_default=True,
+              help="seconds of timed rounds per model and thread count")
+@click.option("--sample-ms", type=float, default=2.0, show_default=True, help="about how long one sample lasts")
+@click.option("--min-rounds", type=int, default=15, show_default=True)
+@click.option("--max-rounds", type=int, default=400, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--time-same", is_flag=True,
+              help="time models whose executed graphs are the same too (a check of the timing: expect 1)")
+@click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, show_default=True)
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import zoo
 
-    names = args.models.split(",") if args.models else zoo.names()
-    threads_list = [int(t) for t in args.threads.split(",")]
-    started, load, commit = run_stamp()
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    entries = [bench_model(zoo.get(n), threads_list, args, log) for n in names]
-    text = render(entries, threads_list, argv, started, load, commit)
-    write_report(args.out, text)
+    threads_list = args.threads
+    entries = [bench_model(zoo.get(n), threads_list, args, harness.log) for n in args.models or zoo.names()]
+    harness.write_report(args.out, render(entries, threads_list, stamp))
     return 0
 
+
+main = harness.main_of(cli)
 
 if __name__ == "__main__":
     sys.exit(main())

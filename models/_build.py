@@ -6,10 +6,9 @@ calls run_main(); `python models/NAME.py` rewrites models/NAME.onnx. Generation 
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
+import click
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -87,9 +86,13 @@ INT64 = TensorProto.INT64
 
 def run_main(build, name: str) -> None:
     """Command line of every generator: writes the model to models/NAME.onnx or --out."""
-    parser = argparse.ArgumentParser(description=f"Generate the {name} zoo model.")
-    parser.add_argument("--out", type=Path, default=HERE / f"{name}.onnx", help="output path")
-    args = parser.parse_args()
-    model = build()
-    onnx.save(model, str(args.out))
-    print(f"wrote {args.out} ({args.out.stat().st_size} bytes, {len(model.graph.node)} nodes)", file=sys.stderr)
+
+    @click.command(help=f"Generate the {name} zoo model.")
+    @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=HERE / f"{name}.onnx",
+                  show_default=True, help="output path")
+    def generate(out: Path) -> None:
+        model = build()
+        onnx.save(model, str(out))
+        click.echo(f"wrote {out} ({out.stat().st_size} bytes, {len(model.graph.node)} nodes)", err=True)
+
+    generate()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _build import FLOAT, INT64, GraphBuilder, run_main, tensor
+from onnxfuse.models._build import FLOAT, INT64, GraphBuilder, run_main, tensor
 
 NAME = "char_rnn"
 VOCAB = 65  # the tiny-shakespeare character set

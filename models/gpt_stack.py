@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from _build import FLOAT, INT64, GraphBuilder, run_main, tensor
+from onnxfuse.models._build import FLOAT, INT64, GraphBuilder, run_main, tensor
 
 NAME = "gpt_stack"
 VOCAB = 256  # byte-level

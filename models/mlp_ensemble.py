@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from _build import FLOAT, GraphBuilder, run_main, tensor
+from onnxfuse.models._build import FLOAT, GraphBuilder, run_main, tensor
 
 NAME = "mlp_ensemble"
 MEMBERS = 8

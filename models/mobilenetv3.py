@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from _build import FLOAT, GraphBuilder, run_main, tensor
+from onnxfuse.models._build import FLOAT, GraphBuilder, run_main, tensor
 
 NAME = "mobilenetv3"
 IMAGE = 64

@@ -11,11 +11,11 @@ fails when a model runs more or fewer kernels than recorded here.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
+import click
 import onnxruntime
 
 from onnxfuse import zoo
@@ -36,11 +36,10 @@ def _format(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", help="zoo models to re-measure (default: all)")
-    args = parser.parse_args()
-    models = [zoo.get(n) for n in args.names] if args.names else zoo.list_models()
+@click.command(help=__doc__.splitlines()[0] + "\n\nNAMES: the zoo models to re-measure (default: all).")
+@click.argument("names", nargs=-1)
+def main(names: tuple[str, ...]) -> int:
+    models = [zoo.get(n) for n in names] if names else zoo.list_models()
     baseline = zoo.load_baseline()
     counts = dict(baseline.get("models", {}))
     for model in models:
@@ -66,4 +65,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

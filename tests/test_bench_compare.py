@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper
 
+from bench import compare, gpt2_small, readme_section
 from onnxfuse import zoo
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))  # bench/ holds scripts, not a package
-
-import compare  # noqa: E402
-import gpt2_small  # noqa: E402
-import readme_section  # noqa: E402
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -63,7 +54,7 @@ def test_benchmark_runs_every_variant_of_a_zoo_model_and_writes_report_data_and_
 
     report = out.read_text()
     assert f"| mlp_ensemble | {baseline['ort']} |" in report
-    assert "CUDA provider:" in report and "python bench/compare.py --models mlp_ensemble" in report
+    assert "CUDA provider:" in report and "python -m bench.compare --models mlp_ensemble" in report
     assert compare.summary_tables(results) in printed  # what it prints is what it wrote
     assert compare.summary_tables(results) in report
     if HAS_MATPLOTLIB:

@@ -1,19 +1,13 @@
-"""bench/zoo_latency.py: the executed-graph comparison that stands in for timing, and the
-interval of the timed ratio."""
+"""bench/zoo_latency.py: the executed-graph comparison that stands in for timing; bench/harness.py:
+the interval of the timed ratio and the interleaved timer."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from bench import harness, zoo_latency
 from onnxfuse import runtime
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # scripts, not a package
-
-import zoo_latency  # noqa: E402
 
 
 def two_branch_model(order=(0, 1), alpha=0.1, weight=1.0):
@@ -53,6 +47,6 @@ def test_executed_graph_is_what_onnxruntime_runs():
 def test_bootstrap_interval_brackets_the_median():
     rng = np.random.default_rng(1)
     ratios = 1.0 + 0.01 * rng.standard_normal(200)
-    lo, hi = zoo_latency.bootstrap_median_interval(ratios)
+    lo, hi = harness.bootstrap_median_interval(ratios)
     assert lo < float(np.median(ratios)) < hi
     assert hi - lo < 0.01

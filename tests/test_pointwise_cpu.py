@@ -582,16 +582,11 @@ def test_output_only_floor_op_reads_int_attributes(tmp_path):
     # bench/overhead_floor.cc (the benchmark's floor of the custom-op path) is built against
     # kernels/ort_api.h and reads its output shape with KernelInfoGetAttribute_int64.
     import shutil
-    import sys
-    from pathlib import Path
 
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    try:
-        import pointwise_overhead
-    finally:
-        sys.path.pop(0)
+    from bench import pointwise_overhead
+
     lib = pointwise_overhead.build_floor_library(tmp_path)
     model = pointwise_overhead.chain_model("floor", 3)
     for node in model.graph.node:

@@ -1,11 +1,9 @@
 """The zoo itself: manifest, lookup, and the generated models being what they claim to be."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -26,16 +24,8 @@ def _by_name(name):
 
 
 def _generator(model):
-    """The generator script of a generated model, imported as a module (models/ is not a package)."""
-    folder = str(model.generator.parent)
-    sys.path.insert(0, folder)  # the scripts import their shared helpers from models/_build.py
-    try:
-        spec = importlib.util.spec_from_file_location(f"zoo_gen_{model.name}", model.generator)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
-    return module
+    """The generator script of a generated model, imported as a module of onnxfuse.models."""
+    return importlib.import_module(f"onnxfuse.models.{model.generator.stem}")
 
 
 def _ops(model: onnx.ModelProto) -> Counter:

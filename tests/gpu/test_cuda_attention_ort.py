@@ -146,7 +146,7 @@ def test_cuda_graph_captures_and_replays_the_attention_kernel_with_new_inputs(cu
 
 
 def optimize_like_the_cli(model: onnx.ModelProto, dims: dict) -> onnx.ModelProto:
-    """What api.optimize(target="cuda", options={"attention_cuda": True}) and `bench/gpu.py --attention` produce."""
+    """What api.optimize(target="cuda", options={"attention_cuda": True}) and `python -m bench.gpu --attention` produce."""
     from onnxfuse import api
 
     return api.optimize(model, target="cuda", arch=device_arch(), verify_outputs=False, count_kernels=False,
