@@ -26,8 +26,8 @@ constexpr int64_t kTaskElements = 1 << 15;  // elements per parallel task (amort
 // instruction's result goes to the next one inside a chain, or straight to an output) and whose
 // inputs are all read in place or as a scalar per block, so a block touches no scratch memory
 // and can be as long as a task. What a block costs to set up (its inputs' addresses, each chain's
-// stages and constants) then comes once per task: in 1024-element blocks it was 6-16% of the time
-// of 2-16 op arithmetic chains over 1e5 elements, and 11% of a 4-op chain with a tanh.
+// stages and constants) then comes once per task instead of once per short block, where it was a
+// measurable part of the time (bench/results/cpu_kernel_design.md).
 constexpr int64_t kStreamBlock = kTaskElements;
 
 // A run of consecutive instructions of a float32 program that the AVX2 build evaluates without a
@@ -77,7 +77,7 @@ struct FusedStep {
   // The chain's `count` stages and `num_segments` segments, in the CompiledProgram's
   // chain_stages and chain_segments, where the steps' are stored back to back: a step plus its
   // stages is then a cache line or two, where arrays of kMaxChain each made it 1 KB and char_rnn's
-  // 160 steps missed the cache on every call (1-2% of its inference).
+  // 160 steps missed the cache on every call (bench/results/cpu_kernel_design.md).
   const ChainStage* stages = nullptr;
   const ChainSegment* segments = nullptr;
 };

@@ -15,9 +15,7 @@
 // other single operations (add, sub, mul, div, max, min, abs, neg, relu, ...) eight vectors at a
 // time, kept in registers from the first instruction of the segment to the last. A chain of cheap operations then
 // costs about one pass over memory plus its arithmetic; a chain with elementary functions is
-// bound by their arithmetic, measured at about 8 cycles per eight elements for tanh and exp and 11
-// for sigmoid on AMD Zen 3 (bench/pointwise_cpu.py's eight-op tanh/sigmoid/exp chain spends
-// about three quarters of its time in them).
+// bound by their arithmetic (bench/results/cpu_kernel_design.md).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -303,15 +301,11 @@ ONNXFUSE_INLINE void apply_stage(const StageLoop& c, V* x, int64_t j, __m256i ma
 }
 
 // Vectors an elementary function takes at once (the N of the functions above): more independent
-// chains per step keep the ports busier (sigmoid, exp and log ran 5-15% faster with four than with
-// one) until their temporaries no longer fit in the sixteen vector registers (erf, with two
-// polynomials, ran 20% slower with four and 6% faster with two; tanh between add/mul stages was
-// fastest with two). The functions are bound by the throughput of the floating-point ports, not
-// by latency or the divider: on Zen 3, over 1024 floats in L1, eight vectors at a time ran
-// 1.4-1.6x slower, Estrin's scheme for the polynomials 1.1-1.4x slower, and a reciprocal estimate
-// with a Newton step (or one division shared by two vectors) in place of the division 1.06-1.17x
-// slower and less accurate; within chains, sigmoid and exp with two vectors ran 0.5-3% slower and
-// tanh with four 5-14% slower.
+// chains per step keep the ports busier until their temporaries no longer fit in the sixteen
+// vector registers (erf, with two polynomials, and tanh between add/mul stages fit two; the
+// others four). The functions are bound by the throughput of the floating-point ports, not by
+// latency or the divider, so more vectors at a time, Estrin's scheme for the polynomials or a
+// reciprocal estimate in place of the division all ran slower (bench/results/cpu_kernel_design.md).
 template <ChainStage::Kind Kind>
 constexpr int unary_group() { return Kind == ChainStage::Erf || Kind == ChainStage::Tanh ? 2 : 4; }
 

@@ -290,7 +290,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
 
 // Dims and data of input i, which must be present and float32. With a runtime that serves
 // GetTensorElementTypeAndShapeDataReference the dims are read in place (the per-call path then
-// allocates nothing: it runs once per inference, and the kernel's work at batch 1-4 is ~10-30 us);
+// allocates nothing: it runs once per inference, and the kernel's own work at small batches is
+// short enough for that to show: bench/results/cpu_kernel_design.md);
 // otherwise they are copied into *store.
 OrtStatus* input_f32(const StackedMlpKernel* k, OrtKernelContext* ctx, size_t i, const float** data,
                      const int64_t** dims, size_t* rank, std::vector<int64_t>* store) {

@@ -308,7 +308,7 @@ def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: 
 def _keys_pay_on_cpu(k: Heads, shapes: gu.ShapeTable, ctx: Context, causal: bool) -> bool:
     """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
     CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
-    in causal mode 0.62-0.68x the chain at 512 keys (untimed beyond: CPU_MAX_CAUSAL_KEYS).
+    in causal mode faster than the chain at 512 keys too (untimed beyond: CPU_MAX_CAUSAL_KEYS).
     A symbolic key length is read as declared (optimize --dim, a zoo model's defaults), else as 1,
     the value verification uses."""
     sk = shapes.dims(k.source)[1]
@@ -548,7 +548,7 @@ def _causal_body(graph: gs.Graph, m: Match, nodes: list) -> None:
 def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # On --target cuda the generated kernel (onnxfuse/cuda/attention_codegen.py) has been checked
     # with nvcc/ptxas and a numpy model of its indexing, but not yet timed or run on a GPU: until
-    # it is, the CUDA rewrite is opt-in (pass option attention_cuda; bench/gpu.py --attention).
+    # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
     if ctx.target == "cuda" and not ctx.options.get("attention_cuda"):
         return 0
     infer_shapes(graph)

@@ -253,12 +253,13 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: gu.ShapeTable) -> ConvMatch | 
     return m
 
 
-# Where our kernel pays (measured on an H100 at batch 1, bench/results/conv_cuda_layers.md: 69
-# distinct layers of resnet50, mobilenetv3 and squeezenet, each against onnxruntime's cuDNN Conv).
-# The kernel has no split-K and no tensor cores, so its time grows with the serial work of one
-# thread, KRED x TM x TN multiply-adds with the heuristic tile: at most 1152 it beat cuDNN on 35 of
-# 36 layers (0.50-0.96x; the other 1.04x), from 1920 up it lost on 31 of 33 (up to 8.6x on
-# resnet50's 512-channel 3x3s). Depthwise layers (the direct kernel) won on all 7 (0.54-0.57x).
+# Where our kernel pays, as the per-layer table against onnxruntime's cuDNN Conv measured it
+# (bench/results/conv_cuda_layers.md: H100, batch 1, the default tiles). With those tiles (no
+# split-K, CUDA cores: both alternatives are opt-in, see the options below, and have no per-layer
+# table yet) its time grows with the serial work of one thread, KRED x TM x TN multiply-adds with
+# the heuristic tile: the table shows it beating cuDNN on nearly every layer below this bound and
+# losing on nearly every layer above it, and depthwise layers (the direct kernel) beating it
+# throughout.
 MAX_SERIAL_FMAS = 1536
 
 

@@ -35,9 +35,8 @@ from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph.patterns import ACTIVATIONS
 from onnxfuse.pipeline import Context, Pass
 
-# On the CPU provider (1 thread) the stacked form was faster at batch 1 for every width
-# measured (16..128), at batch 4 only with branch layers of at most 32x32 weights, and slower
-# at batch 64 and more for every width: see bench/results/matmul_batch.md. A dynamic batch may
+# On the CPU provider (1 thread) the stacked form pays at batch 1, at batch 4 only with small
+# branch layers, and not at large batches (bench/results/matmul_batch.md). A dynamic batch may
 # be large, so it is not applied then.
 CPU_MAX_BRANCH_WEIGHT = 32 * 32
 CPU_MAX_BATCH = 4

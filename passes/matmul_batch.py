@@ -63,8 +63,8 @@ from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph.patterns import ACTIVATIONS, ELEMENTWISE
 from onnxfuse.pipeline import Context, Pass
 
-# A Split that stays a real copy pays only up to this many GEMM rows (static); see
-# bench/results/matmul_batch.md (mlp_ensemble: faster at batch 4, 3-8% slower at 64..1024).
+# A Split that stays a real copy pays only up to this many GEMM rows (static): its copy grows
+# with the rows while the dispatches it saves do not (bench/results/matmul_batch.md).
 SPLIT_COPY_MAX_ROWS = 16
 
 
@@ -150,7 +150,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
     split_free = pointwise_fusion_runs(ctx) and _pieces_read_in_place(graph, outputs)
     before, after = _kernels(members, len(blocks), gu.rank(x), split_free)
     # A materialized Split copies rows x sum(N) values; that cost grows with the batch while the
-    # saved dispatches do not (measured: faster at 4 rows, slower at 64 and more).
+    # saved dispatches do not (bench/results/matmul_batch.md).
     rows = _static_rows(x)
     copy_pays = split_free or len(blocks) == 1 or (rows is not None and rows <= SPLIT_COPY_MAX_ROWS)
     if not duplicates and (after >= before or not copy_pays):

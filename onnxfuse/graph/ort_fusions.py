@@ -129,7 +129,8 @@ def match_conv_activation(a: GraphIndex) -> Iterable[gs.Node]:
     convolution (group 1, output channels a multiple of 8): resnet50 runs 59 kernels per
     inference with them left to onnxruntime, 111 with them in Pointwise regions, which also
     need NCHWc reorders around them. Grouped convolutions (shufflenet) stay in NCHW: there
-    the residual Sum + Relu is a region (0.74x latency)."""
+    the residual Sum + Relu is a region, faster than onnxruntime's kernels for it (the whole
+    model: bench/results/zoo_latency.md)."""
     for n in a.nodes:
         if not _std(n, "Conv"):
             continue
@@ -415,9 +416,9 @@ CONFIRMED: dict[str, frozenset[str]] = {
 # Fusions of onnxruntime that run slower on the target than a Pointwise region plus the rest
 # left unfused: a region holding one of these ops pays even when that op is its only work, so
 # that onnxruntime does not make the fusion. On the CPU (onnxruntime 1.31), a Pointwise region
-# with the residual (and bias) Add plus LayerNormalization took 0.24-0.52x the time of
-# SkipLayerNormalization with one thread and 0.21-0.75x with two, at 64x128 to 2048x1024
-# (bench/skip_layernorm.py, bench/results/skip_layernorm.md).
+# with the residual (and bias) Add plus LayerNormalization takes less time than
+# SkipLayerNormalization at every size and thread count measured (`python -m
+# bench.skip_layernorm`, bench/results/skip_layernorm.md).
 PREEMPT: dict[str, tuple[Rule, ...]] = {
     "cpu": (Rule("skip-layernorm", "SkipLayerNormalization", match_skip_layernorm),),
 }
