@@ -1,31 +1,40 @@
 #!/usr/bin/env bash
-# On the offline GPU host, in the carried working tree: install what gpu/prepare.sh bundled, build
-# onnxfuse, run the GPU tests and the GPU benchmarks, and write the results.
+# On the offline GPU host, in a copy of this working tree: install the bundle gpu/prepare.sh
+# built, build onnxfuse, run the GPU tests and the GPU benchmarks, and write the results.
 #
-#   bash gpu/run.sh            setup + tests + benchmarks (benchmarks get the time that is left)
+#   bash gpu/run.sh            setup + tests + benchmarks
 #   bash gpu/run.sh setup      only the installation (idempotent: done steps are skipped)
 #   bash gpu/run.sh test       setup (skipped when done) + pytest -m gpu
-#   bash gpu/run.sh bench      setup (skipped when done) + bench/gpu.py
+#   bash gpu/run.sh bench      setup (skipped when done) + python -m bench.gpu
 #
-# Installs into a virtual environment (/tmp/onnxfuse-venv) that sees the host's own packages
-# (numpy, onnx, torch, cupy, pytest) after its own, so the bundled onnxruntime-gpu shadows the
-# host's CPU-only onnxruntime. The CUDA 13 libraries onnxruntime-gpu loads (cudart, cublas,
-# cublasLt, cufft, curand, cudnn 9) come from the host's nvidia-* pip packages (PyTorch's).
-# Results: bench/results/gpu_*.md and *.json here, and copies in $OUT when it is set.
-# Environment: PYTHON (python3), CUDA_ROOT (from nvcc), ONNXFUSE_COMMIT, TIME_LIMIT_S (560).
+# Installs into a virtual environment that sees the host's own packages (numpy, onnx, pytest,
+# and torch or cupy where present) after its own, so the bundled onnxruntime-gpu shadows a
+# CPU-only onnxruntime of the host. The CUDA libraries onnxruntime-gpu loads (cudart, cublas,
+# cublasLt, cufft, curand, cudnn) come from nvidia-* pip packages where the host has them
+# (PyTorch installs them), else from CUDA_ROOT.
+# Results: bench/results/gpu_*.md and *.json in this tree.
+# Environment:
+#   ONNXFUSE_BUNDLE_DIR  the bundle's folder (default .gpu-bundle/bundle in this tree)
+#   ONNXFUSE_VENV        the virtual environment (default .gpu-venv in this tree)
+#   PYTHON               the host's Python (default python3)
+#   CUDA_ROOT            the CUDA toolkit (default: found from nvcc)
+#   ONNXFUSE_COMMIT      the commit to report when this copy has no git history
+#   TIME_LIMIT_S         seconds this run may take; the benchmarks get what the tests leave
+#                        (default: no limit)
 set -euo pipefail
 phase=${1:-all}
 case "$phase" in all|setup|test|bench) ;; *) echo "usage: gpu/run.sh [all|setup|test|bench]" >&2; exit 2;; esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-bundle=${ONNXFUSE_BUNDLE_DIR:-/tmp/onnxfuse-bundle}
-venv=${ONNXFUSE_VENV:-/tmp/onnxfuse-venv}
+bundle=${ONNXFUSE_BUNDLE_DIR:-$repo/.gpu-bundle/bundle}
+venv=${ONNXFUSE_VENV:-$repo/.gpu-venv}
+work=$venv/work
 results=$repo/bench/results
-time_limit=${TIME_LIMIT_S:-560}
+time_limit=${TIME_LIMIT_S:-}
 mkdir -p "$results"
 step() { printf '\n=== [run %3ds] %s\n' "$SECONDS" "$*"; }
 die() { printf '\n!!! [run] FAILED: %s\n' "$*" >&2; exit 1; }
-out_copy() { if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && cp -f "$@" "$OUT/"; fi; }
+relative() { sed "s#$repo/##g"; }  # reports name the tree's files relative to it
 
 host_py=${PYTHON:-python3}
 command -v "$host_py" >/dev/null || die "$host_py not found"
@@ -36,19 +45,23 @@ export CUDA_ROOT=$cuda_root CUDA_HOME=$cuda_root
 
 # ------------------------------------------------------------------------------------ setup ----
 setup() {
-  step "staging carried bundle groups (if any) into $bundle"
-  bash gpu/stage.sh
-  [ -f "$bundle/MANIFEST" ] || die "$bundle/MANIFEST missing: carry the last group of gpu/prepare.sh's output"
-  step "checking the bundle against MANIFEST"
-  local missing
-  missing=$(awk 'length($1) == 64 && $1 ~ /^[0-9a-f]+$/ {print $2}' "$bundle/MANIFEST" | while read -r f; do [ -f "$bundle/$f" ] || echo "$f"; done)
-  [ -z "$missing" ] || die "pieces missing from $bundle (the machine may have been given back between calls; stage every group again):
-$missing"
-  (cd "$bundle" && awk 'length($1) == 64 && $1 ~ /^[0-9a-f]+$/' MANIFEST | sha256sum -c --quiet) || die "a bundle piece is corrupt"
+  step "checking the bundle in $bundle against its MANIFEST"
+  ONNXFUSE_BUNDLE_DIR=$bundle bash gpu/stage.sh
+  [ -f "$bundle/MANIFEST" ] || die "$bundle/MANIFEST missing: copy the bundle gpu/prepare.sh built there"
+  (cd "$bundle" && awk 'length($1) == 64 && $1 ~ /^[0-9a-f]+$/' MANIFEST | sha256sum -c --quiet) \
+    || die "a bundle piece is missing or corrupt (see above)"
   echo "all pieces present and intact"
+  mkdir -p "$work"
+  local part
+  for part in "$bundle"/*.part00; do  # files gpu/prepare.sh split for the transfer
+    [ -f "$part" ] || continue
+    cat "${part%.part00}".part?? > "$work/$(basename "${part%.part00}")"
+  done
 
+  local bundled_py
+  bundled_py=$(awk '$1 == "python" {print $2}' "$bundle/MANIFEST")
   step "python: $host_py ($pyver); CUDA_ROOT=$cuda_root"
-  [ "$pyver" = 3.12 ] || echo "WARNING: the bundle holds cp312 wheels; this python is $pyver"
+  [ "$pyver" = "$bundled_py" ] || echo "WARNING: the bundle holds wheels for Python $bundled_py; this python is $pyver"
   if [ ! -x "$venv/bin/python" ]; then
     step "creating $venv (host packages visible after its own)"
     "$host_py" -m venv --without-pip "$venv"
@@ -62,24 +75,13 @@ $missing"
   site_dir=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$py" -m pip --version >/dev/null 2>&1 || die "pip is not importable from $venv (host pip missing?)"
 
-  local payload
-  payload=$(awk '$1 == "payload" {print $2}' "$bundle/MANIFEST")
-  if [ ! -f "$site_dir/.onnxruntime_gpu_installed" ]; then
-    step "installing onnxruntime-gpu from $payload"
-    local joined=/tmp/$payload
-    cat "$bundle/$payload".part?? > "$joined"
-    case "$payload" in
-      *.tar.xz) tar -C "$site_dir" -xJf "$joined" ;;
-      *.whl) "$py" -m pip install -q --no-index --no-deps --target "$site_dir" "$joined" ;;
-      *) die "unknown payload $payload" ;;
-    esac
-    rm -f "$joined"
-    touch "$site_dir/.onnxruntime_gpu_installed"
-  fi
-  step "installing the small wheels (onnx-graphsurgeon, pytools, platformdirs, mako, siphash24)"
-  "$py" -m pip install -q --no-index --no-deps "$bundle"/*.whl
+  step "installing the bundled wheels (onnxruntime-gpu, onnx-graphsurgeon, pytools, platformdirs, mako, siphash24)"
+  shopt -s nullglob
+  local wheels=("$bundle"/*.whl "$work"/*.whl)
+  shopt -u nullglob
+  "$py" -m pip install -q --no-index --no-deps "${wheels[@]}" || die "installing the bundled wheels failed"
 
-  # onnxruntime-gpu dlopens the CUDA 13 libraries; the host has them in nvidia-* pip packages.
+  # onnxruntime-gpu dlopens the CUDA libraries: from nvidia-* pip packages where present.
   local libdirs
   libdirs=$("$py" - <<'PY'
 import glob, os, site
@@ -97,18 +99,18 @@ PY
   echo "export LD_LIBRARY_PATH=\"$LD_LIBRARY_PATH\"" > "$venv/env.sh"
 
   if [ ! -f "$site_dir/.pycuda_built" ] && [ ! -f "$site_dir/.pycuda_failed" ]; then
-    step "building pycuda from source in the background (log: /tmp/onnxfuse-pycuda.log)"
+    step "building pycuda from source in the background (log: $work/pycuda.log)"
     (
       set -e
-      src=/tmp/onnxfuse-pycuda-src
+      src=$work/pycuda-src
       rm -rf "$src" && mkdir -p "$src"
-      tar -C "$src" --strip-components=1 -xzf "$bundle"/pycuda-*.tar.gz
+      tar -C "$src" --strip-components=1 -xzf "$(ls "$bundle"/pycuda-*.tar.gz "$work"/pycuda-*.tar.gz 2>/dev/null | head -1)"
       cd "$src"
       curand=True
       ls "$cuda_root"/lib64/libcurand.so* >/dev/null 2>&1 || curand=False
       printf 'CUDA_ROOT = "%s"\nCUDA_ENABLE_CURAND = %s\nCUDA_ENABLE_GL = False\n' "$cuda_root" "$curand" > siteconf.py
       "$py" -m pip install -v --no-index --no-deps --no-build-isolation . && touch "$site_dir/.pycuda_built"
-    ) > /tmp/onnxfuse-pycuda.log 2>&1 || touch "$site_dir/.pycuda_failed" &
+    ) > "$work/pycuda.log" 2>&1 || touch "$site_dir/.pycuda_failed" &
     pycuda_pid=$!
   fi
 
@@ -140,7 +142,7 @@ if s.get_providers()[0] != "CUDAExecutionProvider":
     prov = glob.glob(os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_cuda.so"))
     if prov:
         print(subprocess.run(["ldd", prov[0]], capture_output=True, text=True).stdout)
-    sys.exit("the CUDA execution provider did not load (missing CUDA 13 libraries? see ldd above)")
+    sys.exit("the CUDA execution provider did not load (missing CUDA libraries? see ldd above)")
 x = np.arange(4, dtype=np.float32)
 assert np.array_equal(s.run(None, {"a": x, "b": x})[0], 2 * x)
 print("CUDA EP ok")
@@ -154,7 +156,7 @@ PY
     :
   else
     echo "WARNING: pycuda is not usable; the standalone kernel tests fall back to CuPy. Last lines of the build log:"
-    tail -25 /tmp/onnxfuse-pycuda.log 2>/dev/null || true
+    tail -25 "$work/pycuda.log" 2>/dev/null || true
   fi
 }
 
@@ -187,7 +189,7 @@ py=$venv/bin/python
 # shellcheck disable=SC1091
 . "$venv/env.sh"
 stamp=$(date -u +%Y%m%d-%H%M%S)
-env_md=/tmp/onnxfuse-env.md
+env_md=$venv/env.md
 env_report > "$env_md"
 cat "$env_md"
 [ "$phase" = setup ] && exit 0
@@ -199,7 +201,7 @@ if [ "$phase" = all ] || [ "$phase" = test ]; then
   timeout_opt=()
   "$py" -c "import pytest_timeout" 2>/dev/null && timeout_opt=(--timeout 300)
   "$py" -m pytest -m gpu tests -q -rs -p no:cacheprovider "${timeout_opt[@]}" \
-      --junitxml="$results/gpu_tests.xml" 2>&1 | tee /tmp/onnxfuse-gpu-tests.txt
+      --junitxml="$results/gpu_tests.xml" 2>&1 | tee "$work/gpu-tests.txt"
   status=${PIPESTATUS[0]}
   set -e
   {
@@ -208,29 +210,26 @@ if [ "$phase" = all ] || [ "$phase" = test ]; then
     cat "$env_md"
     echo
     echo '```'
-    tail -60 /tmp/onnxfuse-gpu-tests.txt
+    tail -60 "$work/gpu-tests.txt"
     echo '```'
-  } > "$results/gpu_tests.md"
-  out_copy "$results/gpu_tests.md" "$results/gpu_tests.xml"
+  } | relative > "$results/gpu_tests.md"
   echo "pytest exit status: $status (results in bench/results/gpu_tests.md)"
 fi
 
 if [ "$phase" = all ] || [ "$phase" = bench ]; then
-  left=$(( time_limit - SECONDS ))
+  left=$(( ${time_limit:-1000000000} - SECONDS ))
   if [ "$left" -lt 90 ]; then
-    step "no time left for the benchmarks in this call ($left s): run 'bash gpu/run.sh bench'"
+    step "no time left for the benchmarks within TIME_LIMIT_S ($left s): run 'bash gpu/run.sh bench'"
   else
     # First the opt-in CUDA attention kernel (pass option attention_cuda) on the model it is for
     # (two short cases), then every model with the default passes in the time that is left.
     step "GPU benchmark of gpt_stack with fuse-attention on cuda (budget 90 s)"
-    "$py" bench/gpu.py --models gpt_stack --attention --budget 90 --env "$env_md" \
-        --md "$results/gpu_bench_attention.md" --json "$results/gpu_bench_attention.json" || die "bench/gpu.py --attention failed"
-    out_copy "$results/gpu_bench_attention.md" "$results/gpu_bench_attention.json"
-    left=$(( time_limit - SECONDS ))
+    "$py" -m bench.gpu --models gpt_stack --attention --budget 90 --env "$env_md" \
+        --md "$results/gpu_bench_attention.md" --json "$results/gpu_bench_attention.json" || die "bench.gpu --attention failed"
+    left=$(( ${time_limit:-1000000000} - SECONDS ))
     step "GPU benchmarks (budget $((left - 30)) s)"
-    "$py" bench/gpu.py --budget $((left - 30)) --env "$env_md" \
-        --md "$results/gpu_bench.md" --json "$results/gpu_bench.json" || die "bench/gpu.py failed"
-    out_copy "$results/gpu_bench.md" "$results/gpu_bench.json"
+    "$py" -m bench.gpu --budget $((left - 30)) --env "$env_md" \
+        --md "$results/gpu_bench.md" --json "$results/gpu_bench.json" || die "bench.gpu failed"
   fi
 fi
 step "done (pytest status $status)"
