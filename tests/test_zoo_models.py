@@ -288,8 +288,9 @@ def test_generated_models_produce_sensible_activations():
     assert np.isfinite(scores).all() and 0.05 < scores.std() < 20
 
 
-# Kernels per inference under onnxruntime alone (ORT_ENABLE_ALL, CPU, 1 thread) the brief of each
-# model states; onnxruntime versions may shift them a little.
+# Kernels per inference under onnxruntime alone (ORT_ENABLE_ALL, CPU, 1 thread) that the project
+# states for these models (README.md, models/README.md, the StackedMLP figures); onnxruntime
+# versions may shift them a little.
 STATED_KERNELS = {"char_rnn": 435, "mlp_ensemble": 25}
 
 
