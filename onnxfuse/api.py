@@ -19,7 +19,7 @@ import onnx
 from .fused import DOMAIN
 from .modelio import InputError, LoadedModel, normalize, parse_model, check_model, save_model
 from .pipeline import TARGETS, Context, PassStats, run_passes, select_passes
-from .verify import Verification, VerificationError, check_dims, effective_dims, verify
+from .verify import Verification, VerificationError, check_dims, choose_mode, effective_dims, verify
 from .zoo import ZooModel, resolve_input
 
 
@@ -54,7 +54,8 @@ def _as_loaded(model, label: str | None) -> LoadedModel:
         proto = parse_model(bytes(model), label)
         check_model(proto, label)
         return LoadedModel(proto, label)
-    return resolve_input(str(model))
+    # The optimizer holds external weights by reference: its memory does not grow with them.
+    return resolve_input(str(model), weights_on_disk=True)
 
 
 def optimize(
@@ -71,6 +72,7 @@ def optimize(
     label: str | None = None,
     tune: bool = False,
     options: Mapping[str, object] | None = None,
+    verify_mode: str = "auto",
 ) -> OptimizeResult:
     """Optimize a model (ModelProto, serialized bytes, a path or "zoo:NAME").
 
@@ -82,6 +84,9 @@ def optimize(
     tune: --target cuda: choose each Conv layer's tile by timing the candidates on this
         machine's GPU (needs pycuda and a CUDA device; the documented heuristic otherwise).
     options: further pass options (Context.options), for benchmarks and tests.
+    verify_mode: "whole" compares the two models' outputs; "regions" each fused node against
+        its fallback body (region_verify.py), for models too large to run whole; "auto" (default)
+        picks "whole" unless its estimated memory exceeds what is available.
     Raises InputError for bad input (bad model, unknown pass, bad dims).
     """
     t_start = time.perf_counter()
@@ -122,14 +127,27 @@ def optimize(
         else:
             kernel_note = "no usable GPU here: verified on the CPU provider"
     if verify_outputs:
-        verification = verify(
-            original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
-            fallback=fallback_check, original_label=loaded.label,
-        )
+        mode, why = choose_mode(original, optimized, verify_mode)
+        if mode == "whole":
+            verification = verify(
+                original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
+                fallback=fallback_check, original_label=loaded.label,
+            )
+        else:
+            from .region_verify import verify_regions
+
+            verification = verify_regions(original, optimized, merged_dims, seed, provider=verify_provider,
+                                          threads=threads)
+            kernel_note = kernel_note or "kernels not counted (region-level verification: the whole model was not run)"
+        verification.mode_reason = why
         if verify_provider == "cpu":
             kernels_before = verification.original_profile
             kernels_after = verification.optimized_profile
-    if count_kernels and kernels_before is None and (verification is None or verification.ok):
+    too_large = _too_large_to_count(original, optimized) if count_kernels and verification is None else None
+    if too_large:
+        kernel_note = too_large
+    elif count_kernels and kernels_before is None and (verification is None or verification.mode == "whole") and (
+            verification is None or verification.ok):
         kernels_before, kernels_after, note = _count_before_after(
             original, optimized, loaded.label, merged_dims, seed, threads)
         kernel_note = note or kernel_note
@@ -168,7 +186,43 @@ def optimize(
     return result
 
 
+# Without verification, kernels are counted only for models of at most this many bytes of
+# weights: counting runs the whole model, and a --no-verify run of a large model is to stay
+# within bounded memory.
+KERNEL_COUNT_MAX_WEIGHT_BYTES = 256 << 20
+
+
+def _too_large_to_count(original, optimized) -> str | None:
+    from .verify import weight_bytes
+
+    size = max(weight_bytes(original), weight_bytes(optimized))
+    if size <= KERNEL_COUNT_MAX_WEIGHT_BYTES:
+        return None
+    return (f"kernels not counted without verification for {size / 1e9:.1f} GB of weights"
+            " (`onnxfuse profile` counts them)")
+
+
 def _count_before_after(original, optimized, label, dims, seed, threads):
+    from .weights import has_references
+
+    if not (has_references(original) or has_references(optimized)):
+        return _count_models(original, optimized, label, dims, seed, threads)
+    import shutil
+
+    from .weights import RuntimeFiles, runtime_directory
+
+    directory = runtime_directory()
+    files = RuntimeFiles(directory)
+    try:
+        original_file, optimized_file = files.write(original, "original.onnx"), files.write(optimized, "optimized.onnx")
+        files.close()
+        return _count_models(original, optimized, label, dims, seed, threads, original_file, optimized_file)
+    finally:
+        files.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _count_models(original, optimized, label, dims, seed, threads, original_source=None, optimized_source=None):
     """Kernel profiles of both models on the CPU provider (ORT_ENABLE_ALL). The original not
     running is bad input; the optimized one not running (unverified) is reported in the note."""
     from .modelio import ort_error_text
@@ -181,13 +235,15 @@ def _count_before_after(original, optimized, label, dims, seed, threads):
     except UnfeedableInputError as e:  # e.g. sequence inputs: nothing to count with, but nothing wrong
         return None, None, f"kernels not counted: {e}"
     try:
-        before = kernel_profile(original, dims=dims, seed=seed, threads=threads)
+        before = kernel_profile(original if original_source is None else original_source, dims=dims, seed=seed,
+                                threads=threads)
     except (InputError, LibraryError):
         raise
     except Exception as e:  # onnxruntime's exception types
         raise InputError(f"{label}: onnxruntime cannot run it: {ort_error_text(e)}") from None
     try:
-        return before, kernel_profile(optimized, dims=dims, seed=seed, threads=threads), None
+        return before, kernel_profile(optimized if optimized_source is None else optimized_source, dims=dims,
+                                      seed=seed, threads=threads), None
     except (InputError, LibraryError):
         raise
     except Exception as e:  # onnxruntime's exception types

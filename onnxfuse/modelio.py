@@ -135,8 +135,8 @@ def _external_location(tensor: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
-def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path) -> None:
-    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path, on_disk: bool = False) -> None:
+    from onnx.external_data_helper import uses_external_data
 
     external = [t for t in _all_tensors(model.graph) if uses_external_data(t)]
     if not external:
@@ -157,10 +157,52 @@ def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path) -> N
                 f"{label}: external data file '{location}' is shorter ({size} bytes) than tensor '{t.name}' needs"
                 " (truncated?)"
             )
+    if on_disk:
+        _reference_external_data(model, label, base_dir, external)
+        return
+    from onnx.external_data_helper import load_external_data_for_model
+
     try:
         load_external_data_for_model(model, str(base_dir))
     except Exception as e:  # onnx raises several types (ValueError, OSError, ...) here
         raise InputError(f"{label}: cannot load external data: {e}") from None
+
+
+def _reference_external_data(model: onnx.ModelProto, label: str, base_dir: Path, external) -> None:
+    """Keep external tensors on disk: each becomes a reference to its file region (see
+    weights.py), read only when a pass needs its values. A region must lie inside the model's
+    directory and hold exactly the bytes the tensor's type and shape need."""
+    from .weights import expected_bytes, make_absolute
+
+    root = os.path.realpath(base_dir)
+    for t in external:
+        info = _external_location(t)
+        location = info["location"]
+        resolved = os.path.realpath(os.path.join(root, location))
+        if os.path.isabs(location) or os.path.commonpath([root, resolved]) != root:
+            raise InputError(f"{label}: external data location '{location}' of tensor '{t.name}' is outside the"
+                             " model's directory")
+        need = expected_bytes(t)
+        length = int(info["length"]) if info.get("length") else None
+        if need is not None and length is not None and length != need:
+            raise InputError(f"{label}: tensor '{t.name}' has {length} bytes of external data but its shape"
+                             f" {list(t.dims)} needs {need}")
+        if need is not None and length is None:
+            offset = int(info.get("offset", 0) or 0)
+            if offset + need > os.path.getsize(resolved):
+                raise InputError(f"{label}: external data file '{location}' is shorter than tensor '{t.name}' needs"
+                                 " (truncated?)")
+        if need is None:  # types without a fixed element size: read into memory, as onnx does
+            from onnx.external_data_helper import load_external_data_for_tensor
+
+            try:
+                load_external_data_for_tensor(t, str(base_dir))
+            except Exception as e:  # onnx raises several types (ValueError, OSError, ...) here
+                raise InputError(f"{label}: cannot load external data: {e}") from None
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+            continue
+        make_absolute(t, Path(root))
 
 
 def _looks_like_json(data: bytes) -> bool:
@@ -192,8 +234,11 @@ def parse_model(data: bytes, label: str) -> onnx.ModelProto:
     return model
 
 
-def load_model(path: str | os.PathLike, label: str | None = None) -> LoadedModel:
-    """Read a model file with its external data; InputError for anything wrong with it."""
+def load_model(path: str | os.PathLike, label: str | None = None, weights_on_disk: bool = False) -> LoadedModel:
+    """Read a model file with its external data; InputError for anything wrong with it.
+
+    weights_on_disk: external tensors are not read but held by reference to their file
+    regions (weights.py), for the optimizer, whose memory then does not grow with the model."""
     path = Path(path)
     label = label or str(path)
     if not path.exists():
@@ -205,7 +250,7 @@ def load_model(path: str | os.PathLike, label: str | None = None) -> LoadedModel
     except OSError as e:
         raise InputError(f"{label}: cannot read: {e.strerror or e}") from None
     model = parse_model(data, label)
-    _load_external_data(model, label, path.resolve().parent)
+    _load_external_data(model, label, path.resolve().parent, weights_on_disk)
     check_model(model, label)
     return LoadedModel(model=model, label=label, path=str(path))
 
@@ -467,7 +512,8 @@ def infer_light_model(light: onnx.ModelProto, left_out: int = 0, notes: list[str
     """Shape inference on a model whose large initializers were left out (left_out: their
     bytes): with data propagation, else without; None (with a note) when both fail or the
     whole model would be over protobuf's 2 GiB limit (onnx's inference serializes it)."""
-    if light.ByteSize() + left_out >= PROTOBUF_LIMIT:
+    # left_out bytes are not part of `light` (that is the point of leaving them out).
+    if light.ByteSize() >= PROTOBUF_LIMIT:
         if notes is not None:
             notes.append("shape inference skipped (model over 2 GiB)")
         return None
@@ -506,32 +552,64 @@ def _mode_for_new_file() -> int:
     return 0o666 & ~umask
 
 
-def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: int) -> None:
-    """Move large tensor payloads into data_file (already open), pointing the model at `location`."""
-    from onnx import numpy_helper
-    from onnx.external_data_helper import set_external_data
+# A model holding more than this many bytes of weights by reference (loaded with external
+# data) is written with a data file even under 2 GiB: inlining would read them all into memory.
+INLINE_REFERENCED_MAX = 256 << 20
 
+
+def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: int) -> None:
+    """Move large tensor payloads into data_file (already open), pointing the model at `location`.
+
+    Tensors held by reference are streamed from their files, never read whole; tensors in
+    function bodies (fallback bodies' Constant nodes) stay inline."""
+    from onnx import numpy_helper
+
+    from .weights import ALIGN, all_tensors, copy_region, inline_tensor, region_of, set_reference
+
+    for f in model.functions:
+        for node in f.node:
+            for attr in node.attribute:
+                for t in ([attr.t] if attr.HasField("t") else []) + list(attr.tensors):
+                    inline_tensor(t)
     offset = 0
-    for t in _all_tensors(model.graph):
+    for t in all_tensors(model, functions=False):
         if t.data_type == onnx.TensorProto.STRING:
             continue
-        if not t.HasField("raw_data"):
-            # Typed fields (float_data, ...) become raw bytes so they can be moved out too.
-            array = numpy_helper.to_array(t)
-            if array.nbytes < min_bytes:
+        region = region_of(t)
+        if region is None:
+            if not t.HasField("raw_data"):
+                # Typed fields (float_data, ...) become raw bytes so they can be moved out too.
+                array = numpy_helper.to_array(t)
+                if array.nbytes < min_bytes:
+                    continue
+                t.CopyFrom(numpy_helper.from_array(array, t.name))
+            if len(t.raw_data) < min_bytes:
                 continue
-            t.CopyFrom(numpy_helper.from_array(array, t.name))
-        if len(t.raw_data) < min_bytes:
-            continue
         # Align each tensor to 4 KiB so the data file can be memory-mapped tensor by tensor.
-        pad = (-offset) % 4096
+        pad = (-offset) % ALIGN
         data_file.write(b"\0" * pad)
         offset += pad
-        data_file.write(t.raw_data)
-        set_external_data(t, location=location, offset=offset, length=len(t.raw_data))
-        offset += len(t.raw_data)
-        t.ClearField("raw_data")
-        t.data_location = onnx.TensorProto.EXTERNAL
+        if region is None:
+            length = len(t.raw_data)
+            data_file.write(t.raw_data)
+        else:
+            length = region.length
+            copy_region(region, data_file)
+        set_reference(t, location, offset, length)
+        offset += length
+
+
+def _needs_data_file(model: onnx.ModelProto, threshold: int) -> bool:
+    from .weights import referenced_bytes
+
+    referenced = referenced_bytes(model)
+    if referenced > INLINE_REFERENCED_MAX:
+        return True
+    try:
+        size = model.ByteSize()
+    except Exception:  # protobuf refuses to size a message over 2 GiB
+        return True
+    return size + referenced >= threshold
 
 
 def save_model(
@@ -542,11 +620,15 @@ def save_model(
 ) -> list[str]:
     """Write `model` to `path` atomically, with the IR version onnxruntime accepts.
 
-    Models of external_threshold bytes or more keep tensors of external_min_bytes or more in
-    `<name>.data` next to the model; both files are written to temporary names in the target
-    directory and renamed into place (data file first), so a reader never sees a partial model
-    and a failed run leaves an existing file untouched. Returns the paths written.
+    Models of external_threshold bytes or more, and models holding over INLINE_REFERENCED_MAX
+    bytes of weights by reference, keep tensors of external_min_bytes or more in `<name>.data`
+    next to the model, streamed there tensor by tensor (no protobuf message ever holds them);
+    both files are written to temporary names in the target directory and renamed into place
+    (data file first), so a reader never sees a partial model and a failed run leaves an
+    existing file untouched. Returns the paths written.
     """
+    from .weights import all_tensors, inline_tensor
+
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     out = onnx.ModelProto()
@@ -557,7 +639,7 @@ def save_model(
     written: list[str] = []
     try:
         data_tmp = None
-        if out.ByteSize() >= external_threshold:
+        if _needs_data_file(out, external_threshold):
             location = path.name + ".data"
             fd, data_tmp = tempfile.mkstemp(dir=directory, prefix=f".{location}.", suffix=".tmp")
             temps.append(data_tmp)
@@ -566,6 +648,9 @@ def save_model(
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(data_tmp, mode)
+        else:
+            for t in all_tensors(out):
+                inline_tensor(t)
         fd, model_tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
         temps.append(model_tmp)
         with os.fdopen(fd, "wb") as f:

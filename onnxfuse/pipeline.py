@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
 from .graph.core import cleanup, export_model, toposort
+from .weights import attach_graph, release_graph
 
 TARGETS = ("cpu", "cuda")
 
@@ -131,6 +132,8 @@ def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[o
     del stripped.functions[:]
     ctx.binary_attributes = _set_aside_binary_attributes(stripped, ctx)
     graph = gs.import_onnx(stripped)
+    # Weights held by reference stay on disk; passes map them when they read them.
+    ctx.options["weights_on_disk"] = attach_graph(graph) > 0
     return graph, kept, overloads
 
 
@@ -205,6 +208,8 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context) -> 
             matches = int(p.run(graph, ctx) or 0)
             if matches:
                 toposort(cleanup(graph))
+            if ctx.options.get("weights_on_disk"):
+                release_graph(graph)
             st.seconds += time.perf_counter() - t0
             st.matches += matches
             st.nodes_after = len(graph.nodes)

@@ -319,22 +319,31 @@ class Verification:
     runs: list[RunCheck] = field(default_factory=list)
     original_profile: object | None = None  # profile.KernelProfile of the original
     optimized_profile: object | None = None  # ... and of the optimized model (with library)
+    # "whole": both models run and compared; "regions": each fused node against its fallback
+    # body (region_verify.py), for models whose whole run would not fit in memory.
+    mode: str = "whole"
+    mode_reason: str | None = None  # why this mode ran (auto choice, or the option that forced it)
+    regions: list = field(default_factory=list)  # region_verify.RegionCheck, in "regions" mode
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.runs)
+        return all(r.ok for r in self.runs) and all(r.ok for r in self.regions)
+
+    @property
+    def outputs(self) -> list[OutputCheck]:
+        return [o for r in self.runs for o in r.outputs] + [o for r in self.regions for o in r.outputs]
 
     @property
     def max_abs(self) -> float:
-        return max((o.max_abs for r in self.runs for o in r.outputs), default=0.0)
+        return max((o.max_abs for o in self.outputs), default=0.0)
 
     @property
     def max_rel(self) -> float:
-        return max((o.max_rel for r in self.runs for o in r.outputs), default=0.0)
+        return max((o.max_rel for o in self.outputs), default=0.0)
 
     @property
     def norm_rel(self) -> float:
-        return max((o.norm_rel for r in self.runs for o in r.outputs), default=0.0)
+        return max((o.norm_rel for o in self.outputs), default=0.0)
 
     def first_problem(self) -> str | None:
         for r in self.runs:
@@ -343,6 +352,12 @@ class Verification:
             for o in r.outputs:
                 if not o.ok:
                     return f"output '{o.name}' ({r.label}): {o.problem}"
+        for g in self.regions:
+            if g.error:
+                return f"fused node '{g.node}' ({g.op_type}): {g.error}"
+            for o in g.outputs:
+                if not o.ok:
+                    return f"fused node '{g.node}' ({g.op_type}), output '{o.name}' against its fallback body: {o.problem}"
         return None
 
     def as_dict(self) -> dict:
@@ -354,7 +369,10 @@ class Verification:
             "max_abs": self.max_abs,
             "max_rel": self.max_rel,
             "norm_rel": self.norm_rel,
+            "mode": self.mode,
+            "mode_reason": self.mode_reason,
             "runs": [r.as_dict() for r in self.runs],
+            **({"regions": [r.as_dict() for r in self.regions]} if self.mode == "regions" else {}),
         }
 
 
@@ -491,6 +509,11 @@ def verify(
         feeds = random_inputs(original, dims, seed)
     except UnfeedableInputError as e:
         raise UnfeedableInputError(f"{original_label}: {e}; verification needs random inputs (--no-verify skips it)") from None
+    from .weights import has_references
+
+    if has_references(original) or has_references(optimized):
+        return _verify_from_references(original, optimized, feeds, dims, seed, provider, threads, fallback,
+                                       original_label)
     if max(_large_weights(original), _large_weights(optimized)) < EXTERNAL_DATA_MIN_BYTES:
         return _verify(original, optimized, original, optimized, feeds, dims, seed, provider, threads, fallback,
                        original_label)
@@ -506,6 +529,90 @@ def verify(
             weights.close()
         return _verify(original, optimized, original_file, optimized_file, feeds, dims, seed, provider, threads,
                        fallback, original_label)
+
+
+def _verify_from_references(original, optimized, feeds, dims, seed, provider, threads, fallback, original_label):
+    """verify() for models holding weights by reference (loaded with external data): onnxruntime
+    loads them from model files beside hard links to their data files, and maps the weights."""
+    import shutil
+
+    from .weights import RuntimeFiles, runtime_directory
+
+    directory = runtime_directory()
+    files = RuntimeFiles(directory)
+    try:
+        original_file = files.write(original, "original.onnx")
+        optimized_file = files.write(optimized, "optimized.onnx")
+        files.close()
+        return _verify(original, optimized, original_file, optimized_file, feeds, dims, seed, provider, threads,
+                       fallback, original_label)
+    finally:
+        files.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- choosing a mode
+
+VERIFY_MODES = ("auto", "whole", "regions")
+# Peak memory of a whole-model run per byte of weights: onnxruntime maps the weights and
+# prepacks the GEMM weights into a second copy (bench/results/large_model.md).
+WHOLE_RUN_BYTES_PER_WEIGHT_BYTE = 2.0
+# Memory a whole-model run may plan on: this share of what the machine has available.
+USABLE_MEMORY_SHARE = 0.8
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's initializers, inline or held by reference."""
+    from .weights import expected_bytes
+
+    total = 0
+    for t in model.graph.initializer:
+        total += expected_bytes(t) or 0
+    return total
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still get: the machine's MemAvailable, less where a
+    cgroup limit is lower; None where that cannot be read."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max" and available is not None:
+            available = min(available, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def whole_run_bytes(original: onnx.ModelProto, optimized: onnx.ModelProto) -> int:
+    """Estimated peak memory of a whole-model verification (the models run one at a time)."""
+    return int(max(weight_bytes(original), weight_bytes(optimized)) * WHOLE_RUN_BYTES_PER_WEIGHT_BYTE)
+
+
+def choose_mode(original: onnx.ModelProto, optimized: onnx.ModelProto, requested: str = "auto",
+                available: int | None = None) -> tuple[str, str]:
+    """(mode, why): "whole" unless its estimated memory exceeds what is available ("auto"),
+    or as requested."""
+    if requested not in VERIFY_MODES:
+        raise InputError(f"--verify-mode {requested}: expected one of {', '.join(VERIFY_MODES)}")
+    if requested != "auto":
+        return requested, f"--verify-mode {requested}"
+    need = whole_run_bytes(original, optimized)
+    available = available_memory() if available is None else available
+    if available is None or need <= available * USABLE_MEMORY_SHARE:
+        return "whole", "fits in memory" if available is not None else "available memory unknown"
+    return "regions", (f"a whole-model run needs about {need / 1e9:.1f} GB, {available / 1e9:.1f} GB"
+                       " available")
 
 
 def _verify(original, optimized, original_source, optimized_source, feeds, dims, seed, provider, threads, fallback,

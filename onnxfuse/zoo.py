@@ -163,16 +163,17 @@ def resolve(name_or_uri: str) -> str:
     return str(model.path)
 
 
-def resolve_input(spec: str) -> LoadedModel:
-    """A path, or zoo:NAME for a bundled model (its symbolic dims come with it)."""
+def resolve_input(spec: str, weights_on_disk: bool = False) -> LoadedModel:
+    """A path, or zoo:NAME for a bundled model (its symbolic dims come with it); weights_on_disk
+    as for modelio.load_model."""
     if not spec.startswith(ZOO_PREFIX):
-        return load_model(spec)
+        return load_model(spec, weights_on_disk=weights_on_disk)
     name = spec[len(ZOO_PREFIX):]
     try:
         path = resolve(name)
     except ZooError as e:
         raise InputError(f"{spec}: {e}") from None
-    loaded = load_model(path, label=spec)
+    loaded = load_model(path, label=spec, weights_on_disk=weights_on_disk)
     entry = next((m for m in list_models() if m.name == name), None)
     if entry is not None:
         loaded.dims = dict(entry.dims or {})

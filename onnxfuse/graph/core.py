@@ -203,8 +203,9 @@ def unique_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> st
 
 def make_constant(graph: gs.Graph, base: str, value: np.ndarray, taken: set[str] | None = None) -> gs.Constant:
     """A new initializer with a name unique in `graph`."""
-    # np.array, not np.ascontiguousarray: that one turns a 0-d value into shape (1,).
-    return gs.Constant(unique_name(graph, base, taken), np.array(value, order="C"))
+    from ..weights import new_constant
+
+    return new_constant(graph, unique_name(graph, base, taken), value)
 
 
 def _has_subgraph(node: gs.Node) -> bool:
@@ -464,6 +465,8 @@ def export_model(graph: gs.Graph, keep_elements: int | None = None):
     )
     from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
+    from ..weights import export_reference
+
     exporter = OnnxExporter
     check_duplicate_node_names(graph.nodes)
     model = onnx.ModelProto()
@@ -496,7 +499,9 @@ def export_model(graph: gs.Graph, keep_elements: int | None = None):
                     left_out += int(np.asarray(values).nbytes)
                 moved.append(helper.make_tensor_value_info(t.name, elem_type, [int(d) for d in t.shape]))
                 continue
-        g.initializer.append(exporter.export_tensor_proto(t))
+        # A weight whose bytes are on disk is exported as a reference to them (weights.py).
+        reference = export_reference(t)
+        g.initializer.append(reference if reference is not None else exporter.export_tensor_proto(t))
     io_names = {t.name for t in graph.inputs} | {t.name for t in graph.outputs}
     g.value_info.extend(
         exporter.export_value_info_proto(t, False)

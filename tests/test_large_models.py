@@ -1,0 +1,121 @@
+"""Models whose weights stay on disk: loading by reference, new weights spilled, streaming saves.
+
+The models here are small (a 2-layer LLaMA-style decoder of models/llama_large.py, under 1 MB);
+the paths they take are the ones a model of any size takes: weights held by reference, new
+weights spilled to the scratch file, data files written tensor by tensor. The figures for
+models of 0.5 to 6 GB are in bench/results/large_model.md.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from onnxfuse import api, modelio, weights
+from onnxfuse.modelio import InputError, load_model, save_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))  # generator scripts, not a package
+import llama_large  # noqa: E402
+
+FEEDS = {"input_ids": (np.arange(16, dtype=np.int64) % 7).reshape(1, 16)}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama") / "llama.onnx"
+    llama_large.build(path, **llama_large.PRESETS["tiny"])
+    return path
+
+
+def run_file(path, feeds=FEEDS):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+def test_weights_on_disk_are_references_not_bytes(llama):
+    loaded = load_model(llama, weights_on_disk=True).model
+    big = [t for t in loaded.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    assert big and all(not t.raw_data for t in big)
+    region = weights.region_of(big[0])
+    assert region is not None and Path(region.path).is_absolute() and region.offset % weights.ALIGN == 0
+    in_memory = {t.name: numpy_helper.to_array(t) for t in load_model(llama).model.graph.initializer}
+    mapped = weights.read_tensor(big[0])
+    assert isinstance(mapped, np.memmap) and np.array_equal(mapped, in_memory[big[0].name])
+
+
+def test_external_location_outside_the_model_directory_is_rejected(tmp_path):
+    (tmp_path / "inner").mkdir()
+    path = tmp_path / "inner" / "m.onnx"
+    llama_large.build(path, **llama_large.PRESETS["tiny"])
+    (tmp_path / "inner" / "m.onnx.data").rename(tmp_path / "m.onnx.data")
+    model = onnx.load(str(path), load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../m.onnx.data"
+    onnx.save(model, str(path))
+    with pytest.raises(InputError, match="outside the model's directory"):
+        load_model(path, weights_on_disk=True)
+
+
+def test_optimize_keeps_weights_on_disk_and_spills_new_ones(llama, tmp_path):
+    result = api.optimize(str(llama), verify_outputs=False, count_kernels=False)
+    model = result.model
+    regions = [weights.region_of(t) for t in model.graph.initializer]
+    assert all(t.raw_data == b"" or len(t.raw_data) < weights.SPILL_MIN_BYTES for t in model.graph.initializer)
+    sources = {r.path for r in regions if r is not None}
+    # Unchanged weights point at the input's data file; concatenated sibling GEMM weights
+    # (batch-sibling-matmul) at the scratch file.
+    assert str(Path(str(llama) + ".data").resolve()) in sources
+    assert len(sources) == 2
+    gc.collect()  # graphsurgeon's graphs hold reference cycles: what they held goes with them
+    assert all(ref() is None for ref, *_ in weights._mapped.values())  # no mapping outlives the run
+    out = tmp_path / "out.onnx"
+    written = save_model(model, out, external_threshold=1 << 40)  # never over 2 GiB: the data file is by bytes held
+    assert written == [str(out)]  # under INLINE_REFERENCED_MAX: one self-contained file
+    assert not any(t.external_data for t in onnx.load(str(out)).graph.initializer)
+    np.testing.assert_allclose(run_file(out), run_file(llama), rtol=1e-5, atol=1e-5)
+
+
+def test_save_streams_references_into_the_data_file(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(modelio, "INLINE_REFERENCED_MAX", 1024)  # as if the weights were gigabytes
+    model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
+    serialized = []
+    real = onnx.ModelProto.SerializeToString
+
+    def spy(self, *args, **kwargs):
+        data = real(self, *args, **kwargs)
+        serialized.append(len(data))
+        return data
+
+    monkeypatch.setattr(onnx.ModelProto, "SerializeToString", spy)
+    out = tmp_path / "out.onnx"
+    written = save_model(model, out)
+    assert written == [str(out), str(tmp_path / "out.onnx.data")]
+    saved = onnx.load(str(out), load_external_data=False)
+    external = [t for t in saved.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    total = sum(weights.expected_bytes(t) for t in external)
+    assert total > 600_000 and max(serialized) < 100_000  # no message held the weights
+    for t in external:
+        info = weights.external_entries(t)
+        assert info["location"] == "out.onnx.data" and int(info["offset"]) % weights.ALIGN == 0
+    np.testing.assert_allclose(run_file(out), run_file(llama), rtol=1e-5, atol=1e-5)
+
+
+def test_shape_inference_is_not_skipped_for_weights_left_out(llama):
+    loaded = modelio.normalize(load_model(llama, weights_on_disk=True))
+    assert not any("skipped" in n for n in loaded.notes)
+    assert len(loaded.model.graph.value_info) > 50
+
+
+def test_whole_model_verification_runs_models_holding_references(llama):
+    result = api.optimize(str(llama), verify_mode="whole")
+    v = result.summary["verification"]
+    assert v["mode"] == "whole" and v["ok"] and v["mode_reason"] == "--verify-mode whole"
+    assert result.summary["kernels_after"] < result.summary["kernels_before"]
