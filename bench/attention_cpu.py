@@ -65,7 +65,7 @@ def block_model(seq: int, heads: int, head_dim: int, batch: int, bias: str = "la
 @click.option("--out", default=None, help="write the report here (default: print it only)")
 @click.option("--before", default=None, help="gpt_stack optimized at an earlier commit")
 @click.option("--before-library", default=None, help="the library the --before model runs with")
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse import api, runtime, zoo
     from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEYS, CPU_MAX_KEYS
 
@@ -162,7 +162,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
         print(row, flush=True)
         lines.append(row)
     harness.write_report(args.out, "\n".join(lines) + "\n")
-    return 0
 
 
 main = harness.main_of(cli)

@@ -453,45 +453,44 @@ def variants_of(results: dict) -> list[str]:
     return seen
 
 
-def summary_tables(results: dict) -> str:
-    """The two summary tables (also the README's benchmark section)."""
-    variants = variants_of(results)
-    keys = [s["key"] for s in results["settings"] if s["provider"] == "cpu"]
-    lines = ["Kernels per inference (CPU provider; in brackets: ratio to onnxruntime alone; lower is better):", "",
-             "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+def _variant_rows(results: dict, variants: list[str], cell) -> list[str]:
+    """One table row per model: '' for a variant not run, 'failed' for one that failed, else
+    cell(model, variant, its info)."""
+    rows = []
     for m in results["models"]:
         cells = []
         for v in variants:
             info = m["variants"].get(v)
-            if info is None:
-                cells.append("")
-            elif info["status"] != "ok":
-                cells.append("failed")
-            else:
-                k = info["kernels"].get("cpu")
-                r = kernel_ratio(m, v)
-                cells.append(f"{k}" if v == "ort" else f"{k} ({r:.2f})")
-        lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+            cells.append("" if info is None else "failed" if info["status"] != "ok" else cell(m, v, info))
+        rows.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def summary_tables(results: dict) -> str:
+    """The two summary tables (also the README's benchmark section)."""
+    variants = variants_of(results)
+    keys = [s["key"] for s in results["settings"] if s["provider"] == "cpu"]
+
+    def kernels(m, v, info):
+        k = info["kernels"].get("cpu")
+        return f"{k}" if v == "ort" else f"{k} ({kernel_ratio(m, v):.2f})"
+
+    def latency(m, v, info):
+        if v == "ort":
+            return " / ".join(_ms(info["latency"][k]["median_ms"]) + " ms" for k in keys if k in info["latency"])
+        return " / ".join(_cell(latency_ratio(m, v, k)) for k in keys)
+
+    lines = ["Kernels per inference (CPU provider; in brackets: ratio to onnxruntime alone; lower is better):", "",
+             "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),
+             *_variant_rows(results, variants, kernels)]
     lines.append("| geometric mean of ratios | " + " | ".join(
         _cell(_geomean(kernel_ratio(m, v) for m in results["models"])) for v in variants) + " |")
     lines += ["", "Latency, ratio to onnxruntime alone (" + " / ".join(
         s["label"] for s in results["settings"] if s["provider"] == "cpu") + "): median over the timed rounds of the"
         " variant's sample / onnxruntime alone's sample of the same round; lower is better. Column ort: its median"
         " latency.", "",
-        "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
-    for m in results["models"]:
-        cells = []
-        for v in variants:
-            info = m["variants"].get(v)
-            if info is None:
-                cells.append("")
-            elif info["status"] != "ok":
-                cells.append("failed")
-            elif v == "ort":
-                cells.append(" / ".join(_ms(info["latency"][k]["median_ms"]) + " ms" for k in keys if k in info["latency"]))
-            else:
-                cells.append(" / ".join(_cell(latency_ratio(m, v, k)) for k in keys))
-        lines.append(f"| {m['model']} | " + " | ".join(cells) + " |")
+        "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants),
+        *_variant_rows(results, variants, latency)]
     lines.append("| geometric mean of ratios | " + " | ".join(
         "" if v == "ort" else " / ".join(_cell(_geomean(latency_ratio(m, v, k) for m in results["models"])) for k in keys)
         for v in variants) + " |")

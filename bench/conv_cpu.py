@@ -70,7 +70,7 @@ def bench_one(name: str, threads: int, seconds: float, min_runs: int) -> dict:
 @click.option("--seconds", type=float, default=8.0, show_default=True, help="timing budget per model (both variants)")
 @click.option("--min-runs", type=int, default=20, show_default=True)
 @click.option("--out", default=None, help="write the report here (default: print it only)")
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     rows = []
     for name in args.models:
         t0 = time.time()
@@ -99,7 +99,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     if worst:
         lines += ["", f"Worst paired ratio: {worst['paired']:.3f} ({worst['model']})."]
     harness.write_report(args.out, "\n".join(lines) + "\n")
-    return 0
 
 
 main = harness.main_of(cli)

@@ -27,7 +27,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bench import harness
-from bench.gpu import cuda_onnxruntime, device_arch, report_options
+from bench.gpu import cuda_onnxruntime, report_options
 
 MODELS = ["resnet50", "mobilenetv3", "squeezenet", "inception_v1", "densenet121"]
 ONNX_ACT = {"relu": "Relu", "leakyrelu": "LeakyRelu", "sigmoid": "Sigmoid", "hardsigmoid": "HardSigmoid",
@@ -158,10 +158,7 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import api
     from onnxfuse.cuda.conv_codegen import heuristic_tile
 
-    ort = cuda_onnxruntime("bench.conv_cuda_layers")
-    if ort is None:
-        return 2
-    arch = device_arch()
+    ort, arch = cuda_onnxruntime()
     layers = distinct_layers([m.strip() for m in args.models.split(",") if m.strip()])
     start = time.monotonic()
     out, skipped = [], 0
@@ -225,12 +222,10 @@ def markdown(rows, args, skipped, env, stamp: harness.RunStamp) -> str:
     lines += ["Median microseconds per run (IOBinding, "
               "onnxruntime's per-run overhead included in both); ratio = ours / ort (> 1: ours slower); "
               "rel err = max |ours - ort(TF32 off)| / max |ort|.", ""]
-    head = "| model | node | layers | shape | epilogue | MMAC | tile | ort us | ours us | ratio | rel err |"
-    sep = "|---|---|---:|---|---|---:|---|---:|---:|---:|---:|"
-    if args.tune:
-        head += " tuned tile | tuned us | tuned ratio |"
-        sep += "---|---:|---:|"
-    lines += [head, sep]
+    columns = [("model", "l"), ("node", "l"), ("layers", "r"), ("shape", "l"), ("epilogue", "l"), ("MMAC", "r"),
+               ("tile", "l"), ("ort us", "r"), ("ours us", "r"), ("ratio", "r"), ("rel err", "r")]
+    lines += harness.table_head(columns + ([("tuned tile", "l"), ("tuned us", "r"), ("tuned ratio", "r")]
+                                           if args.tune else []))
     for r in rows:
         us = r.get("us", {})
         cells = [r["model"], r["node"], str(r["count"]), r["shape"], r["epilogue"], f"{r['macs'] / 1e6:.1f}", r["tile"],

@@ -36,7 +36,7 @@ def _key(tile) -> str:
 @click.option("--arch", default="sm_90", show_default=True)
 @click.option("--md", default=None, help="write the markdown table here")
 @click.option("--json", default=None, help="write the rows as JSON here")
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse.cuda.compile import NVCC_FLAGS, find_nvcc
     from onnxfuse.cuda.conv_codegen import candidates, generate, heuristic_tile
 
@@ -150,7 +150,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
                      f"| {r['model']} | {r['node']} | {r['count']} | {r['shape']} | {r['epilogue']} | - | {r['heuristic']} | "
                      f"{h} | {r['best']} | {r['times'][r['best']]:.1f} |")
     harness.write_report(args.md, "\n".join(lines) + "\n")
-    return 0
 
 
 main = harness.main_of(cli)

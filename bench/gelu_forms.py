@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from bench import harness
 
@@ -45,11 +45,7 @@ def gelu_model(rows: int, d: int, form: str, seed: int = 0) -> onnx.ModelProto:
     if not result_out:
         nodes.append(node("Exp", ["g"], ["y"]))
     shape = [2, rows // 2, d]
-    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
+    return harness.float_model("gelu", nodes, {"x0": shape}, {"y": shape}, inits)
 
 
 def cases():
@@ -64,8 +60,7 @@ main = harness.optimized_ab_command(
     "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"
     " op after the GELU (onnxruntime fuses it: FastGelu); *pow, result out*: the GELU's result is the graph output;"
     " *x\\*x\\*x, then Exp*: the cube as two products (onnxruntime 1.31 fuses neither). onnxfuse leaves to"
-    " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region. Interleaved"
-    " A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
+    " onnxruntime the GELUs its executed graph shows fused and makes the others one Pointwise region.",
     ["rows x d", "form"], cases)
 
 

@@ -58,19 +58,23 @@ def report_options(f):
     return click.option("--md", default=None, help="write the markdown report here")(f)
 
 
-def cuda_onnxruntime(script: str):
-    """onnxruntime, or None (with a message) when it cannot run a session on a GPU here."""
+class NoGpu(click.ClickException):
+    """onnxruntime cannot run a session on a GPU here: the script stops with exit status 2."""
+
+    exit_code = 2
+
+
+def cuda_onnxruntime():
+    """(onnxruntime, the GPU's sm_XY architecture); NoGpu when onnxruntime cannot use a GPU here."""
     import onnxruntime as ort
 
     from onnxfuse.profile import cuda_usable
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        harness.log(f"{script}: this onnxruntime has no CUDA provider (install onnxruntime-gpu)")
-        return None
+        raise NoGpu("this onnxruntime has no CUDA provider (install onnxruntime-gpu)")
     if not cuda_usable():
-        harness.log(f"{script}: onnxruntime cannot use a GPU on this machine")
-        return None
-    return ort
+        raise NoGpu("onnxruntime cannot use a GPU on this machine")
+    return ort, device_arch()
 
 
 def device_arch() -> str:
@@ -228,10 +232,7 @@ def markdown(rows, env: str, runs: int, skipped, stamp: harness.RunStamp) -> str
 @click.option("--attention", is_flag=True, help="fuse-attention on cuda (pass option attention_cuda)")
 @report_options
 def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
-    ort = cuda_onnxruntime("bench.gpu")
-    if ort is None:
-        return 2
-    arch = device_arch()
+    ort, arch = cuda_onnxruntime()
     env = open(args.env).read() if args.env else ""
     cases = CASES
     if args.models:

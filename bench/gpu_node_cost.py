@@ -22,7 +22,7 @@ import click
 import onnx
 
 from bench import harness
-from bench.gpu import device_arch, make_session
+from bench.gpu import cuda_onnxruntime, make_session
 
 
 def profile(ort, model, library: bool, feeds, runs: int) -> dict:
@@ -52,13 +52,11 @@ def profile(ort, model, library: bool, feeds, runs: int) -> dict:
 @click.option("--runs", type=int, default=50, show_default=True)
 @click.option("--md", default=None, help="write the markdown report here")
 @click.option("--env", default=None, help="a markdown file describing the machine, put above the tables")
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
-    import onnxruntime as ort
-
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse import api, zoo
     from onnxfuse.verify import random_inputs
 
-    arch = device_arch()
+    ort, arch = cuda_onnxruntime()
     lines = stamp.header("Host-side cost per node on the CUDA provider")
     if args.env:
         lines += [open(args.env).read().strip(), ""]
@@ -89,7 +87,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
         lines.append("")
         print("\n".join(lines[-(len(ops) + 6):]), flush=True)
     harness.write_report(args.md, "\n".join(lines) + "\n", echo=False)
-    return 0
 
 
 main = harness.main_of(cli)

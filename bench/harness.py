@@ -268,10 +268,27 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def markdown_table(head: list[str], rows: list[list[str]], align: str = "---") -> list[str]:
-    """The lines of a markdown table."""
-    return ["| " + " | ".join(head) + " |", "|" + f"{align}|" * len(head),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+def float_model(name: str, nodes, inputs: dict[str, list], outputs: dict[str, list], inits=(),
+                domains: tuple[str, ...] = (), value_info=()):
+    """A model of float32 inputs and outputs (name -> shape) at opset 17, IR 10, with the custom-op
+    `domains` at version 1: what the benchmarks build their cases as."""
+    from onnx import TensorProto, helper
+
+    def declared(values: dict[str, list]) -> list:
+        return [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n, shape in values.items()]
+
+    graph = helper.make_graph(list(nodes), name, declared(inputs), declared(outputs), list(inits),
+                              value_info=list(value_info))
+    opsets = [helper.make_opsetid("", 17)] + [helper.make_opsetid(d, 1) for d in domains]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10
+    return model
+
+
+def table_head(columns: list[tuple[str, str]]) -> list[str]:
+    """A markdown table's head and rule from (title, alignment) pairs: "l" left, "r" right."""
+    return ["| " + " | ".join(title for title, _ in columns) + " |",
+            "|" + "".join("---:|" if align == "r" else "---|" for _, align in columns)]
 
 
 # ------------------------------------------------------------------------------------- command line
@@ -281,7 +298,7 @@ def script(doc: str, name: str | None = None) -> Callable[[Callable[..., int]], 
     """click.command for a bench script: the help is the first paragraph of `doc`, and the
     function, decorated with its click options, is called as f(args, stamp): the options as
     attributes and the RunStamp taken when the run starts (naming the script `name`, by default
-    the function's module)."""
+    the function's module). It returns the exit status, None for 0."""
 
     def decorate(f: Callable[..., int]) -> click.Command:
         @functools.wraps(f)
@@ -391,7 +408,8 @@ def optimized_ab_command(module: str, doc: str, title: str, description: str, la
                          cases) -> Callable[..., int]:
     """`main(argv=None)` of a bench script that times cases with optimized_ab_table (--budget,
     --threads, --out; default out bench/results/<script>.md): labels name the cases' first table
-    columns, cases() yields them; the report is written and printed. module: the script's name."""
+    columns, cases() yields them; the report (title, stamp, description and how it was timed,
+    table) is written and printed. module: the script's name."""
     name = module
 
     @script(doc, name)
@@ -402,7 +420,8 @@ def optimized_ab_command(module: str, doc: str, title: str, description: str, la
         head, rule, rows = optimized_ab_table(cases(), args.threads, args.budget)
         text = "\n".join([
             *stamp.header(title),
-            description,
+            description + " Interleaved A B B A rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios"
+            " with a 95% bootstrap interval.",
             "",
             "| " + " | ".join(labels) + " |" + head, "|" + "---|" * len(labels) + rule, *rows, "",
         ])

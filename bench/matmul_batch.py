@@ -120,7 +120,7 @@ def ensemble(width: int, members: int = 8, classes: int = 10) -> onnx.ModelProto
 @click.option("--seconds", type=float, default=3.0, show_default=True, help="timing per configuration")
 @click.option("--batches", callback=harness.csv(int), default="1,4,64,256", show_default=True)
 @click.option("--widths", callback=harness.csv(int), default="16,32,64,128", show_default=True)
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     parts = [f"Command: `{stamp.command}`\n{stamp.line()} CPU provider, 1 thread, ORT_ENABLE_ALL."]
 
     mlp = onnx.load(str(harness.ROOT / "models" / "mlp_ensemble.onnx"))
@@ -158,7 +158,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
                  "latency ms, min of per-round means (ratio to as is):\n\n" + table(rows, ["H", "batch", "as is", "siblings, copy rule lifted", "stacked"]))
     parts.append(RULES)
     harness.write_report(args.out, "# Linear-layer batching: measured figures\n\n" + "\n\n".join(parts) + "\n")
-    return 0
 
 
 main = harness.main_of(cli)

@@ -2,10 +2,9 @@
 // onnxfuse.bench::OutputOnly gets its one output (shape [rows, cols] from its int attributes)
 // and returns without reading its input or writing anything. A Pointwise call costs this much
 // before it does any work of its own. Built by the benchmark (g++), never part of the package.
-#include <cstring>
 #include <new>
 
-#include "ort_api.h"
+#include "kernel_util.h"
 
 namespace {
 
@@ -38,39 +37,19 @@ OrtStatus* compute(void* kernel, OrtKernelContext* ctx) noexcept {
 }
 
 void destroy_kernel(void* kernel) { delete static_cast<OutputOnlyKernel*>(kernel); }
-const char* op_name(const OrtCustomOp*) { return "OutputOnly"; }
-const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int one_int(const OrtCustomOp*) { return 1; }
-int zero_int(const OrtCustomOp*) { return 0; }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = onnxfuse::kOrtApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = cpu_provider;
-  op.GetInputType = float_type;
-  op.GetInputTypeCount = one;
-  op.GetOutputType = float_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = one_int;
-  op.GetVariadicInputHomogeneity = zero_int;
-  op.GetVariadicOutputMinArity = one_int;
-  op.GetVariadicOutputHomogeneity = zero_int;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  return op;
-}
+// The schema the library's fused ops use (variadic float32 inputs, one float32 output), so that
+// the floor takes the path their calls take.
+struct OutputOnlySchema {
+  static constexpr const char* kName = "OutputOnly";
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr int kMinInputs = 1;
+  static constexpr auto create = create_kernel;
+  static constexpr auto compute = ::compute;
+  static constexpr auto destroy = destroy_kernel;
+};
 
-const OrtCustomOp kOutputOnly = make_op();
+const OrtCustomOp kOutputOnly = onnxfuse::make_float_variadic_op<OutputOnlySchema>();
 
 }  // namespace
 

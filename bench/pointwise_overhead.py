@@ -74,7 +74,7 @@ out t12 f32
 
 def build_floor_library(cache_dir: Path) -> str:
     """Compiles bench/overhead_floor.cc (cached by the hash of its sources)."""
-    sources = [FLOOR_SOURCE, ROOT / "kernels" / "ort_api.h"]
+    sources = [FLOOR_SOURCE, ROOT / "kernels" / "ort_api.h", ROOT / "kernels" / "kernel_util.h"]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
     out = cache_dir / f"overhead_floor_{digest}.so"
     if not out.exists():
@@ -85,19 +85,11 @@ def build_floor_library(cache_dir: Path) -> str:
     return str(out)
 
 
-def _model(nodes, inputs, outputs, inits=(), domains=()) -> onnx.ModelProto:
+def _model(nodes, inputs: dict, outputs: dict, inits=(), domains=()) -> onnx.ModelProto:
     # Custom ops' outputs get no type inference: their intermediate values are declared.
-    declared = {v.name for v in inputs + outputs}
-    value_info = [_vi(o, [1, COLS]) for node in nodes if node.domain for o in node.output if o not in declared]
-    graph = helper.make_graph(nodes, "chain", inputs, outputs, list(inits), value_info=value_info)
-    opsets = [helper.make_opsetid("", 17)] + [helper.make_opsetid(d, 1) for d in domains]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 10
-    return model
-
-
-def _vi(name, shape):
-    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+    value_info = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [1, COLS])
+                  for node in nodes if node.domain for o in node.output if o not in {*inputs, *outputs}]
+    return harness.float_model("chain", nodes, inputs, outputs, inits, tuple(domains), value_info)
 
 
 def chain_model(kind: str, n: int) -> onnx.ModelProto:
@@ -117,7 +109,7 @@ def chain_model(kind: str, n: int) -> onnx.ModelProto:
             raise ValueError(kind)
         prev = out
     domains = {"floor": ["onnxfuse.bench"], "pointwise-sigmoid": ["onnxfuse"]}.get(kind, [])
-    return _model(nodes, [_vi("x", [1, COLS])], [_vi("y", [1, COLS])], domains=domains)
+    return _model(nodes, {"x": [1, COLS]}, {"y": [1, COLS]}, domains=domains)
 
 
 def cell_model(kind: str, n: int) -> onnx.ModelProto:
@@ -150,7 +142,7 @@ def cell_model(kind: str, n: int) -> onnx.ModelProto:
         nodes.append(helper.make_node("Add", [cn, h], [nxt]))
         c = nxt
     domains = ["onnxfuse"] if kind == "pointwise-cell" else []
-    return _model(nodes, [_vi("gates", [1, 4 * COLS]), _vi("c", [1, COLS])], [_vi("y", [1, COLS])], [bias], domains)
+    return _model(nodes, {"gates": [1, 4 * COLS], "c": [1, COLS]}, {"y": [1, COLS]}, [bias], domains)
 
 
 class Runner:
@@ -186,7 +178,7 @@ class Runner:
               help="consecutive runs of one model per turn")
 @click.option("--baseline", help="another build of the custom-op library to compare with (before/after)")
 @click.option("--out", help="write the markdown report here")
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
 
     rng = np.random.default_rng(1)
     x = {"x": rng.standard_normal((1, COLS)).astype(np.float32)}
@@ -242,7 +234,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
         lines.append(f"Against the baseline library: sigmoid node {b1:.2f} -> {pw:.2f} us (ours above the floor"
                      f" {b1 - fl:.2f} -> {pw - fl:.2f} us); cell step {b2:.2f} -> {per_node['pointwise-cell']:.2f} us.")
     harness.write_report(args.out, "\n".join(lines) + "\n")
-    return 0
 
 
 main = harness.main_of(cli)

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from bench import harness
 
@@ -36,14 +36,7 @@ def residual_layernorm(rows: int, d: int, bias: bool, seed: int = 0) -> onnx.Mod
     nodes.append(helper.make_node("Add", [x, "residual"], ["sum"]))
     nodes.append(helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5))
     shape = [2, rows // 2, d]
-    graph = helper.make_graph(
-        nodes, "residual_layernorm",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
-         helper.make_tensor_value_info("residual", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
+    return harness.float_model("residual_layernorm", nodes, {"x": shape, "residual": shape}, {"y": shape}, inits)
 
 
 def cases():
@@ -59,8 +52,7 @@ main = harness.optimized_ab_command(
     "onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
     "[bias Add ->] residual Add -> LayerNormalization on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides; "
     "onnxruntime alone fuses it into SkipLayerNormalization, onnxfuse's CPU pipeline writes the Adds as one "
-    "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule). Interleaved A B B A "
-    "rounds; ratio = onnxfuse / onnxruntime, median of per-round ratios with a 95% bootstrap interval.",
+    "Pointwise region (even the lone residual Add: the pointwise pass's PREEMPT rule).",
     ["rows x d", "bias Add"], cases)
 
 

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import click
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from bench import harness
 from bench.pointwise_overhead import build_floor_library
@@ -34,11 +34,8 @@ ROOT = harness.ROOT
 
 def floor_model(batch: int, width_in: int, width_out: int) -> onnx.ModelProto:
     node = helper.make_node("OutputOnly", ["x"], ["y"], domain="onnxfuse.bench", rows=batch, cols=width_out)
-    graph = helper.make_graph([node], "floor", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width_in])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, width_out])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse.bench", 1)])
-    model.ir_version = 10
-    return model
+    return harness.float_model("floor", [node], {"x": [batch, width_in]}, {"y": [batch, width_out]},
+                               domains=("onnxfuse.bench",))
 
 
 def session_with(library: str, model: onnx.ModelProto, threads: int):
@@ -77,7 +74,7 @@ def packed_weight_floats(optimized: onnx.ModelProto) -> int:
 @click.option("--baseline", help="another build of the custom-op library, timed in the same rotation")
 @click.option("--bounds", is_flag=True, help="append the machine's FMA and streaming bounds")
 @click.option("--out", default=None, help="write the report here (default: print it only)")
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse import api, zoo
     from onnxfuse.profile import open_session, profile_models, random_inputs
 
@@ -89,12 +86,9 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
              "node; fused here at every batch to show where it stops paying). ratio = ours / onnxruntime (< 1: faster). "
              "floor: a one-node custom-op model with the same input and output shapes, timed in the same rotation "
              "(what a run costs before any kernel works).", ""]
-    header = "| threads | batch | kernels ORT | kernels ours | ORT ms | ours ms | ratio | floor ms |"
-    rule = "|---:|---:|---:|---:|---:|---:|---:|---:|"
-    if args.baseline:
-        header += " baseline ms | baseline ratio |"
-        rule += "---:|---:|"
-    lines += [header, rule]
+    columns = ["threads", "batch", "kernels ORT", "kernels ours", "ORT ms", "ours ms", "ratio", "floor ms"]
+    columns += ["baseline ms", "baseline ratio"] if args.baseline else []
+    lines += harness.table_head([(c, "r") for c in columns])
     for threads in args.threads:
         for batch in args.batches:
             dims = {"batch": batch}
@@ -128,7 +122,6 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
                                                         for b in args.batches) +
                   f" on one core (half that on two); streaming the weights from L3 takes {stream:.1f} us on one core."]
     harness.write_report(args.out, "\n".join(lines) + "\n")
-    return 0
 
 
 main = harness.main_of(cli)

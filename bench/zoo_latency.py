@@ -203,13 +203,12 @@ def render(entries: list[dict], threads_list: list[int], stamp: harness.RunStamp
 @click.option("--time-same", is_flag=True,
               help="time models whose executed graphs are the same too (a check of the timing: expect 1)")
 @click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, show_default=True)
-def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse import zoo
 
     threads_list = args.threads
     entries = [bench_model(zoo.get(n), threads_list, args, harness.log) for n in args.models or zoo.names()]
     harness.write_report(args.out, render(entries, threads_list, stamp))
-    return 0
 
 
 main = harness.main_of(cli)
