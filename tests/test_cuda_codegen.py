@@ -18,14 +18,15 @@ from onnxfuse.program import OPS, Program, SliceSpec
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
 
+# A strided view, a half input and output, a constant operand, an attribute, a transcendental.
 SAMPLE = """in x0 f32 view=1:0:128:1
 in x1 f16
-t0 = add x0 x1
-t1 = sigmoid t0
-t2 = mul t1 0.5
-t3 = leakyrelu[0.01] t2
+t0 = mul x1 0.5
+t1 = add x0 t0
+t2 = leakyrelu[0.01] t1
+t3 = sigmoid t2
 out t3 f32
-out t1 f16
+out t0 f16
 """
 
 SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.5, -2.5, 1e-30, -1e-30, 20.0, 21.0,

@@ -16,8 +16,8 @@ from onnx import TensorProto, helper
 
 from onnxfuse.pipeline import Context, run_passes, select_passes
 from onnxfuse.runtime import make_session
+from small_models import SIZES, assert_same_outputs, symbolic_feeds
 
-SIZES = ((1, 1), (1, 7), (3, 1), (3, 7))
 GPT_STACK = Path(__file__).resolve().parents[1] / "models" / "gpt_stack.onnx"
 
 
@@ -84,29 +84,6 @@ def ops(model):
 def reshape_targets(model):
     inits = {i.name: onnx.numpy_helper.to_array(i).tolist() for i in model.graph.initializer}
     return [inits.get(n.input[1]) for n in model.graph.node if n.op_type == "Reshape"]
-
-
-def feeds(model, batch, seq):
-    rng = np.random.default_rng(batch * 100 + seq)
-    out = {}
-    for vi in model.graph.input:
-        tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else {"batch": batch, "seq": seq}[d.dim_param] for d in tt.shape.dim]
-        if tt.elem_type == TensorProto.INT64:
-            out[vi.name] = rng.integers(0, 256, dims).astype(np.int64)
-        else:
-            out[vi.name] = rng.standard_normal(dims).astype(np.float32)
-    return out
-
-
-def assert_same_outputs(original, rewritten, sizes=SIZES):
-    a = make_session(original, level="disable")
-    b = make_session(rewritten, level="disable")
-    for batch, seq in sizes:
-        f = feeds(original, batch, seq)
-        for x, y in zip(a.run(None, f), b.run(None, f)):
-            assert x.shape == y.shape
-            np.testing.assert_allclose(x, y, rtol=0, atol=0)
 
 
 def test_split_heads_target_from_the_reshaped_tensor_becomes_zeros_and_constants():
@@ -281,7 +258,7 @@ def test_gpt_stack_keeps_outputs_and_runs_fewer_kernels():
     a = make_session(m, level="disable")
     b = make_session(out, level="disable")
     for batch, seq in SIZES:
-        f = feeds(m, batch, seq)
+        f = symbolic_feeds(m, batch, seq)
         np.testing.assert_array_equal(a.run(None, f)[0], b.run(None, f)[0])
     assert kernels_per_run(out) < kernels_per_run(m)
 
@@ -289,7 +266,7 @@ def test_gpt_stack_keeps_outputs_and_runs_fewer_kernels():
 def kernels_per_run(model, batch=2, seq=16):
     """Kernels onnxruntime runs for one inference: ORT_ENABLE_ALL, CPU, 1 thread."""
     s = make_session(model, threads=1, level="all", profile=True)
-    s.run(None, feeds(model, batch, seq))
+    s.run(None, symbolic_feeds(model, batch, seq))
     path = s.end_profiling()
     try:
         with open(path) as f:

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from small_models import float_model
 from onnxfuse.fuzz import compare, optimize_model, _run
 
 
@@ -33,11 +34,7 @@ def if_in_the_middle_model() -> onnx.ModelProto:
     ]
     inits = [numpy_helper.from_array(np.array(2, np.float32), "two"),
              numpy_helper.from_array(np.array(0, np.float32), "zero")]
-    graph = helper.make_graph(nodes, "if_in_the_middle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 5])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    return model
+    return float_model("if_in_the_middle", nodes, {"x": ["n", 5]}, {"y": None}, inits)
 
 
 def test_region_is_not_fused_across_an_if_that_reads_it():

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
+from small_models import float_model
 from onnxfuse.fuzz import compare, optimize_model, _run
 
 
@@ -25,11 +26,7 @@ def shared_slice_model() -> onnx.ModelProto:
         helper.make_node("Tanh", ["r"], ["y"], name="tanh"),
     ]
     inits = [ints("s1", [1]), ints("e1", [11]), ints("a1", [1]), ints("s0", [0]), ints("e0", [1]), ints("a0", [0])]
-    graph = helper.make_graph(nodes, "shared_slice", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "b")], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    return model
+    return float_model("shared_slice", nodes, {"x": [2, 12]}, {"y": None, "b": None}, inits)
 
 
 def test_shared_slice_model_is_optimized_correctly():

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
+from small_models import float_model
 from onnxfuse.fuzz import compare, optimize_model, _run
 
 
 def split_twice_model() -> onnx.ModelProto:
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 3, 16])
     nodes = [
         helper.make_node("Split", ["x", "sizes"], ["a", "b", "c"], name="split_outer", axis=3),
         helper.make_node("Split", ["a", "halves"], ["a0", "a1"], name="split_inner", axis=3),
@@ -31,11 +31,7 @@ def split_twice_model() -> onnx.ModelProto:
         numpy_helper.from_array(np.array([1, 1], np.int64), "halves"),
         numpy_helper.from_array(np.array(1.75, np.float32), "k"),
     ]
-    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "c")]
-    graph = helper.make_graph(nodes, "split_twice", [x], outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    return model
+    return float_model("split_twice", nodes, {"x": ["batch", 1, 3, 16]}, {"y": None, "c": None}, inits)
 
 
 def test_split_read_through_view_and_as_tensor_gives_valid_function():
