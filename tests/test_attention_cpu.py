@@ -35,6 +35,14 @@ def assert_close(got, want):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(want).max())))
 
 
+def assert_kernel_and_fallback_close(model, feeds, want):
+    """The library's kernel and the fallback function (library not loaded), at one and two
+    threads, against want."""
+    for with_library in (True, False):
+        for threads in (1, 2):
+            assert_close(runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0], want)
+
+
 @pytest.fixture(params=["avx2", "baseline"])
 def build(request, monkeypatch):
     if request.param == "baseline":
@@ -180,11 +188,7 @@ def test_node_with_a_bias_input_agrees_with_its_fallback_and_numpy(case, build):
     fallback function (library not loaded) against float64 numpy."""
     model = fused_model(case)
     feeds = case.feeds(seed=9)
-    want = case.reference(feeds)
-    for with_library in (True, False):
-        for threads in (1, 2):
-            got = runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0]
-            assert_close(got, want)
+    assert_kernel_and_fallback_close(model, feeds, case.reference(feeds))
 
 
 def test_infinite_key_bias_makes_its_head_nan_like_the_fallback(build):
@@ -262,8 +266,4 @@ def test_causal_node_agrees_with_its_fallback_and_numpy(case, build):
     and the fallback function against float64 numpy."""
     model = fused_model(case)
     feeds = case.feeds(seed=12)
-    want = case.reference(feeds)
-    for with_library in (True, False):
-        for threads in (1, 2):
-            got = runtime.make_session(model, threads=threads, with_library=with_library).run(None, feeds)[0]
-            assert_close(got, want)
+    assert_kernel_and_fallback_close(model, feeds, case.reference(feeds))

@@ -316,16 +316,22 @@ def test_node_carries_a_launchable_kernel_description():
     assert [n.op_type for n in fn.node] == ["Conv", "Relu"]
 
 
+def _small_layer_without_and_with(option: str, arch: str):
+    """(opted in, the fused node's attributes) for a 16 -> 32 channel 14x14 Conv + Relu on cuda,
+    without and with the pass option."""
+    net = Net(c=16, h=14, w=14)
+    m = net.model(net.node("Relu", [net.conv("X", 16, 32)]))
+    for opt_in in (False, True):
+        out, _ = optimize(m, ["conv-bias-act"], "cuda", arch=arch, **{option: opt_in})
+        (node,) = _fused_nodes(out)
+        yield opt_in, _attrs(node)
+
+
 @pytest.mark.parametrize("arch,split", [("sm_90", True), ("sm_86", False)])
 def test_split_k_is_opt_in_and_needs_clusters(arch, split):
     """With conv_split_k, a layer of few output tiles gets split-K over a cluster where the
     architecture has clusters (sm_90+); without the option, or on sm_86, the plain kernel."""
-    net = Net(c=16, h=14, w=14)
-    m = net.model(net.node("Relu", [net.conv("X", 16, 32)]))
-    for opt_in in (False, True):
-        out, _ = optimize(m, ["conv-bias-act"], "cuda", arch=arch, conv_split_k=opt_in)
-        (node,) = _fused_nodes(out)
-        a = _attrs(node)
+    for opt_in, a in _small_layer_without_and_with("conv_split_k", arch):
         splitk = a["cuda_tile"][5] if len(a["cuda_tile"]) > 5 else 1
         want = opt_in and split
         assert (splitk > 1) == want and a["cuda_grid_z"] == splitk
@@ -336,12 +342,7 @@ def test_split_k_is_opt_in_and_needs_clusters(arch, split):
 def test_tensor_cores_are_opt_in_and_need_sm80(arch, tensor_cores):
     """With conv_tensor_cores the layer gets the 3xTF32 WMMA kernel where TF32 WMMA exists
     (sm_80+); without the option, or on sm_75, the CUDA-core kernel."""
-    net = Net(c=16, h=14, w=14)
-    m = net.model(net.node("Relu", [net.conv("X", 16, 32)]))
-    for opt_in in (False, True):
-        out, _ = optimize(m, ["conv-bias-act"], "cuda", arch=arch, conv_tensor_cores=opt_in)
-        (node,) = _fused_nodes(out)
-        a = _attrs(node)
+    for opt_in, a in _small_layer_without_and_with("conv_tensor_cores", arch):
         want = opt_in and tensor_cores
         assert (a["cuda_kind"] == b"gemm_tf32x3") == want
         assert ("wmma::mma_sync" in a["cuda_source"].decode()) == want

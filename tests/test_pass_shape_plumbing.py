@@ -5,8 +5,6 @@ batch 1 and 3 and seq 1 and 7.
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.profile import count_kernels
 from onnxfuse.runtime import make_session
 from small_models import SIZES, assert_same_outputs, symbolic_feeds
 
@@ -265,15 +264,7 @@ def test_gpt_stack_keeps_outputs_and_runs_fewer_kernels():
 
 def kernels_per_run(model, batch=2, seq=16):
     """Kernels onnxruntime runs for one inference: ORT_ENABLE_ALL, CPU, 1 thread."""
-    s = make_session(model, threads=1, level="all", profile=True)
-    s.run(None, symbolic_feeds(model, batch, seq))
-    path = s.end_profiling()
-    try:
-        with open(path) as f:
-            events = json.load(f)
-    finally:
-        os.remove(path)
-    return sum(1 for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    return count_kernels(model, "cpu", 1, "all", {"batch": batch, "seq": seq})[0]
 
 
 if __name__ == "__main__":

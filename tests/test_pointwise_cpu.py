@@ -542,6 +542,16 @@ def test_shape_reading_without_the_reference_api_gives_the_same_results(monkeypa
         np.testing.assert_array_equal(a, b)
 
 
+def _unary_in_both_builds(name: str, x: np.ndarray, monkeypatch, skip_baseline: bool = False):
+    """(no_avx2, output) of one `name` Pointwise node over x from the AVX2 build, then from the
+    portable baseline build (ONNXFUSE_NO_AVX2) unless skip_baseline."""
+    model = pointwise_model(f"in x0 f32\nt0 = {name} x0\nout t0 f32\n")
+    for no_avx2 in (False,) if skip_baseline else (False, True):
+        if no_avx2:
+            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
+        yield no_avx2, runtime.make_session(model, threads=1, with_library=True).run(None, {"in0": x})[0]
+
+
 @pytest.mark.parametrize("name", ["exp", "log", "erf", "tanh", "sigmoid"])
 def test_vectorized_and_baseline_transcendentals_agree_with_the_reference(name, monkeypatch):
     # The AVX2 build evaluates these with intrinsics; the baseline build (ONNXFUSE_NO_AVX2) with the
@@ -551,12 +561,8 @@ def test_vectorized_and_baseline_transcendentals_agree_with_the_reference(name, 
         rng.uniform(-110, 110, 20000), rng.standard_normal(20000) * 3, np.exp(rng.uniform(-103, 88, 20000)),
         [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.4e-45, 3.4e38, -3.4e38, 88.72, 88.73, -103.9, 1.0, 4.0],
     ]).astype(np.float32)
-    text = f"in x0 f32\nt0 = {name} x0\nout t0 f32\n"
-    want = Program.parse(text).evaluate(x)[0]
-    for no_avx2 in (False, True):
-        if no_avx2:
-            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
-        got = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(None, {"in0": x})[0]
+    want = Program.parse(f"in x0 f32\nt0 = {name} x0\nout t0 f32\n").evaluate(x)[0]
+    for no_avx2, got in _unary_in_both_builds(name, x, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"no_avx2={no_avx2}")
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
 
@@ -568,12 +574,8 @@ def test_exp_overflow_boundary_is_exact_in_both_builds(name, monkeypatch):
     def floats(lo, hi):
         return np.arange(np.float32(lo).view(np.int32), np.float32(hi).view(np.int32), dtype=np.int32).view(np.float32)
     x = np.concatenate([floats(88.70, 88.75), -floats(88.70, 88.75), floats(-104.0, -103.0)])
-    text = f"in x0 f32\nt0 = {name} x0\nout t0 f32\n"
-    want = Program.parse(text).evaluate(x)[0]
-    for no_avx2 in (False, True):
-        if no_avx2:
-            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
-        got = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(None, {"in0": x})[0]
+    want = Program.parse(f"in x0 f32\nt0 = {name} x0\nout t0 f32\n").evaluate(x)[0]
+    for no_avx2, got in _unary_in_both_builds(name, x, monkeypatch):
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"no_avx2={no_avx2}")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"no_avx2={no_avx2}")
 
@@ -624,13 +626,8 @@ def test_transcendentals_stay_within_their_ulp_bound_in_both_builds(name, monkey
     want = {"exp": np.exp, "tanh": np.tanh, "sigmoid": lambda v: 1 / (1 + np.exp(-v)),
             "erf": np.vectorize(math.erf)}[name](x64)
     want32 = want.astype(np.float32)
-    text = f"in x0 f32\nt0 = {name} x0\nout t0 f32\n"
-    for no_avx2 in (False, True):
-        if no_avx2:
-            if name == "erf":
-                continue  # the baseline build evaluates erf with std::erf
-            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
-        got = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(None, {"in0": x})[0]
+    # The baseline build evaluates erf with std::erf.
+    for no_avx2, got in _unary_in_both_builds(name, x, monkeypatch, skip_baseline=name == "erf"):
         finite = np.isfinite(want32)
         np.testing.assert_array_equal(got[~finite], want32[~finite], err_msg=f"no_avx2={no_avx2}")
         err = np.abs(got[finite].astype(np.float64) - want[finite]) / np.spacing(np.abs(want32[finite]))
@@ -644,9 +641,5 @@ def test_every_nan_payload_stays_nan_in_both_builds(name, monkeypatch):
     # carried that payload into a finite -3.4e38.
     payloads = np.array([0xFFFFFFFF, 0x7FFFFFFF, 0xFFC00000, 0x7FC00000, 0x7F800001, 0xFF800001, 0x7FC00001,
                          0xFFBFFFFF] * 4, np.uint32).view(np.float32)
-    text = f"in x0 f32\nt0 = {name} x0\nout t0 f32\n"
-    for no_avx2 in (False, True):
-        if no_avx2:
-            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
-        got = runtime.make_session(pointwise_model(text), threads=1, with_library=True).run(None, {"in0": payloads})[0]
+    for no_avx2, got in _unary_in_both_builds(name, payloads, monkeypatch):
         assert np.isnan(got).all(), (no_avx2, got)
