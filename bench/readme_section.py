@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import click
 
-from bench import compare, harness
+from bench import compare, compare_report, harness
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
@@ -46,7 +46,7 @@ def section(results: dict, readme: Path, chart: Path, results_md: Path) -> str:
     ]
     if chart.is_file():
         lines += [f"![kernels per inference and latency ratio per model]({rel(chart)})", ""]
-    lines += [compare.summary_tables(results), ""]
+    lines += [compare_report.summary_tables(results), ""]
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from bench import compare, gpt2_small, readme_section
+from bench import compare, compare_report, gpt2_small, readme_section
 from onnxfuse import zoo
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -34,14 +34,14 @@ def test_benchmark_runs_every_variant_of_a_zoo_model_and_writes_report_data_and_
     results = json.loads(data.read_text())
     (model,) = results["models"]
     assert model["model"] == "mlp_ensemble"
-    assert list(model["variants"]) == list(compare.VARIANTS)
+    assert list(model["variants"]) == list(compare_report.VARIANTS)
     baseline = zoo.load_baseline()["models"]["mlp_ensemble"]
     ort, fuse = model["variants"]["ort"], model["variants"]["onnxfuse"]
     # kernels counted as the zoo's regression baseline counts them
     assert ort["kernels"]["cpu"] == baseline["ort"]
     assert fuse["status"] == "ok" and fuse["kernels"]["cpu"] == baseline["onnxfuse"]
     assert fuse["optimize_s"] > 0 and set(fuse["stages"]) >= {"load", "passes", "verify"}
-    for tool in compare.PEERS:
+    for tool in compare_report.PEERS:
         _peer_ok_or_not_installed(model["variants"][tool], tool)
     for name, info in model["variants"].items():
         if info["status"] != "ok":
@@ -55,8 +55,8 @@ def test_benchmark_runs_every_variant_of_a_zoo_model_and_writes_report_data_and_
     report = out.read_text()
     assert f"| mlp_ensemble | {baseline['ort']} |" in report
     assert "CUDA provider:" in report and "python -m bench.compare --models mlp_ensemble" in report
-    assert compare.summary_tables(results) in printed  # what it prints is what it wrote
-    assert compare.summary_tables(results) in report
+    assert compare_report.summary_tables(results) in printed  # what it prints is what it wrote
+    assert compare_report.summary_tables(results) in report
     if HAS_MATPLOTLIB:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "](compare.png)" in report
@@ -94,7 +94,7 @@ def test_a_failed_tool_leaves_the_other_variants_measured(tmp_path, monkeypatch)
     assert entry["variants"]["onnxsim"]["latency"] == {}
     assert entry["variants"]["onnxfuse"]["status"] == "ok"
     assert entry["variants"]["onnxfuse"]["latency"]["cpu-1t"]["runs"] == 2
-    table = compare.model_table(entry, [{"key": "cpu-1t", "label": "CPU, 1 thread", "provider": "cpu"}])
+    table = compare_report.model_table(entry, [{"key": "cpu-1t", "label": "CPU, 1 thread", "provider": "cpu"}])
     assert "| onnxsim | failed: the optimizer process killed by SIGSEGV |" in table
 
 
@@ -154,7 +154,7 @@ def test_optimize_time_that_misses_its_goal_says_where_the_time_goes(tmp_path):
     hot = entry["hot_functions"]
     assert len(hot["by_own_time"]) == 5
     assert hot["ours_by_cumulative_time"][0]["function"].startswith("onnxfuse/api.py")
-    text = compare.optimize_time_section({"optimize_time": [entry]})
+    text = compare_report.optimize_time_section({"optimize_time": [entry]})
     assert "### Where the time goes: gpt_stack" in text and "| **no** |" in text
 
 
