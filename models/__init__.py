@@ -1,2 +1,3 @@
-"""The model zoo: the generated models, the scripts that write them (`python models/NAME.py`) and
-their regression baseline; installed as onnxfuse.models."""
+"""The generated models and the scripts that write them (`python models/NAME.py`): the zoo's
+models with their regression baseline, and llama_large, the large-model generator; installed as
+onnxfuse.models."""

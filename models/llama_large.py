@@ -28,10 +28,10 @@ protobuf's limit as well.
 """
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
+import click
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -181,23 +181,25 @@ def build(out: Path, hidden: int, ffn: int, vocab: int, layers: int, heads: int,
     return [out, data_path]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path, help="model file to write (its weights go to OUT.data)")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="0.5gb")
-    for key in ("hidden", "ffn", "vocab", "layers", "heads"):
-        ap.add_argument(f"--{key}", type=int, default=None, help=f"override the preset's {key}")
-    ap.add_argument("--seq", type=int, default=SEQ)
-    ap.add_argument("--seed", type=int, default=SEED)
-    args = ap.parse_args(argv)
-    sizes = dict(PRESETS[args.preset])
-    for key in sizes:
-        if getattr(args, key) is not None:
-            sizes[key] = getattr(args, key)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    paths = build(args.out, seq=args.seq, seed=args.seed, **sizes)
+def _size_options(f):
+    for key in ("heads", "layers", "vocab", "ffn", "hidden"):
+        f = click.option(f"--{key}", type=int, default=None, help=f"override the preset's {key}")(f)
+    return f
+
+
+@click.command(help=__doc__.splitlines()[0] + "\n\nOUT: the model file to write (its weights go to OUT.data).")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="0.5gb", show_default=True)
+@_size_options
+@click.option("--seq", type=int, default=SEQ, show_default=True)
+@click.option("--seed", type=int, default=SEED, show_default=True)
+def main(out: Path, preset: str, seq: int, seed: int, **overrides) -> None:
+    sizes = dict(PRESETS[preset])
+    sizes.update({key: value for key, value in overrides.items() if value is not None})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = build(out, seq=seq, seed=seed, **sizes)
     total = sum(os.path.getsize(p) for p in paths)
-    print(f"{args.out}: {total / 1e9:.2f} GB ({', '.join(f'{k} {v}' for k, v in sizes.items())}, seq {args.seq})")
+    click.echo(f"{out}: {total / 1e9:.2f} GB ({', '.join(f'{k} {v}' for k, v in sizes.items())}, seq {seq})")
 
 
 if __name__ == "__main__":

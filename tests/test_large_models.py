@@ -8,7 +8,6 @@ models of 0.5 to 6 GB are in bench/results/large_model.md.
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +18,8 @@ from onnx import TensorProto, numpy_helper
 
 from onnxfuse import api, modelio, weights
 from onnxfuse.modelio import InputError, load_model, save_model
+from onnxfuse.models import llama_large
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))  # generator scripts, not a package
-import llama_large  # noqa: E402
 
 FEEDS = {"input_ids": (np.arange(16, dtype=np.int64) % 7).reshape(1, 16)}
 

@@ -3,7 +3,6 @@ choice between it and the whole-model comparison (region_verify.py, verify.choos
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import onnx
@@ -13,10 +12,9 @@ from onnx import TensorProto, helper
 from onnxfuse import api, modelio, verify
 from onnxfuse.fused import DOMAIN
 from onnxfuse.modelio import InputError, load_model
+from onnxfuse.models import llama_large
 from onnxfuse.region_verify import verify_regions
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))  # generator scripts, not a package
-import llama_large  # noqa: E402
 
 
 @pytest.fixture(scope="module")
