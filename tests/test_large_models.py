@@ -117,3 +117,12 @@ def test_whole_model_verification_runs_models_holding_references(llama):
     v = result.summary["verification"]
     assert v["mode"] == "whole" and v["ok"] and v["mode_reason"] == "--verify-mode whole"
     assert result.summary["kernels_after"] < result.summary["kernels_before"]
+
+
+def test_verification_copies_the_weights_where_they_cannot_be_linked(llama, monkeypatch):
+    def no_links(src, dst, *args, **kwargs):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(weights.os, "link", no_links)
+    result = api.optimize(str(llama), verify_mode="whole")
+    assert result.summary["verification"]["ok"] and result.summary["verification"]["mode"] == "whole"
