@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnxfuse.program import ONNX_ELEM, Program
+
 
 def float_model(name: str, nodes, inputs: dict, outputs: dict, inits=(), opset: int = 17) -> onnx.ModelProto:
     """inputs and outputs: name -> shape (None for an output whose shape is left to inference)."""
@@ -51,3 +53,36 @@ def assert_same_outputs(original: onnx.ModelProto, rewritten: onnx.ModelProto, s
         for x, y in zip(a.run(None, f), b.run(None, f)):
             assert x.shape == y.shape
             np.testing.assert_array_equal(x, y)
+
+
+def pointwise_model(text: str, opset: int = 17) -> onnx.ModelProto:
+    """A model with one Pointwise node running `text`. Graph inputs are named in0.. and outputs
+    out0..; bf16 values cross the graph boundary as float32 through Cast nodes, since numpy and
+    onnxruntime's Python API have no bfloat16."""
+    prog = Program.parse(text)
+    nodes, inputs, outputs, value_info = [], [], [], []
+    node_in, node_out = [], []
+    for i, spec in enumerate(prog.inputs):
+        if spec.dtype == "bf16":
+            inputs.append(helper.make_tensor_value_info(f"in{i}", TensorProto.FLOAT, None))
+            nodes.append(helper.make_node("Cast", [f"in{i}"], [f"x{i}"], to=TensorProto.BFLOAT16))
+            node_in.append(f"x{i}")
+        else:
+            inputs.append(helper.make_tensor_value_info(f"in{i}", ONNX_ELEM[spec.dtype], None))
+            node_in.append(f"in{i}")
+    for o, spec in enumerate(prog.outputs):
+        if spec.dtype == "bf16":
+            node_out.append(f"y{o}")
+            value_info.append(helper.make_tensor_value_info(f"y{o}", TensorProto.BFLOAT16, None))
+            nodes.append(helper.make_node("Cast", [f"y{o}"], [f"out{o}"], to=TensorProto.FLOAT))
+            outputs.append(helper.make_tensor_value_info(f"out{o}", TensorProto.FLOAT, None))
+        else:
+            node_out.append(f"out{o}")
+            outputs.append(helper.make_tensor_value_info(f"out{o}", ONNX_ELEM[spec.dtype], None))
+    nodes.insert(0, helper.make_node("Pointwise", node_in, node_out, name="pw", domain="onnxfuse", program=text))
+    graph = helper.make_graph(nodes, "pointwise", inputs, outputs, value_info=value_info)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("onnxfuse", 1)]
+    )
+    model.ir_version = 10
+    return model

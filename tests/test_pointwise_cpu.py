@@ -6,49 +6,16 @@ import functools
 import zlib
 
 import numpy as np
-import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from onnxfuse import runtime
-from onnxfuse.program import OPS, ONNX_ELEM, Program, _to_bf16
+from onnxfuse.program import OPS, Program, _to_bf16
+from small_models import pointwise_model
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def pointwise_model(text: str, opset: int = 17) -> onnx.ModelProto:
-    """A model with one Pointwise node running `text`. Graph inputs are named in0.. and outputs
-    out0..; bf16 values cross the graph boundary as float32 through Cast nodes, since numpy and
-    onnxruntime's Python API have no bfloat16."""
-    prog = Program.parse(text)
-    nodes, inputs, outputs, value_info = [], [], [], []
-    node_in, node_out = [], []
-    for i, spec in enumerate(prog.inputs):
-        if spec.dtype == "bf16":
-            inputs.append(helper.make_tensor_value_info(f"in{i}", TensorProto.FLOAT, None))
-            nodes.append(helper.make_node("Cast", [f"in{i}"], [f"x{i}"], to=TensorProto.BFLOAT16))
-            node_in.append(f"x{i}")
-        else:
-            inputs.append(helper.make_tensor_value_info(f"in{i}", ONNX_ELEM[spec.dtype], None))
-            node_in.append(f"in{i}")
-    for o, spec in enumerate(prog.outputs):
-        if spec.dtype == "bf16":
-            node_out.append(f"y{o}")
-            value_info.append(helper.make_tensor_value_info(f"y{o}", TensorProto.BFLOAT16, None))
-            nodes.append(helper.make_node("Cast", [f"y{o}"], [f"out{o}"], to=TensorProto.FLOAT))
-            outputs.append(helper.make_tensor_value_info(f"out{o}", TensorProto.FLOAT, None))
-        else:
-            node_out.append(f"out{o}")
-            outputs.append(helper.make_tensor_value_info(f"out{o}", ONNX_ELEM[spec.dtype], None))
-    nodes.insert(0, helper.make_node("Pointwise", node_in, node_out, name="pw", domain="onnxfuse", program=text))
-    graph = helper.make_graph(nodes, "pointwise", inputs, outputs, value_info=value_info)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("onnxfuse", 1)]
-    )
-    model.ir_version = 10
-    return model
 
 
 @functools.lru_cache(maxsize=None)
@@ -542,44 +509,6 @@ def test_shape_reading_without_the_reference_api_gives_the_same_results(monkeypa
         np.testing.assert_array_equal(a, b)
 
 
-def _unary_in_both_builds(name: str, x: np.ndarray, monkeypatch, skip_baseline: bool = False):
-    """(no_avx2, output) of one `name` Pointwise node over x from the AVX2 build, then from the
-    portable baseline build (ONNXFUSE_NO_AVX2) unless skip_baseline."""
-    model = pointwise_model(f"in x0 f32\nt0 = {name} x0\nout t0 f32\n")
-    for no_avx2 in (False,) if skip_baseline else (False, True):
-        if no_avx2:
-            monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
-        yield no_avx2, runtime.make_session(model, threads=1, with_library=True).run(None, {"in0": x})[0]
-
-
-@pytest.mark.parametrize("name", ["exp", "log", "erf", "tanh", "sigmoid"])
-def test_vectorized_and_baseline_transcendentals_agree_with_the_reference(name, monkeypatch):
-    # The AVX2 build evaluates these with intrinsics; the baseline build (ONNXFUSE_NO_AVX2) with the
-    # portable code. Both against the reference, over a wide range with subnormals and specials.
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    x = np.concatenate([
-        rng.uniform(-110, 110, 20000), rng.standard_normal(20000) * 3, np.exp(rng.uniform(-103, 88, 20000)),
-        [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.4e-45, 3.4e38, -3.4e38, 88.72, 88.73, -103.9, 1.0, 4.0],
-    ]).astype(np.float32)
-    want = Program.parse(f"in x0 f32\nt0 = {name} x0\nout t0 f32\n").evaluate(x)[0]
-    for no_avx2, got in _unary_in_both_builds(name, x, monkeypatch):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"no_avx2={no_avx2}")
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-
-
-@pytest.mark.parametrize("name", ["exp", "sigmoid"])
-def test_exp_overflow_boundary_is_exact_in_both_builds(name, monkeypatch):
-    # Every float32 from 88.70 to 88.75 (where exp crosses FLT_MAX) and from -104 to -103 (where it
-    # leaves the subnormals): the last finite result must stay finite, the first overflow must be inf.
-    def floats(lo, hi):
-        return np.arange(np.float32(lo).view(np.int32), np.float32(hi).view(np.int32), dtype=np.int32).view(np.float32)
-    x = np.concatenate([floats(88.70, 88.75), -floats(88.70, 88.75), floats(-104.0, -103.0)])
-    want = Program.parse(f"in x0 f32\nt0 = {name} x0\nout t0 f32\n").evaluate(x)[0]
-    for no_avx2, got in _unary_in_both_builds(name, x, monkeypatch):
-        np.testing.assert_array_equal(np.isinf(got), np.isinf(want), err_msg=f"no_avx2={no_avx2}")
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"no_avx2={no_avx2}")
-
-
 def test_output_only_floor_op_reads_int_attributes(tmp_path):
     # bench/overhead_floor.cc (the benchmark's floor of the custom-op path) is built against
     # kernels/ort_api.h and reads its output shape with KernelInfoGetAttribute_int64.
@@ -603,43 +532,3 @@ def test_output_only_floor_op_reads_int_attributes(tmp_path):
     so.register_custom_ops_library(lib)
     session = ort.InferenceSession(model.SerializeToString(), sess_options=so, providers=["CPUExecutionProvider"])
     assert session.run(None, {"x": np.zeros((1, 128), np.float32)})[0].shape == (3, 7)
-
-
-# Documented worst-case errors of the float32 transcendentals (kernels/numeric.h and
-# pointwise_cpu_avx2.cc), in units in the last place of the correctly rounded result.
-ULP_BOUNDS = {"exp": 1.5, "sigmoid": 3.0, "tanh": 6.0, "erf": 6.0}
-
-
-@pytest.mark.parametrize("name", sorted(ULP_BOUNDS))
-def test_transcendentals_stay_within_their_ulp_bound_in_both_builds(name, monkeypatch):
-    # A dense sweep (every 2^12th float32 of each sign over the range where the function is not
-    # constant, ~500,000 values, plus a fine grid near 0 and the saturation points) against float64.
-    import math
-
-    lo, hi = {"exp": (1e-30, 104.0), "sigmoid": (1e-30, 110.0), "tanh": (1e-30, 12.0), "erf": (1e-30, 6.0)}[name]
-    bits = np.arange(np.float32(lo).view(np.int32), np.float32(hi).view(np.int32), 4096, dtype=np.int32)
-    pos = bits.view(np.float32)
-    x = np.concatenate([pos, -pos, np.linspace(-9.5, 9.5, 100001, dtype=np.float32)])
-    if name == "exp":
-        x = x[x <= 89.0]
-    x64 = x.astype(np.float64)
-    want = {"exp": np.exp, "tanh": np.tanh, "sigmoid": lambda v: 1 / (1 + np.exp(-v)),
-            "erf": np.vectorize(math.erf)}[name](x64)
-    want32 = want.astype(np.float32)
-    # The baseline build evaluates erf with std::erf.
-    for no_avx2, got in _unary_in_both_builds(name, x, monkeypatch, skip_baseline=name == "erf"):
-        finite = np.isfinite(want32)
-        np.testing.assert_array_equal(got[~finite], want32[~finite], err_msg=f"no_avx2={no_avx2}")
-        err = np.abs(got[finite].astype(np.float64) - want[finite]) / np.spacing(np.abs(want32[finite]))
-        worst = int(np.argmax(err))
-        assert err[worst] <= ULP_BOUNDS[name], (no_avx2, x[finite][worst], got[finite][worst], want[finite][worst], err[worst])
-
-
-@pytest.mark.parametrize("name", ["exp", "log", "erf", "tanh", "sigmoid"])
-def test_every_nan_payload_stays_nan_in_both_builds(name, monkeypatch):
-    # fuzz seed 116237: onnxruntime's GEMM writes NaN as 0xffffffff; exp's exponent arithmetic
-    # carried that payload into a finite -3.4e38.
-    payloads = np.array([0xFFFFFFFF, 0x7FFFFFFF, 0xFFC00000, 0x7FC00000, 0x7F800001, 0xFF800001, 0x7FC00001,
-                         0xFFBFFFFF] * 4, np.uint32).view(np.float32)
-    for no_avx2, got in _unary_in_both_builds(name, payloads, monkeypatch):
-        assert np.isnan(got).all(), (no_avx2, got)
