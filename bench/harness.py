@@ -5,9 +5,12 @@
   gives medians, per-round ratios and a bootstrap interval of the median ratio.
 - `RunStamp` records, when a run starts, what a report needs to be read later: the command, the
   date, the commit, the machine (with its load) and the versions of what ran.
-- `write_report` writes a report (creating its folder) and prints it.
-- `main_of` turns a script's click command into `main(argv=None) -> int`, as the CLI's library
-  is used by every script of the project.
+- `write_report` writes a report (creating its folder) and prints it; `table_head` gives a
+  markdown table's head and rule.
+- `script` and `main_of` make a script's click command (click is the CLI's library, used by every
+  script of the project) and its `main(argv=None) -> int`.
+- `float_model` builds the small float32 models benchmarks time; `optimized_ab_table` and
+  `optimized_ab_command` time cases run by onnxruntime alone against the model onnxfuse writes.
 
 Scripts run from the repository root as modules: `python -m bench.NAME`.
 """
