@@ -370,37 +370,14 @@ def time_optimize(label: str, path: Path, dims: dict, goal_s: float, reps: int, 
 # =========================================================================== environment
 
 
-def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
-
-
-def _version(module: str) -> str:
-    from importlib import metadata
-
-    names = {"onnxruntime": ("onnxruntime-gpu", "onnxruntime")}.get(module, (module,))
-    for dist in names:
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return f"{module} not installed"
-
-
 def environment(argv: list[str]) -> dict:
     modified = [ln for ln in harness.git("status", "--porcelain", "--untracked-files=no").splitlines() if ln.strip()]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": harness.command_line("compare", argv),
-        "machine": f"{platform.machine()}, {harness.cpu_model()}, {os.cpu_count()} cores, {_memory_gib()} GiB;"
-                   f" {platform.platform()}",
+        "machine": harness.machine_and_system(),
         "python": platform.python_version(),
-        "versions": [_version(m) for m in ("onnxruntime", "onnx", "onnxsim", "onnxslim", "onnxoptimizer")],
+        "versions": [harness.dist_version(m) for m in ("onnxruntime", "onnx", "onnxsim", "onnxslim", "onnxoptimizer")],
         "commit": harness.git("rev-parse", "--short", "HEAD") or "unknown",
         "modified_tracked_files": len(modified),
         "load_average_start": [round(x, 2) for x in os.getloadavg()],

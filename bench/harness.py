@@ -205,6 +205,35 @@ def machine() -> str:
     return f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} logical CPUs"
 
 
+def memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def machine_and_system() -> str:
+    """Architecture, CPU model, cores, memory; the operating system."""
+    return (f"{platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {memory_gib()} GiB;"
+            f" {platform.platform()}")
+
+
+def dist_version(dist: str) -> str:
+    """"NAME VERSION" of an installed distribution (onnxruntime: whichever of onnxruntime-gpu and
+    onnxruntime is installed), or "NAME not installed"."""
+    from importlib import metadata
+
+    for name in ("onnxruntime-gpu", "onnxruntime") if dist == "onnxruntime" else (dist,):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"{dist} not installed"
+
+
 def versions(*modules: str) -> str:
     """Versions of onnxruntime, onnx, numpy and Python, then of `modules` (those installed)."""
     from importlib import metadata

@@ -7,15 +7,13 @@ default) and with --verify-mode regions, each in its own process. Peak memory
 is that process's maximum resident set size (wait4's ru_maxrss: anonymous memory and the
 pages of mapped weight files it touched).
 
-    python bench/large_model.py --dir /tmp/llama                    # 0.5gb, 2.5gb, 6gb presets
-    python bench/large_model.py --dir /tmp/llama --presets 0.5gb --write ''   # print only
+    python -m bench.large_model --dir /tmp/llama                    # 0.5gb, 2.5gb, 6gb presets
+    python -m bench.large_model --dir /tmp/llama --presets 0.5gb --write ''   # print only
 
 Generated models are reused when present in --dir (they are seeded: the same bytes).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import platform
@@ -24,51 +22,21 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO / "models"))
+import click
 
-import llama_large  # noqa: E402  (models/ is not a package on the path by default)
+from bench import harness
+from onnxfuse.models import llama_large
 
-RESULTS = HERE / "results" / "large_model.md"
+RESULTS = harness.RESULTS / "large_model.md"
 NOTES_HEADING = "## Reading the figures"
-
-
-def _git(*argv: str) -> str:
-    try:
-        return subprocess.run(["git", *argv], capture_output=True, text=True, cwd=str(REPO), timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _version(dist: str) -> str:
-    from importlib import metadata
-
-    for name in ([dist, dist + "-gpu"] if dist == "onnxruntime" else [dist]):
-        try:
-            return f"{name} {metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return f"{dist} not installed"
-
-
-def _machine() -> str:
-    cpu = platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = next((int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal:")), 0.0)
-    return f"{platform.machine()}, {cpu}, {os.cpu_count()} cores, {mem:.1f} GiB; {platform.platform()}"
 
 
 def ensure_model(directory: Path, preset: str) -> Path:
     path = directory / f"llama_{preset}.onnx"
     if not (path.exists() and path.with_name(path.name + ".data").exists()):
-        llama_large.main(["--preset", preset, str(path)])
+        llama_large.build(path, **llama_large.PRESETS[preset])
     return path
 
 
@@ -162,29 +130,29 @@ def render(entries: list[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/onnxfuse-large"), help="where models are generated")
-    ap.add_argument("--presets", default="0.5gb,2.5gb,6gb")
-    ap.add_argument("--modes", default="no-verify,auto,regions",
-                    help="comma-separated runs per model: no-verify, or a --verify-mode (auto, whole, regions)")
-    ap.add_argument("--write", default=str(RESULTS), help="results file ('' to print only)")
-    args = ap.parse_args(argv)
+@harness.script(__doc__)
+@click.option("--dir", type=click.Path(file_okay=False, path_type=Path), default=Path("/tmp/onnxfuse-large"),
+              show_default=True, help="where models are generated")
+@click.option("--presets", callback=harness.csv(), default="0.5gb,2.5gb,6gb", show_default=True)
+@click.option("--modes", callback=harness.csv(), default="no-verify,auto,regions", show_default=True,
+              help="comma-separated runs per model: no-verify, or a --verify-mode (auto, whole, regions)")
+@click.option("--write", default=str(RESULTS), help="results file ('' to print only)")
+def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     env = {
-        "machine": _machine(),
+        "machine": harness.machine_and_system(),
         "python": platform.python_version(),
-        "versions": [_version(d) for d in ("onnxruntime", "onnx", "onnx-graphsurgeon", "numpy")],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _git("rev-parse", "--short", "HEAD") or "unknown",
-        "load_start": os.getloadavg()[0],
-        "command": "python bench/large_model.py" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])),
+        "versions": [harness.dist_version(d) for d in ("onnxruntime", "onnx", "onnx-graphsurgeon", "numpy")],
+        "date": stamp.started,
+        "commit": stamp.commit,
+        "load_start": stamp.load[0],
+        "command": stamp.command,
     }
     entries = []
-    for preset in args.presets.split(","):
+    for preset in args.presets:
         model = ensure_model(args.dir, preset)
         size = sum(os.path.getsize(p) for p in (model, model.with_name(model.name + ".data")))
-        for mode in args.modes.split(","):
+        for mode in args.modes:
             entry = bench(model, args.dir, mode != "no-verify", mode)
             entry["size_gb"] = size / 1e9
             entries.append(entry)
@@ -201,5 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(text)
 
 
+main = harness.main_of(cli)
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
