@@ -3,11 +3,13 @@
     python models/update_baseline.py              # every model
     python models/update_baseline.py gpt_stack    # only the named ones (the others are kept)
 
-For each model: the default CPU pipeline, verified against the original in onnxruntime
-(a model that fails verification is not written), then kernels per inference counted with
-onnxruntime's profiler (ORT_ENABLE_ALL, CPU provider, 1 thread): "ort" is the original model
-under onnxruntime alone, "onnxfuse" the optimized one with our library. tests/test_zoo.py
-fails when a model runs more or fewer kernels than recorded here.
+For each model: the default CPU pipeline, verified against the original in onnxruntime,
+then kernels per inference counted with onnxruntime's profiler (ORT_ENABLE_ALL, CPU provider,
+1 thread): "ort" is the original model under onnxruntime alone, "onnxfuse" the optimized one
+with our library. tests/test_zoo.py fails when a model runs more or fewer kernels than recorded
+here. A corpus model that onnxfuse cannot optimize yet (a known failure, marked in
+tests/test_zoo.py) is recorded with "onnxfuse": null; for the other zoo models a failure stops
+the rewrite.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import click
 import onnxruntime
 
 from onnxfuse import zoo
-from onnxfuse.api import optimize_for_baseline
+from onnxfuse.api import VerificationError, optimize_for_baseline
+from onnxfuse.profile import count_kernels
 
 
 def _format(doc: dict) -> str:
@@ -44,7 +47,15 @@ def main(names: tuple[str, ...]) -> int:
     counts = dict(baseline.get("models", {}))
     for model in models:
         t0 = time.perf_counter()
-        summary = optimize_for_baseline(model).summary
+        try:
+            summary = optimize_for_baseline(model).summary
+        except VerificationError as e:
+            if model.source != "corpus":
+                raise
+            ort, _ = count_kernels(model.load(), threads=1, dims=model.dims or None)
+            counts[model.name] = {"ort": ort, "onnxfuse": None}
+            print(f"{model.name:14s} ort {ort:5d}  onnxfuse fails: {str(e)[:160]}", file=sys.stderr)
+            continue
         counts[model.name] = {"ort": summary["kernels_before"], "onnxfuse": summary["kernels_after"]}
         print(
             f"{model.name:14s} ort {summary['kernels_before']:5d}  onnxfuse {summary['kernels_after']:5d}"

@@ -496,7 +496,8 @@ def list_zoo(as_json):
     for m in models:
         inputs = []
         try:
-            proto = onnx.load(str(m.path), load_external_data=False)
+            # the stored file: a corpus model's inputs are there without materializing its weights
+            proto = onnx.load(str(m.file), load_external_data=False)
             inits = {t.name for t in proto.graph.initializer}
             for v in proto.graph.input:
                 if v.name in inits:

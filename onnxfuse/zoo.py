@@ -6,14 +6,22 @@ Two kinds of members, listed in models/manifest.json:
   found at run time next to the installed onnx, never copied.
 - "generated": small launch-bound models committed in models/ with the script that writes
   them (python models/NAME.py regenerates NAME.onnx byte for byte).
+- "corpus": public architectures (transformers, torchvision, torch-written RNN cells) as
+  torch.onnx exports them, written by models/corpus/build.py. They are committed as graphs
+  without their weight values: each large float initializer is a record (dtype, dims, seed,
+  mean and std, or the fill value of a constant tensor) that materialize_weights turns back
+  into the same tensor on every machine. `path` is the materialized model, written once into
+  the cache directory (ONNXFUSE_CACHE_DIR, default ~/.cache/onnxfuse).
 
 models/ is found in a source checkout or editable install (next to the onnxfuse package),
 installed as package data (onnxfuse/models/), or where ONNXFUSE_ZOO_DIR points.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +31,7 @@ import onnx
 from .modelio import InputError, LoadedModel, load_model
 
 ZOO_PREFIX = "zoo:"
-SOURCES = ("onnx-wheel", "generated")
+SOURCES = ("onnx-wheel", "generated", "corpus")
 MANIFEST = "manifest.json"
 BASELINE = "baseline.json"
 _PKG = Path(__file__).resolve().parent
@@ -44,7 +52,7 @@ class InputSpec:
 @dataclass(frozen=True)
 class ZooModel:
     name: str
-    path: Path
+    file: Path  # the file as stored (a corpus model's holds weight records, not values)
     description: str
     dims: dict  # symbolic dim -> default size
     source: str  # "onnx-wheel" | "generated"
@@ -55,14 +63,33 @@ class ZooModel:
     reference_rtol: float = 1e-3
     reference_atol: float = 1e-7
     notes: tuple[str, ...] = field(default=())
+    # further settings of the symbolic dims the regression suite verifies at, beyond `dims`
+    alt_dims: tuple[dict, ...] = field(default=())
+    exporter: str | None = None  # corpus: "torchscript" (dynamo=False) or "dynamo"
+    family: str | None = None  # corpus: "transformer", "rnn" or "cnn"
 
     @property
     def uri(self) -> str:
         return ZOO_PREFIX + self.name
 
+    @property
+    def path(self) -> Path:
+        """A runnable model file: the stored file, or for a corpus model its materialized copy
+        in the cache directory (written on first use)."""
+        if self.source != "corpus" or not self.file.is_file():
+            return self.file
+        return _materialized_path(self.file)
+
+    @property
+    def shape_sets(self) -> tuple[dict, ...]:
+        """The settings of the symbolic dims to verify at: the defaults, then alt_dims."""
+        return (dict(self.dims), *(dict(d) for d in self.alt_dims))
+
     def load(self) -> onnx.ModelProto:
-        if not self.path.is_file():
-            raise ZooError(f"{self.uri}: model file {self.path} is missing")
+        if not self.file.is_file():
+            raise ZooError(f"{self.uri}: model file {self.file} is missing")
+        if self.source == "corpus":
+            return materialize_weights(onnx.load(str(self.file), load_external_data=False))
         return onnx.load(str(self.path))
 
     def input_shapes(self, dims: dict | None = None) -> dict[str, tuple[int, ...]]:
@@ -114,7 +141,7 @@ def _entry(raw: dict, root: Path) -> ZooModel:
     ref = raw.get("reference")
     return ZooModel(
         name=raw["name"],
-        path=base / raw["file"],
+        file=base / raw["file"],
         description=raw["description"],
         dims=dict(raw.get("dims", {})),
         source=source,
@@ -127,6 +154,9 @@ def _entry(raw: dict, root: Path) -> ZooModel:
         slow=bool(raw.get("slow", False)),
         generator=root / raw["generator"] if raw.get("generator") else None,
         notes=tuple(raw.get("notes", ())),
+        alt_dims=tuple(dict(d) for d in raw.get("alt_dims", ())),
+        exporter=raw.get("exporter"),
+        family=raw.get("family"),
     )
 
 
@@ -157,9 +187,9 @@ def get(name: str) -> ZooModel:
 def resolve(name_or_uri: str) -> str:
     """Path of the model file for NAME or zoo:NAME; ZooError when unknown or missing."""
     model = get(name_or_uri)
-    if not model.path.is_file():
+    if not model.file.is_file():
         hint = " (the installed onnx does not ship it)" if model.source == "onnx-wheel" else ""
-        raise ZooError(f"{model.uri}: model file {model.path} is missing{hint}")
+        raise ZooError(f"{model.uri}: model file {model.file} is missing{hint}")
     return str(model.path)
 
 
@@ -178,6 +208,118 @@ def resolve_input(spec: str, weights_on_disk: bool = False) -> LoadedModel:
     if entry is not None:
         loaded.dims = dict(entry.dims or {})
     return loaded
+
+
+# --------------------------------------------------------------------------- seeded weights
+#
+# A corpus model keeps its graph and its small or integer tensors verbatim; every float
+# initializer of more than SEEDED_MIN_ELEMENTS elements is stored as a record instead of its
+# values, in the TensorProto itself: data_location EXTERNAL with the location SEEDED_LOCATION
+# and the keys seed, mean, std (values drawn from a seeded normal distribution with the
+# original tensor's mean and standard deviation), or the key fill (every element equal, as
+# LayerNorm's ones). A reader that does not know the records fails on the missing external
+# file instead of running wrong values.
+
+SEEDED_LOCATION = "onnxfuse-seeded-weights"
+SEEDED_MIN_ELEMENTS = 64
+# A float tensor with at most this many distinct values (masks, one-hot tables) is kept as it is.
+SEEDED_MIN_DISTINCT = 16
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+
+
+def seeded_record(tensor: onnx.TensorProto, seed: int) -> onnx.TensorProto | None:
+    """The record that stands for `tensor`, or None when the tensor is kept verbatim (small,
+    not a float, few distinct values, or holding inf/NaN)."""
+    if tensor.data_type not in _FLOAT_TYPES or tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    values = onnx.numpy_helper.to_array(tensor)
+    if values.size <= SEEDED_MIN_ELEMENTS or not np.all(np.isfinite(values)):
+        return None
+    wide = values.astype(np.float64).ravel()
+    if np.all(wide == wide[0]):
+        stats = {"fill": repr(float(wide[0]))}
+    elif len(np.unique(wide)) <= SEEDED_MIN_DISTINCT:
+        return None
+    else:
+        stats = {"seed": str(seed), "mean": repr(float(wide.mean())), "std": repr(float(wide.std()))}
+    record = onnx.TensorProto(name=tensor.name, data_type=tensor.data_type, dims=list(tensor.dims))
+    record.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in {"location": SEEDED_LOCATION, **stats}.items():
+        record.external_data.add(key=key, value=value)
+    return record
+
+
+def strip_weights(model: onnx.ModelProto, seed: int) -> int:
+    """Replace the model's large float initializers by seeded records, in place (tensor i gets
+    seed + i). Returns how many were replaced."""
+    replaced = 0
+    for i, tensor in enumerate(model.graph.initializer):
+        record = seeded_record(tensor, seed + i)
+        if record is not None:
+            tensor.CopyFrom(record)
+            replaced += 1
+    return replaced
+
+
+def _record_values(tensor: onnx.TensorProto) -> np.ndarray:
+    entries = {e.key: e.value for e in tensor.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    shape = tuple(tensor.dims)
+    if "fill" in entries:
+        return np.full(shape, float(entries["fill"]), dtype=dtype)
+    rng = np.random.default_rng(int(entries["seed"]))
+    values = rng.standard_normal(int(np.prod(shape, dtype=np.int64))) * float(entries["std"]) + float(entries["mean"])
+    return values.reshape(shape).astype(dtype)
+
+
+def is_seeded(tensor: onnx.TensorProto) -> bool:
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == SEEDED_LOCATION for e in tensor.external_data
+    )
+
+
+def materialize_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every seeded record replaced by its values (in place; returned)."""
+    for tensor in model.graph.initializer:
+        if is_seeded(tensor):
+            tensor.CopyFrom(onnx.numpy_helper.from_array(_record_values(tensor), tensor.name))
+    return model
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("ONNXFUSE_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "onnxfuse"
+
+
+def _materialized_path(stored: Path) -> Path:
+    """The materialized copy of a stored corpus model, named by the stored bytes' hash, written
+    (atomically) when it is not there yet."""
+    data = stored.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    target = cache_dir() / "zoo" / f"{stored.stem}-{digest}.onnx"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ZooError(f"cannot create the zoo cache directory {target.parent}: {e.strerror or e}; "
+                       "set ONNXFUSE_CACHE_DIR") from None
+    model = onnx.ModelProto()
+    model.ParseFromString(data)
+    payload = materialize_weights(model).SerializeToString()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
 
 
 # --------------------------------------------------------------------------- regression baseline

@@ -49,7 +49,7 @@ def test_manifest_lists_the_nine_light_models_and_the_four_generated_ones():
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
 def test_manifest_inputs_and_dims_match_the_model_file(model):
-    proto = onnx.load(str(model.path), load_external_data=False)
+    proto = onnx.load(str(model.file), load_external_data=False)
     initializers = {t.name for t in proto.graph.initializer}
     graph_inputs = [v for v in proto.graph.input if v.name not in initializers]
     declared = []
@@ -63,10 +63,10 @@ def test_manifest_inputs_and_dims_match_the_model_file(model):
     assert model.description
     if model.source == "onnx-wheel":
         assert model.reference is not None and model.reference.is_file()
-        assert model.path.parent == zoo.wheel_models_dir()
+        assert model.file.parent == zoo.wheel_models_dir()
     else:
         assert model.reference is None and model.generator is not None and model.generator.is_file()
-        assert model.path.parent == model.generator.parent
+        assert model.file.parent == model.generator.parent
 
 
 def test_get_and_resolve_accept_name_and_zoo_uri():
@@ -300,3 +300,85 @@ def test_onnxruntime_kernel_count_is_near_the_stated_figure(name):
     kernels, by_op = count_kernels(str(model.path), threads=1, dims=model.dims)
     stated = STATED_KERNELS[name]
     assert abs(kernels - stated) <= 0.05 * stated, f"{name}: {kernels} kernels ({by_op})"
+
+
+# --------------------------------------------------------------------------- corpus (torch.onnx exports)
+
+CORPUS = [m for m in MODELS if m.source == "corpus"]
+CORPUS_FILE_LIMIT = 400_000  # bytes: graphs without weight values
+
+
+def test_corpus_has_each_architecture_from_both_exporters():
+    by_exporter: dict = {}
+    for m in CORPUS:
+        stem = m.name.rsplit("_", 1)[0]
+        by_exporter.setdefault(m.exporter, set()).add(stem)
+        assert m.name.endswith({"torchscript": "_ts", "dynamo": "_dynamo"}[m.exporter])
+        assert m.family in ("transformer", "rnn", "cnn")
+    assert by_exporter["torchscript"] == by_exporter["dynamo"]
+    assert {"bert", "gpt2", "llama", "vit", "whisper_encoder", "t5_encoder", "resnet18", "mobilenet_v3_small",
+            "efficientnet_b0", "shufflenet_v2", "convnext", "lstm", "gru"} <= by_exporter["dynamo"]
+
+
+@pytest.mark.parametrize("model", CORPUS, ids=lambda m: m.name)
+def test_corpus_model_is_stored_without_its_weights_and_declares_two_shape_sets(model):
+    assert model.file.stat().st_size < CORPUS_FILE_LIMIT
+    stored = onnx.load(str(model.file), load_external_data=False)
+    opset = {o.domain: o.version for o in stored.opset_import}[""]
+    assert opset == (17 if model.exporter == "torchscript" else 18)
+    for t in stored.graph.initializer:
+        size = int(np.prod(t.dims, dtype=np.int64))
+        if zoo.is_seeded(t):
+            continue
+        # what stays verbatim: integers, small tensors, few distinct values, inf/NaN
+        assert size <= zoo.SEEDED_MIN_ELEMENTS or t.data_type not in (onnx.TensorProto.FLOAT,) \
+            or zoo.seeded_record(t, 0) is None, t.name
+    assert any(zoo.is_seeded(t) for t in stored.graph.initializer)
+    assert len(model.shape_sets) == 2 and model.shape_sets[0] != model.shape_sets[1]
+
+
+def test_corpus_weights_are_regenerated_the_same_way_in_memory_and_on_disk():
+    model = _by_name("bert_dynamo")
+    loaded = model.load()
+    assert not any(zoo.is_seeded(t) for t in loaded.graph.initializer)
+    on_disk = onnx.load(zoo.resolve(model.uri))
+    assert on_disk.SerializeToString() == loaded.SerializeToString()
+    assert model.load().SerializeToString() == loaded.SerializeToString()
+    stored = {t.name: t for t in onnx.load(str(model.file), load_external_data=False).graph.initializer}
+    for t in loaded.graph.initializer:
+        values = onnx.numpy_helper.to_array(t)
+        record = {e.key: e.value for e in stored[t.name].external_data}
+        if "fill" in record:
+            assert np.all(values == np.float32(float(record["fill"]))), t.name
+        elif "std" in record:
+            assert abs(values.std() - float(record["std"])) < 0.1 * float(record["std"]) + 1e-6, t.name
+            assert list(values.shape) == list(stored[t.name].dims)
+
+
+def test_seeded_record_keeps_small_integer_and_masklike_tensors():
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((64, 128)).astype(np.float32), "w")
+    ones = numpy_helper.from_array(np.ones(128, np.float32), "ln.weight")
+    small = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "inv_freq")
+    ids = numpy_helper.from_array(np.arange(128, dtype=np.int64), "position_ids")
+    mask = numpy_helper.from_array(np.triu(np.full((16, 16), -np.inf, np.float32), 1), "causal")
+    binary = numpy_helper.from_array((rng.random((16, 16)) < 0.5).astype(np.float32), "binary")
+    record = zoo.seeded_record(weight, 7)
+    assert zoo.is_seeded(record) and list(record.dims) == [64, 128] and not record.raw_data
+    assert {e.key: e.value for e in zoo.seeded_record(ones, 1).external_data}["fill"] == "1.0"
+    for kept in (small, ids, mask, binary):
+        assert zoo.seeded_record(kept, 1) is None, kept.name
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [], initializer=[record]))
+    (values,) = [numpy_helper.to_array(t) for t in zoo.materialize_weights(model).graph.initializer]
+    assert values.shape == (64, 128) and values.dtype == np.float32
+    original = numpy_helper.to_array(weight)
+    assert abs(values.mean() - original.mean()) < 0.1 and abs(values.std() - original.std()) < 0.1
+
+
+def test_corpus_model_runs_through_the_cli_as_zoo_uri(tmp_path, cli):
+    out = tmp_path / "lstm.onnx"
+    result = cli("optimize", "zoo:lstm_dynamo", out)
+    assert result.exit_code == 0, result.stderr
+    assert "verified" in result.stdout and out.is_file()
