@@ -323,9 +323,10 @@ class StageProgress:
             self.status.stop()
 
 
-def _console():
-    """stdout as rich sees it; off a terminal (pipes, logs, tests) wide enough that no line of
-    ours wraps, and without colour."""
+def _print_rich(renderable) -> None:
+    """Print a rich table on stdout, through click like every other line. Off a terminal (pipes,
+    logs, tests) it is laid out wide enough that no line of ours wraps, and without colour;
+    trailing padding is dropped."""
     import shutil
 
     from rich.console import Console
@@ -333,7 +334,9 @@ def _console():
     console = Console(highlight=False)
     if not console.is_terminal:
         console = Console(highlight=False, color_system=None, width=max(160, shutil.get_terminal_size().columns))
-    return console
+    with console.capture() as captured:
+        console.print(renderable)
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
 def _print_op_table(s: dict) -> None:
@@ -355,7 +358,7 @@ def _print_op_table(s: dict) -> None:
         table.add_row(k, str(b), str(a), style=None if a == b else "bold")
     table.add_section()
     table.add_row("model size", _human_bytes(s.get("bytes_before")), _human_bytes(s.get("bytes_after")))
-    _console().print(table)
+    _print_rich(table)
 
 
 def _saved_ir(model) -> int:
@@ -683,7 +686,7 @@ def _print_info(r: dict) -> None:
                                     f" {yes_no[lib['avx2_fma_used']]}")
         driver = "found" if lib["cuda_driver_found"] else f"not found ({lib['cuda_driver_error']})"
         table.add_row("CUDA", f"kernels built: {yes_no[lib['cuda_kernels']]}; CUDA driver {driver}")
-    _console().print(table)
+    _print_rich(table)
 
 
 def _input_text(value, dims: dict) -> str:

@@ -108,3 +108,66 @@ def test_info_command_names_versions_library_and_build(cli):
     assert text.exit_code == 0
     for needle in ("onnxfuse", "onnxruntime", onnxfuse.get_library_path(), "AVX2", "CUDA driver"):
         assert needle in text.stdout
+
+
+def _softmax_of_equal_logits_model() -> onnx.ModelProto:
+    """y = Softmax(x @ W) with every column of W equal: every logit of a row is the same, so y
+    is uniform (1/4 everywhere) whatever x is, like the light zoo CNNs' outputs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.tile(np.linspace(-1, 1, 8, dtype=np.float32)[:, None], (1, 4))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["logits"], name="matmul"),
+         helper.make_node("Softmax", ["logits"], ["y"], name="softmax", axis=-1)],
+        "uniform", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def test_constant_outputs_are_named_and_the_values_before_them_are_compared(tmp_path, cli):
+    path = tmp_path / "uniform.onnx"
+    onnx.save(_softmax_of_equal_logits_model(), str(path))
+    result = cli("optimize", path, tmp_path / "out.onnx")
+    assert result.exit_code == 0, result.stderr
+    assert "output(s) 'y' are the same whatever the input" in result.stdout
+    assert "compared instead the last values that depend on the inputs, 'logits'" in result.stdout
+    summary = json.loads(cli("optimize", path, tmp_path / "out.onnx", "--json").stdout)
+    dependence = summary["verification"]["input_dependence"]
+    assert dependence["constant_outputs"] == ["y"] and dependence["compared"] == ["logits"] and dependence["ok"]
+
+
+def test_a_wrong_rewrite_hidden_by_constant_outputs_is_caught(tmp_path, monkeypatch, cli):
+    from conftest import SENTINEL, shift_first_constant, use_only_passes
+    from onnxfuse import pipeline
+
+    # W + 1 keeps W's columns equal: y stays uniform, only the logits show the rewrite is wrong.
+    use_only_passes(monkeypatch, pipeline.Pass("test-shift-weights", 1, "wrong on purpose", shift_first_constant))
+    path, out = tmp_path / "uniform.onnx", tmp_path / "out.onnx"
+    onnx.save(_softmax_of_equal_logits_model(), str(path))
+    out.write_bytes(SENTINEL)
+    result = cli("optimize", path, out)
+    assert result.exit_code == 1
+    assert "tensor 'logits'" in result.stderr and f"{out} not written" in result.stderr
+    assert out.read_bytes() == SENTINEL
+
+
+def test_optimize_prints_op_types_before_and_after_and_the_model_size(chain_path, tmp_path, cli):
+    result = cli("optimize", chain_path, tmp_path / "out.onnx")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == ["op", "type", "original", "optimized"])
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 2:] if line.strip()
+            and not line.startswith("  ")}
+    assert rows["Add"][0] == "1" and rows["Relu"][0] == "1" and rows["Sigmoid"][0] == "1"
+    assert rows["model"][0] == "size"
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_progress_is_shown_on_a_terminal_only(chain_path, tmp_path):
+    # Off a terminal (this pipe) stderr stays empty, with and without --json.
+    for extra in ([], ["--json"]):
+        done = subprocess.run([sys.executable, "-m", "onnxfuse", "optimize", str(chain_path),
+                               str(tmp_path / "out.onnx"), *extra], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
