@@ -33,7 +33,7 @@ mkdir -p "$dl"
 # 1. Downloads: binary wheels for the host's Python and platform, pycuda as source.
 platform_opts=()
 for p in "${platforms[@]}"; do platform_opts+=(--platform "$p"); done
-wheels=("onnxruntime-gpu==$ort_version" onnx-graphsurgeon pytools platformdirs mako siphash24)
+wheels=("onnxruntime-gpu==$ort_version" onnx-graphsurgeon rich markdown-it-py mdurl pygments pytools platformdirs mako siphash24)
 say "downloading ${wheels[*]} for CPython $host_python (${platforms[*]}) into $dl"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$host_python" --implementation cp \
     "${platform_opts[@]}" -d "$dl" "${wheels[@]}" || die "pip download of the wheels failed"

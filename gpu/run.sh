@@ -75,7 +75,7 @@ setup() {
   site_dir=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$py" -m pip --version >/dev/null 2>&1 || die "pip is not importable from $venv (host pip missing?)"
 
-  step "installing the bundled wheels (onnxruntime-gpu, onnx-graphsurgeon, pytools, platformdirs, mako, siphash24)"
+  step "installing the bundled wheels (onnxruntime-gpu, onnx-graphsurgeon, rich and its dependencies, pytools, platformdirs, mako, siphash24)"
   shopt -s nullglob
   local wheels=("$bundle"/*.whl "$work"/*.whl)
   shopt -u nullglob

@@ -18,6 +18,14 @@ namespace onnxfuse {
 // The custom-op domain of every op in this library (onnxfuse/fused.py: DOMAIN).
 constexpr const char* kDomain = "onnxfuse";
 
+// The op set of the `onnxfuse` domain this library implements (onnxfuse/fused.py:
+// DOMAIN_VERSION). An op whose meaning changes gets a new op set. Every fused node records the
+// op set it was written for in the attribute kOpsetAttribute (fused.py: OPSET_ATTRIBUTE), and
+// this library refuses nodes of a newer one with one message (registry.cc) instead of running
+// them as the older op.
+constexpr int kOpset = 1;
+constexpr const char* kOpsetAttribute = "onnxfuse_opset";
+
 // Session config entry naming the providers whose kernels a session gets ("cpu" or "cuda";
 // onnxfuse/runtime.py: PROVIDERS_CONFIG_KEY). Absent: CPU kernels only.
 constexpr const char* kProvidersConfigKey = "onnxfuse.providers";

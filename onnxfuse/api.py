@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import onnx
 
@@ -38,6 +38,13 @@ class OptimizeResult:
 
 def fused_ops(model: onnx.ModelProto) -> dict[str, int]:
     return dict(Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN).most_common())
+
+
+def op_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Nodes of the main graph by op type, most frequent first; ops of a domain other than the
+    default one are named domain.op_type."""
+    return dict(Counter(f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+                        for n in model.graph.node).most_common())
 
 
 def _as_loaded(model, label: str | None) -> LoadedModel:
@@ -73,6 +80,7 @@ def optimize(
     tune: bool = False,
     options: Mapping[str, object] | None = None,
     verify_mode: str = "auto",
+    progress: Callable[[str], None] | None = None,
 ) -> OptimizeResult:
     """Optimize a model (ModelProto, serialized bytes, a path or "zoo:NAME").
 
@@ -87,9 +95,12 @@ def optimize(
     verify_mode: "whole" compares the two models' outputs; "regions" each fused node against
         its fallback body (region_verify.py), for models too large to run whole; "auto" (default)
         picks "whole" unless its estimated memory exceeds what is available.
+    progress: called with a short description as each stage (and each pass) starts, for a
+        progress display.
     Raises InputError for bad input (bad model, unknown pass, bad dims).
     """
     t_start = time.perf_counter()
+    stage = progress or (lambda text: None)
     if target not in TARGETS:
         raise InputError(f"unknown target '{target}' (known: {', '.join(TARGETS)})")
     if arch is not None and target != "cuda":
@@ -98,6 +109,7 @@ def optimize(
         chosen = select_passes(list(passes) if passes is not None else None, target)
     except ValueError as e:
         raise InputError(f"--passes: {e}") from None
+    stage(f"loading {label or (model if isinstance(model, str) else 'the model')}")
     loaded = normalize(_as_loaded(model, label))
     check_dims(dict(dims or {}), [loaded.model])
     merged_dims = effective_dims([loaded.model], {**loaded.dims, **dict(dims or {})})
@@ -109,7 +121,9 @@ def optimize(
     ctx = Context(target=target, arch=arch,
                   options={"dims": dict(merged_dims), **dict(options or {}), **({"tune": True} if tune else {})})
     # run_passes works on its own copy (pipeline.import_graph) and leaves `original` as it is.
-    optimized, stats = run_passes(original, chosen, ctx)
+    stage("running passes")
+    optimized, stats = run_passes(original, chosen, ctx,
+                                  on_pass=lambda name, round_: stage(f"pass {name} (round {round_ + 1})"))
     t_passes = time.perf_counter()
 
     verification = None
@@ -129,6 +143,7 @@ def optimize(
     if verify_outputs:
         mode, why = choose_mode(original, optimized, verify_mode)
         if mode == "whole":
+            stage("verifying against the original in onnxruntime")
             verification = verify(
                 original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
                 fallback=fallback_check, original_label=loaded.label,
@@ -136,6 +151,7 @@ def optimize(
         else:
             from .region_verify import verify_regions
 
+            stage("verifying each fused node against its fallback body")
             verification = verify_regions(original, optimized, merged_dims, seed, provider=verify_provider,
                                           threads=threads)
             kernel_note = kernel_note or "kernels not counted (region-level verification: the whole model was not run)"
@@ -148,6 +164,7 @@ def optimize(
         kernel_note = too_large
     elif count_kernels and kernels_before is None and (verification is None or verification.mode == "whole") and (
             verification is None or verification.ok):
+        stage("counting kernels")
         kernels_before, kernels_after, note = _count_before_after(
             original, optimized, loaded.label, merged_dims, seed, threads)
         kernel_note = note or kernel_note
@@ -163,6 +180,10 @@ def optimize(
         "passes_run": [p.name for p in chosen],
         "nodes_before": len(original.graph.node),
         "nodes_after": len(optimized.graph.node),
+        "op_types_before": op_types(original),
+        "op_types_after": op_types(optimized),
+        "bytes_before": original.ByteSize(),
+        "bytes_after": optimized.ByteSize(),
         "fused_ops": fused_ops(optimized),
         "kernels_before": kernels_before.kernels_per_inference if kernels_before else None,
         "kernels_after": kernels_after.kernels_per_inference if kernels_after else None,

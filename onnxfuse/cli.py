@@ -198,7 +198,16 @@ def main():
     onnxfuse profile MODEL [B]   kernels per inference, bytes moved, latency (side by side)
     onnxfuse passes              the passes of the pipeline
     onnxfuse zoo                 the bundled models
+    onnxfuse info                versions, the custom-op library and its build
     """
+    from .environment import RuntimeInstallError, check_onnxruntime
+
+    # `info` reports a broken onnxruntime installation instead of stopping at it.
+    if click.get_current_context().invoked_subcommand != "info":
+        try:
+            check_onnxruntime()
+        except RuntimeInstallError as e:
+            raise InstallationError(str(e)) from None
     _quiet_libraries()
 
 
@@ -249,15 +258,18 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     if report_path:
         check_writable(report_path, "report")
     t0 = time.perf_counter()
-    try:
-        result = api.optimize(
-            source, passes=pass_names, target=target, arch=arch, verify_outputs=verify, dims=dims,
-            seed=seed, threads=threads, fallback_check=fallback_check, tune=tune, verify_mode=verify_mode,
-        )
-    except VerificationError as e:
-        raise MismatchExit(f"{e}; {dest} not written") from None
-    t_save = time.perf_counter()
-    written = save_model(result.model, dest)
+    with StageProgress(enabled=not as_json) as progress:
+        try:
+            result = api.optimize(
+                source, passes=pass_names, target=target, arch=arch, verify_outputs=verify, dims=dims,
+                seed=seed, threads=threads, fallback_check=fallback_check, tune=tune, verify_mode=verify_mode,
+                progress=progress.stage,
+            )
+        except VerificationError as e:
+            raise MismatchExit(f"{e}; {dest} not written") from None
+        progress.stage(f"saving {dest}")
+        t_save = time.perf_counter()
+        written = save_model(result.model, dest)
     summary = dict(result.summary)
     summary["output"] = dest
     summary["files_written"] = written
@@ -269,7 +281,90 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
-        click.echo(_optimize_text(summary))
+        header, _, rest = _optimize_text(summary).partition("\n")
+        click.echo(header)
+        _print_op_table(summary)
+        click.echo(rest)
+
+
+class StageProgress:
+    """A spinner on stderr naming the stage under way (loading, a pass, verifying, saving),
+    shown only on a terminal and only once a stage has run for PROGRESS_DELAY_S: short runs,
+    pipes, logs and --json print nothing extra. Erased when the run ends."""
+
+    PROGRESS_DELAY_S = 1.0
+
+    def __init__(self, enabled: bool = True) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.enabled = enabled and self.console.is_terminal
+        self.text = ""
+        self.status = None
+        self.timer = None
+
+    def __enter__(self) -> "StageProgress":
+        if self.enabled:
+            import threading
+
+            self.timer = threading.Timer(self.PROGRESS_DELAY_S, self._show)
+            self.timer.daemon = True
+            self.timer.start()
+        return self
+
+    def _show(self) -> None:
+        self.status = self.console.status(self.text or "working")
+        self.status.start()
+
+    def stage(self, text: str) -> None:
+        self.text = text
+        if self.status is not None:
+            self.status.update(text)
+
+    def __exit__(self, *exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer.join()
+        if self.status is not None:
+            self.status.stop()
+
+
+def _print_rich(renderable) -> None:
+    """Print a rich table on stdout, through click like every other line. Off a terminal (pipes,
+    logs, tests) it is laid out wide enough that no line of ours wraps, and without colour;
+    trailing padding is dropped."""
+    import shutil
+
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, color_system=None, width=max(160, shutil.get_terminal_size().columns))
+    with console.capture() as captured:
+        console.print(renderable)
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+def _print_op_table(s: dict) -> None:
+    """Nodes by op type before and after, and the model size, as a table (onnxsim's and
+    onnxslim's summary): op types whose count changed first, by how many nodes went."""
+    from rich import box
+    from rich.table import Table
+
+    before, after = s.get("op_types_before") or {}, s.get("op_types_after") or {}
+    ops = list(before) + [k for k in after if k not in before]
+    ops.sort(key=lambda k: (before.get(k, 0) == after.get(k, 0), -(before.get(k, 0) - after.get(k, 0)),
+                            -before.get(k, 0), k))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("op type")
+    table.add_column("original", justify="right")
+    table.add_column("optimized", justify="right")
+    for k in ops:
+        b, a = before.get(k, 0), after.get(k, 0)
+        table.add_row(k, str(b), str(a), style=None if a == b else "bold")
+    table.add_section()
+    table.add_row("model size", _human_bytes(s.get("bytes_before")), _human_bytes(s.get("bytes_after")))
+    _print_rich(table)
 
 
 def _regions_text(v: dict) -> str:
@@ -313,12 +408,28 @@ def _optimize_text(s: dict) -> str:
     else:
         outputs = len(v["runs"][0]["outputs"]) if v["runs"] else 0
         extra = ""
-        if len(v["runs"]) > 1:
+        if any(r["run"].startswith("fallback") for r in v["runs"]):
             extra = "; fallback functions match too"
-        lines.append(f"  verified   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']}, dims"
-                     f" {_dims_text(v['dims'])}): max abs error {v['max_abs']:.3g}"
-                     f" ({v.get('norm_rel', 0.0):.2g} of its output's largest value),"
-                     f" max rel error {v['max_rel']:.3g}{extra}")
+        dependence = v.get("input_dependence")
+        if dependence:
+            constant = ", ".join(f"'{n}'" for n in dependence["constant_outputs"])
+            lines.append(f"  verified   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']}, dims"
+                         f" {_dims_text(v['dims'])}){extra}")
+            if dependence["compared"]:
+                stand_in = dependence["runs"][0]["outputs"][0]
+                lines.append(f"  note       output(s) {constant} are the same whatever the input, so matching them"
+                             f" shows little; compared instead the last values that depend on the inputs,"
+                             f" '{stand_in['name']}': max abs error {v['max_abs']:.3g}"
+                             f" ({v.get('norm_rel', 0.0):.2g} of its largest value), max rel error"
+                             f" {v['max_rel']:.3g}")
+            else:
+                lines.append(f"  note       output(s) {constant} are the same whatever the input, so matching them"
+                             f" shows little: {dependence['note']}")
+        else:
+            lines.append(f"  verified   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']}, dims"
+                         f" {_dims_text(v['dims'])}): max abs error {v['max_abs']:.3g}"
+                         f" ({v.get('norm_rel', 0.0):.2g} of its output's largest value),"
+                         f" max rel error {v['max_rel']:.3g}{extra}")
     for note in s.get("notes", []):
         lines.append(f"  note       {note}")
     sec = s["seconds"]
@@ -513,6 +624,91 @@ def list_zoo(as_json):
     for e in entries:
         click.echo(f"{e['name'].ljust(width)}  {e['description']}")
         click.echo(f"{''.ljust(width)}  inputs: {', '.join(e['inputs'])}")
+
+
+@main.command("info")
+@json_option
+@debug_option
+def info(as_json):
+    """Versions, the onnxruntime in use, the custom-op library's path and what it was built with.
+
+    The library path is the one to register with onnxruntime in an application
+    (SessionOptions.register_custom_ops_library; Python: onnxfuse.get_library_path()).
+    """
+    import platform
+    from importlib import metadata
+
+    from . import __version__
+    from .environment import RuntimeInstallError, check_onnxruntime, library_info, onnxruntime_wheels
+    from .fused import DOMAIN_VERSION
+    from .runtime import LibraryError, library_path
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    report: dict = {
+        "onnxfuse": __version__,
+        "opset": DOMAIN_VERSION,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "onnx": version("onnx"),
+        "onnx-graphsurgeon": version("onnx-graphsurgeon"),
+        "numpy": version("numpy"),
+    }
+    runtime: dict = {"wheels": [f"{w.name} {w.version} ({w.location})" for w in onnxruntime_wheels()],
+                     "problem": None, "version": None, "providers": []}
+    try:
+        check_onnxruntime()
+        import onnxruntime as ort
+
+        runtime["version"] = ort.__version__
+        runtime["providers"] = list(ort.get_available_providers())
+    except (RuntimeInstallError, ImportError) as e:
+        runtime["problem"] = str(e)
+    report["onnxruntime"] = runtime
+    library: dict = {"path": None, "problem": None}
+    try:
+        library["path"] = library_path()
+        library.update(library_info(library["path"]))
+    except (LibraryError, OSError, AttributeError, ValueError) as e:
+        library["problem"] = str(e)
+    report["library"] = library
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    _print_info(report)
+
+
+def _print_info(r: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    yes_no = {True: "yes", False: "no", None: "n/a"}
+    rt, lib = r["onnxruntime"], r["library"]
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False, show_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    table.add_row("onnxfuse", f"{r['onnxfuse']} (op set {r['opset']})")
+    table.add_row("python", f"{r['python']} on {r['platform']}")
+    for name in ("onnx", "onnx-graphsurgeon", "numpy"):
+        table.add_row(name, r[name] or "not installed")
+    table.add_row("onnxruntime", rt["problem"] or f"{rt['version']}: {', '.join(rt['wheels']) or 'no wheel metadata'}")
+    if rt["providers"]:
+        table.add_row("providers", ", ".join(rt["providers"]))
+    if lib["problem"]:
+        table.add_row("library", lib["problem"])
+    else:
+        table.add_row("library", lib["path"])
+        table.add_row("library build", f"onnxfuse {lib['version']}, op set {lib['opset']}, {lib['kernels']} kernels,"
+                                       f" onnxruntime C API {lib['ort_api_version']}+, {lib['compiler']}")
+        table.add_row("AVX2 + FMA", f"kernels built: {yes_no[lib['avx2_fma_kernels']]}; used on this CPU:"
+                                    f" {yes_no[lib['avx2_fma_used']]}")
+        driver = "found" if lib["cuda_driver_found"] else f"not found ({lib['cuda_driver_error']})"
+        table.add_row("CUDA", f"kernels built: {yes_no[lib['cuda_kernels']]}; CUDA driver {driver}")
+    _print_rich(table)
 
 
 def _input_text(value, dims: dict) -> str:

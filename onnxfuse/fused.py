@@ -18,7 +18,16 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 
 DOMAIN = "onnxfuse"
+# The op set of the domain: what the fused ops and their attributes mean. A change of meaning
+# takes a new op set, here and in kernels/registry.h (kOpset). The written model records it in
+# its opset_import, in its metadata with the onnxfuse version that wrote it (METADATA_*), and on
+# every fused node (OPSET_ATTRIBUTE): onnxruntime binds any op set of a custom domain to the one
+# schema a library registers, so the node attribute is what lets the library refuse a node of a
+# newer op set than its own (registry.cc) rather than run it as the older op.
 DOMAIN_VERSION = 1
+OPSET_ATTRIBUTE = "onnxfuse_opset"
+METADATA_VERSION = "onnxfuse.version"
+METADATA_OPSET = "onnxfuse.opset"
 MIN_IR_WITH_OVERLOADS = 10
 
 
@@ -158,6 +167,8 @@ def attach_functions(model: onnx.ModelProto, registry: FusedRegistry, kept: Sequ
         rec = registry.by_node.get(node.name)
         if node.domain == DOMAIN and rec is not None:
             node.overload = rec.overload
+        if node.domain == DOMAIN and not any(a.name == OPSET_ATTRIBUTE for a in node.attribute):
+            node.attribute.append(helper.make_attribute(OPSET_ATTRIBUTE, DOMAIN_VERSION))
         if node.domain:
             used.add((node.domain, node.op_type, node.overload))
     del model.functions[:]
@@ -174,6 +185,21 @@ def attach_functions(model: onnx.ModelProto, registry: FusedRegistry, kept: Sequ
     if any(n.domain == DOMAIN for n in model.graph.node):
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+        _record_writer(model)
         # Function overloads exist from IR 10 on; saving may lower a higher IR to what the
         # installed onnxruntime accepts, never below 10.
         model.ir_version = max(model.ir_version, MIN_IR_WITH_OVERLOADS)
+
+
+def _record_writer(model: onnx.ModelProto) -> None:
+    """Model metadata naming the onnxfuse version and op set the fused nodes need."""
+    from . import __version__
+
+    opset = next(o.version for o in model.opset_import if o.domain == DOMAIN)
+    values = {METADATA_VERSION: __version__, METADATA_OPSET: str(opset)}
+    kept = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in values.items():
+        entry = model.metadata_props.add()
+        entry.key, entry.value = key, value

@@ -22,25 +22,51 @@ TARGETS = ("cpu", "cuda")
 
 
 @dataclass
+class PassRound:
+    """One run of a pass: its rewrites and the graph's node count around it."""
+
+    round: int
+    matches: int
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"round": self.round, "matches": self.matches, "nodes_before": self.nodes_before,
+                "nodes_after": self.nodes_after, "seconds": round(self.seconds, 4)}
+
+
+@dataclass
 class PassStats:
+    """A pass over all rounds of the pipeline. Other passes run between its rounds, so its
+    totals add up its own runs only (nodes_removed: the sum of what each of its runs removed);
+    the node counts around each run are in `rounds`."""
+
     name: str
-    matches: int = 0
-    nodes_before: int = 0
-    nodes_after: int = 0
-    seconds: float = 0.0
+    rounds: list[PassRound] = field(default_factory=list)
+
+    def record(self, round_: int, matches: int, nodes_before: int, nodes_after: int, seconds: float) -> None:
+        self.rounds.append(PassRound(round_ + 1, matches, nodes_before, nodes_after, seconds))
+
+    @property
+    def matches(self) -> int:
+        return sum(r.matches for r in self.rounds)
 
     @property
     def nodes_removed(self) -> int:
-        return self.nodes_before - self.nodes_after
+        return sum(r.nodes_before - r.nodes_after for r in self.rounds)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.rounds)
 
     def as_dict(self) -> dict:
         return {
             "pass": self.name,
             "matches": self.matches,
-            "nodes_before": self.nodes_before,
-            "nodes_after": self.nodes_after,
             "nodes_removed": self.nodes_removed,
             "seconds": round(self.seconds, 4),
+            "rounds": [r.as_dict() for r in self.rounds],
         }
 
 
@@ -194,25 +220,26 @@ def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, ov
 MAX_ROUNDS = 3
 
 
-def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context) -> tuple[onnx.ModelProto, list[PassStats]]:
+def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context,
+               on_pass: Callable[[str, int], None] | None = None) -> tuple[onnx.ModelProto, list[PassStats]]:
+    """Run `passes` in rounds until one rewrites nothing; on_pass(name, round) is called as each
+    pass starts (for progress displays)."""
     graph, kept, overloads = import_graph(model, ctx)
     ctx.options.setdefault("pipeline", [p.name for p in passes])
     stats = {p.name: PassStats(p.name) for p in passes}
     for round_ in range(MAX_ROUNDS):
         rewrites = 0
         for p in passes:
-            st = stats[p.name]
-            if round_ == 0:
-                st.nodes_before = len(graph.nodes)
+            if on_pass is not None:
+                on_pass(p.name, round_)
+            before = len(graph.nodes)
             t0 = time.perf_counter()
             matches = int(p.run(graph, ctx) or 0)
             if matches:
                 toposort(cleanup(graph))
             if ctx.options.get("weights_on_disk"):
                 release_graph(graph)
-            st.seconds += time.perf_counter() - t0
-            st.matches += matches
-            st.nodes_after = len(graph.nodes)
+            stats[p.name].record(round_, matches, before, len(graph.nodes), time.perf_counter() - t0)
             rewrites += matches
         if not rewrites:
             break

@@ -88,6 +88,7 @@ def session_options(
     A kernel registered for one provider stops onnxruntime from running the node's fallback
     function on the others, so a session gets the kernels of its own providers alone.
     """
+    _check_onnxruntime_once()
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -113,6 +114,24 @@ def session_options(
         except Exception as e:  # onnxruntime raises its own exception types
             raise LibraryError(f"cannot load {path}: {e}; {REBUILD_HINT}") from None
     return so
+
+
+_onnxruntime_checked = False
+
+
+def _check_onnxruntime_once() -> None:
+    """Refuse a missing onnxruntime, or onnxruntime and onnxruntime-gpu over each other
+    (environment.check_onnxruntime), before the first session; raises LibraryError."""
+    global _onnxruntime_checked
+    if _onnxruntime_checked:
+        return
+    from .environment import RuntimeInstallError, check_onnxruntime
+
+    try:
+        check_onnxruntime()
+    except RuntimeInstallError as e:
+        raise LibraryError(str(e)) from None
+    _onnxruntime_checked = True
 
 
 def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.ModelProto:

@@ -312,6 +312,33 @@ class RunCheck:
 
 
 @dataclass
+class InputDependence:
+    """Outputs whose values do not depend on the inputs, and what was compared instead.
+
+    Some models compute the same outputs whatever the input (the light ONNX zoo CNNs: equal
+    weights make every logit equal, so the final Softmax is uniform); comparing those outputs
+    checks nothing the optimizer could get wrong upstream. The nearest tensors before them that
+    do depend on the inputs, and that both models compute, are compared in their place.
+    """
+
+    constant_outputs: list[str]
+    runs: list[RunCheck] = field(default_factory=list)  # the stand-in tensors, per configuration
+    note: str | None = None  # why nothing could stand in
+
+    @property
+    def compared(self) -> list[str]:
+        return [o.name for o in self.runs[0].outputs] if self.runs else []
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.runs)
+
+    def as_dict(self) -> dict:
+        return {"constant_outputs": self.constant_outputs, "compared": self.compared, "ok": self.ok,
+                "note": self.note, "runs": [r.as_dict() for r in self.runs]}
+
+
+@dataclass
 class Verification:
     seed: int
     dims: dict[str, int]
@@ -324,14 +351,18 @@ class Verification:
     mode: str = "whole"
     mode_reason: str | None = None  # why this mode ran (auto choice, or the option that forced it)
     regions: list = field(default_factory=list)  # region_verify.RegionCheck, in "regions" mode
+    input_dependence: InputDependence | None = None  # set when some outputs are constant
+
+    def _all_runs(self) -> list[RunCheck]:
+        return self.runs + (self.input_dependence.runs if self.input_dependence else [])
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.runs) and all(r.ok for r in self.regions)
+        return all(r.ok for r in self._all_runs()) and all(r.ok for r in self.regions)
 
     @property
     def outputs(self) -> list[OutputCheck]:
-        return [o for r in self.runs for o in r.outputs] + [o for r in self.regions for o in r.outputs]
+        return [o for r in self._all_runs() for o in r.outputs] + [o for r in self.regions for o in r.outputs]
 
     @property
     def max_abs(self) -> float:
@@ -346,12 +377,14 @@ class Verification:
         return max((o.norm_rel for o in self.outputs), default=0.0)
 
     def first_problem(self) -> str | None:
-        for r in self.runs:
+        stand_ins = self.input_dependence.runs if self.input_dependence else []
+        for r in self._all_runs():
+            what = "tensor" if r in stand_ins else "output"
             if r.error:
                 return f"{r.label}: {r.error}"
             for o in r.outputs:
                 if not o.ok:
-                    return f"output '{o.name}' ({r.label}): {o.problem}"
+                    return f"{what} '{o.name}' ({r.label}): {o.problem}"
         for g in self.regions:
             if g.error:
                 return f"fused node '{g.node}' ({g.op_type}): {g.error}"
@@ -373,6 +406,7 @@ class Verification:
             "mode_reason": self.mode_reason,
             "runs": [r.as_dict() for r in self.runs],
             **({"regions": [r.as_dict() for r in self.regions]} if self.mode == "regions" else {}),
+            "input_dependence": self.input_dependence.as_dict() if self.input_dependence else None,
         }
 
 
@@ -662,4 +696,98 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
             continue
         for name, elem, e, a in zip(names, types, expected, actual):
             run.outputs.append(compare_output(name, elem, e, a))
+    if result.runs and all(r.error is None for r in result.runs) and any(_uniform(x) for x in expected):
+        result.input_dependence = _input_dependence(
+            original, optimized, feeds, expected, dims, seed, provider, threads, configs)
     return result
+
+
+def _uniform(value) -> bool:
+    """All elements equal: what an output that ignores its inputs usually looks like (checked
+    further with other inputs before anything is concluded)."""
+    a = np.asarray(value)
+    if a.size == 0 or a.dtype.kind not in "fciub":
+        return False
+    flat = a.reshape(-1)
+    return bool(np.all(flat == flat[0])) or bool(np.all(np.isnan(flat)))
+
+
+# How far back from a constant output to look for tensors that depend on the inputs.
+MAX_STAND_IN_CANDIDATES = 24
+
+
+def _input_dependence(original, optimized, feeds, expected, dims, seed, provider, threads, configs):
+    """Which outputs are the same for other inputs, and the comparison of the nearest tensors
+    upstream of them that are not (see InputDependence)."""
+    from .runtime import make_session
+
+    other_feeds = random_inputs(original, dims, seed + 1)
+    if not feeds or all(np.array_equal(feeds[k], other_feeds[k]) for k in feeds):
+        return None
+    names = [o.name for o in original.graph.output]
+    other = make_session(original, provider=provider, threads=threads).run(None, other_feeds)
+    constant = [n for n, a, b, in zip(names, expected, other)
+                if np.asarray(a).shape == np.asarray(b).shape and np.array_equal(a, b, equal_nan=True)]
+    if not constant:
+        return None
+    found = InputDependence(constant)
+
+    producer = {out: node for node in original.graph.node for out in node.output if out}
+    in_optimized = {out for node in optimized.graph.node for out in node.output}
+    graph_inputs = {i.name for i in original.graph.input}
+    candidates: list[str] = []
+    queue, seen = list(constant), set(constant)
+    while queue and len(candidates) < MAX_STAND_IN_CANDIDATES:
+        name = queue.pop(0)
+        node = producer.get(name)
+        if node is None:
+            continue
+        for inp in node.input:
+            if not inp or inp in seen or inp in graph_inputs or inp not in producer:
+                continue
+            seen.add(inp)
+            queue.append(inp)
+            if inp in in_optimized and inp not in names:
+                candidates.append(inp)
+    if not candidates:
+        found.note = "no tensor before them that depends on the inputs is computed by both models"
+        return found
+    probe = _with_outputs(original, candidates)
+    sess = make_session(probe, provider=provider, threads=threads)
+    first = sess.run(candidates, feeds)
+    second = sess.run(candidates, other_feeds)
+    varying = [n for n, a, b in zip(candidates, first, second)
+               if np.asarray(a).shape != np.asarray(b).shape or not np.array_equal(a, b, equal_nan=True)]
+    if not varying:
+        found.note = "no tensor before them that depends on the inputs is computed by both models"
+        return found
+    stand_in = varying[0]  # the nearest one, in breadth-first order from the outputs
+    reference = first[candidates.index(stand_in)]
+    elem = _elem_type(reference)
+    optimized_probe = _with_outputs(optimized, [stand_in])
+    for label, with_library in configs:
+        run = RunCheck(label)
+        found.runs.append(run)
+        try:
+            (actual,) = make_session(optimized_probe, provider=provider, threads=threads,
+                                     with_library=with_library).run([stand_in], feeds)
+        except Exception as e:  # onnxruntime's exception types
+            run.error = f"onnxruntime cannot run the optimized model with '{stand_in}' as an output: {ort_error_text(e)}"
+            continue
+        run.outputs.append(compare_output(stand_in, elem, reference, actual))
+    return found
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for name in names:
+        copy.graph.output.append(onnx.ValueInfoProto(name=name))
+    return copy
+
+
+def _elem_type(value) -> int:
+    try:
+        return int(onnx.helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype))
+    except Exception:  # a dtype onnx has no enum for: compared exactly
+        return 0

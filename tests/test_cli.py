@@ -67,7 +67,9 @@ def test_json_summary_and_report_file(chain_path, tmp_path, cli):
     expected_passes = [p.name for p in pipeline.select_passes(None, "cpu")]
     assert [p["pass"] for p in saved["passes"]] == expected_passes
     for p in saved["passes"]:
-        assert set(p) == {"pass", "matches", "nodes_before", "nodes_after", "nodes_removed", "seconds"}
+        assert set(p) == {"pass", "matches", "nodes_removed", "seconds", "rounds"}
+        assert p["nodes_removed"] == sum(r["nodes_before"] - r["nodes_after"] for r in p["rounds"])
+        assert p["matches"] == sum(r["matches"] for r in p["rounds"])
 
 
 def test_fused_nodes_carry_overload_functions_and_the_saved_ir_allows_them(chain_path, tmp_path, cli, monkeypatch):

@@ -1,0 +1,4 @@
+"""`python -m onnxfuse ...`: the `onnxfuse` command."""
+from .cli import main
+
+main(prog_name="onnxfuse")

@@ -1,0 +1,77 @@
+"""Which onnxruntime this installation runs on, and what the native library was built with.
+
+onnxruntime comes from the extra a user installs: `onnxfuse[cpu]` (the `onnxruntime` wheel) or
+`onnxfuse[gpu]` (`onnxruntime-gpu`, which also has the CPU provider). Both wheels install the
+same `onnxruntime` module; installed into one site-packages, whichever came last overwrites
+files of the other, and the mix can fail in ways that name neither. That case is refused here
+with one message. (The same pair in different directories is fine: the first on sys.path is
+imported whole, which is how a GPU host shadows a CPU build.)
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+ONNXRUNTIME_WHEELS = ("onnxruntime", "onnxruntime-gpu")
+CHOOSE_HINT = "pip install 'onnxfuse[cpu]' (or 'onnxfuse[gpu]' for CUDA)"
+
+
+class RuntimeInstallError(RuntimeError):
+    """onnxruntime is missing, or installed twice over itself."""
+
+
+@dataclass(frozen=True)
+class Wheel:
+    name: str
+    version: str
+    location: str  # the site-packages directory it is installed in
+
+
+def onnxruntime_wheels() -> list[Wheel]:
+    """The onnxruntime distributions installed (name, version, site-packages directory)."""
+    from importlib import metadata
+
+    found: list[Wheel] = []
+    seen: set[tuple[str, str]] = set()
+    for dist in metadata.distributions():
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if name not in ONNXRUNTIME_WHEELS:
+            continue
+        location = os.path.realpath(str(dist.locate_file("")))
+        if (name, location) in seen:
+            continue
+        seen.add((name, location))
+        found.append(Wheel(name, dist.version, location))
+    return found
+
+
+def check_onnxruntime() -> None:
+    """Raise RuntimeInstallError when no onnxruntime is installed, or when `onnxruntime` and
+    `onnxruntime-gpu` share one site-packages directory."""
+    wheels = onnxruntime_wheels()
+    by_location: dict[str, set[str]] = {}
+    for w in wheels:
+        by_location.setdefault(w.location, set()).add(w.name)
+    for location, names in by_location.items():
+        if len(names) > 1:
+            raise RuntimeInstallError(
+                f"both onnxruntime and onnxruntime-gpu are installed in {location}: they install the same module"
+                " and overwrite each other's files; keep one: pip uninstall -y onnxruntime onnxruntime-gpu, then"
+                f" {CHOOSE_HINT}"
+            )
+    if not wheels:
+        try:
+            import onnxruntime  # noqa: F401  (a build from source has no wheel metadata)
+        except ImportError:
+            raise RuntimeInstallError(f"onnxruntime is not installed: {CHOOSE_HINT}") from None
+
+
+def library_info(path: str) -> dict:
+    """What the native library at `path` says about itself (its OnnxfuseLibraryInfo entry)."""
+    import ctypes
+
+    lib = ctypes.CDLL(path)
+    entry = lib.OnnxfuseLibraryInfo
+    entry.restype = ctypes.c_char_p
+    return json.loads(entry().decode("utf-8"))
