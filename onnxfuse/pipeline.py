@@ -208,8 +208,13 @@ def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, ov
         if node.name in overloads and node.name not in ctx.registry.by_node:
             node.overload = overloads[node.name]
         node.attribute.extend(ctx.binary_attributes.get(node.name, []))
+    written = {o.domain: o for o in out.opset_import}
     del out.opset_import[:]
     out.opset_import.extend(model.opset_import)
+    # A domain a pass introduced (com.microsoft, from the onnxscript-fusions stage) is declared too.
+    declared = {o.domain for o in model.opset_import}
+    used = {n.domain for n in out.graph.node}
+    out.opset_import.extend(o for d, o in written.items() if d in used and d not in declared and d != DOMAIN)
     attach_functions(out, ctx.registry, kept)
     return out
 

@@ -1,0 +1,332 @@
+"""onnxscript's optimizer and onnxruntime transformer fusions as one stage of the pipeline.
+
+onnxscript-fusions
+    what:      the graph as it stands goes through onnxscript's optimizer (constant and shape
+               folding, common subexpressions, dead code) and `onnxscript.rewriter.ort_fusions`
+               (`optimize_for_ort`), whose rules write onnxruntime's contrib ops (domain
+               com.microsoft) for the transformer forms both torch.onnx exporters write:
+               MultiHeadAttention / Attention (scaled dot-product attention with its masks,
+               q*sqrt(s) @ kT*sqrt(s), the dynamo exporter's 3-D key transpose, the NaN-to-zero
+               Where after Softmax), GroupQueryAttention, RotaryEmbedding,
+               SimplifiedLayerNormalization, SkipLayerNormalization,
+               SkipSimplifiedLayerNormalization, Gelu, FastGelu, BiasGelu, FusedMatMul.
+    condition: the result runs as fewer kernels: the graph onnxruntime executes for it (CPU
+               provider, ORT_ENABLE_ALL, our library registered) has fewer nodes than the one it
+               executes for the graph before the stage. Otherwise the graph is left as it was,
+               so the stage never costs a fusion onnxruntime would have made, and optimizing an
+               optimized model changes nothing (the second time there is nothing left to gain).
+               Nodes onnxfuse fused on an earlier run, and graphs the stage cannot read (no
+               onnxscript, a rule that fails), are left alone.
+    rewrite:   the graph is replaced by the stage's result. Contrib ops carry no fallback
+               function: onnxruntime ships their kernels, so the output needs onnxruntime
+               wherever the stage wrote one (the README says which ops). The passes after it
+               fuse what remains (pointwise regions, views) and read contrib ops as opaque nodes.
+
+Why: onnxscript's rules already know the forms real exports take (README "How it works";
+figures per model in bench/results/onnxscript_fusions.md); onnxruntime's contrib kernels for
+attention, rotary embeddings and residual + normalization run each as one kernel on the CPU.
+The stage is a dependency rather than a copy of those rules, and onnxfuse's own passes run
+after it on what it leaves.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnxfuse.graph import core as gu
+from onnxfuse.pipeline import Context, Pass
+
+CONTRIB_DOMAIN = "com.microsoft"
+
+
+def _executed_nodes(model: onnx.ModelProto, executed_graph) -> int | None:
+    """Nodes of the graph onnxruntime executes for `model` (CPU, ORT_ENABLE_ALL, one thread:
+    the context's executed_graph); None when onnxruntime cannot load it."""
+    try:
+        return len(executed_graph(model).graph.node)
+    except Exception:  # noqa: BLE001 - onnxruntime raises its own types
+        return None
+
+
+def _as_model(graph: gs.Graph) -> onnx.ModelProto:
+    from onnxfuse.fused import DOMAIN, DOMAIN_VERSION
+
+    model, _ = gu.export_model(graph)
+    model.ir_version = min(model.ir_version, 10)
+    domains = {o.domain for o in model.opset_import}
+    if DOMAIN not in domains and any(n.domain == DOMAIN for n in model.graph.node):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    return model
+
+
+ATTENTION_OPS = ("MultiHeadAttention", "Attention", "GroupQueryAttention")
+
+
+def _nan_guards(m) -> int:
+    """Softmax -> IsNaN -> Where(isnan, 0, p) chains: torch's scaled_dot_product_attention
+    decomposition gives a row whose keys are all masked probabilities 0 (output 0) instead of
+    Softmax's NaN."""
+    count = 0
+    for node in m.graph:
+        if node.op_type == "IsNaN" and node.domain == "" and node.inputs[0] is not None:
+            src = node.inputs[0].producer()
+            if src is not None and src.op_type == "Softmax":
+                count += 1
+    return count
+
+
+def _nan_rows_kept(run):
+    """The attention rules drop the NaN-to-zero Where: onnxruntime's attention kernels give a
+    fully masked row NaN, where the exported graph gives 0 (an all-padding sequence). When the
+    rules removed such Wheres, each new attention op's output gets Where(IsNaN(o), 0, o) (one
+    Pointwise kernel after the pointwise pass), so those rows are 0 again. A NaN or infinite
+    value of v, which the original spreads through its MatMul, then reads 0 as well."""
+    def guarded(m):
+        import onnx_ir as ir
+
+        had = _nan_guards(m)
+        before = {id(n) for n in m.graph}
+        done = run(m)
+        if not done or _nan_guards(m) >= had:
+            return done
+        zero = None
+        for node in list(m.graph):
+            if id(node) in before or node.domain != "com.microsoft" or node.op_type not in ATTENTION_OPS:
+                continue
+            out = node.outputs[0]
+            if zero is None:
+                zero = ir.Value(name=f"{out.name}_nan_zero", const_value=ir.tensor(np.array(0.0, np.float32)))
+                m.graph.register_initializer(zero)
+            users = list(out.uses())
+            isnan = ir.node("IsNaN", [out], name=f"{node.name}_nan")
+            isnan.outputs[0].name = f"{out.name}_nan"
+            where = ir.node("Where", [isnan.outputs[0], zero, out], name=f"{node.name}_nan_to_zero")
+            where.outputs[0].name = f"{out.name}_nan_to_zero"
+            m.graph.insert_after(node, [isnan, where])
+            for use in users:
+                use.node.replace_input_with(use.idx, where.outputs[0])
+            if out.is_graph_output():
+                raise ValueError("attention output is a graph output")  # keeps the group undone
+        return done
+    return guarded
+
+
+def _torchscript_forms(m) -> int:
+    """What the TorchScript exporter writes differently from the forms onnxscript's attention
+    rules know: one-element constants where they expect scalars, and an identity Reshape between
+    the attention's MatMul and its head merge. Rewritten only in the group that then runs the
+    attention rules: when those do not match, the group does not pay and is undone."""
+    return _scalar_constants(m) + _identity_reshapes(m)
+
+
+def _scalar_constants(m) -> int:
+    """The TorchScript exporter writes the NaN-to-zero Where's 0 and the q/k scales as
+    one-element 1-D constants, where onnxscript's attention rules expect scalars: a [1] constant
+    read by Where(IsNaN(..), c, ..) or by Mul with a 4-D operand becomes the scalar of its value
+    (the other operand has rank >= 1, so broadcasting gives the same shape)."""
+    import onnx_ir as ir
+
+    count = 0
+    for node in list(m.graph):
+        if node.domain != "" or node.op_type not in ("Where", "Mul"):
+            continue
+        if node.op_type == "Where":
+            cond = node.inputs[0].producer() if node.inputs[0] is not None else None
+            slots = [1] if cond is not None and cond.op_type == "IsNaN" else []
+        else:
+            slots = [i for i in (0, 1) if node.inputs[1 - i] is not None and node.inputs[1 - i].shape is not None
+                     and len(node.inputs[1 - i].shape) == 4]
+        for i in slots:
+            v = node.inputs[i]
+            value = v.const_value if v is not None else None
+            if value is None or tuple(value.shape) != (1,):
+                continue
+            scalar = ir.Value(name=f"{v.name}_scalar", const_value=ir.tensor(value.numpy().reshape(())))
+            if scalar.name not in m.graph.initializers:
+                m.graph.register_initializer(scalar)
+            else:
+                scalar = m.graph.initializers[scalar.name]
+            node.replace_input_with(i, scalar)
+            count += 1
+    return count
+
+
+def _identity_reshapes(m) -> int:
+    """A Reshape whose input and output have one static shape (the TorchScript exporter's
+    `view` of the attention output to [B, H, S, dv] it already has) is dropped: onnxscript's
+    MultiHeadAttention rules expect the Transpose right after the MatMul."""
+    count = 0
+    for node in list(m.graph):
+        if node.op_type != "Reshape" or node.domain != "" or node.inputs[0] is None:
+            continue
+        x, y = node.inputs[0], node.outputs[0]
+        if x.shape is None or y.shape is None or not x.shape.is_static() or not y.shape.is_static():
+            continue
+        if list(x.shape) != list(y.shape) or y.is_graph_output():
+            continue
+        y.replace_all_uses_with(x)
+        m.graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
+def _groups():
+    """onnxscript's transformer fusions (the steps of ort_fusions.optimize_for_ort, in its
+    order) as groups that each leave a model onnxruntime can load: a group's intermediate ops
+    (the SDPA function the attention rules build on) are inlined again by the optimizer that
+    closes it. Each group lists variants, tried in order: onnxscript 0.7's MultiHeadAttention
+    rules (mha1/mha2) write a Gemm reading a 3-D tensor on the dynamo export of GPT-2, which
+    onnxruntime refuses; without them the attention is still written as MultiHeadAttention by
+    sdpa_via_mha. Returns None when onnxscript is not installed."""
+    try:
+        import onnx_ir.passes.common as common_passes
+        from onnxscript import optimizer
+        from onnxscript.rewriter import pattern, rewrite
+        from onnxscript.rewriter.ort_fusions import (
+            ORT_PATTERN_REWRITE_RULES,
+            attention,
+            bias_gelu,
+            cos_sin_cache,
+            erfgelu,
+            gelu,
+            gqa,
+            gqa_packed_qkv,
+            mha,
+            mha_bias,
+            mha_scale,
+            rms_normalization,
+            rotary_embedding,
+            sdpa,
+            sdpa_via_mha,
+            shape_optimization,
+            skip_normalization,
+        )
+        from onnxscript.rewriter.rules.common import _gemm_to_matmul_add
+    except ImportError:
+        return None
+
+    def prepare(m):
+        rewrite(m, [_gemm_to_matmul_add.gemm_to_matmul_add_rule])
+        common_passes.ShapeInferencePass()(m)
+        optimizer.optimize(m)
+        shape_optimization.rules.apply_to_model(m)
+        optimizer.optimize(m)
+        return 1
+
+    def steps(*fns):
+        def run(m):
+            done = 0
+            for fn in fns:
+                done += int(fn(m) or 0)
+            if done:
+                optimizer.optimize(m)
+            return done
+        return run
+
+    def cse(m):
+        common_passes.CommonSubexpressionEliminationPass()(m)
+        return 0
+
+    sdpa_step = lambda m: sdpa.fuse_sdpa(m, apply_shape_inference=True)  # noqa: E731
+
+    def ort_rules(m):
+        return pattern.RewriteRuleSet(ORT_PATTERN_REWRITE_RULES).apply_to_model(m)
+
+    return [
+        ("prepare", [prepare]),
+        ("normalization", [steps(erfgelu.fuse_erfgelu, rms_normalization.fuse_rms_normalization,
+                                 skip_normalization.fuse_skip_layer_normalization,
+                                 skip_normalization.fuse_skip_rms_normalization)]),
+        ("rotary", [steps(rotary_embedding.fuse_rotary_embedding, cos_sin_cache.fuse_cos_sin_cache, cse,
+                          rotary_embedding.fuse_partial_rotary_embedding)]),
+        ("attention", [
+            _nan_rows_kept(steps(sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa, mha.fuse_mha1,
+                                 mha.fuse_mha2, mha_scale.fuse_mha_scale, mha_bias.fuse_mha_bias,
+                                 attention.fuse_attention, sdpa_via_mha.replace_sdpa_by_mha)),
+            _nan_rows_kept(steps(sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
+                                 sdpa_via_mha.replace_sdpa_by_mha)),
+        ]),
+        # The TorchScript exporter's constants and views in the form the rules know, then the rules again.
+        ("attention, TorchScript forms", [
+            _nan_rows_kept(steps(_torchscript_forms, sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
+                                 mha.fuse_mha1, mha.fuse_mha2, mha_scale.fuse_mha_scale, mha_bias.fuse_mha_bias,
+                                 attention.fuse_attention, sdpa_via_mha.replace_sdpa_by_mha)),
+            _nan_rows_kept(steps(_torchscript_forms, sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
+                                 sdpa_via_mha.replace_sdpa_by_mha)),
+        ]),
+        ("gelu", [steps(gelu.fuse_gelu, bias_gelu.fuse_bias_gelu)]),
+        ("matmul", [ort_rules]),
+    ]
+
+
+def _ort_fused(model: onnx.ModelProto, executed_graph) -> tuple[onnx.ModelProto, int, list[str]] | None:
+    """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
+    kept), or None when onnxscript is missing. A group is kept when onnxruntime loads its result
+    and executes fewer nodes for it than for the model before it (the prepare group: no more);
+    a group that fails or does not pay is undone, and the next starts from the model before it."""
+    import onnx_ir as ir
+
+    groups = _groups()
+    if groups is None:
+        return None
+    best = model
+    best_nodes = _executed_nodes(model, executed_graph)
+    if best_nodes is None:
+        return None
+    kept, total = [], 0
+    for name, variants in groups:
+        for variant in variants:
+            try:
+                # A fresh copy: onnx_ir wraps the proto's tensors, and its passes can edit them.
+                m = ir.from_proto(onnx.ModelProto.FromString(best.SerializeToString()))
+                done = variant(m)
+                if not done:
+                    break
+                out = ir.to_proto(m)
+            except Exception:  # noqa: BLE001 - a rule failing on an unusual graph leaves it as it was
+                continue
+            out.ir_version = min(out.ir_version, model.ir_version)
+            nodes = _executed_nodes(out, executed_graph)
+            if nodes is None:
+                continue
+            if nodes < best_nodes or (name == "prepare" and nodes == best_nodes):
+                if nodes < best_nodes:
+                    kept.append(name)
+                best, best_nodes = out, nodes
+                total += done
+            break
+    return best, total, kept
+
+
+def _replace(graph: gs.Graph, model: onnx.ModelProto) -> None:
+    new = gs.import_onnx(model)
+    graph.nodes = new.nodes
+    graph.inputs = new.inputs
+    graph.outputs = new.outputs
+    graph.import_domains = new.import_domains
+    # Shapes inferred for the graph before the stage no longer describe it.
+    graph.__dict__.pop("_onnxfuse_inferred_dims", None)
+
+
+def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
+    if ctx.options.get("onnxscript_fusions") is False or ctx.executed_graph is None:
+        return 0
+    before = _as_model(graph)
+    fused = _ort_fused(before, ctx.executed_graph)
+    if fused is None:
+        return 0
+    after, rewrites, kept = fused
+    if not kept:
+        return 0
+    _replace(graph, after)
+    return max(1, rewrites)
+
+
+PASS = Pass(
+    "onnxscript-fusions",
+    150,
+    "onnxscript's optimizer + ort_fusions (contrib ops: attention, rotary, skip/RMS norm, GELU) where onnxruntime then runs fewer kernels",
+    onnxscript_fusions,
+    targets=("cpu",),
+)

@@ -1,0 +1,148 @@
+"""The onnxscript-fusions stage (onnxscript's optimizer and ort_fusions as a pipeline stage) and
+the passes that tidy its output (fold-contrib-bias, merge-reshapes, remove-identity-reshape), on
+transformer blocks written the way the exporters write them. Every optimized model is checked
+against the original in onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxfuse
+from onnxfuse.passes import onnxscript_fusions
+from test_pass_matmul_batch import assert_same, optimize
+from transformer_models import contrib_block, encoder_block, reshape_chain
+
+
+
+def contrib_ops(model):
+    return sorted(n.op_type for n in model.graph.node if n.domain == "com.microsoft")
+
+
+def block_feeds(model, seed=0, masked_rows=False):
+    rng = np.random.default_rng(seed)
+    feeds = {"x": rng.standard_normal((2, 8, 16)).astype(np.float32)}
+    if any(i.name == "attention_mask" for i in model.graph.input):
+        mask = rng.random((2, 1, 1, 8)) < 0.7
+        mask[..., 0] = True
+        if masked_rows:
+            mask[1] = False  # a whole row masked: the original's NaN-to-zero Where gives 0 there
+        feeds["attention_mask"] = mask
+    return feeds
+
+
+@pytest.mark.parametrize("torchscript", [False, True], ids=["dynamo_form", "torchscript_form"])
+@pytest.mark.parametrize("mask", [False, True], ids=["no_mask", "padding_mask"])
+def test_exported_attention_block_runs_as_contrib_attention_with_fewer_kernels(mask, torchscript):
+    m = encoder_block(mask=mask, torchscript=torchscript)
+    result = onnxfuse.optimize(m)
+    out = result.model
+    ops = contrib_ops(out)
+    assert "MultiHeadAttention" in ops or "Attention" in ops
+    assert "SkipLayerNormalization" in ops
+    assert not any(n.op_type in ("Softmax", "Transpose") for n in out.graph.node)
+    assert result.summary["kernels_after"] < result.summary["kernels_before"]
+    assert_same(m, out, [block_feeds(m, s) for s in range(3)])
+
+
+@pytest.mark.parametrize("torchscript", [False, True], ids=["dynamo_form", "torchscript_form"])
+def test_fully_masked_batch_row_gives_the_originals_zeros(torchscript):
+    m = encoder_block(mask=True, torchscript=torchscript)
+    out = onnxfuse.optimize(m).model
+    assert_same(m, out, [block_feeds(m, 0, masked_rows=True)])
+
+
+def test_optimizing_the_output_again_changes_nothing():
+    first = onnxfuse.optimize(encoder_block(mask=True))
+    second = onnxfuse.optimize(first.model)
+    assert [n.op_type for n in second.model.graph.node] == [n.op_type for n in first.model.graph.node]
+    assert second.summary["kernels_after"] == first.summary["kernels_after"]
+
+
+def test_stage_leaves_a_graph_it_cannot_improve_alone():
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "g", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    out, n = optimize(m, ["onnxscript-fusions"])
+    assert n == 0
+    assert [(x.name, x.op_type) for x in out.graph.node] == [("relu", "Relu")]
+
+
+def test_a_group_whose_result_onnxruntime_refuses_is_undone(monkeypatch):
+    """A rule that writes a model onnxruntime cannot load (onnxscript 0.7's mha2 on the dynamo
+    GPT-2 export writes a Gemm of a 3-D input) leaves the graph as it was before that group."""
+    import onnx_ir as ir
+
+    def broken(m):
+        node = next(iter(m.graph))
+        bad = ir.node("NoSuchOp", inputs=list(node.inputs), domain="com.microsoft")
+        m.graph.insert_before(node, bad)
+        return 1
+
+    monkeypatch.setattr(onnxscript_fusions, "_groups", lambda: [("broken", [broken])])
+    m = encoder_block(mask=False)
+    out, n = optimize(m, ["onnxscript-fusions"])
+    assert n == 0
+    assert not contrib_ops(out)
+
+
+def test_only_the_passes_after_the_stage_without_onnxscript(monkeypatch):
+    monkeypatch.setattr(onnxscript_fusions, "_groups", lambda: None)
+    m = encoder_block(mask=True)
+    out, n = optimize(m, ["onnxscript-fusions"])
+    assert n == 0 and not contrib_ops(out)
+
+
+def test_projection_biases_go_into_the_contrib_ops_bias_inputs():
+    m = contrib_block()
+    out, n = optimize(m, ["fold-contrib-bias"])
+    assert n == 2
+    assert not any(x.op_type == "Add" for x in out.graph.node)
+    mha = next(x for x in out.graph.node if x.op_type == "MultiHeadAttention")
+    skip = next(x for x in out.graph.node if x.op_type == "SkipLayerNormalization")
+    assert len(mha.input) == 4 and mha.input[3]
+    assert len(skip.input) == 5 and skip.input[4]
+    rng = np.random.default_rng(1)
+    assert_same(m, out, [{"x": rng.standard_normal((2, 8, 16)).astype(np.float32)} for _ in range(2)])
+
+
+def test_bias_read_by_another_node_stays():
+    m = contrib_block()
+    extra = onnx.helper.make_tensor_value_info("o_lin", onnx.TensorProto.FLOAT, [2, 8, 16])
+    m.graph.output.append(extra)
+    out, n = optimize(m, ["fold-contrib-bias"])
+    assert n == 1  # the attention's q, k, v biases; the output projection's is a graph output
+    assert any(x.op_type == "Add" and x.output[0] == "o_lin" for x in out.graph.node)
+
+
+def test_reshape_back_to_the_input_shape_goes():
+    m = reshape_chain()
+    out, n = optimize(m, ["merge-reshapes", "remove-identity-reshape"])
+    assert n >= 2
+    assert [x.op_type for x in out.graph.node] == ["Relu", "Relu"]
+    rng = np.random.default_rng(0)
+    assert_same(m, out, [{"x": rng.standard_normal((2, 4, 16)).astype(np.float32)}])
+
+
+def test_reshape_with_a_copied_zero_dim_is_not_merged_through():
+    """Reshape(Reshape(x, s1), [0, -1]): the 0 copies the inner Reshape's first dim, not x's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Reshape", ["x", "s1"], ["r1"]),
+        helper.make_node("Reshape", ["r1", "s2"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([4, 6], np.int64), "s1"),
+             numpy_helper.from_array(np.array([0, -1], np.int64), "s2")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 12])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 6])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    out, _ = optimize(m, ["merge-reshapes"])
+    assert [list(x.input) for x in out.graph.node] == [["x", "s1"], ["r1", "s2"]]
+    # The outer Reshape gives r1's own shape: remove-identity-reshape drops it, not the inner one.
+    out, n = optimize(m, ["merge-reshapes", "remove-identity-reshape"])
+    assert n == 1 and [list(x.input) for x in out.graph.node] == [["x", "s1"]]
+    assert_same(m, out, [{"x": np.arange(24, dtype=np.float32).reshape(2, 12)}])
