@@ -171,6 +171,57 @@ def _identity_reshapes(m) -> int:
     return count
 
 
+def _constant_rotary_caches(m) -> int:
+    """onnxscript's rotary rule matches x * cos + rotate_half(x) * sin and leaves an
+    intermediate RotaryEmbedding(x, cos, sin) for its cos/sin-cache rule, which wants cos and
+    sin computed from position ids. In a static-shape export the optimizer has already folded
+    them into constants [1, .., 1, S, d] (positions 0 .. S-1). When each is its first half
+    repeated (the rotate-half layout), the op becomes onnxruntime's RotaryEmbedding on x
+    [B, H, S, d] with position_ids [0] (positions 0 .. S-1) and caches cos[:, :d/2],
+    sin[:, :d/2]: the same products and sums."""
+    import onnx_ir as ir
+
+    count = 0
+    for node in list(m.graph):
+        if node.domain != "ai.onnxruntime._fusion" or node.op_type != "RotaryEmbedding" or len(node.inputs) != 3:
+            continue
+        x, cos, sin = node.inputs
+        shape = x.shape
+        if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[2:]):
+            continue
+        seq, width = shape[2], shape[3]
+        caches = []
+        for v in (cos, sin):
+            value = v.const_value if v is not None else None
+            if value is None:
+                break
+            a = value.numpy()
+            if a.dtype != np.float32 or a.ndim < 2 or a.shape[-2:] != (seq, width) or a.size != seq * width:
+                break
+            a = a.reshape(seq, width)
+            half = width // 2
+            if width % 2 or not np.array_equal(a[:, :half], a[:, half:]):
+                break
+            caches.append(np.ascontiguousarray(a[:, :half]))
+        if len(caches) != 2:
+            continue
+        values = []
+        for name, arr in (("position", np.zeros(1, np.int64)), ("cos_cache", caches[0]), ("sin_cache", caches[1])):
+            value = ir.Value(name=f"{node.name}_{name}", const_value=ir.tensor(arr))
+            m.graph.register_initializer(value)
+            values.append(value)
+        rotary = ir.node("RotaryEmbedding", [x, *values], domain="com.microsoft", name=f"{node.name}_ort",
+                         attributes={"interleaved": 0, "num_heads": int(shape[1])})
+        rotary.outputs[0].name = f"{node.outputs[0].name}_ort"
+        rotary.outputs[0].shape = x.shape  # the attention rules check shapes
+        rotary.outputs[0].dtype = x.dtype
+        m.graph.insert_before(node, rotary)
+        node.outputs[0].replace_all_uses_with(rotary.outputs[0])
+        m.graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
 def _groups():
     """onnxscript's transformer fusions (the steps of ort_fusions.optimize_for_ort, in its
     order) as groups that each leave a model onnxruntime can load: a group's intermediate ops
@@ -238,8 +289,8 @@ def _groups():
         ("normalization", [steps(erfgelu.fuse_erfgelu, rms_normalization.fuse_rms_normalization,
                                  skip_normalization.fuse_skip_layer_normalization,
                                  skip_normalization.fuse_skip_rms_normalization)]),
-        ("rotary", [steps(rotary_embedding.fuse_rotary_embedding, cos_sin_cache.fuse_cos_sin_cache, cse,
-                          rotary_embedding.fuse_partial_rotary_embedding)]),
+        ("rotary", [steps(rotary_embedding.fuse_rotary_embedding, cos_sin_cache.fuse_cos_sin_cache,
+                          _constant_rotary_caches, cse, rotary_embedding.fuse_partial_rotary_embedding)]),
         ("attention", [
             _nan_rows_kept(steps(sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa, mha.fuse_mha1,
                                  mha.fuse_mha2, mha_scale.fuse_mha_scale, mha_bias.fuse_mha_bias,

@@ -11,7 +11,7 @@ import pytest
 import onnxfuse
 from onnxfuse.passes import onnxscript_fusions
 from test_pass_matmul_batch import assert_same, optimize
-from transformer_models import contrib_block, encoder_block, reshape_chain
+from transformer_models import contrib_block, encoder_block, reshape_chain, rotary_block
 
 
 
@@ -146,3 +146,27 @@ def test_reshape_with_a_copied_zero_dim_is_not_merged_through():
     out, n = optimize(m, ["merge-reshapes", "remove-identity-reshape"])
     assert n == 1 and [list(x.input) for x in out.graph.node] == [["x", "s1"]]
     assert_same(m, out, [{"x": np.arange(24, dtype=np.float32).reshape(2, 12)}])
+
+
+def test_rotary_embedding_with_folded_cos_sin_becomes_one_rotary_op():
+    m = rotary_block()
+    out, n = optimize(m, ["onnxscript-fusions"])
+    assert n > 0
+    assert contrib_ops(out) == ["RotaryEmbedding"]
+    assert not any(x.op_type in ("Neg", "Concat", "Slice") for x in out.graph.node)
+    rng = np.random.default_rng(0)
+    assert_same(m, out, [{"x": rng.standard_normal((2, 8, 16)).astype(np.float32)} for _ in range(2)])
+
+
+def test_rotary_caches_that_are_not_rotate_half_stay_written_out():
+    """cos whose halves differ is no rotate-half cache: onnxruntime's op would compute another
+    thing, so the written-out form stays."""
+    m = rotary_block()
+    cos = next(i for i in m.graph.initializer if i.name == "cos")
+    value = onnx.numpy_helper.to_array(cos).copy()
+    value[..., 0] += 0.5
+    cos.CopyFrom(onnx.numpy_helper.from_array(value, "cos"))
+    out, _ = optimize(m, ["onnxscript-fusions"])
+    assert "RotaryEmbedding" not in contrib_ops(out)
+    rng = np.random.default_rng(0)
+    assert_same(m, out, [{"x": rng.standard_normal((2, 8, 16)).astype(np.float32)}])

@@ -116,3 +116,31 @@ def reshape_chain(batch: int = 2, seq: int = 4, hidden: int = 16, heads: int = 2
     b.node("Relu", [merged], "y")
     return b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, hidden])],
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden])])
+
+
+def rotary_block(batch: int = 2, seq: int = 8, hidden: int = 16, heads: int = 2, seed: int = 0) -> onnx.ModelProto:
+    """LLaMA's rotary embedding on the query heads as a static-shape export leaves it once cos and
+    sin are folded: q [B, H, S, d] * cos + rotate_half(q) * sin, rotate_half(q) =
+    Concat(-q[..., d/2:], q[..., :d/2]), cos and sin constants [1, 1, S, d] (each its first half
+    repeated), then the heads merged again."""
+    b = _Builder(seed)
+    dh = hidden // heads
+    q = b.node("MatMul", ["x", b.weight("wq", (hidden, hidden), 0.3)], "q_mm")
+    q = b.node("Transpose", [b.node("Reshape", [q, b.const("heads_shape", np.array([batch, seq, heads, dh], np.int64))],
+                                    "q_split")], "q_heads", perm=[0, 2, 1, 3])
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
+    angles = np.outer(np.arange(seq), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)[None, None]
+    cos = b.const("cos", np.cos(angles).astype(np.float32))
+    sin = b.const("sin", np.sin(angles).astype(np.float32))
+    half = dh // 2
+    first = b.node("Slice", [q, b.const("s0", np.array([0], np.int64)), b.const("s1", np.array([half], np.int64)),
+                             b.const("axis", np.array([3], np.int64)), b.const("step", np.array([1], np.int64))], "q_first")
+    second = b.node("Slice", [q, "s1", b.const("s2", np.array([np.iinfo(np.int64).max], np.int64)), "axis", "step"],
+                    "q_second")
+    rotated = b.node("Concat", [b.node("Neg", [second], "q_second_neg"), first], "q_rotated", axis=-1)
+    roped = b.node("Add", [b.node("Mul", [q, cos], "q_cos"), b.node("Mul", [rotated, sin], "q_sin")], "q_rope")
+    merged = b.node("Transpose", [roped], "q_merged_t", perm=[0, 2, 1, 3])
+    b.node("Reshape", [merged, b.const("merged_shape", np.array([batch, seq, hidden], np.int64))], "y")
+    return b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, hidden])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden])])
