@@ -297,6 +297,7 @@ def _groups():
                                  attention.fuse_attention, sdpa_via_mha.replace_sdpa_by_mha)),
             _nan_rows_kept(steps(sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
                                  sdpa_via_mha.replace_sdpa_by_mha)),
+            _nan_rows_kept(steps(sdpa_step, sdpa_via_mha.replace_sdpa_by_mha)),
         ]),
         # The TorchScript exporter's constants and views in the form the rules know, then the rules again.
         ("attention, TorchScript forms", [
