@@ -361,8 +361,39 @@ def _replace(graph: gs.Graph, model: onnx.ModelProto) -> None:
     graph.__dict__.pop("_onnxfuse_inferred_dims", None)
 
 
+def _attention_softmax(node: gs.Node) -> bool:
+    """A Softmax of scores: its input reaches a MatMul through at most three Add, Mul, Div or
+    Where nodes (scale, mask)."""
+    t = node.inputs[0] if node.inputs else None
+    for _ in range(4):
+        src = gu.producer(t) if t is not None else None
+        if src is None:
+            return False
+        if gu.is_op(src, "MatMul"):
+            return True
+        if not gu.is_op(src, "Add", "Mul", "Div", "Where") or not src.inputs:
+            return False
+        t = next((x for x in src.inputs if gu.producer(x) is not None), None)
+    return False
+
+
+def _may_match(graph: gs.Graph) -> bool:
+    """Whether the graph holds a form the stage's rules rewrite: attention (a Softmax of
+    MatMul scores), a normalization (LayerNormalization, or ReduceMean with Sqrt), a GELU (Erf,
+    or Tanh with Pow), a rotary embedding (Neg, Concat and Slice). A graph without (a CNN, an
+    unrolled LSTM) skips the stage without paying for onnxscript or a session."""
+    nodes = [n for n in graph.nodes if gu.is_default_domain(n)]
+    ops = {n.op for n in nodes}
+    if not ops & {"MatMul", "Gemm"}:
+        return False
+    return ("LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops or {"Tanh", "Pow"} <= ops
+            or {"Neg", "Concat", "Slice"} <= ops or any(n.op == "Softmax" and _attention_softmax(n) for n in nodes))
+
+
 def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
     if ctx.options.get("onnxscript_fusions") is False or ctx.executed_graph is None:
+        return 0
+    if not _may_match(graph):
         return 0
     before = _as_model(graph)
     fused = _ort_fused(before, ctx.executed_graph)
