@@ -76,6 +76,30 @@ def _nan_guards(m) -> int:
     return count
 
 
+def _attention_output_shape(node):
+    """[B, S, v_hidden] of an attention op whose query is [B, S, D] and whose value (or packed
+    weights, for Attention) fixes v_hidden; None when not known. The pointwise pass needs the
+    guard's shape to make it one region."""
+    import onnx_ir as ir
+
+    q = node.inputs[0]
+    if q is None or q.shape is None or len(q.shape) != 3:
+        return None
+    if node.op_type == "MultiHeadAttention" and len(node.inputs) > 2 and node.inputs[2] is not None:
+        v = node.inputs[2]
+        if v.shape is not None and len(v.shape) == 3 and isinstance(v.shape[2], int):
+            return ir.Shape([q.shape[0], q.shape[1], v.shape[2]])
+        return None
+    if node.op_type == "Attention" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        w = node.inputs[1]  # packed projection weights [D_in, q + k + v hidden]
+        sizes = node.attributes.get("qkv_hidden_sizes")
+        if sizes is not None:
+            return ir.Shape([q.shape[0], q.shape[1], int(list(sizes.as_ints())[-1])])
+        if w.shape is not None and len(w.shape) == 2 and isinstance(w.shape[1], int) and w.shape[1] % 3 == 0:
+            return ir.Shape([q.shape[0], q.shape[1], w.shape[1] // 3])
+    return None
+
+
 def _nan_rows_kept(run):
     """The attention rules drop the NaN-to-zero Where: onnxruntime's attention kernels give a
     fully masked row NaN, where the exported graph gives 0 (an all-padding sequence). When the
@@ -98,11 +122,17 @@ def _nan_rows_kept(run):
             if zero is None:
                 zero = ir.Value(name=f"{out.name}_nan_zero", const_value=ir.tensor(np.array(0.0, np.float32)))
                 m.graph.register_initializer(zero)
+            if out.shape is None:
+                out.shape = _attention_output_shape(node)
+            if out.dtype is None:
+                out.dtype = node.inputs[0].dtype
             users = list(out.uses())
             isnan = ir.node("IsNaN", [out], name=f"{node.name}_nan")
             isnan.outputs[0].name = f"{out.name}_nan"
+            isnan.outputs[0].shape, isnan.outputs[0].dtype = out.shape, ir.DataType.BOOL
             where = ir.node("Where", [isnan.outputs[0], zero, out], name=f"{node.name}_nan_to_zero")
             where.outputs[0].name = f"{out.name}_nan_to_zero"
+            where.outputs[0].shape, where.outputs[0].dtype = out.shape, out.dtype
             m.graph.insert_after(node, [isnan, where])
             for use in users:
                 use.node.replace_input_with(use.idx, where.outputs[0])
