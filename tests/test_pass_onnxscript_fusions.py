@@ -39,7 +39,10 @@ def test_exported_attention_block_runs_as_contrib_attention_with_fewer_kernels(m
     out = result.model
     ops = contrib_ops(out)
     assert "MultiHeadAttention" in ops or "Attention" in ops
-    assert "SkipLayerNormalization" in ops
+    # The residual Add and LayerNormalization stay a Pointwise region and onnxruntime's
+    # LayerNormalization: its SkipLayerNormalization kernel is slower on the CPU.
+    assert "SkipLayerNormalization" not in ops
+    assert any(n.op_type == "LayerNormalization" for n in out.graph.node)
     assert not any(n.op_type in ("Softmax", "Transpose") for n in out.graph.node)
     assert result.summary["kernels_after"] < result.summary["kernels_before"]
     assert_same(m, out, [block_feeds(m, s) for s in range(3)])
