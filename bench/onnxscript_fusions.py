@@ -6,8 +6,8 @@ rounds, bench/harness.py's interleave; ratio = model / onnxruntime alone, median
 
 The models come from bench/transformer_exports.py (needs torch and transformers):
 
-    python -m bench.transformer_exports /tmp/exports
-    python -m bench.onnxscript_fusions /tmp/exports/*.onnx [--budget 4] [--out bench/results/onnxscript_fusions.md]
+    python -m bench.transformer_exports exports
+    python -m bench.onnxscript_fusions exports/*.onnx [--budget 4] [--out bench/results/onnxscript_fusions.md]
 """
 from __future__ import annotations
 

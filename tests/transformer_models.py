@@ -86,9 +86,11 @@ def encoder_block(mask: bool = True, batch: int = 2, seq: int = 8, hidden: int =
     return b.model(inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden])])
 
 
-def contrib_block(batch: int = 2, seq: int = 8, hidden: int = 16, heads: int = 2, seed: int = 0) -> onnx.ModelProto:
+def contrib_block(batch: int = 2, seq: int = 8, hidden: int = 16, heads: int = 2, seed: int = 0,
+                  key_bias: bool = True) -> onnx.ModelProto:
     """The stage's output form with the projections' bias Adds still separate:
-    MultiHeadAttention(q + bq, k + bk, v + bv) and SkipLayerNormalization(x, o + bo, gamma, beta)."""
+    MultiHeadAttention(q + bq, k + bk, v + bv) and SkipLayerNormalization(x, o + bo, gamma, beta);
+    key_bias=False: k without a bias."""
     b = _Builder(seed)
     lin = {}
     for p in "qkvo":
@@ -97,6 +99,9 @@ def contrib_block(batch: int = 2, seq: int = 8, hidden: int = 16, heads: int = 2
             b.node("MultiHeadAttention", [lin["q"], lin["k"], lin["v"]], "attended", domain="com.microsoft",
                    num_heads=heads)
         mm = b.node("MatMul", [src, b.weight(f"w{p}", (hidden, hidden), 0.3)], f"{p}_mm")
+        if p == "k" and not key_bias:  # Whisper's k_proj has no bias
+            lin[p] = mm
+            continue
         lin[p] = b.node("Add", [b.weight(f"b{p}", (hidden,), 0.1), mm], f"{p}_lin")
     gamma = b.const("gamma", (1 + 0.1 * b.rng.standard_normal(hidden)).astype(np.float32))
     b.node("SkipLayerNormalization", ["x", lin["o"], gamma, b.weight("beta", (hidden,), 0.1)], "y",
