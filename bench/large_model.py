@@ -80,7 +80,9 @@ def bench(model: Path, out_dir: Path, verify: bool, verify_mode: str) -> dict:
         entry.update(nodes_before=summary["nodes_before"], nodes_after=summary["nodes_after"],
                      stages=summary["seconds"], mode=v["mode"] if v else None,
                      mode_reason=v.get("mode_reason") if v else None,
-                     regions=len(v.get("regions", [])) if v else None,
+                     regions={kind: sum(1 for r in v.get("regions", []) if r.get("kind") == kind and not r["skipped"])
+                              for kind in ("fused", "rewrite")} if v else None,
+                     not_checked=sum(1 for r in v.get("regions", []) if r["skipped"]) if v else None,
                      max_abs=v["max_abs"] if v else None,
                      out_gb=round(sum(os.path.getsize(p) for p in summary["files_written"]) / 1e9, 2))
         for p in summary["files_written"]:
@@ -115,7 +117,8 @@ def render(entries: list[dict], env: dict) -> str:
             if e["verify"]:
                 what = f"--verify-mode {e['verify_mode']}: {e['mode']} ({e['mode_reason']})"
                 if e["mode"] == "regions":
-                    what += f", {e['regions']} fused nodes"
+                    what += (f", {e['regions']['fused']} fused nodes and {e['regions']['rewrite']} other rewrites"
+                             f" checked, {e['not_checked']} not")
                 result = f"ok, max abs error {e['max_abs']:.2g}"
             else:
                 what, result = "--no-verify", "ok"

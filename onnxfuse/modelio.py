@@ -510,8 +510,8 @@ def _copy_fields(src, dst, skip: str) -> None:
 
 def infer_light_model(light: onnx.ModelProto, left_out: int = 0, notes: list[str] | None = None) -> onnx.ModelProto | None:
     """Shape inference on a model whose large initializers were left out (left_out: their
-    bytes): with data propagation, else without; None (with a note) when both fail or the
-    whole model would be over protobuf's 2 GiB limit (onnx's inference serializes it)."""
+    bytes): with data propagation, else without; None (with a note) when both fail or `light`
+    itself is over protobuf's 2 GiB limit (onnx's inference serializes it)."""
     # left_out bytes are not part of `light` (that is the point of leaving them out).
     if light.ByteSize() >= PROTOBUF_LIMIT:
         if notes is not None:

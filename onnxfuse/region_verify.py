@@ -10,8 +10,12 @@ get the same seeded random inputs of the region's shapes, and every output is co
 the tolerance of its type (verify.compare_output). Only one region's weights are mapped at a
 time.
 
-What this mode does not check: rewrites that make no fused node (a folded BatchNormalization,
-concatenated GEMM weights); the whole-model mode checks those too.
+Rewrites that make no fused node (concatenated GEMM weights, a folded BatchNormalization) are
+checked the same way against the original: optimized nodes no original node matches are
+grouped by the tensors they pass each other, and each group runs against the original nodes
+that compute the same outputs from the same inputs (`rewrites`). A group whose counterpart
+cannot be cut out of the original (it reads values the group does not, or spans more than
+MAX_ORIGINAL_NODES nodes) is reported as not checked.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class RegionCheck:
 
     node: str
     op_type: str
+    kind: str = "fused"  # "fused": a fused node against its fallback; "rewrite": other rewritten nodes
     outputs: list[OutputCheck] = field(default_factory=list)
     error: str | None = None  # the fused kernel failed where the fallback body ran
     skipped: str | None = None  # why the region could not be run on its own (not a failure)
@@ -44,7 +49,7 @@ class RegionCheck:
         return self.error is None and all(o.ok for o in self.outputs)
 
     def as_dict(self) -> dict:
-        return {"node": self.node, "op_type": self.op_type, "ok": self.ok, "error": self.error,
+        return {"node": self.node, "op_type": self.op_type, "kind": self.kind, "ok": self.ok, "error": self.error,
                 "skipped": self.skipped, "outputs": [o.as_dict() for o in self.outputs]}
 
 
@@ -106,6 +111,138 @@ def region_model(optimized: onnx.ModelProto, node: onnx.NodeProto, types: Mappin
     return model
 
 
+# A rewritten region whose original counterpart takes more nodes than this to reach the
+# region's inputs is not checked on its own (it would be most of the model).
+MAX_ORIGINAL_NODES = 200
+
+
+def _node_key(node: onnx.NodeProto) -> tuple:
+    return (node.domain or "", node.op_type, tuple(node.input), tuple(node.output), node.overload,
+            tuple(sorted(a.SerializeToString() for a in node.attribute)))
+
+
+def _tensor_key(t: onnx.TensorProto) -> tuple:
+    from .weights import region_of
+
+    region = region_of(t)
+    return (t.data_type, tuple(t.dims), region if region is not None else t.SerializeToString())
+
+
+@dataclass
+class Rewrite:
+    """Optimized nodes that no original node matches (fused nodes aside), connected by the
+    tensors they pass each other, with the original nodes that compute the same outputs from
+    the same inputs."""
+
+    nodes: list[onnx.NodeProto]
+    original_nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # computed tensors both read
+    outputs: list[str] = field(default_factory=list)  # tensors the rest of the model reads
+    problem: str | None = None  # why the original counterpart could not be found
+
+
+def rewrites(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[Rewrite]:
+    """The rewrites in `optimized` other than fused nodes, each with its original counterpart."""
+    original_keys = {_node_key(n) for n in original.graph.node}
+    original_inits = {t.name: t for t in original.graph.initializer}
+    opt_inits = {t.name: t for t in optimized.graph.initializer}
+    # An initializer whose name stayed but whose value changed makes its readers rewritten.
+    changed_inits = {name for name, t in opt_inits.items()
+                     if name in original_inits and _tensor_key(original_inits[name]) != _tensor_key(t)}
+    changed = [n for n in optimized.graph.node
+               if n.domain != DOMAIN and (_node_key(n) not in original_keys or set(n.input) & changed_inits)]
+    if not changed:
+        return []
+    # Connected components over the tensors changed nodes write and read.
+    parent = list(range(len(changed)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    writer = {o: i for i, n in enumerate(changed) for o in n.output if o}
+    for i, n in enumerate(changed):
+        for name in n.input:
+            if name in writer:
+                parent[find(i)] = find(writer[name])
+    groups: dict[int, list[onnx.NodeProto]] = {}
+    for i, n in enumerate(changed):
+        groups.setdefault(find(i), []).append(n)
+
+    readers: dict[str, int] = {}
+    for n in optimized.graph.node:
+        for name in n.input:
+            readers[name] = readers.get(name, 0) + 1
+    graph_outputs = {o.name for o in optimized.graph.output}
+    original_producer = {o: n for n in original.graph.node for o in n.output if o}
+    original_inputs = {v.name for v in original.graph.input}
+    found = []
+    for nodes in groups.values():
+        made = {o for n in nodes for o in n.output if o}
+        read_inside: dict[str, int] = {}
+        for n in nodes:
+            for name in n.input:
+                read_inside[name] = read_inside.get(name, 0) + 1
+        rewrite = Rewrite(nodes)
+        rewrite.inputs = list(dict.fromkeys(
+            name for n in nodes for name in n.input if name and name not in made and name not in opt_inits))
+        rewrite.outputs = [o for o in dict.fromkeys(o for n in nodes for o in n.output if o)
+                           if o in graph_outputs or readers.get(o, 0) > read_inside.get(o, 0)]
+        found.append(rewrite)
+        missing = [o for o in rewrite.outputs if o not in original_producer and o not in original_inputs]
+        if missing:
+            rewrite.problem = f"the original has no tensor '{missing[0]}'"
+            continue
+        leaves = set(rewrite.inputs)
+        taken: dict[int, onnx.NodeProto] = {}
+        stack = [o for o in rewrite.outputs if o not in leaves]
+        seen: set[str] = set()
+        while stack and rewrite.problem is None:
+            name = stack.pop()
+            if name in seen or name in leaves or name in original_inits or not name:
+                continue
+            seen.add(name)
+            node = original_producer.get(name)
+            if node is None:
+                rewrite.problem = f"the original computes it from '{name}', which the rewrite does not read"
+            elif len(taken) >= MAX_ORIGINAL_NODES:
+                rewrite.problem = f"its original counterpart is over {MAX_ORIGINAL_NODES} nodes"
+            elif id(node) not in taken:
+                taken[id(node)] = node
+                stack.extend(node.input)
+        order = {id(n): i for i, n in enumerate(original.graph.node)}
+        rewrite.original_nodes = sorted(taken.values(), key=lambda n: order[id(n)])
+    return found
+
+
+def _rewrite_models(original, optimized, rewrite: Rewrite, types, dims):
+    """(the original's nodes as a model, the rewrite's nodes as a model), or why not."""
+    inputs = []
+    for name in rewrite.inputs:
+        t = types.get(name)
+        if t is None or not _has_shape(t):
+            return f"input '{name}' has no known type and shape"
+        shape = input_shape(helper.make_value_info(name, t), dims)
+        inputs.append(helper.make_tensor_value_info(name, t.tensor_type.elem_type, list(shape)))
+    outputs = []
+    for name in rewrite.outputs:
+        t = types.get(name)
+        if t is None or t.tensor_type.elem_type == 0:
+            return f"output '{name}' has no known type"
+        outputs.append(helper.make_tensor_value_info(name, t.tensor_type.elem_type, None))
+    made = []
+    for source, nodes in ((original, rewrite.original_nodes), (optimized, rewrite.nodes)):
+        inits = {t.name: t for t in source.graph.initializer}
+        used = [inits[name] for name in dict.fromkeys(i for n in nodes for i in n.input) if name in inits]
+        graph = helper.make_graph(nodes, "rewrite", inputs, outputs, used)
+        model = helper.make_model(graph, opset_imports=list(source.opset_import), functions=list(source.functions))
+        model.ir_version = source.ir_version
+        made.append(model)
+    return tuple(made)
+
+
 def verify_regions(
     original: onnx.ModelProto,
     optimized: onnx.ModelProto,
@@ -114,10 +251,10 @@ def verify_regions(
     provider: str = "cpu",
     threads: int | None = None,
 ) -> Verification:
-    """Check every fused node of `optimized` against its fallback body (see the module text);
-    the result's `regions` hold one RegionCheck per fused node."""
-    from .runtime import open_session
-    from .runtime import LibraryError, needs_library
+    """Check every fused node of `optimized` against its fallback body, and every other rewrite
+    against the original subgraph it replaced (see the module text); the result's `regions`
+    hold one RegionCheck for each."""
+    from .runtime import LibraryError, needs_library, open_session
     from .weights import RuntimeFiles, runtime_directory
 
     dims = dict(dims or {})
@@ -166,6 +303,45 @@ def verify_regions(
                 continue
             for name, elem, e, a in zip(names, elem_types, expected, actual):
                 check.outputs.append(compare_output(name, elem, np.asarray(e), np.asarray(a)))
+        for index, rewrite in enumerate(rewrites(original, optimized)):
+            ops = sorted({n.op_type for n in rewrite.nodes})
+            label = rewrite.nodes[0].name or (rewrite.outputs[0] if rewrite.outputs else f"rewrite {index}")
+            check = RegionCheck(label, "+".join(ops), kind="rewrite")
+            checks.append(check)
+            if rewrite.problem:
+                check.skipped = rewrite.problem
+                continue
+            made = _rewrite_models(original, optimized, rewrite, types, dims)
+            if isinstance(made, str):
+                check.skipped = made
+                continue
+            reference, rewritten = made
+            try:
+                feeds = random_inputs(reference, dims, seed + 7919 + index)
+            except UnfeedableInputError as e:
+                check.skipped = str(e)
+                continue
+            paths = [files.write(m, f"rewrite{index}_{which}.onnx") for which, m in (("a", reference), ("b", rewritten))]
+            try:
+                sess, _ = open_session(paths[0], provider=provider, threads=threads)
+                expected = sess.run(None, feeds)
+                del sess
+            except (InputError, LibraryError):
+                raise
+            except Exception as e:  # onnxruntime's exception types: the original ops reject these inputs
+                check.skipped = f"the original subgraph does not run on random inputs: {ort_error_text(e)}"
+                continue
+            try:
+                sess, _ = open_session(paths[1], provider=provider, threads=threads)
+                actual = sess.run(None, feeds)
+                del sess
+            except (InputError, LibraryError):
+                raise
+            except Exception as e:  # onnxruntime's exception types
+                check.error = f"the rewritten subgraph does not run: {ort_error_text(e)}"
+                continue
+            for name, out, e, a in zip(rewrite.outputs, rewritten.graph.output, expected, actual):
+                check.outputs.append(compare_output(name, out.type.tensor_type.elem_type, np.asarray(e), np.asarray(a)))
     finally:
         files.close()
         shutil.rmtree(directory, ignore_errors=True)

@@ -5,9 +5,11 @@ This is the bottom layer with modelio: verify, profile and zoo build on it, neve
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -164,11 +166,12 @@ def make_session(
     (with_library=None) or as asked."""
     import onnxruntime as ort
 
-    data, fused = _model_bytes(model, provider)
-    if with_library is None:
-        with_library = fused
-    so = session_options(with_library=with_library, threads=threads, level=level, profile=profile, provider=provider)
-    return ort.InferenceSession(data, sess_options=so, providers=list(providers or PROVIDERS[provider]))
+    with _session_source(model, provider) as (data, fused):
+        if with_library is None:
+            with_library = fused
+        so = session_options(with_library=with_library, threads=threads, level=level, profile=profile,
+                             provider=provider)
+        return ort.InferenceSession(data, sess_options=so, providers=list(providers or PROVIDERS[provider]))
 
 
 # --------------------------------------------------------------------------- profiled runs
@@ -220,6 +223,28 @@ class KernelProfile:
 # --------------------------------------------------------------------------- sessions and profiled runs
 
 
+@contextlib.contextmanager
+def _session_source(model: onnx.ModelProto | bytes | str, provider: str = "cpu"):
+    """_model_bytes as a context: a model holding weights by reference (weights.py) is written
+    as a file beside links to its data files for the session to load (onnxruntime refuses the
+    absolute locations in memory), removed again once the session is made (it keeps the
+    weights it mapped)."""
+    from .weights import RuntimeFiles, has_references, runtime_directory
+
+    if not (isinstance(model, onnx.ModelProto) and has_references(model)):
+        yield _model_bytes(model, provider)
+        return
+    directory = runtime_directory()
+    files = RuntimeFiles(directory)
+    try:
+        path = files.write(model, "model.onnx")
+        files.close()
+        yield path, needs_library(model, provider)
+    finally:
+        files.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _model_bytes(model: onnx.ModelProto | bytes | str, provider: str = "cpu") -> tuple[bytes | str, bool]:
     """(what InferenceSession takes, whether our library runs its fused ops on this provider)."""
     if isinstance(model, onnx.ModelProto):
@@ -242,7 +267,11 @@ def open_session(
     it is an InputError, not a silent fallback to the CPU."""
     import onnxruntime as ort
 
-    data, fused = _model_bytes(model, provider)
+    with _session_source(model, provider) as (data, fused):
+        return _open_session(ort, data, fused, provider, threads, level, with_library, profile_prefix)
+
+
+def _open_session(ort, data, fused, provider, threads, level, with_library, profile_prefix):
     if with_library is None:
         with_library = fused
     so = session_options(

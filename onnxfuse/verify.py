@@ -386,11 +386,13 @@ class Verification:
                 if not o.ok:
                     return f"{what} '{o.name}' ({r.label}): {o.problem}"
         for g in self.regions:
+            what, against = (("fused node", "its fallback body") if g.kind == "fused"
+                             else ("rewrite at", "the original subgraph"))
             if g.error:
-                return f"fused node '{g.node}' ({g.op_type}): {g.error}"
+                return f"{what} '{g.node}' ({g.op_type}): {g.error}"
             for o in g.outputs:
                 if not o.ok:
-                    return f"fused node '{g.node}' ({g.op_type}), output '{o.name}' against its fallback body: {o.problem}"
+                    return f"{what} '{g.node}' ({g.op_type}), output '{o.name}' against {against}: {o.problem}"
         return None
 
     def as_dict(self) -> dict:

@@ -287,8 +287,9 @@ class _Scratch:
 _scratch = _Scratch()
 
 
-def spill(array: np.ndarray, data_type: int) -> FileRegion:
-    """Write a new weight's bytes to the scratch file: where they now are."""
+def spill(array: np.ndarray) -> FileRegion:
+    """Write a new weight's bytes to the scratch file (in the temporary directory, TMPDIR):
+    where they now are."""
     return _scratch.write(np.ascontiguousarray(array))
 
 
@@ -360,7 +361,7 @@ def new_constant(graph: gs.Graph, name: str, value: np.ndarray) -> gs.Constant:
         # one turns a 0-d value into shape (1,).
         return gs.Constant(name, np.array(value, order="C"))
     data_type = dtype_to_onnx(value.dtype)
-    region = spill(value, data_type)
+    region = spill(value)
     drop_resident_pages()
     return gs.Constant(name, ExternalValues(reference_tensor(name, data_type, value.shape, region)))
 
@@ -403,7 +404,7 @@ def release_graph(graph: gs.Graph, spill_min_bytes: int = SPILL_MIN_BYTES) -> No
         data_type = dtype_to_onnx(t.export_dtype)
         if element_size(data_type) != values.dtype.itemsize:
             continue  # an export_dtype that converts on export: left to graphsurgeon
-        region = spill(values, data_type)
+        region = spill(values)
         t._values = ExternalValues(reference_tensor(t.name, data_type, values.shape, region))
     # Mappings still referenced (from the pass's leftovers, until collected) keep no pages.
     drop_resident_pages()

@@ -126,3 +126,14 @@ def test_verification_copies_the_weights_where_they_cannot_be_linked(llama, monk
     monkeypatch.setattr(weights.os, "link", no_links)
     result = api.optimize(str(llama), verify_mode="whole")
     assert result.summary["verification"]["ok"] and result.summary["verification"]["mode"] == "whole"
+
+
+def test_sessions_open_models_holding_references(llama):
+    from onnxfuse.runtime import make_session, open_session
+
+    model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
+    assert weights.has_references(model)
+    expected = run_file(llama)
+    np.testing.assert_allclose(make_session(model).run(None, FEEDS)[0], expected, rtol=1e-5, atol=1e-5)
+    sess, _ = open_session(model, with_library=False)
+    np.testing.assert_allclose(sess.run(None, FEEDS)[0], expected, rtol=1e-5, atol=1e-5)

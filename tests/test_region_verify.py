@@ -29,8 +29,30 @@ def test_region_mode_checks_every_fused_node_against_its_fallback(llama):
     v = result.verification
     fused = [n for n in result.model.graph.node if n.domain == DOMAIN]
     assert v.mode == "regions" and v.ok and fused
-    assert len(v.regions) == len(fused) and not any(r.skipped for r in v.regions)
-    assert all(r.outputs for r in v.regions)
+    assert not any(r.skipped for r in v.regions) and all(r.outputs for r in v.regions)
+    assert sorted(r.node for r in v.regions if r.kind == "fused") == sorted(n.name for n in fused)
+
+
+def test_region_mode_checks_concatenated_gemm_weights_against_the_original_matmuls(llama):
+    result = api.optimize(str(llama), verify_mode="regions")
+    rewrites = [r for r in result.verification.regions if r.kind == "rewrite"]
+    # Per layer, batch-sibling-matmul makes Q/K/V one MatMul + Split, and gate/up another.
+    assert len(rewrites) == 4 and all(r.op_type == "MatMul+Split" and r.ok for r in rewrites)
+    assert sorted(len(r.outputs) for r in rewrites) == [2, 2, 3, 3]
+
+
+def test_region_mode_catches_a_rewrite_that_differs_from_the_original(llama):
+    result = api.optimize(str(llama), verify_outputs=False, count_kernels=False)
+    original = modelio.normalize(load_model(llama, weights_on_disk=True)).model
+    optimized = onnx.ModelProto()
+    optimized.CopyFrom(result.model)
+    split = next(n for n in optimized.graph.node if n.op_type == "Split" and len(n.output) == 3)
+    first, second = split.output[0], split.output[1]
+    split.output[0], split.output[1] = second, first  # Q and K swapped: same shapes, other values
+    v = verify_regions(original, optimized)
+    bad = [r for r in v.regions if not r.ok]
+    assert len(bad) == 1 and bad[0].kind == "rewrite" and bad[0].op_type == "MatMul+Split"
+    assert not v.ok and "against the original subgraph" in v.first_problem()
     assert result.summary["kernels_before"] is None  # the whole model was not run
 
 
