@@ -1,6 +1,6 @@
 """onnxfuse: a graph optimizer for ONNX models that fuses launch-bound op chains."""
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # The Python API, imported on first use so that `import onnxfuse` (and the native-library and
 # program modules) stay light.

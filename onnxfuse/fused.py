@@ -193,7 +193,7 @@ def attach_functions(model: onnx.ModelProto, registry: FusedRegistry, kept: Sequ
 
 def _record_writer(model: onnx.ModelProto) -> None:
     """Model metadata naming the onnxfuse version and op set the fused nodes need."""
-    from . import __version__
+    from .version import __version__
 
     opset = next(o.version for o in model.opset_import if o.domain == DOMAIN)
     values = {METADATA_VERSION: __version__, METADATA_OPSET: str(opset)}
