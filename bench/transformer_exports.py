@@ -14,6 +14,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import click
+
+from bench import harness
+
 
 def models():
     from transformers import (BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel, T5Config,
@@ -39,13 +43,15 @@ def models():
                                                   max_source_positions=32)), "mel"
 
 
-def main(argv=None) -> int:
+@click.command(help=__doc__.split("\n\n")[0] + "\n\nOUT_DIR: where the models go; NAMES: only these (default: all).")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("names", nargs=-1)
+def cli(out_dir: Path, names: tuple[str, ...]) -> int:
     import torch
     import transformers.masking_utils as masking_utils
 
     warnings.filterwarnings("ignore")
-    argv = sys.argv[1:] if argv is None else argv
-    out_dir, only = Path(argv[0]), set(argv[1:])
+    only = set(names)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     batch, seq = 2, 16
@@ -102,6 +108,8 @@ def main(argv=None) -> int:
             print("wrote", out, flush=True)
     return 0
 
+
+main = harness.main_of(cli)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -86,3 +86,16 @@ def pointwise_model(text: str, opset: int = 17) -> onnx.ModelProto:
     )
     model.ir_version = 10
     return model
+
+
+def with_fused_op_set(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    """A copy of an optimized model whose fused nodes say they need the onnxfuse op set `version`."""
+    from onnxfuse.fused import OPSET_ATTRIBUTE
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        for a in node.attribute:
+            if a.name == OPSET_ATTRIBUTE:
+                a.i = version
+    return copy

@@ -17,6 +17,7 @@ import onnxfuse
 from onnxfuse.environment import library_info
 from onnxfuse.fused import DOMAIN, DOMAIN_VERSION, METADATA_OPSET, METADATA_VERSION, OPSET_ATTRIBUTE
 from onnxfuse.verify import random_inputs
+from small_models import with_fused_op_set
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,7 @@ def test_written_model_records_the_onnxfuse_version_and_op_set(optimized_char_rn
 
 
 def test_library_refuses_a_node_of_a_newer_op_set_with_one_message(optimized_char_rnn):
-    newer = onnx.ModelProto()
-    newer.CopyFrom(optimized_char_rnn)
-    for n in newer.graph.node:
-        for a in n.attribute:
-            if a.name == OPSET_ATTRIBUTE:
-                a.i = DOMAIN_VERSION + 1
+    newer = with_fused_op_set(optimized_char_rnn, DOMAIN_VERSION + 1)
     ort.set_default_logger_severity(4)
     with pytest.raises(Exception) as refused:
         _session(newer)

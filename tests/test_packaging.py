@@ -17,7 +17,8 @@ import onnxruntime as ort
 import pytest
 
 import onnxfuse
-from onnxfuse.fused import DOMAIN_VERSION, OPSET_ATTRIBUTE
+from onnxfuse.fused import DOMAIN_VERSION
+from small_models import with_fused_op_set
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -103,13 +104,7 @@ def test_readme_snippet_runs_the_optimized_model_in_plain_onnxruntime(tmp_path, 
     python = _plain_onnxruntime_python(Path(request.config.cache.mkdir(f"plain-onnxruntime-{ort.__version__}")))
     optimized = onnxfuse.optimize("zoo:char_rnn", count_kernels=False, threads=1).model
     onnxfuse.save(optimized, str(tmp_path / MODEL_FILE))
-    newer = onnx.ModelProto()
-    newer.CopyFrom(optimized)
-    for node in newer.graph.node:
-        for a in node.attribute:
-            if a.name == OPSET_ATTRIBUTE:
-                a.i = DOMAIN_VERSION + 1
-    onnxfuse.save(newer, str(tmp_path / "newer_opset.onnx"))
+    onnxfuse.save(with_fused_op_set(optimized, DOMAIN_VERSION + 1), str(tmp_path / "newer_opset.onnx"))
 
     snippet = _readme_python_snippet()
     assert LIBRARY_PLACEHOLDER in snippet and f'"{MODEL_FILE}"' in snippet
