@@ -13,7 +13,7 @@ import re
 
 from setuptools import Extension, setup
 
-with open("onnxfuse/__init__.py", encoding="utf-8") as f:
+with open("onnxfuse/version.py", encoding="utf-8") as f:
     VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 native = Extension(
