@@ -16,6 +16,7 @@ from typing import Sequence
 import numpy as np
 from onnx import TensorProto
 
+from .graph.activations import TABLE as ACTIVATION_TABLE
 from .program import DTYPE_OF_ONNX, Program
 
 FLOAT_TYPES = {TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
@@ -32,11 +33,11 @@ _EXACT = {
 
 UNARY = {
     "Neg": "neg", "Abs": "abs", "Sqrt": "sqrt", "Reciprocal": "recip", "Exp": "exp", "Log": "log",
-    "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid", "Relu": "relu", "Softplus": "softplus",
-    "Softsign": "softsign", "Floor": "floor", "Ceil": "ceil", "Round": "round", "Sign": "sign",
+    "Erf": "erf", "Floor": "floor", "Ceil": "ceil", "Round": "round", "Sign": "sign",
     "Sin": "sin", "Cos": "cos", "Tan": "tan", "Asin": "asin", "Acos": "acos", "Atan": "atan",
     "Sinh": "sinh", "Cosh": "cosh", "Asinh": "asinh", "Acosh": "acosh", "Atanh": "atanh",
-    "HardSwish": "hardswish", "Not": "not", "IsNaN": "isnan",
+    "Not": "not", "IsNaN": "isnan",
+    **{a.op: a.name for a in ACTIVATION_TABLE if not a.params},
 }
 BINARY = {
     "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Pow": "pow", "PRelu": "prelu",
@@ -45,14 +46,7 @@ BINARY = {
 }
 VARIADIC = {"Sum": "add", "Max": "max", "Min": "min", "Mean": "add"}
 # op -> ((attribute, default), ...): the program op's parameters, in order.
-PARAM_UNARY = {
-    "LeakyRelu": ("leakyrelu", (("alpha", 0.01),)),
-    "Elu": ("elu", (("alpha", 1.0),)),
-    "Selu": ("selu", (("alpha", 1.67326319217681884765625), ("gamma", 1.05070102214813232421875))),
-    "Celu": ("celu", (("alpha", 1.0),)),
-    "HardSigmoid": ("hardsigmoid", (("alpha", 0.2), ("beta", 0.5))),
-    "ThresholdedRelu": ("thresholdedrelu", (("alpha", 1.0),)),
-}
+PARAM_UNARY = {a.op: (a.name, a.params) for a in ACTIVATION_TABLE if a.params}
 SPECIAL = {"Clip", "Where", "Cast", "Identity", "Dropout", "IsInf", "Shrink", "Mish", "Gelu"}
 # The first opset in which each operator has the semantics lowered here (broadcasting included).
 MIN_OPSET = {

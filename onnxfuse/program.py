@@ -44,6 +44,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .graph.slices import slice_indices
+
 DTYPES = {
     "f16": np.float16,
     "bf16": None,  # numpy has no bfloat16; see _to_bf16
@@ -380,23 +382,10 @@ def store_values(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def resolve_slice(dim: int, spec: SliceSpec) -> tuple[int, int, int]:
     """(start, step, length) of an ONNX Slice along a dimension of size `dim`."""
-    start, end, step = spec.start, spec.end, spec.step
-    if step == 0:
+    if spec.step == 0:
         raise ValueError("slice step 0")
-    if start < 0:
-        start += dim
-    if end < 0:
-        end += dim
-    if step > 0:
-        start = min(max(start, 0), dim)
-        end = min(max(end, 0), dim)
-        length = max(0, (end - start + step - 1) // step)
-    else:
-        # ONNX Slice, negative steps: starts clamp to [0, dim-1], ends to [-1, dim-1].
-        start = min(max(start, 0), dim - 1)
-        end = min(max(end, -1), dim - 1)
-        length = max(0, (start - end + (-step) - 1) // (-step))
-    return start, step, length
+    taken = slice_indices(dim, spec.start, spec.end, spec.step)
+    return taken.start, spec.step, len(taken)
 
 
 def apply_view(arr: np.ndarray, view: Sequence[SliceSpec]) -> np.ndarray:

@@ -17,7 +17,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import elem_type
 from onnxfuse.graph.index import GraphIndex
 from onnxfuse.graph.patterns import VIEW_OPS
-from onnxfuse.graph.slices import UNREACHABLE_END
+from onnxfuse.graph.slices import UNREACHABLE_END, read_slice
 from onnxfuse.lowering import NO_OPS, SUPPORTED_OPS, LoweringError, literal_value, lower_node, lowerable, program_dtype
 from onnxfuse.program import Program, SliceSpec, apply_view, resolve_slice
 
@@ -80,42 +80,11 @@ def view_dims(d: list, view: tuple[SliceSpec, ...]) -> list:
 
 def slice_specs(node: gs.Node, opset: int) -> tuple[SliceSpec, ...] | None:
     """The view a Slice node takes of its input (axes made non-negative), None if not constant."""
-    rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
-    if rank is None:
+    rank = gu.rank(node.inputs[0])
+    params = None if rank is None else read_slice(node, opset, rank)
+    if params is None:
         return None
-    if opset < 10:
-        starts, ends = node.attrs.get("starts"), node.attrs.get("ends")
-        axes, steps = node.attrs.get("axes"), None
-        if starts is None or ends is None:
-            return None
-        starts, ends = list(starts), list(ends)
-        axes = list(axes) if axes is not None else None
-    else:
-        ins = node.inputs
-        starts, ends = gu.constant_ints(ins[1]), gu.constant_ints(ins[2])
-        axes = gu.constant_ints(ins[3]) if len(ins) > 3 and gu.is_present(ins[3]) else None
-        steps = gu.constant_ints(ins[4]) if len(ins) > 4 and gu.is_present(ins[4]) else None
-        if starts is None or ends is None:
-            return None
-        if len(ins) > 3 and gu.is_present(ins[3]) and axes is None:
-            return None
-        if len(ins) > 4 and gu.is_present(ins[4]) and steps is None:
-            return None
-    if axes is None:
-        axes = list(range(len(starts)))
-    if steps is None:
-        steps = [1] * len(starts)
-    if not (len(starts) == len(ends) == len(axes) == len(steps)):
-        return None
-    specs = []
-    for a, s, e, st in zip(axes, starts, ends, steps):
-        a = a + rank if a < 0 else a
-        if not 0 <= a < rank or st == 0:
-            return None
-        specs.append(SliceSpec(a, int(s), int(e), int(st)))
-    if len({s.axis for s in specs}) != len(specs):
-        return None
-    return tuple(sorted(specs, key=lambda s: s.axis))
+    return tuple(SliceSpec(axis, start, end, step) for axis, (start, end, step) in sorted(params.items()))
 
 
 def split_specs(node: gs.Node, opset: int) -> list[tuple[SliceSpec, ...]] | None:

@@ -87,7 +87,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
-from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph import facts
+from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.pipeline import Context, Pass
 
@@ -135,12 +136,7 @@ def _perm(node: gs.Node | None) -> list[int] | None:
     return None if p is None else [int(x) for x in p]
 
 
-def _private(graph: gs.Graph, t: gs.Tensor) -> bool:
-    """Read by exactly one node and not a graph output: safe to fold into the fused node."""
-    return isinstance(t, gs.Variable) and len(t.outputs) == 1 and not gu.is_graph_output(graph, t)
-
-
-def _scalar(t: gs.Tensor) -> float | None:
+def _scale_constant(t: gs.Tensor) -> float | None:
     """The value of a constant float tensor of one element and rank <= 4 (so multiplying by it
     changes neither the values' layout nor the rank of a rank-4 operand)."""
     if not gu.is_constant(t):
@@ -157,11 +153,11 @@ def _scaled(graph: gs.Graph, t: gs.Tensor) -> tuple[gs.Tensor, float, gs.Node | 
     node = gu.producer(t)
     if gu.is_op(node, "Mul") and len(node.inputs) == 2:
         for i in (0, 1):
-            c = _scalar(node.inputs[1 - i])
+            c = _scale_constant(node.inputs[1 - i])
             if c is not None and isinstance(node.inputs[i], gs.Variable):
                 return node.inputs[i], c, node
     if gu.is_op(node, "Div") and len(node.inputs) == 2:
-        c = _scalar(node.inputs[1])
+        c = _scale_constant(node.inputs[1])
         if c is not None and c != 0.0 and isinstance(node.inputs[0], gs.Variable):
             return node.inputs[0], float(np.float64(1.0) / np.float64(c)), node
     return t, 1.0, None
@@ -171,14 +167,14 @@ def _same_dim(a, b) -> bool:
     return a is not None and a == b
 
 
-def _head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: gu.ShapeTable) -> Heads | None:
+def _head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: facts.ShapeTable) -> Heads | None:
     """t = Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, [0|B, 0|S, H, d]))), every
     intermediate private; x float32 [B, S, H*d] with H*d static."""
     nodes = []
     cur = t
     for perm in reversed(perms):
         node = gu.producer(cur)
-        if _perm(node) != perm or not _private(graph, node.inputs[0]):
+        if _perm(node) != perm or not gu.is_private(graph, node.inputs[0]):
             return None
         nodes.append(node)
         cur = node.inputs[0]
@@ -206,11 +202,11 @@ def _head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: g
     return Heads(x, reshape, heads, width, list(reversed(nodes)))
 
 
-def _keys(graph: gs.Graph, t: gs.Tensor, shapes: gu.ShapeTable) -> Heads | None:
+def _keys(graph: gs.Graph, t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:
     return _head_split(graph, t, [KEYS_PERM], shapes) or _head_split(graph, t, [HEADS_PERM, LAST_TWO_PERM], shapes)
 
 
-def _merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: gu.ShapeTable) -> bool | None:
+def _merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: facts.ShapeTable) -> bool | None:
     """Whether the merge Reshape's target is [B, Sq, H*dv]: None when it is not provably
     [0|B, 0|Sq, H*dv]; True when it also fixes B and Sq by value (not by copying them from the
     attention output, which a broadcast mask could have grown); False otherwise."""
@@ -237,7 +233,7 @@ def _merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: gu.ShapeT
     return True if _same_dim(sd[0], qd[0]) and _same_dim(sd[1], qd[1]) else None
 
 
-def _mask_fits(mask: gs.Tensor, target: list, shapes: gu.ShapeTable, pinned: bool) -> bool:
+def _mask_fits(mask: gs.Tensor, target: list, shapes: facts.ShapeTable, pinned: bool) -> bool:
     md = shapes.dims(mask)
     if mask.dtype != np.float32 or md is None or len(md) > 4:
         return False
@@ -259,7 +255,7 @@ def _is_causal_constant(value: np.ndarray) -> bool:
     return bool(np.all(v[~future] == 0.0)) and bool(np.all(v[future] <= CAUSAL_MASKED_MAX))
 
 
-def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: gu.ShapeTable) -> tuple[int, int] | None:
+def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: facts.ShapeTable) -> tuple[int, int] | None:
     """(R, C) when `mask` is provably the top-left [Sq, Sk] corner of a causal constant
     [1, ..., 1, R, C]: mask = Slice(c, starts 0, ends [Sq, Sk], axes the last two, steps 1), the
     ends proved equal to q's and k's sequence dims (symbolically, as shape-plumbing evaluates
@@ -305,7 +301,7 @@ def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: 
     return int(value.shape[-2]), int(value.shape[-1])
 
 
-def _keys_pay_on_cpu(k: Heads, shapes: gu.ShapeTable, ctx: Context, causal: bool) -> bool:
+def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> bool:
     """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
     CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
     in causal mode faster than the chain at 512 keys too (untimed beyond: CPU_MAX_CAUSAL_KEYS).
@@ -317,14 +313,14 @@ def _keys_pay_on_cpu(k: Heads, shapes: gu.ShapeTable, ctx: Context, causal: bool
     return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
 
 
-def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context | None = None) -> Match | None:
+def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Context | None = None) -> Match | None:
     if not gu.is_op(softmax, "Softmax") or graph.opset < 13:
         return None
     axis = int(gu.attr(softmax, "axis", -1))
     if axis not in (-1, 3):
         return None
     probs = softmax.outputs[0]
-    if not _private(graph, probs):
+    if not gu.is_private(graph, probs):
         return None
     pv = probs.outputs[0]
     if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not probs:
@@ -337,7 +333,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
     if gu.is_op(add, "Add") and len(add.inputs) == 2:
         for i in (0, 1):
             inner, _, _ = _scaled(graph, add.inputs[i])
-            if gu.is_op(gu.producer(inner), "MatMul") and _private(graph, add.inputs[i]):
+            if gu.is_op(gu.producer(inner), "MatMul") and gu.is_private(graph, add.inputs[i]):
                 logits, mask = add.inputs[i], add.inputs[1 - i]
                 chain_before.append(add)
                 break
@@ -345,20 +341,20 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
             return None
     scores, scale, scale_node = _scaled(graph, logits)
     if scale_node is not None:
-        if not _private(graph, scores):
+        if not gu.is_private(graph, scores):
             return None
         chain_before.append(scale_node)
     qk = gu.producer(scores)
-    if not gu.is_op(qk, "MatMul") or not _private(graph, scores):
+    if not gu.is_op(qk, "MatMul") or not gu.is_private(graph, scores):
         return None
-    if not _private(graph, softmax.inputs[0]):
+    if not gu.is_private(graph, softmax.inputs[0]):
         return None
     q_in, q_scale, q_scale_node = _scaled(graph, qk.inputs[0])
-    if q_scale_node is not None and not _private(graph, qk.inputs[0]):
+    if q_scale_node is not None and not gu.is_private(graph, qk.inputs[0]):
         return None
-    q = _head_split(graph, q_in, [HEADS_PERM], shapes) if _private(graph, q_in) else None
-    k = _keys(graph, qk.inputs[1], shapes) if _private(graph, qk.inputs[1]) else None
-    v = _head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if _private(graph, pv.inputs[1]) else None
+    q = _head_split(graph, q_in, [HEADS_PERM], shapes) if gu.is_private(graph, q_in) else None
+    k = _keys(graph, qk.inputs[1], shapes) if gu.is_private(graph, qk.inputs[1]) else None
+    v = _head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if gu.is_private(graph, pv.inputs[1]) else None
     if q is None or k is None or v is None or qk.inputs[0] is qk.inputs[1]:
         return None
     if not (q.heads == k.heads == v.heads and q.width == k.width):
@@ -367,8 +363,8 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
         q.nodes.append(q_scale_node)
         scale *= q_scale
     ctx_heads = pv.outputs[0]
-    back = gu.single_consumer(ctx_heads) if _private(graph, ctx_heads) else None
-    if _perm(back) != HEADS_PERM or not _private(graph, back.outputs[0]):
+    back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
+    if _perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
         return None
     merge = back.outputs[0].outputs[0]
     out_width = v.heads * v.width
@@ -398,14 +394,14 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: gu.ShapeTable, ctx: Context
     return m
 
 
-def _packed_split(graph: gs.Graph, m: Match, shapes: gu.ShapeTable) -> gs.Node | None:
+def _packed_split(graph: gs.Graph, m: Match, shapes: facts.ShapeTable) -> gs.Node | None:
     """The Split whose outputs 0, 1, 2 are exactly q, k, v, in equal pieces on the last axis."""
     split = gu.producer(m.q.source)
     if not gu.is_op(split, "Split") or len(split.outputs) != 3:
         return None
     if [t is s for t, s in zip(split.outputs, (m.q.source, m.k.source, m.v.source))] != [True] * 3:
         return None
-    if not all(_private(graph, t) for t in split.outputs):
+    if not all(gu.is_private(graph, t) for t in split.outputs):
         return None
     src = split.inputs[0]
     sd = shapes.dims(src)
@@ -422,12 +418,12 @@ def _packed_split(graph: gs.Graph, m: Match, shapes: gu.ShapeTable) -> gs.Node |
     return split
 
 
-def _qkv_bias(graph: gs.Graph, split: gs.Node, shapes: gu.ShapeTable) -> tuple[gs.Node, np.ndarray] | None:
+def _qkv_bias(graph: gs.Graph, split: gs.Node, shapes: facts.ShapeTable) -> tuple[gs.Node, np.ndarray] | None:
     """The packed Split's input as Add(t, c) / Add(c, t), read by the Split alone, with c a
     float32 constant varying only along the last axis of t [B, S, 3D]: (the Add, c as [3D])."""
     src = split.inputs[0]
     add = gu.producer(src)
-    if not gu.is_op(add, "Add") or len(add.inputs) != 2 or not _private(graph, src):
+    if not gu.is_op(add, "Add") or len(add.inputs) != 2 or not gu.is_private(graph, src):
         return None
     width = shapes.dims(src)[2]
     for i in (0, 1):
@@ -551,8 +547,8 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
     if ctx.target == "cuda" and not ctx.options.get("attention_cuda"):
         return 0
-    infer_shapes(graph)
-    shapes = gu.ShapeTable(graph)
+    refresh_shapes(graph)
+    shapes = facts.ShapeTable(graph)
     matches = [m for m in (match(graph, n, shapes, ctx) for n in list(graph.nodes)) if m is not None]
     if ctx.target == "cuda":
         from onnxfuse.cuda.attention_codegen import supported

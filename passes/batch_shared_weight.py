@@ -24,7 +24,7 @@ from collections import defaultdict
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
-from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.pipeline import Context, Pass
 
@@ -80,7 +80,7 @@ def _independent(members: list[tuple[gs.Tensor, Linear]]) -> list[tuple[gs.Tenso
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    infer_shapes(graph)
+    refresh_shapes(graph)
     made = 0
     for key, members in _members(graph).items():
         members = list({id(lin.nodes[0]): (x, lin) for x, lin in members}.values())
@@ -124,9 +124,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         nodes.append(gu.split_node(graph, y, [rows] * len(members), outputs, axis=0, name=f"{base}/Split"))
         graph.nodes.extend(nodes)
         made += len(members)
-    if made:
-        gu.toposort(graph)
-    return made
+    return made  # the pipeline sorts the graph after a pass that rewrote
 
 
 PASS = Pass(

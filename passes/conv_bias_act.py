@@ -34,17 +34,20 @@ original. So on cpu the Conv work is fold-batchnorm's, and the fused op exists o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph.activations import BY_OP, CONV, ops_fused_in
+from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, match_after, op
+from onnxfuse.graph import facts
 from onnxfuse.cuda.conv_codegen import (ConvShape, Epilogue, Kernel, clusters_supported, generate, heuristic_tile,
                                         tensor_cores_supported, tune)
 from onnxfuse.pipeline import Context, Pass
 
 FLOAT = np.dtype(np.float32)
-HARDSWISH = (1.0 / 6.0, 0.5)
 
 
 @dataclass
@@ -57,36 +60,7 @@ class ConvMatch:
     output: gs.Tensor | None = None
 
 
-def _float_attr(node: gs.Node, name: str, default: float) -> float:
-    return float(node.attrs.get(name, default))
-
-
-def _scalar(tensor: gs.Tensor | None) -> float | None:
-    if not gu.is_present(tensor):
-        return None
-    v = gu.constant_value(tensor)
-    if v is None or v.size != 1 or v.dtype.kind not in "fiu":
-        return None
-    return float(v.reshape(-1)[0])
-
-
-def _private(graph: gs.Graph, tensor: gs.Tensor, readers: int = 1) -> bool:
-    """True when `tensor` is internal to a chain: exactly `readers` readers, not a graph output."""
-    return len(tensor.outputs) == readers and not gu.is_graph_output(graph, tensor)
-
-
-def _other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
-    if len(node.inputs) != 2:
-        return None
-    a, b = node.inputs
-    if a is tensor and b is not tensor:
-        return b
-    if b is tensor and a is not tensor:
-        return a
-    return None
-
-
-def conv_shape(conv: gs.Node, shapes: gu.ShapeTable) -> ConvShape | None:
+def conv_shape(conv: gs.Node, shapes: facts.ShapeTable) -> ConvShape | None:
     """The ConvShape of a 2-D Conv with static C, H, W and a 4-D weight; None otherwise."""
     if len(conv.inputs) < 2:
         return None
@@ -137,85 +111,59 @@ def conv_shape(conv: gs.Node, shapes: gu.ShapeTable) -> ConvShape | None:
         return None
 
 
+# The activation forms the epilogue applies, as rules on the Conv's output x. Each names the
+# epilogue's activation and how its parameters (alpha, beta) come from the match. The one-op
+# forms are the shared vocabulary's epilogue activations (onnxfuse/graph/activations.py).
+x = Var("x")
+HARDSWISH = (1.0 / 6.0, 0.5)  # hardswish(v) = v * max(0, min(1, v / 6 + 0.5))
+_HARD_SIGMOID = BY_OP["HardSigmoid"]
+
+
+def _op_params(m: Match) -> tuple[float, float] | None:
+    act = BY_OP.get(m.root.op)
+    if act is not None:
+        return HARDSWISH if act.name == "hardswish" else (*act.values(m.root), 0.0, 0.0)[:2]
+    return gu.clip_bounds(m.root)  # Clip: its bounds, None when one is computed
+
+
+def _reads_all_of_x(m: Match, graph: gs.Graph) -> bool:
+    return all(m.holds(r) for r in m["x"].outputs)
+
+
+def _form(name: str, pattern: OpPattern) -> Rule:
+    return Rule(name, pattern, condition=_reads_all_of_x)
+
+
+def _one_op(op_type: str) -> Rule:
+    name = BY_OP[op_type].name if op_type in BY_OP else op_type.lower()
+    return _form(name, OpPattern(op_type, (x, ANY, ANY) if op_type == "Clip" else (x,)))
+
+
+EPILOGUE_FORMS: tuple[tuple[Rule, Callable[[Match], tuple[float, float] | None]], ...] = (
+    *((_one_op(op_type), _op_params) for op_type in ops_fused_in(CONV)),
+    (_form("silu", x * op.Sigmoid(x)), lambda m: (0.0, 0.0)),
+    (_form("hardswish", x * op.HardSigmoid(x, _name="gate")), lambda m: _HARD_SIGMOID.values(m["gate"])),
+    (_form("hardswish", x * op.Clip(x + 3.0, 0.0, 6.0) / 6.0), lambda m: HARDSWISH),
+    (_form("hardswish", x * (op.Clip(x + 3.0, 0.0, 6.0) / 6.0)), lambda m: HARDSWISH),
+)
+
+
 def _activation(graph: gs.Graph, y: gs.Tensor) -> tuple[list[gs.Node], str, float, float, gs.Tensor] | None:
-    """The activation reading Conv output `y`: (nodes, name, alpha, beta, output) or None."""
+    """The activation reading Conv output `y`: (nodes, name, alpha, beta, output) or None. Only
+    the activation may read y."""
     if gu.is_graph_output(graph, y):
         return None
-    readers = list(y.outputs)
-    if len(readers) == 1:
-        n = readers[0]
-        if not gu.is_default_domain(n) or len(n.outputs) != 1:
-            return None
-        if n.op in ("Relu", "Sigmoid", "Tanh"):
-            return [n], n.op.lower(), 0.0, 0.0, n.outputs[0]
-        if n.op == "LeakyRelu":
-            return [n], "leakyrelu", _float_attr(n, "alpha", 0.01), 0.0, n.outputs[0]
-        if n.op == "HardSigmoid":
-            return [n], "hardsigmoid", _float_attr(n, "alpha", 0.2), _float_attr(n, "beta", 0.5), n.outputs[0]
-        if n.op == "HardSwish":
-            return [n], "hardswish", *HARDSWISH, n.outputs[0]
-        if n.op == "Clip":
-            if "min" in n.attrs or "max" in n.attrs:  # opset < 11
-                lo, hi = _float_attr(n, "min", -np.inf), _float_attr(n, "max", np.inf)
-            else:
-                lo_t = n.inputs[1] if len(n.inputs) > 1 else None
-                hi_t = n.inputs[2] if len(n.inputs) > 2 else None
-                lo, hi = _scalar(lo_t), _scalar(hi_t)
-                if (gu.is_present(lo_t) and lo is None) or (gu.is_present(hi_t) and hi is None):
-                    return None
-                lo = -np.inf if lo is None else lo
-                hi = np.inf if hi is None else hi
-            return [n], "clip", lo, hi, n.outputs[0]
+    found = match_after([rule for rule, _ in EPILOGUE_FORMS], graph, y, "x")
+    if found is None:
         return None
-    if len(readers) == 2:
-        return _gated_activation(graph, y, readers)
-    return None
+    rule, m = found
+    params = dict((id(r), p) for r, p in EPILOGUE_FORMS)[id(rule)](m)
+    if params is None:
+        return None
+    return m.nodes, rule.name, params[0], params[1], m.output
 
 
-def _gated_activation(graph, y, readers):
-    """y * gate(y): SiLU (Sigmoid), hard-swish (HardSigmoid, or Clip(y + 3, 0, 6) then / 6)."""
-    mul = next((n for n in readers if gu.is_op(n, "Mul")), None)
-    gate = next((n for n in readers if n is not mul), None)
-    if mul is None or gate is None or not gu.is_default_domain(gate) or len(gate.outputs) != 1:
-        return None
-    g_out = gate.outputs[0]
-    if gu.is_op(gate, "Sigmoid", "HardSigmoid"):
-        if _other_input(mul, y) is not g_out or not _private(graph, g_out):
-            return None
-        if gate.op == "Sigmoid":
-            return [gate, mul], "silu", 0.0, 0.0, mul.outputs[0]
-        return [gate, mul], "hardswish", _float_attr(gate, "alpha", 0.2), _float_attr(gate, "beta", 0.5), mul.outputs[0]
-    # x * Relu6(x + 3) / 6, the division either after the product or on the gate
-    if not gu.is_op(gate, "Add") or _scalar(_other_input(gate, y)) != 3.0 or not _private(graph, g_out):
-        return None
-    clip = g_out.outputs[0]
-    if not gu.is_op(clip, "Clip") or len(clip.outputs) != 1 or not _private(graph, clip.outputs[0]):
-        return None
-    if "min" in clip.attrs or "max" in clip.attrs:
-        lo, hi = _float_attr(clip, "min", -np.inf), _float_attr(clip, "max", np.inf)
-    else:
-        lo = _scalar(clip.inputs[1]) if len(clip.inputs) > 1 else None
-        hi = _scalar(clip.inputs[2]) if len(clip.inputs) > 2 else None
-    if lo != 0.0 or hi != 6.0:
-        return None
-    c_out = clip.outputs[0]
-    if _other_input(mul, y) is c_out:
-        prod = mul.outputs[0]
-        div = gu.single_consumer(prod)
-        if not gu.is_op(div, "Div") or div.inputs[0] is not prod or _scalar(div.inputs[1]) != 6.0:
-            return None
-        if not _private(graph, prod):
-            return None
-        return [gate, clip, mul, div], "hardswish", *HARDSWISH, div.outputs[0]
-    div = gu.single_consumer(c_out)
-    if not gu.is_op(div, "Div") or div.inputs[0] is not c_out or _scalar(div.inputs[1]) != 6.0:
-        return None
-    if _other_input(mul, y) is not div.outputs[0] or not _private(graph, div.outputs[0]):
-        return None
-    return [gate, clip, div, mul], "hardswish", *HARDSWISH, mul.outputs[0]
-
-
-def match(graph: gs.Graph, conv: gs.Node, shapes: gu.ShapeTable) -> ConvMatch | None:
+def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch | None:
     if not gu.is_op(conv, "Conv") or len(conv.outputs) != 1:
         return None
     shape = conv_shape(conv, shapes)
@@ -230,8 +178,8 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: gu.ShapeTable) -> ConvMatch | 
         m.nodes += nodes
     residual, post_relu = None, False
     n = gu.single_consumer(y)
-    if gu.is_op(n, "Add", "Sum") and _private(graph, y) and len(n.inputs) == 2:
-        z = _other_input(n, y)
+    if gu.is_op(n, "Add", "Sum") and gu.is_private(graph, y) and len(n.inputs) == 2:
+        z = gu.other_input(n, y)
         yd, zd = shapes.dims(y), shapes.dims(z) if z is not None else None
         same = (z is not None and yd is not None and zd is not None and len(yd) == len(zd) == 4
                 and yd[1:] == zd[1:] and all(isinstance(d, int) for d in yd[1:])
@@ -241,7 +189,7 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: gu.ShapeTable) -> ConvMatch | 
             m.nodes.append(n)
             y = n.outputs[0]
             r = gu.single_consumer(y)
-            if gu.is_op(r, "Relu") and _private(graph, y):
+            if gu.is_op(r, "Relu") and gu.is_private(graph, y):
                 post_relu = True
                 m.nodes.append(r)
                 y = r.outputs[0]
@@ -323,7 +271,7 @@ def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.N
 def run(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target != "cuda":
         return 0
-    shapes = gu.ShapeTable(graph)
+    shapes = facts.ShapeTable(graph)
     # "pays" (default): only layers where our kernel is expected to win; "always": every match
     # (benchmarks and tests of the kernel itself).
     policy = ctx.options.get("conv_policy", "pays")
@@ -351,7 +299,7 @@ def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
     for fold in select_passes(["fold-batchnorm"], "cuda"):
         fold.run(graph, ctx)
     gu.toposort(gu.cleanup(graph))
-    shapes = gu.ShapeTable(graph)
+    shapes = facts.ShapeTable(graph)
     out = []
     for conv in graph.nodes:
         if not gu.is_op(conv, "Conv"):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from onnxfuse.graph import core as gu
+from onnxfuse.graph import facts
 from onnxfuse.cuda import attention_codegen, codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse.fused import DOMAIN
@@ -41,14 +41,14 @@ def iteration_rank(node: gs.Node) -> int:
     return max([1, *ranks])
 
 
-def _static_last_dim(t: gs.Tensor, shapes: gu.ShapeTable | None) -> int | None:
+def _static_last_dim(t: gs.Tensor, shapes: facts.ShapeTable | None) -> int | None:
     shape = shapes.dims(t) if shapes is not None else t.shape
     if not shape or not isinstance(shape[-1], int) or isinstance(shape[-1], bool) or shape[-1] < 1:
         return None
     return shape[-1]
 
 
-def attention_spec(node: gs.Node, shapes: gu.ShapeTable | None = None) -> attention_codegen.AttentionSpec | None:
+def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> attention_codegen.AttentionSpec | None:
     """The kernel an onnxfuse.Attention node needs, or None when its head sizes are not known
     statically (from the tensors' recorded shapes, or `shapes` when given) or exceed what the
     kernel supports."""
@@ -97,7 +97,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             jobs.append((node, kernel.source, kernel.entry, launch))
         elif node.op == "Attention":
             if shapes is None:
-                shapes = gu.ShapeTable(graph)
+                shapes = facts.ShapeTable(graph)
             spec = attention_spec(node, shapes)
             if spec is None:
                 continue  # no kernel: the CUDA kernel reports it when a session runs the node

@@ -30,7 +30,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
-from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.activations import STACKED_MLP
+from onnxfuse.graph.activations import TABLE as ACTIVATION_TABLE
+from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph.patterns import ACTIVATIONS
 from onnxfuse.pipeline import Context, Pass
@@ -128,7 +130,7 @@ def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
     return c if axis in (1, -1) else None
 
 
-STACKED_MLP_ACTIVATIONS = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+STACKED_MLP_ACTIVATIONS = {a.op: a.name for a in ACTIVATION_TABLE if STACKED_MLP in a.fused_in}
 
 
 def _stacked_mlp_activations(layers: list[Layer]) -> list[str] | None:
@@ -245,7 +247,7 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
 
 
 def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
-    infer_shapes(graph)
+    refresh_shapes(graph)
     rewrites = 0
     for x in list(graph.tensors().values()):
         if isinstance(x, gs.Constant) or len(x.outputs) < 2 or gu.rank(x) != 2:

@@ -58,7 +58,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import linear as gl
-from onnxfuse.graph.facts import infer_shapes
+from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph.patterns import ACTIVATIONS, ELEMENTWISE
 from onnxfuse.pipeline import Context, Pass
@@ -196,7 +196,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
 
 
 def batch_sibling_matmul(graph: gs.Graph, ctx: Context) -> int:
-    infer_shapes(graph)
+    refresh_shapes(graph)
     rewrites = 0
     changed = True
     while changed:
@@ -257,7 +257,7 @@ def _gather_member(graph: gs.Graph, mm: gs.Node):
 
 
 def hoist_matmul_over_gather(graph: gs.Graph, ctx: Context) -> int:
-    infer_shapes(graph)
+    refresh_shapes(graph)
     groups: dict[tuple, list] = {}
     for node in list(graph.nodes):
         m = _gather_member(graph, node)
@@ -350,7 +350,7 @@ def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
 def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
     if pointwise_fusion_runs(ctx):
         return 0
-    infer_shapes(graph)
+    refresh_shapes(graph)
     rewrites = 0
     for root in list(graph.nodes):
         if not gu.is_op(root, "Add") or not root.outputs:

@@ -17,19 +17,20 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
 from onnxfuse.pipeline import Context, Pass
 
-
-def remove_identity(graph: gs.Graph, ctx: Context) -> int:
-    removed = 0
-    for node in list(graph.nodes):
-        if gu.is_op(node, "Identity") and len(node.inputs) == 1 and len(node.outputs) == 1:
-            removed += gu.bypass(graph, node)
-    return removed
+x = Var("x")
 
 
-def _dropout_in_inference(node: gs.Node, opset: int) -> bool:
-    if opset < 7:
+def _bypass(graph: gs.Graph, m: Match) -> bool:
+    return gu.bypass(graph, m.root)
+
+
+def _dropout_in_inference(m: Match, graph: gs.Graph) -> bool:
+    node = m.root
+    if (graph.opset or 1) < 7:
         # Dropout-1 and -6 run the training behaviour unless is_test is set.
         return bool(gu.attr(node, "is_test", 0))
     if len(node.inputs) < 3 or not gu.is_present(node.inputs[2]):
@@ -38,13 +39,19 @@ def _dropout_in_inference(node: gs.Node, opset: int) -> bool:
     return mode is not None and mode.size == 1 and not bool(mode.reshape(-1)[0])
 
 
+IDENTITY = Rule("remove-identity", op.Identity(x), rewrite=_bypass)
+# ratio and training_mode are inputs from opset 12; the mask is a second output (bypass keeps
+# the node when it is read).
+DROPOUT = Rule("remove-dropout", op.Dropout(x, ANY, ANY, _outputs=None), rewrite=_bypass,
+               condition=_dropout_in_inference)
+
+
+def remove_identity(graph: gs.Graph, ctx: Context) -> int:
+    return rules.apply(graph, [IDENTITY])
+
+
 def remove_dropout(graph: gs.Graph, ctx: Context) -> int:
-    removed = 0
-    opset = graph.opset or 1
-    for node in list(graph.nodes):
-        if gu.is_op(node, "Dropout") and node.inputs and node.outputs and _dropout_in_inference(node, opset):
-            removed += gu.bypass(graph, node)
-    return removed
+    return rules.apply(graph, [DROPOUT])
 
 
 PASSES = [

@@ -30,6 +30,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import ShapeTable
 from onnxfuse.graph.shape_values import Mono, ShapeEvaluator, numpy_dtype
 from onnxfuse.graph.slices import slice_indices
 from onnxfuse.pipeline import Context, Pass
@@ -70,7 +71,7 @@ def _better(new: list, old: list | None) -> bool:
     return len(new) == len(old) and any(n is not None and n != o for n, o in zip(new, old))
 
 
-def _dim_facts(graph: gs.Graph, shapes: gu.ShapeTable, ev: "ShapeEvaluator") -> dict[str, list]:
+def _dim_facts(graph: gs.Graph, shapes: ShapeTable, ev: "ShapeEvaluator") -> dict[str, list]:
     """Dims of Slice outputs with run-time bounds and of broadcasts of them: what a causal mask
     sliced to the sequence length, added to the attention scores, needs to keep the
     sequence dim's name."""
@@ -223,10 +224,10 @@ def _reads_dims(graph: gs.Graph) -> bool:
 def _rewrite_round(graph: gs.Graph) -> int:
     gu.toposort(graph)
     if not _reads_dims(graph):
-        shapes = gu.ShapeTable(graph, infer=False)  # never consulted (see _reads_dims)
+        shapes = ShapeTable(graph, infer=False)  # never consulted (see _reads_dims)
         ev = ShapeEvaluator(graph, shapes)
     else:
-        shapes = gu.ShapeTable(graph)
+        shapes = ShapeTable(graph)
         ev = ShapeEvaluator(graph, shapes)
         for _ in range(MAX_ROUNDS):
             facts = _dim_facts(graph, shapes, ev)

@@ -31,6 +31,9 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import facts
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
 from onnxfuse.graph.slices import UNREACHABLE_END, normalize_axis, read_slice, slice_indices
 from onnxfuse.pipeline import Context, Pass
 
@@ -97,10 +100,10 @@ def _write_slice(graph: gs.Graph, node: gs.Node, data: gs.Tensor, params: dict[i
 # Passes -------------------------------------------------------------------------------------
 
 
-def _shapes_if(graph: gs.Graph, needed: bool) -> gu.ShapeTable | None:
+def _shapes_if(graph: gs.Graph, needed: bool) -> facts.ShapeTable | None:
     """A ShapeTable when the pass has a candidate to look at (inferring shapes is most of what
     these passes cost, and most graphs hold no candidate for most of them), else None."""
-    return gu.ShapeTable(graph) if needed else None
+    return facts.ShapeTable(graph) if needed else None
 
 
 def _fed_by(graph: gs.Graph, op: str, producer_op: str) -> bool:
@@ -131,39 +134,36 @@ def remove_noop_slice(graph: gs.Graph, ctx: Context) -> int:
     return removed
 
 
+# A Slice of a Slice whose result only the outer one reads (opset < 10: one input, attributes).
+SLICE_OF_SLICE = op.Slice(op.Slice(Var("x"), ANY, ANY, ANY, ANY, _name="inner"), ANY, ANY, ANY, ANY)
+
+
+def _merge(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, opset: int) -> bool:
+    inner, outer = m["inner"], m.root
+    d = shapes.dims(inner.inputs[0])
+    rank = None if d is None else len(d)
+    a = read_slice(inner, opset, rank)
+    b = read_slice(outer, opset, rank)
+    if a is None or b is None:
+        return False
+    params = dict(a)
+    for axis, pb in b.items():
+        if axis not in a:
+            params[axis] = pb
+            continue
+        composed = _compose(pb, a[axis], d[axis] if d is not None else None)
+        if composed is None:
+            return False
+        params[axis] = composed
+    return _write_slice(graph, outer, inner.inputs[0], params, opset)
+
+
 def merge_slices(graph: gs.Graph, ctx: Context) -> int:
-    shapes = _shapes_if(graph, _fed_by(graph, "Slice", "Slice"))
-    opset = graph.opset or 1
-    merged = 0
-    for outer in list(graph.nodes):
-        if not gu.is_op(outer, "Slice") or not outer.inputs:
-            continue
-        mid = outer.inputs[0]
-        inner = gu.producer(mid)
-        if not gu.is_op(inner, "Slice") or gu.single_consumer(mid) is not outer or gu.is_graph_output(graph, mid):
-            continue
-        d = shapes.dims(inner.inputs[0])
-        rank = None if d is None else len(d)
-        a = read_slice(inner, opset, rank)
-        b = read_slice(outer, opset, rank)
-        if a is None or b is None:
-            continue
-        params = dict(a)
-        for axis, pb in b.items():
-            if axis not in a:
-                params[axis] = pb
-                continue
-            dim = d[axis] if d is not None else None
-            composed = _compose(pb, a[axis], dim)
-            if composed is None:
-                params = None
-                break
-            params[axis] = composed
-        if params is None:
-            continue
-        if _write_slice(graph, outer, inner.inputs[0], params, opset):
-            merged += 1
-    return merged
+    if not _fed_by(graph, "Slice", "Slice"):
+        return 0
+    shapes, opset = facts.ShapeTable(graph), graph.opset or 1
+    rule = Rule("merge-slices", SLICE_OF_SLICE, rewrite=lambda g, m: _merge(g, m, shapes, opset))
+    return rules.apply(graph, [rule])
 
 
 def _split_axis(node: gs.Node, rank: int | None) -> int | None:

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse import api, modelio, verify, zoo
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import facts
 from onnxfuse.passes import fold_batchnorm
 
 ZOO = ["inception_v1", "shufflenet", "gpt_stack", "mobilenetv3"]
@@ -108,7 +109,7 @@ def test_export_model_writes_what_graphsurgeon_writes(name):
 
 def test_inference_model_describes_large_weights_by_type_and_shape():
     graph = gs.import_onnx(large_weight_model())
-    model, left_out = gu.inference_model(graph)
+    model, left_out = facts.inference_model(graph)
     assert [t.name for t in model.graph.initializer] == ["b", "shape"]
     w = next(v for v in model.graph.input if v.name == "W")
     assert [d.dim_value for d in w.type.tensor_type.shape.dim] == [64, 96]
@@ -116,10 +117,10 @@ def test_inference_model_describes_large_weights_by_type_and_shape():
 
 
 def test_shape_table_of_large_weight_model_knows_reshape_output():
-    shapes = gu.ShapeTable(gs.import_onnx(large_weight_model()))
+    shapes = facts.ShapeTable(gs.import_onnx(large_weight_model()))
     graph = gs.import_onnx(large_weight_model())
     y = next(t for t in graph.outputs if t.name == "y")
-    assert gu.ShapeTable(graph).dims(y) == shapes.dims(y) == ["batch", 8, 12]
+    assert facts.ShapeTable(graph).dims(y) == shapes.dims(y) == ["batch", 8, 12]
 
 
 def test_shape_table_infers_once_for_an_unchanged_graph(monkeypatch):
@@ -127,13 +128,13 @@ def test_shape_table_infers_once_for_an_unchanged_graph(monkeypatch):
     calls = []
     real = onnx.shape_inference.infer_shapes
     monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda *a, **k: calls.append(1) or real(*a, **k))
-    first = gu.ShapeTable(graph)
-    second = gu.ShapeTable(graph)
+    first = facts.ShapeTable(graph)
+    second = facts.ShapeTable(graph)
     assert len(calls) == 1
     y = graph.outputs[0]
     assert first.dims(y) == second.dims(y) == ["batch", 8, 12]
     graph.nodes[2].op = "Sigmoid"  # a changed graph is inferred again
-    gu.ShapeTable(graph)
+    facts.ShapeTable(graph)
     assert len(calls) == 2
 
 

@@ -57,10 +57,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from onnxfuse.graph.activations import CONV, names_fused_in
+
 ABI_VERSION = 1
 H100_SMS = 132  # streaming multiprocessors the heuristic fills (sm_90 parts have 114..132)
 
-ACTIVATIONS = ("none", "relu", "leakyrelu", "clip", "sigmoid", "hardsigmoid", "hardswish", "tanh", "silu")
+# The epilogue's activations: the shared vocabulary's (onnxfuse/graph/activations.py) and SiLU,
+# which conv-bias-act matches as x * Sigmoid(x).
+ACTIVATIONS = ("none", *names_fused_in(CONV), "silu")
 
 
 @dataclass(frozen=True)

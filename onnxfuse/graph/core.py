@@ -78,6 +78,53 @@ def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
     return None
 
 
+def scalar(tensor: gs.Tensor | None) -> float | None:
+    """The value of a numeric constant of one element (initializer or Constant node), else None.
+    A larger initializer is ruled out by its shape, without reading its values."""
+    if not is_present(tensor):
+        return None
+    if isinstance(tensor, gs.Constant) and tensor.shape is not None and int(np.prod(tensor.shape)) != 1:
+        return None
+    v = constant_value(tensor)
+    if v is None or v.size != 1 or v.dtype.kind not in "fiub":
+        return None
+    return float(v.reshape(-1)[0])
+
+
+def clip_bounds(node: gs.Node) -> tuple[float, float] | None:
+    """(min, max) of a Clip node, -inf/inf where absent; None when a bound is computed. Bounds
+    are attributes before opset 11, inputs from then on."""
+    if "min" in node.attrs or "max" in node.attrs:
+        return float(node.attrs.get("min", -np.inf)), float(node.attrs.get("max", np.inf))
+    bounds = []
+    for i, absent in ((1, -np.inf), (2, np.inf)):
+        t = node.inputs[i] if len(node.inputs) > i else None
+        value = scalar(t)
+        if is_present(t) and value is None:
+            return None
+        bounds.append(absent if value is None else value)
+    return bounds[0], bounds[1]
+
+
+def other_input(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
+    """The other operand of a two-input node that reads `tensor` once (None when it reads it
+    twice, or not at all)."""
+    if len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    if a is tensor and b is not tensor:
+        return b
+    if b is tensor and a is not tensor:
+        return a
+    return None
+
+
+def is_private(graph: gs.Graph, tensor: gs.Tensor, readers: int = 1) -> bool:
+    """True when `tensor` is internal to a chain: a computed value with exactly `readers`
+    readers, not a graph output (a rewrite may fold it away)."""
+    return isinstance(tensor, gs.Variable) and len(tensor.outputs) == readers and not is_graph_output(graph, tensor)
+
+
 def is_constant(tensor: gs.Tensor) -> bool:
     """constant_value(tensor) is not None, without reading (and so loading) the value: a weight
     read once is converted to and from numpy from then on."""
@@ -379,72 +426,6 @@ def bypass(graph: gs.Graph, node: gs.Node, input_index: int = 0, output_index: i
     return True
 
 
-# Shape inference --------------------------------------------------------------------------
-
-# Initializers at most this large keep their values during inference (shape constants need
-# theirs); larger ones are described by type and shape only, so inference stays cheap and
-# far from protobuf's 2 GiB limit.
-_INFER_KEEP_ELEMENTS = 4096
-
-
-def _merge_dim(a, b):
-    for pick in (int, str):
-        for d in (a, b):
-            if isinstance(d, pick):
-                return d
-    return None
-
-
-class ShapeTable:
-    """Dims of every tensor of a graph: what the graph records merged with what onnx shape
-    inference (with data propagation) derives. Symbolic dims are names; a name means the same
-    size wherever it appears; names inference invents (unk__N) never clash with existing ones.
-    A table describes the graph as it was when built: rebuild it after rewrites that change
-    shapes."""
-
-    def __init__(self, graph: gs.Graph, infer: bool = True, _annotate: dict | None = None) -> None:
-        self._types: dict[str, int] = {}
-        self._inferred: dict[str, list] = _infer_dims(graph, self._types, _annotate) if infer else {}
-
-    def refined(self, graph: gs.Graph, hints: dict[str, list]) -> "ShapeTable":
-        """A new table where the tensors in `hints` have the given dims (facts a pass derived that
-        onnx inference cannot, e.g. about broadcasting) and what depends on them is inferred
-        again; everything else keeps this table's dims, symbol names included, so names stay
-        comparable across the two tables."""
-        tensors = graph.tensors()
-        downstream: set[str] = set()
-        stack = [tensors[n] for n in hints if n in tensors]
-        while stack:
-            for node in stack.pop().outputs:
-                for out in node.outputs:
-                    if out.name not in downstream:
-                        downstream.add(out.name)
-                        stack.append(out)
-        annotate = {n: (self._types.get(n, 0), d) for n, d in self._inferred.items() if n not in downstream}
-        for n, d in hints.items():
-            annotate[n] = (self._types.get(n, 0), d)
-        return ShapeTable(graph, _annotate=annotate)
-
-    def dims(self, tensor: gs.Tensor) -> list[int | str | None] | None:
-        own = dims(tensor)
-        inferred = self._inferred.get(tensor.name)
-        if own is None or (inferred is not None and len(inferred) != len(own)):
-            return list(inferred) if inferred is not None else None
-        if inferred is None:
-            return own
-        return [_merge_dim(a, b) for a, b in zip(own, inferred)]
-
-    def rank(self, tensor: gs.Tensor) -> int | None:
-        d = self.dims(tensor)
-        return None if d is None else len(d)
-
-    def static_shape(self, tensor: gs.Tensor) -> tuple[int, ...] | None:
-        d = self.dims(tensor)
-        if d is None or any(not isinstance(x, int) for x in d):
-            return None
-        return tuple(d)
-
-
 def export_model(graph: gs.Graph, keep_elements: int | None = None):
     """(model, bytes left out): the model gs.export_onnx(graph, do_type_check=False) writes,
     field for field, with each initializer copied once (gs.export_onnx copies every weight
@@ -518,65 +499,6 @@ def export_model(graph: gs.Graph, keep_elements: int | None = None):
     if graph.ir_version is not None:
         model.ir_version = graph.ir_version
     return model, left_out
-
-
-def inference_model(graph: gs.Graph, keep_elements: int = _INFER_KEEP_ELEMENTS):
-    """(model, bytes left out): `graph` as shape inference is given it (see export_model)."""
-    return export_model(graph, keep_elements)
-
-
-# Inferred tables kept per graph (keyed by the exact model handed to inference), so that
-# passes that find nothing to rewrite do not pay for inference on the same graph again.
-_CACHE_ATTRIBUTE = "_onnxfuse_inferred_dims"
-_CACHE_SIZE = 8
-
-
-def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = None) -> dict[str, list]:
-    import hashlib
-
-    import onnx
-    from onnx import helper
-
-    try:
-        model, _ = inference_model(graph)
-    except Exception:  # a graph graphsurgeon cannot export has no inferable shapes either
-        return {}
-    g = model.graph
-    if annotate:
-        interface = {v.name for v in list(g.input) + list(g.output)} | {t.name for t in g.initializer}
-        others = [vi for vi in g.value_info if vi.name not in annotate]
-        del g.value_info[:]
-        g.value_info.extend(others)
-        for name, (elem_type, d) in annotate.items():
-            if name not in interface and elem_type:
-                g.value_info.append(helper.make_tensor_value_info(name, elem_type, list(d)))
-    if model.ir_version > 10:
-        model.ir_version = 10
-    key = hashlib.sha256(model.SerializeToString()).digest()
-    cache: dict = graph.__dict__.setdefault(_CACHE_ATTRIBUTE, {})
-    if key in cache:
-        cached_types, cached_table = cache[key]
-        types.update(cached_types)
-        return dict(cached_table)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-    except Exception:  # inference is an aid: without it passes see only the recorded shapes
-        return {}
-    table: dict[str, list] = {}
-    found_types: dict[str, int] = {}
-    for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
-        tt = vi.type.tensor_type
-        if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
-            continue
-        found_types[vi.name] = tt.elem_type
-        table[vi.name] = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-        ]
-    if len(cache) >= _CACHE_SIZE:
-        del cache[next(iter(cache))]
-    cache[key] = (found_types, table)
-    types.update(found_types)
-    return dict(table)
 
 
 def rank(t: gs.Tensor) -> int | None:

@@ -1,4 +1,8 @@
-"""Facts about a graph's tensors that passes ask for: shapes filled in by inference."""
+"""Facts about a graph's tensors: element types, and shapes from onnx shape inference.
+
+Inference runs on the graph as exported with its large weights described by type and shape
+only (core.export_model), so asking never copies weights.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -10,29 +14,131 @@ from onnxfuse.modelio import infer_light_model
 from . import core as gu
 
 
-def infer_shapes(graph: gs.Graph) -> None:
-    """Fill in the shapes of intermediate tensors that the model did not record (ONNX shape
-    inference on an exported copy); the rules below need ranks and leading dims."""
-    import onnx
+# Shape inference --------------------------------------------------------------------------
 
-    if all(t.shape is not None for t in graph.tensors().values() if isinstance(t, gs.Variable) and t.inputs):
-        return
+# Initializers at most this large keep their values during inference (shape constants need
+# theirs); larger ones are described by type and shape only, so inference stays cheap and
+# far from protobuf's 2 GiB limit.
+_INFER_KEEP_ELEMENTS = 4096
+
+
+def _merge_dim(a, b):
+    for pick in (int, str):
+        for d in (a, b):
+            if isinstance(d, pick):
+                return d
+    return None
+
+
+class ShapeTable:
+    """Dims of every tensor of a graph: what the graph records merged with what onnx shape
+    inference (with data propagation) derives. Symbolic dims are names; a name means the same
+    size wherever it appears; names inference invents (unk__N) never clash with existing ones.
+    A table describes the graph as it was when built: rebuild it after rewrites that change
+    shapes."""
+
+    def __init__(self, graph: gs.Graph, infer: bool = True, _annotate: dict | None = None) -> None:
+        self._types: dict[str, int] = {}
+        self._inferred: dict[str, list] = _infer_dims(graph, self._types, _annotate) if infer else {}
+
+    def refined(self, graph: gs.Graph, hints: dict[str, list]) -> "ShapeTable":
+        """A new table where the tensors in `hints` have the given dims (facts a pass derived that
+        onnx inference cannot, e.g. about broadcasting) and what depends on them is inferred
+        again; everything else keeps this table's dims, symbol names included, so names stay
+        comparable across the two tables."""
+        tensors = graph.tensors()
+        downstream: set[str] = set()
+        stack = [tensors[n] for n in hints if n in tensors]
+        while stack:
+            for node in stack.pop().outputs:
+                for out in node.outputs:
+                    if out.name not in downstream:
+                        downstream.add(out.name)
+                        stack.append(out)
+        annotate = {n: (self._types.get(n, 0), d) for n, d in self._inferred.items() if n not in downstream}
+        for n, d in hints.items():
+            annotate[n] = (self._types.get(n, 0), d)
+        return ShapeTable(graph, _annotate=annotate)
+
+    def dims(self, tensor: gs.Tensor) -> list[int | str | None] | None:
+        own = gu.dims(tensor)
+        inferred = self._inferred.get(tensor.name)
+        if own is None or (inferred is not None and len(inferred) != len(own)):
+            return list(inferred) if inferred is not None else None
+        if inferred is None:
+            return own
+        return [_merge_dim(a, b) for a, b in zip(own, inferred)]
+
+    def rank(self, tensor: gs.Tensor) -> int | None:
+        d = self.dims(tensor)
+        return None if d is None else len(d)
+
+    def static_shape(self, tensor: gs.Tensor) -> tuple[int, ...] | None:
+        d = self.dims(tensor)
+        if d is None or any(not isinstance(x, int) for x in d):
+            return None
+        return tuple(d)
+
+
+def inference_model(graph: gs.Graph, keep_elements: int = _INFER_KEEP_ELEMENTS):
+    """(model, bytes left out): `graph` as shape inference is given it (see export_model)."""
+    return gu.export_model(graph, keep_elements)
+
+
+# Inferred tables kept per graph (keyed by the exact model handed to inference), so that
+# passes that find nothing to rewrite do not pay for inference on the same graph again.
+_CACHE_ATTRIBUTE = "_onnxfuse_inferred_dims"
+
+
+_CACHE_SIZE = 8
+
+
+def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = None) -> dict[str, list]:
+    import hashlib
+
+    import onnx
+    from onnx import helper
+
     try:
-        model = gs.export_onnx(graph.copy(), do_type_check=False)
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # shape inference is best effort: unknown shapes only disable rewrites
-        return
-    known = {vi.name: vi for vi in list(model.graph.value_info) + list(model.graph.output)}
-    for name, t in graph.tensors().items():
-        vi = known.get(name)
-        if not isinstance(t, gs.Variable) or vi is None or t.shape is not None:
-            continue
+        model, _ = inference_model(graph)
+    except Exception:  # a graph graphsurgeon cannot export has no inferable shapes either
+        return {}
+    g = model.graph
+    if annotate:
+        interface = {v.name for v in list(g.input) + list(g.output)} | {t.name for t in g.initializer}
+        others = [vi for vi in g.value_info if vi.name not in annotate]
+        del g.value_info[:]
+        g.value_info.extend(others)
+        for name, (elem_type, d) in annotate.items():
+            if name not in interface and elem_type:
+                g.value_info.append(helper.make_tensor_value_info(name, elem_type, list(d)))
+    if model.ir_version > 10:
+        model.ir_version = 10
+    key = hashlib.sha256(model.SerializeToString()).digest()
+    cache: dict = graph.__dict__.setdefault(_CACHE_ATTRIBUTE, {})
+    if key in cache:
+        cached_types, cached_table = cache[key]
+        types.update(cached_types)
+        return dict(cached_table)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # inference is an aid: without it passes see only the recorded shapes
+        return {}
+    table: dict[str, list] = {}
+    found_types: dict[str, int] = {}
+    for vi in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
         tt = vi.type.tensor_type
-        if not tt.HasField("shape"):
+        if not vi.type.HasField("tensor_type") or not tt.HasField("shape"):
             continue
-        t.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
-        if t.dtype is None and tt.elem_type:
-            t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        found_types[vi.name] = tt.elem_type
+        table[vi.name] = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        ]
+    if len(cache) >= _CACHE_SIZE:
+        del cache[next(iter(cache))]
+    cache[key] = (found_types, table)
+    types.update(found_types)
+    return dict(table)
 
 
 def elem_type(t: gs.Tensor) -> int | None:
@@ -57,7 +163,7 @@ def refresh_shapes(graph: gs.Graph) -> None:
         return  # nothing to fill in
     try:
         # Large weights are described by type and shape: inferring on them costs their copies.
-        model, left_out = gu.inference_model(graph)
+        model, left_out = inference_model(graph)
     except Exception:
         return
     model = infer_light_model(model, left_out) or model

@@ -16,15 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from onnxfuse.fused import DOMAIN, DOMAIN_VERSION
 
 from . import core as gu
+from .activations import ORT_FUSED_CONV, ORT_FUSED_GEMM, ORT_NCHWC, ops_fused_in
 from .index import GraphIndex
-from .patterns import VIEW_OPS
+from . import rules
+from .patterns import GELU_FORMS, VIEW_OPS
 
 # What onnxruntime executes for a model: its graph after all of its own optimizations.
 ExecutedGraph = Callable[[onnx.ModelProto], onnx.ModelProto]
@@ -96,30 +97,8 @@ def runtime_unfused(graph: gs.Graph, executed_graph: ExecutedGraph) -> set[int] 
             if (f"{PROBE_NAME}{i}", model.graph.node[i].domain or "", model.graph.node[i].op_type) in kept}
 
 
-def _std(n: gs.Node | None, *ops: str) -> bool:
-    return n is not None and gu.is_op(n, *ops)
-
-
-def _scalar_const(t: gs.Tensor) -> float | None:
-    v = gu.constant_value(t) if gu.is_present(t) else None
-    if v is None or np.asarray(v).size != 1:
-        return None
-    return float(np.asarray(v).reshape(-1)[0])
-
-
-def _other(n: gs.Node, t: gs.Tensor) -> gs.Tensor | None:
-    """The other operand of a binary node that reads `t`."""
-    if len(n.inputs) != 2:
-        return None
-    if n.inputs[0] is t:
-        return n.inputs[1]
-    if n.inputs[1] is t:
-        return n.inputs[0]
-    return None
-
-
-_FUSED_CONV_ACTIVATIONS = ("Relu", "Clip", "Sigmoid", "Tanh", "LeakyRelu", "HardSigmoid")
-_FUSED_GEMM_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh", "LeakyRelu", "HardSigmoid")
+_FUSED_CONV_ACTIVATIONS = ops_fused_in(ORT_FUSED_CONV)
+_FUSED_GEMM_ACTIVATIONS = ops_fused_in(ORT_FUSED_GEMM)
 
 
 def match_conv_activation(a: GraphIndex) -> Iterable[gs.Node]:
@@ -132,15 +111,15 @@ def match_conv_activation(a: GraphIndex) -> Iterable[gs.Node]:
     the residual Sum + Relu is a region, faster than onnxruntime's kernels for it (the whole
     model: bench/results/zoo_latency.md)."""
     for n in a.nodes:
-        if not _std(n, "Conv"):
+        if not gu.is_op(n, "Conv"):
             continue
         r = a.reader(n.outputs[0])
         w = gu.dims(n.inputs[1]) if len(n.inputs) > 1 else None
         nchwc = int(n.attrs.get("group", 1)) == 1 and w is not None and isinstance(w[0], int) and w[0] % 8 == 0
-        if nchwc and _std(r, "Add", "Sum") and len(r.inputs) == 2:
+        if nchwc and gu.is_op(r, "Add", "Sum") and len(r.inputs) == 2:
             yield r
             r = a.reader(r.outputs[0])
-        if _std(r, *_FUSED_CONV_ACTIVATIONS):
+        if gu.is_op(r, *_FUSED_CONV_ACTIVATIONS):
             yield r
 
 
@@ -150,7 +129,7 @@ def match_conv_activation(a: GraphIndex) -> Iterable[gs.Node]:
 # shape; Add and Sum even fold into the convolution as its sum input). Checked on onnxruntime
 # 1.31: LeakyRelu, Clip, Elu, Exp, Neg, Abs, Softplus, Sub, Div, Max and ops with a broadcast
 # constant are not among them (they get reorders). Pools of a blocked tensor stay blocked.
-_NCHWC_UNARY = ("Relu", "Sigmoid", "Tanh", "HardSigmoid")
+_NCHWC_UNARY = ops_fused_in(ORT_NCHWC)
 _NCHWC_BINARY = ("Add", "Sum", "Mul")
 _NCHWC_POOLS = ("MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool")
 # MLAS's NCHWc block is 8 floats with AVX2 and 16 with AVX-512: 8 also holds for 16-wide
@@ -163,7 +142,7 @@ def nchwc_conv(n: gs.Node) -> bool:
     """Whether onnxruntime's NCHWc layout takes this Conv: 2-D with constant weights, output
     channels a multiple of the block, and either group 1 (input channels a multiple of the
     block, or fewer than one block: the first layer reads NCHW) or depthwise."""
-    if not _std(n, "Conv") or len(n.inputs) < 2 or not isinstance(n.inputs[1], gs.Constant):
+    if not gu.is_op(n, "Conv") or len(n.inputs) < 2 or not isinstance(n.inputs[1], gs.Constant):
         return False
     w = gu.dims(n.inputs[1])
     if w is None or len(w) != 4 or not all(isinstance(d, int) for d in w):
@@ -187,16 +166,16 @@ def match_nchwc_elementwise(a: GraphIndex) -> Iterable[gs.Node]:
         if nchwc_conv(n):
             blocked.update(id(t) for t in n.outputs)
             continue
-        if _std(n, *_NCHWC_UNARY) or _std(n, *_NCHWC_POOLS):
+        if gu.is_op(n, *_NCHWC_UNARY) or gu.is_op(n, *_NCHWC_POOLS):
             keep = len(acts) == 1 and id(acts[0]) in blocked
-        elif _std(n, *_NCHWC_BINARY):
+        elif gu.is_op(n, *_NCHWC_BINARY):
             keep = (len(n.inputs) == 2 == len(acts) and all(id(t) in blocked for t in acts)
                     and gu.dims(acts[0]) is not None and gu.dims(acts[0]) == gu.dims(acts[1]))
         else:
             continue
         if keep:
             blocked.update(id(t) for t in n.outputs)
-            if not _std(n, *_NCHWC_POOLS):
+            if not gu.is_op(n, *_NCHWC_POOLS):
                 yield n
 
 
@@ -207,36 +186,36 @@ def match_matmul_gemm(a: GraphIndex) -> Iterable[gs.Node]:
     all are static: those Adds are better in a region."""
     for n in a.nodes:
         gemm_out = None
-        if _std(n, "MatMul") and gu.rank(n.inputs[0]) == 2 and gu.rank(n.inputs[1]) == 2:
+        if gu.is_op(n, "MatMul") and gu.rank(n.inputs[0]) == 2 and gu.rank(n.inputs[1]) == 2:
             add = a.reader(n.outputs[0])
-            if _std(add, "Add"):
-                other = _other(add, n.outputs[0])
+            if gu.is_op(add, "Add"):
+                other = gu.other_input(add, n.outputs[0])
                 # An addend cut from a larger tensor (Slice/Split) is read in place by a region;
                 # as Gemm's C it would have to be copied out first: leave that Add to the region.
                 if (other is not None and gu.rank(other) is not None and gu.rank(other) <= 2
-                        and not _std(gu.producer(other), *VIEW_OPS)):
+                        and not gu.is_op(gu.producer(other), *VIEW_OPS)):
                     yield add
                     gemm_out = add.outputs[0]
-        elif _std(n, "Gemm"):
+        elif gu.is_op(n, "Gemm"):
             gemm_out = n.outputs[0]
         if gemm_out is not None:
             act = a.reader(gemm_out)
-            if _std(act, *_FUSED_GEMM_ACTIVATIONS):
+            if gu.is_op(act, *_FUSED_GEMM_ACTIVATIONS):
                 yield act
 
 
 def match_matmul_scale(a: GraphIndex) -> Iterable[gs.Node]:
     """Mul or Div by a scalar constant on a MatMul's input or output becomes FusedMatMul's alpha."""
     for n in a.nodes:
-        if not _std(n, "Mul", "Div"):
+        if not gu.is_op(n, "Mul", "Div"):
             continue
         for i, t in enumerate(n.inputs):
             other = n.inputs[1 - i] if len(n.inputs) == 2 else None
-            if other is None or _scalar_const(other) is None or (n.op == "Div" and i == 1):
+            if other is None or gu.scalar(other) is None or (n.op == "Div" and i == 1):
                 continue
-            if _std(a.producer(t), "MatMul") and a.reader(t) is n:
+            if gu.is_op(a.producer(t), "MatMul") and a.reader(t) is n:
                 yield n
-            elif _std(a.reader(n.outputs[0]), "MatMul"):
+            elif gu.is_op(a.reader(n.outputs[0]), "MatMul"):
                 yield n
 
 
@@ -246,12 +225,12 @@ def match_skip_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
     SkipLayerNormalization, a bias Add before it included."""
     written_out = {id(n) for n in match_layernorm(a)}
     for n in a.nodes:
-        if not _std(n, "Add"):
+        if not gu.is_op(n, "Add"):
             continue
         readers = [] if n.outputs[0].name in a.graph_outputs else list(n.outputs[0].outputs)
-        one_ln = len(readers) == 1 and _std(readers[0], "LayerNormalization")
-        subs = [r for r in readers if _std(r, "Sub") and id(r) in written_out and r.inputs[0] is n.outputs[0]]
-        means = [r for r in readers if _std(r, "ReduceMean")]
+        one_ln = len(readers) == 1 and gu.is_op(readers[0], "LayerNormalization")
+        subs = [r for r in readers if gu.is_op(r, "Sub") and id(r) in written_out and r.inputs[0] is n.outputs[0]]
+        means = [r for r in readers if gu.is_op(r, "ReduceMean")]
         written = (len(readers) == 2 and len(subs) == 1 and len(means) == 1
                    and a.producer(subs[0].inputs[1]) is means[0])
         if not (one_ln or written):
@@ -259,7 +238,7 @@ def match_skip_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
         yield n
         for t in n.inputs:
             p = a.producer(t)
-            if _std(p, "Add") and a.reader(t) is n and any(gu.constant_value(x) is not None for x in p.inputs):
+            if gu.is_op(p, "Add") and a.reader(t) is n and any(gu.constant_value(x) is not None for x in p.inputs):
                 yield p
 
 
@@ -268,7 +247,7 @@ def _forward_chain(a: GraphIndex, t: gs.Tensor, ops: tuple[str, ...], limit: int
     out = []
     while len(out) < limit:
         r = a.reader(t)
-        if not _std(r, *ops):
+        if not gu.is_op(r, *ops):
             break
         out.append(r)
         t = r.outputs[0]
@@ -280,12 +259,12 @@ def match_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
     Add) and RMS norm (Pow, ReduceMean, Add, Sqrt, Div|Reciprocal+Mul, Mul) become
     LayerNormalization / SimplifiedLayerNormalization."""
     for var in a.nodes:
-        if not _std(var, "ReduceMean"):
+        if not gu.is_op(var, "ReduceMean"):
             continue
         sq = a.producer(var.inputs[0])
-        if not _std(sq, "Pow", "Mul") or a.reader(var.inputs[0]) is not var:
+        if not gu.is_op(sq, "Pow", "Mul") or a.reader(var.inputs[0]) is not var:
             continue
-        if sq.op == "Pow" and _scalar_const(sq.inputs[1]) != 2.0:
+        if sq.op == "Pow" and gu.scalar(sq.inputs[1]) != 2.0:
             continue
         if sq.op == "Mul" and sq.inputs[0] is not sq.inputs[1]:
             continue
@@ -295,7 +274,7 @@ def match_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
         chain, norm, t = [], None, var.outputs[0]
         for _ in range(4):
             r = a.reader(t)
-            if not _std(r, "Add", "Sqrt", "Reciprocal", "Div", "Mul"):
+            if not gu.is_op(r, "Add", "Sqrt", "Reciprocal", "Div", "Mul"):
                 break
             if any(x is centred for x in r.inputs):
                 norm = r
@@ -307,7 +286,7 @@ def match_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
         yield sq
         yield from chain
         yield norm
-        if _std(sub, "Sub") and _std(a.producer(sub.inputs[1]), "ReduceMean"):
+        if gu.is_op(sub, "Sub") and gu.is_op(a.producer(sub.inputs[1]), "ReduceMean"):
             yield sub
         yield from _forward_chain(a, norm.outputs[0], ("Mul", "Add"), 2)
 
@@ -315,73 +294,30 @@ def match_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
 def _bias_add(a: GraphIndex, x: gs.Tensor, pattern_readers: int) -> gs.Node | None:
     """The Add of a constant bias that computes `x`, when only the pattern reads `x`."""
     p = a.producer(x)
-    if not _std(p, "Add") or x.name in a.graph_outputs or len(x.outputs) != pattern_readers:
+    if not gu.is_op(p, "Add") or x.name in a.graph_outputs or len(x.outputs) != pattern_readers:
         return None
     if any(gu.constant_value(t) is not None and gu.rank(t) == 1 for t in p.inputs):
         return p
     return None
 
 
-def _cube_source(a: GraphIndex, n: gs.Node) -> gs.Tensor | None:
-    """x when `n` computes x^3 as Pow(x, 3) or x * (x * x)."""
-    if _std(n, "Pow") and _scalar_const(n.inputs[1]) == 3.0:
-        return n.inputs[0]
-    if _std(n, "Mul"):
-        for i in (0, 1):
-            sq = a.producer(n.inputs[i])
-            x = n.inputs[1 - i]
-            if _std(sq, "Mul") and sq.inputs[0] is x and sq.inputs[1] is x:
-                return x
-    return None
-
-
 def match_gelu(a: GraphIndex) -> Iterable[gs.Node]:
-    """GELU written out with Erf (Gelu, BiasGelu with a bias Add before it), with Tanh and x^3
-    (FastGelu, bias included), and x * Sigmoid(alpha * x) (QuickGelu; SiLU is alpha 1)."""
+    """GELU written out (patterns.GELU_FORMS): with Erf (Gelu, BiasGelu with a bias Add before
+    it), with Tanh and x^3 (FastGelu, bias included), and x * Sigmoid(alpha * x) (QuickGelu;
+    SiLU is alpha 1)."""
     for n in a.nodes:
-        if _std(n, "Erf"):
-            scale = a.producer(n.inputs[0])
-            if not _std(scale, "Div", "Mul") or _scalar_const(scale.inputs[1]) is None:
+        if n.op != "Mul":
+            continue
+        for _, form in GELU_FORMS:
+            m = rules.match(form, n, a.graph_outputs, private=False)
+            if m is None:
                 continue
-            x = scale.inputs[0]
-            tail = _forward_chain(a, n.outputs[0], ("Add", "Mul"), 3)
-            side = [c for c in x.outputs if _std(c, "Mul") and c is not scale and c not in tail]
-            group = [scale, n] + tail + [c for c in side if _scalar_const(_other(c, x) or x) is not None]
-            yield from group
-            bias = _bias_add(a, x, sum(1 for c in x.outputs if any(c is g for g in group)))
+            yield from m.nodes
+            x = m["x"]
+            bias = _bias_add(a, x, sum(1 for r in x.outputs if m.holds(r)))
             if bias is not None:
                 yield bias
-        elif _cube_source(a, n) is not None:
-            # x^3 -> * 0.044715 -> + x -> * sqrt(2/pi) -> Tanh -> + 1 -> * x -> * 0.5
-            x = _cube_source(a, n)
-            chain = _forward_chain(a, n.outputs[0], ("Mul", "Add", "Div"), 3)
-            t = chain[-1].outputs[0] if chain else n.outputs[0]
-            tanh = a.reader(t)
-            if not _std(tanh, "Tanh"):
-                continue
-            yield from [p for p in (a.producer(i) for i in n.inputs) if _std(p, "Mul") and p.inputs[0] is x and p.inputs[1] is x]
-            yield n
-            yield from chain
-            yield tanh
-            tail = _forward_chain(a, tanh.outputs[0], ("Add", "Mul"), 3)
-            yield from tail
-            side = [c for c in x.outputs if _std(c, "Mul") and _scalar_const(_other(c, x) or x) is not None]
-            yield from side
-            readers = sum(1 for c in x.outputs if any(c is g for g in [n, *chain, *tail, *side]) or (_std(c, "Mul") and c.inputs[0] is x and c.inputs[1] is x))
-            bias = _bias_add(a, x, readers)
-            if bias is not None:
-                yield bias
-        elif _std(n, "Sigmoid"):
-            scale = a.producer(n.inputs[0])
-            x = n.inputs[0]
-            group = [n]
-            if _std(scale, "Mul") and any(_scalar_const(t) is not None for t in scale.inputs):
-                x = next(t for t in scale.inputs if _scalar_const(t) is None)
-                group.append(scale)
-            gate = a.reader(n.outputs[0])
-            if _std(gate, "Mul") and _other(gate, n.outputs[0]) is x:
-                yield from group
-                yield gate
+            break
 
 
 POLICY: dict[str, tuple[Rule, ...]] = {

@@ -14,6 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from . import core as gu
+from . import facts
 from .slices import read_slice, slice_indices
 
 # A monomial coef * product(symbols); symbols sorted. None: an element we cannot describe.
@@ -86,7 +87,7 @@ _ARITH = {
 class ShapeEvaluator:
     """Symbolic values of the integer shape tensors of one graph."""
 
-    def __init__(self, graph: gs.Graph, shapes: gu.ShapeTable) -> None:
+    def __init__(self, graph: gs.Graph, shapes: facts.ShapeTable) -> None:
         self.graph = graph
         self.shapes = shapes
         self.opset = graph.opset or 1

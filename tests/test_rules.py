@@ -1,0 +1,186 @@
+"""The rule engine (onnxfuse/graph/rules.py) and the activation vocabulary it serves."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto as T
+from onnx import helper
+
+from onnxfuse.graph import core as gu
+from onnxfuse.graph import rules
+from onnxfuse.graph.activations import CONV, STACKED_MLP, TABLE, names_fused_in
+from onnxfuse.graph.rules import ANY, Const, Rule, Var, op
+
+x = Var("x")
+HARD_SWISH = x * op.Clip(x + 3.0, 0.0, 6.0) / 6.0
+
+
+def graph_of(nodes, inits=None, opset=17, inputs=("x",), outputs=("y",)):
+    inits = inits or {}
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(n, T.FLOAT, [2, 3]) for n in inputs],
+        [helper.make_tensor_value_info(n, T.FLOAT, [2, 3]) for n in outputs],
+        [onnx.numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()],
+    )
+    return gs.import_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]))
+
+
+def root(graph, name="y"):
+    return next(n for n in graph.nodes if n.outputs[0].name == name)
+
+
+def hard_swish_nodes(three="three", clip_bounds=("zero", "six")):
+    return [
+        helper.make_node("Add", ["x", three], ["a"]),
+        helper.make_node("Clip", ["a", *clip_bounds], ["c"]),
+        helper.make_node("Mul", ["x", "c"], ["m"]),
+        helper.make_node("Div", ["m", "six"], ["y"]),
+    ]
+
+
+CONSTS = {"three": 3.0, "zero": 0.0, "six": 6.0}
+
+
+def test_pattern_matches_and_lists_nodes_operands_first():
+    g = graph_of(hard_swish_nodes(), CONSTS)
+    m = rules.match(HARD_SWISH, root(g))
+    assert m is not None and [n.op for n in m.nodes] == ["Add", "Clip", "Mul", "Div"]
+    assert m["x"] is g.inputs[0] and m.output.name == "y"
+
+
+def test_commuted_operands_of_commutative_ops_match():
+    nodes = hard_swish_nodes()
+    nodes[0] = helper.make_node("Add", ["three", "x"], ["a"])  # 3 + x
+    nodes[2] = helper.make_node("Mul", ["c", "x"], ["m"])  # clip * x
+    assert rules.match(HARD_SWISH, root(graph_of(nodes, CONSTS))) is not None
+
+
+def test_operands_of_non_commutative_ops_keep_their_order():
+    nodes = hard_swish_nodes()
+    nodes[3] = helper.make_node("Div", ["six", "m"], ["y"])  # 6 / m is another function
+    assert rules.match(HARD_SWISH, root(graph_of(nodes, CONSTS))) is None
+
+
+def test_constant_node_matches_like_an_initializer():
+    nodes = [helper.make_node("Constant", [], ["three"], value=helper.make_tensor("v", T.FLOAT, [], [3.0]))]
+    nodes += hard_swish_nodes()
+    assert rules.match(HARD_SWISH, root(graph_of(nodes, {"zero": 0.0, "six": 6.0}))) is not None
+
+
+def test_constant_of_another_value_does_not_match():
+    assert rules.match(HARD_SWISH, root(graph_of(hard_swish_nodes(), {**CONSTS, "three": 2.5}))) is None
+
+
+def test_clip_bounds_as_attributes_match_as_inputs():
+    """Clip before opset 11 carries min and max as attributes."""
+    nodes = hard_swish_nodes(clip_bounds=())
+    nodes[1] = helper.make_node("Clip", ["a"], ["c"], min=0.0, max=6.0)
+    assert rules.match(HARD_SWISH, root(graph_of(nodes, CONSTS, opset=10))) is not None
+
+
+def test_a_recurring_name_must_be_the_same_tensor():
+    nodes = hard_swish_nodes()
+    nodes[2] = helper.make_node("Mul", ["x2", "c"], ["m"])  # x2 is not x
+    g = graph_of(nodes, CONSTS, inputs=("x", "x2"))
+    assert rules.match(HARD_SWISH, root(g)) is None
+
+
+def test_intermediate_read_outside_the_match_is_not_private():
+    nodes = hard_swish_nodes() + [helper.make_node("Neg", ["c"], ["other"])]
+    g = graph_of(nodes, CONSTS, outputs=("y", "other"))
+    assert rules.match(HARD_SWISH, root(g), {"y", "other"}) is None
+    assert rules.match(HARD_SWISH, root(g), {"y", "other"}, private=False) is not None
+
+
+def test_condition_and_bound_names():
+    pattern = op.LeakyRelu(x, _name="act") * Const(name="k")
+    g = graph_of([helper.make_node("LeakyRelu", ["x"], ["l"], alpha=0.1), helper.make_node("Mul", ["l", "k"], ["y"])],
+                 {"k": 2.0})
+    m = rules.match(pattern, root(g), condition=lambda m: m["k"] == 2.0)
+    assert m is not None and m["act"].op == "LeakyRelu" and m["k"] == 2.0
+    assert rules.match(pattern, root(g), condition=lambda m: m["k"] == 3.0) is None
+
+
+def test_match_after_starts_from_a_given_tensor():
+    # x * Clip(x + 3, 0, 6) / 6 with x the Relu's output: the Var is bound to it beforehand
+    rewired = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Add", ["r", "three"], ["a"]),
+               helper.make_node("Clip", ["a", "zero", "six"], ["c"]), helper.make_node("Mul", ["r", "c"], ["m"]),
+               helper.make_node("Div", ["m", "six"], ["y"])]
+    g = graph_of(rewired, CONSTS)
+    r = next(n for n in g.nodes if n.op == "Relu").outputs[0]
+    found = rules.match_after([Rule("hardswish", HARD_SWISH)], g, r, "x", depth=3)
+    assert found is not None and found[1].root.op == "Div"
+
+
+def test_apply_is_the_pass_loop():
+    nodes = [helper.make_node("Identity", ["x"], ["i1"]), helper.make_node("Identity", ["i1"], ["i2"]),
+             helper.make_node("Relu", ["i2"], ["y"])]
+    g = graph_of(nodes)
+    drop = Rule("drop", op.Identity(x), rewrite=lambda graph, m: gu.bypass(graph, m.root))
+    assert rules.apply(g, [drop]) == 2
+    g.cleanup()
+    assert [n.op for n in g.nodes] == ["Relu"] and g.nodes[0].inputs[0] is g.inputs[0]
+
+
+def test_any_input_matches_an_omitted_optional_input():
+    g = graph_of([helper.make_node("Clip", ["x", "", "six"], ["y"])], {"six": 6.0})
+    assert rules.match(op.Clip(x, ANY, ANY), root(g)) is not None
+    assert gu.clip_bounds(root(g)) == (-np.inf, 6.0)
+
+
+# --------------------------------------------------------------------------- the vocabulary
+
+
+@pytest.mark.parametrize("act", TABLE, ids=lambda a: a.op)
+def test_every_activation_lowers_to_a_program_op(act):
+    from onnxfuse.lowering import PARAM_UNARY, UNARY
+    from onnxfuse.program import OPS
+
+    lowered = PARAM_UNARY[act.op][0] if act.params else UNARY[act.op]
+    assert lowered == act.name and act.name in OPS
+
+
+def test_every_conv_epilogue_activation_has_cuda_code():
+    from onnxfuse.cuda.conv_codegen import activation_c
+
+    for name in names_fused_in(CONV):
+        assert activation_c(name, "v", 0.5, 1.0)
+
+
+def test_stacked_mlp_activations_are_the_kernels():
+    # kernels/stacked_mlp_cpu.cc reads these names from the node's `activations` attribute
+    assert sorted(a.name for a in TABLE if STACKED_MLP in a.fused_in) == ["relu", "sigmoid", "tanh"]
+
+
+# --------------------------------------------------------------------------- GELU forms
+
+GELU_CONSTS = {"s": 1.4142, "r": 0.7071, "one": 1.0, "half": 0.5, "three": 3.0, "k": 0.044715, "s2pi": 0.79788}
+N = helper.make_node
+GELU_CORES = {
+    "erf, x / sqrt 2": [N("Div", ["x", "s"], ["d"]), N("Erf", ["d"], ["e"])],
+    "erf, x * 1/sqrt 2": [N("Mul", ["r", "x"], ["d"]), N("Erf", ["d"], ["e"])],
+    "tanh, Pow cube": [N("Pow", ["x", "three"], ["c3"]), N("Mul", ["k", "c3"], ["kc"]), N("Add", ["kc", "x"], ["in"]),
+                       N("Mul", ["in", "s2pi"], ["u"]), N("Tanh", ["u"], ["e"])],
+    "tanh, x*x*x cube": [N("Mul", ["x", "x"], ["x2"]), N("Mul", ["x2", "x"], ["c3"]), N("Mul", ["c3", "k"], ["kc"]),
+                         N("Add", ["x", "kc"], ["in"]), N("Mul", ["s2pi", "in"], ["u"]), N("Tanh", ["u"], ["e"])],
+}
+GELU_OUTERS = {
+    "(x * 0.5) * (1 + core)": [N("Add", ["one", "e"], ["a"]), N("Mul", ["half", "x"], ["xh"]), N("Mul", ["a", "xh"], ["y"])],
+    "0.5 * (x * (core + 1))": [N("Add", ["e", "one"], ["a"]), N("Mul", ["x", "a"], ["xa"]), N("Mul", ["half", "xa"], ["y"])],
+    "((core + 1) * 0.5) * x": [N("Add", ["e", "one"], ["a"]), N("Mul", ["a", "half"], ["ah"]), N("Mul", ["ah", "x"], ["y"])],
+}
+
+
+@pytest.mark.parametrize("outer", sorted(GELU_OUTERS))
+@pytest.mark.parametrize("core", sorted(GELU_CORES))
+def test_gelu_forms_cover_the_groupings_exporters_write(core, outer):
+    from onnxfuse.graph.index import GraphIndex
+    from onnxfuse.graph.ort_fusions import match_gelu
+
+    nodes = [N("Identity", ["x0"], ["x"]), *GELU_CORES[core], *GELU_OUTERS[outer]]
+    g = graph_of(nodes, GELU_CONSTS, inputs=("x0",))
+    found = {id(n) for n in match_gelu(GraphIndex(g))}
+    assert found == {id(n) for n in g.nodes if n.op != "Identity"}
