@@ -122,11 +122,11 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
               "| seq | onnxruntime chain us | fused, bias separate us | fused, bias folded us | folded / onnxruntime "
               "| folded / separate | sliced-mask chain us | fused, causal us | causal / its chain |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    from onnxfuse.pipeline import Context, run_passes, select_passes
+    from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
 
     def fuse(m):
         # The cuda rule fuses at any length (opted in); the node runs on the CPU kernel here.
-        ctx = Context(target="cuda", options={"attention_cuda": True})
+        ctx = Context(target="cuda", options=PassOptions(attention_cuda=True))
         fused, n = run_passes(m, select_passes(["fuse-attention"], "cpu"), ctx)
         assert sum(1 for x in fused.graph.node if x.op_type == "Attention") == 1, "fuse-attention did not apply"
         return fused

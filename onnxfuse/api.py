@@ -18,7 +18,7 @@ import onnx
 
 from .fused import DOMAIN
 from .modelio import InputError, LoadedModel, normalize, parse_model, check_model, save_model
-from .pipeline import TARGETS, Context, PassStats, run_passes, select_passes
+from .pipeline import TARGETS, Context, PassOptions, PassStats, run_passes, select_passes
 from .verify import Verification, VerificationError, check_dims, choose_mode, effective_dims, verify
 from .zoo import ZooModel, resolve_input
 
@@ -91,7 +91,7 @@ def optimize(
         ORT_ENABLE_ALL) into the summary.
     tune: --target cuda: choose each Conv layer's tile by timing the candidates on this
         machine's GPU (needs pycuda and a CUDA device; the documented heuristic otherwise).
-    options: further pass options (Context.options), for benchmarks and tests.
+    options: further pass options by name (pipeline.PassOptions), for benchmarks and tests.
     verify_mode: "whole" compares the two models' outputs; "regions" each fused node against
         its fallback body (region_verify.py), for models too large to run whole; "auto" (default)
         picks "whole" unless its estimated memory exceeds what is available.
@@ -118,8 +118,12 @@ def optimize(
 
     # Passes whose rule depends on a size read symbolic dims as the caller declared them
     # (--dim; a zoo model's defaults), 1 otherwise, as verification does.
-    ctx = Context(target=target, arch=arch,
-                  options={"dims": dict(merged_dims), **dict(options or {}), **({"tune": True} if tune else {})})
+    try:
+        pass_options = PassOptions.from_mapping({"dims": dict(merged_dims), **dict(options or {}),
+                                                 **({"tune": True} if tune else {})})
+    except (TypeError, ValueError) as e:
+        raise InputError(f"options: {e}") from None
+    ctx = Context(target=target, arch=arch, options=pass_options)
     # run_passes works on its own copy (pipeline.import_graph) and leaves `original` as it is.
     stage("running passes")
     optimized, stats = run_passes(original, chosen, ctx,
@@ -171,8 +175,8 @@ def optimize(
     t_verified = time.perf_counter()
 
     notes = list(loaded.notes)
-    if ctx.options.get("tune_unavailable"):
-        notes.append(f"--tune: heuristic tiles used ({ctx.options['tune_unavailable']})")
+    if ctx.tune_unavailable:
+        notes.append(f"--tune: heuristic tiles used ({ctx.tune_unavailable})")
     summary = {
         "input": loaded.label,
         "target": target,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -77,13 +77,45 @@ def _executed_graph(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 @dataclass
+class PassOptions:
+    """What callers may tell the passes (api.optimize's `options`, tests, benchmarks). Passes
+    read it; what they report back goes in Context fields of its own."""
+
+    # Values of symbolic dims (--dim, a zoo model's defaults): passes whose rule depends on a
+    # size read them as verification does, 1 where not given.
+    dims: dict[str, int] = field(default_factory=dict)
+    # Names of the passes of this run (the pipeline fills it in): a pass may decide differently
+    # when a later one (pointwise fusion) takes what it leaves.
+    pipeline: list[str] | None = None
+    tune: bool = False  # --tune: time ConvBiasAct tiles on this machine's GPU
+    tune_batch: int = 1  # batch the tiles are timed at
+    conv_policy: str = "pays"  # "pays": only layers where the kernel beat cuDNN; "always"
+    conv_split_k: bool = False  # offer split-K over thread-block clusters (sm_90+)
+    conv_tensor_cores: bool = False  # offer the 3xTF32 tensor-core GEMM (sm_80+)
+    stacked_mlp: str = "pays"  # "pays": where StackedMLP beats onnxruntime; "always"
+    attention_cuda: bool = False  # fuse attention on --target cuda (opt-in until timed on a GPU)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object] | None) -> PassOptions:
+        """PassOptions from keyword values; a name that is no option is a ValueError."""
+        values = dict(values or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown pass option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+@dataclass
 class Context:
     """What a pass may read and use besides the graph."""
 
     target: str = "cpu"
     arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90"
     registry: FusedRegistry = field(default_factory=FusedRegistry)
-    options: dict = field(default_factory=dict)
+    options: PassOptions = field(default_factory=PassOptions)
+    # Set by conv-bias-act when --tune found no GPU to time on (the heuristic tiles are used).
+    tune_unavailable: str | None = None
     # Attributes graphsurgeon cannot carry, set aside at import and restored at export.
     binary_attributes: dict = field(default_factory=dict)
     # What onnxruntime executes for a model, for passes that must not block its fusions: the
@@ -230,7 +262,8 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context,
     """Run `passes` in rounds until one rewrites nothing; on_pass(name, round) is called as each
     pass starts (for progress displays)."""
     graph, kept, overloads = import_graph(model, ctx)
-    ctx.options.setdefault("pipeline", [p.name for p in passes])
+    if ctx.options.pipeline is None:
+        ctx.options.pipeline = [p.name for p in passes]
     stats = {p.name: PassStats(p.name) for p in passes}
     for round_ in range(MAX_ROUNDS):
         rewrites = 0

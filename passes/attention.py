@@ -309,7 +309,7 @@ def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: b
     the value verification uses."""
     sk = shapes.dims(k.source)[1]
     if isinstance(sk, str):
-        sk = (ctx.options.get("dims") or {}).get(sk, 1)
+        sk = ctx.options.dims.get(sk, 1)
     return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
 
 
@@ -545,7 +545,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # On --target cuda the generated kernel (onnxfuse/cuda/attention_codegen.py) has been checked
     # with nvcc/ptxas and a numpy model of its indexing, but not yet timed or run on a GPU: until
     # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
-    if ctx.target == "cuda" and not ctx.options.get("attention_cuda"):
+    if ctx.target == "cuda" and not ctx.options.attention_cuda:
         return 0
     refresh_shapes(graph)
     shapes = facts.ShapeTable(graph)

@@ -17,7 +17,7 @@ zero bias first, so the node always reads (X, W, B[, Z]).
 The node carries the layer's generated CUDA kernel (onnxfuse/cuda/conv_codegen.py): the source,
 its entry and the launch rule; the cuda-compile pass (order 900) adds cubin and PTX for --arch,
 and kernels/cuda_conv.cc launches it on the CUDA execution provider. Tiles come from the documented
-heuristic, or from timing the candidates on the GPU when ctx.options["tune"] is set and one is
+heuristic, or from timing the candidates on the GPU when ctx.options.tune is set and one is
 present.
 
 Target policy on cuda (never slower): a layer is fused only where our kernel beat cuDNN in the
@@ -224,17 +224,16 @@ def pays_on_cuda(shape: ConvShape, batch: int = 1) -> bool:
 
 def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
     tile = None
-    if ctx.options.get("tune"):
+    if ctx.options.tune and ctx.tune_unavailable is None:
         try:
-            tile, _ = tune(m.shape, m.epilogue, batch=int(ctx.options.get("tune_batch", 1)))
+            tile, _ = tune(m.shape, m.epilogue, batch=ctx.options.tune_batch)
         except RuntimeError as e:  # no GPU here: the heuristic below, for every layer
-            ctx.options["tune"] = False
-            ctx.options["tune_unavailable"] = str(e)
+            ctx.tune_unavailable = str(e)
     # Split-K over clusters (option conv_split_k) and the 3xTF32 tensor-core GEMM (option
     # conv_tensor_cores) are opt-in until the per-layer GPU table shows where they beat cuDNN;
     # --tune (which times the candidates on the GPU) may pick them anyway.
-    clusters = bool(ctx.options.get("conv_split_k")) and clusters_supported(ctx.arch)
-    tensor_cores = bool(ctx.options.get("conv_tensor_cores")) and tensor_cores_supported(ctx.arch)
+    clusters = ctx.options.conv_split_k and clusters_supported(ctx.arch)
+    tensor_cores = ctx.options.conv_tensor_cores and tensor_cores_supported(ctx.arch)
     tile = tile or heuristic_tile(m.shape, clusters=clusters, tensor_cores=tensor_cores)
     return generate(m.shape, m.epilogue, tile)
 
@@ -274,7 +273,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     shapes = facts.ShapeTable(graph)
     # "pays" (default): only layers where our kernel is expected to win; "always": every match
     # (benchmarks and tests of the kernel itself).
-    policy = ctx.options.get("conv_policy", "pays")
+    policy = ctx.options.conv_policy
     made: list[tuple[gs.Node, Kernel]] = []
     for conv in list(graph.nodes):
         if not conv.outputs:  # already replaced

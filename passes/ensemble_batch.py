@@ -113,7 +113,7 @@ def _stacked_mlp_pays(x: gs.Tensor, ctx: Context) -> bool:
     --dim, a zoo model's defaults) and as 1 otherwise, the value verification uses."""
     batch = gu.dims(x)[0]
     if not isinstance(batch, int):
-        batch = (ctx.options.get("dims") or {}).get(batch, 1) if isinstance(batch, str) else 1
+        batch = ctx.options.dims.get(batch, 1) if isinstance(batch, str) else 1
     return batch <= STACKED_MLP_MAX_BATCH
 
 
@@ -263,7 +263,7 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
             if len([l for l in layers if l.kind == "linear"]) < 2:
                 continue
             fused_acts = _stacked_mlp_activations(layers) if ctx.target == "cpu" else None
-            if fused_acts is not None and (ctx.options.get("stacked_mlp") == "always" or _stacked_mlp_pays(x, ctx)):
+            if fused_acts is not None and (ctx.options.stacked_mlp == "always" or _stacked_mlp_pays(x, ctx)):
                 _rewrite(graph, x, layers, ctx, fused_acts)
                 rewrites += 1
             elif _pays(ctx, x, layers):

@@ -40,7 +40,7 @@ merge-xh-matmul
                MatMul(a_i, W_i) with distinct variable inputs a_i (each MatMul read only by the
                tree), constant 2-D W_i of equal N, inputs of rank 2 with equal leading dims,
                plus any number of constant row biases and other tensors
-    condition: no pointwise-fusion pass is in the pipeline (ctx.options["pipeline"], the
+    condition: no pointwise-fusion pass is in the pipeline (ctx.options.pipeline, the
                selected pass names, lists none). Rule: before = n GEMMs + the Adds of the tree (separate kernels without
                pointwise fusion; onnxruntime folds one Add into a Gemm's C); after = 1 Concat +
                1 GEMM (+ the remaining non-MatMul variable terms). With pointwise fusion the
@@ -88,10 +88,10 @@ def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
 
 
 def pointwise_fusion_runs(ctx: Context) -> bool:
-    """Whether a pointwise-fusion pass follows in this pipeline. ctx.options["pipeline"] lists
+    """Whether a pointwise-fusion pass follows in this pipeline. ctx.options.pipeline lists
     the selected pass names when the caller records them; without it the default pipeline,
     which fuses pointwise regions, is assumed."""
-    names = ctx.options.get("pipeline")
+    names = ctx.options.pipeline
     if names is None:
         return True
     return any("pointwise" in n for n in names)

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.cuda import conv_model
 from onnxfuse.cuda.conv_codegen import ConvShape, DepthwiseTile, Epilogue, GemmTile
-from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
 from onnxfuse.runtime import make_session
 
 F = TensorProto.FLOAT
@@ -64,8 +64,7 @@ class Net:
 
 
 def optimize(model, passes, target, arch=None, **options):
-    ctx = Context(target=target, arch=arch)
-    ctx.options.update({"compile": False, **options})
+    ctx = Context(target=target, arch=arch, options=PassOptions.from_mapping(options))
     work = onnx.ModelProto()
     work.CopyFrom(model)
     out, stats = run_passes(work, select_passes(passes, target), ctx)

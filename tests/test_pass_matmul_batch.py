@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 F = TensorProto.FLOAT
@@ -33,9 +33,8 @@ def model(nodes, inits, inputs, outputs, opset=17):
 def optimize(m, names, target="cpu", **options):
     """Run the named passes; unless `pipeline` says otherwise, they decide as they would inside
     the default pipeline (where the pointwise pass follows them)."""
-    ctx = Context(target=target)
-    ctx.options["pipeline"] = [p.name for p in select_passes(None, target)]
-    ctx.options.update(options)
+    options = {"pipeline": [p.name for p in select_passes(None, target)], **options}
+    ctx = Context(target=target, options=PassOptions.from_mapping(options))
     out, stats = run_passes(m, select_passes(names, target), ctx)
     onnx.checker.check_model(out)
     return out, sum(s.matches for s in stats)

@@ -13,7 +13,7 @@ import pytest
 from conftest import pointwise_chain_model
 from gpu_helpers import arch, cuda_ort, cuda_session, device_arch  # noqa: F401  (fixtures)
 
-from onnxfuse.pipeline import Context, run_passes, select_passes
+from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
 
 pytestmark = pytest.mark.gpu
 
@@ -171,8 +171,8 @@ def test_split_k_conv_runs_in_onnxruntime_and_replays_in_a_cuda_graph(cuda_ort, 
     original = _deep_conv_model()
     optimized = run_passes(original, select_passes(None, "cuda"),
                            Context(target="cuda", arch=device_arch(),
-                                   options={"conv_policy": "always", "conv_split_k": True,
-                                            "conv_tensor_cores": tensor_cores}))[0]
+                                   options=PassOptions(conv_policy="always", conv_split_k=True,
+                                                       conv_tensor_cores=tensor_cores)))[0]
     (node,) = [n for n in optimized.graph.node if n.op_type == "ConvBiasAct"]
     tile = [list(a.ints) for a in node.attribute if a.name == "cuda_tile"][0]
     kind = [a.s for a in node.attribute if a.name == "cuda_kind"][0]
