@@ -1,6 +1,8 @@
 """Op vocabularies the passes match on."""
 from __future__ import annotations
 
+from typing import Callable
+
 from .activations import TABLE
 from .rules import Const, OpPattern, Var, op
 
@@ -18,31 +20,27 @@ ELEMENTWISE = ACTIVATIONS | {
 VIEW_OPS = ("Slice", "Split")
 
 
-# GELU as exporters write it, one line per form: 0.5 x (1 + erf(x / sqrt 2)) (Gelu), the tanh
-# approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (FastGelu) and x * sigmoid(a x)
-# (QuickGelu; SiLU is a = 1). Constants are any scalars (`c()`): which values onnxruntime
-# accepts is its own business (ort_fusions asks the graph it executes). The outer product
-# 0.5 * x * (1 + core) comes in three groupings, the scale of x in erf as a Div or a Mul, the
-# cube as Pow(x, 3) or x * (x * x).
+# GELU as exporters write it: 0.5 x (1 + erf(x / sqrt 2)) (Gelu), the tanh approximation
+# 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (FastGelu) and x * sigmoid(a x) (QuickGelu;
+# SiLU is a = 1). Constants are any scalars (`c()`): which values onnxruntime accepts is its own
+# business (ort_fusions asks the graph it executes). A new core is one line of GELU_CORES and
+# comes in every grouping; any other new form is one line of GELU_FORMS.
 x = Var("x")
 c = Const
-ERF_CORE_DIV = op.Erf(x / c())
-ERF_CORE_MUL = op.Erf(x * c())
-TANH_CORE_POW = op.Tanh((x + c() * op.Pow(x, c())) * c())
-TANH_CORE_MUL = op.Tanh((x + c() * (x * (x * x))) * c())
+GELU_CORES: tuple[tuple[str, OpPattern], ...] = (
+    ("erf", op.Erf(x / c())),  # erf(x / sqrt 2)
+    ("erf", op.Erf(x * c())),  # erf(x * (1 / sqrt 2))
+    ("tanh", op.Tanh((x + c() * op.Pow(x, c())) * c())),  # tanh(sqrt(2/pi) (x + 0.044715 x^3))
+    ("tanh", op.Tanh((x + c() * (x * (x * x))) * c())),  # the cube as products
+)
+# The groupings of 0.5 * x * (1 + core) exporters write.
+GELU_GROUPINGS: tuple[Callable[[OpPattern], OpPattern], ...] = (
+    lambda core: (x * c()) * (core + c()),
+    lambda core: (x * (core + c())) * c(),
+    lambda core: x * ((core + c()) * c()),
+)
 GELU_FORMS: tuple[tuple[str, OpPattern], ...] = (
-    ("erf", (x * c()) * (ERF_CORE_DIV + c())),
-    ("erf", (x * (ERF_CORE_DIV + c())) * c()),
-    ("erf", x * ((ERF_CORE_DIV + c()) * c())),
-    ("erf", (x * c()) * (ERF_CORE_MUL + c())),
-    ("erf", (x * (ERF_CORE_MUL + c())) * c()),
-    ("erf", x * ((ERF_CORE_MUL + c()) * c())),
-    ("tanh", (x * c()) * (TANH_CORE_POW + c())),
-    ("tanh", (x * (TANH_CORE_POW + c())) * c()),
-    ("tanh", x * ((TANH_CORE_POW + c()) * c())),
-    ("tanh", (x * c()) * (TANH_CORE_MUL + c())),
-    ("tanh", (x * (TANH_CORE_MUL + c())) * c()),
-    ("tanh", x * ((TANH_CORE_MUL + c()) * c())),
-    ("sigmoid", x * op.Sigmoid(x * c())),
-    ("sigmoid", x * op.Sigmoid(x)),
+    *((kind, grouping(core)) for kind, core in GELU_CORES for grouping in GELU_GROUPINGS),
+    ("sigmoid", x * op.Sigmoid(x * c())),  # QuickGelu
+    ("sigmoid", x * op.Sigmoid(x)),  # SiLU
 )
