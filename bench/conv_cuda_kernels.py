@@ -17,7 +17,9 @@ import click
 from bench import harness
 
 from onnxfuse.cuda.compile import compiler_version, find_nvcc
-from onnxfuse.cuda.conv_codegen import Epilogue, clusters_supported, generate, heuristic_tile, ptxas_check, tensor_cores_supported
+from onnxfuse.cuda.conv_codegen import generate
+from onnxfuse.cuda.conv_plan import Epilogue, clusters_supported, heuristic_tile, tensor_cores_supported
+from onnxfuse.cuda.conv_tune import ptxas_check
 from onnxfuse.modelio import normalize
 from onnxfuse.zoo import resolve_input
 from onnxfuse.passes.conv_bias_act import conv_layers

@@ -156,7 +156,7 @@ def distinct_layers(models):
 @report_options
 def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     from onnxfuse import api
-    from onnxfuse.cuda.conv_codegen import heuristic_tile
+    from onnxfuse.cuda.conv_plan import heuristic_tile
 
     ort, arch = cuda_onnxruntime()
     layers = distinct_layers([m.strip() for m in args.models.split(",") if m.strip()])

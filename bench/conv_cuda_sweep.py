@@ -3,7 +3,7 @@ included) per conv layer,
 next to cuDNN's convolution (PyTorch, TF32 off, cudnn.benchmark) when PyTorch is present.
 
 For each distinct fused (layer shape, epilogue) of the given zoo models at batch 1, every tile of
-conv_codegen.candidates(clusters=True) is compiled (one nvcc call per layer, layers in parallel)
+conv_plan.candidates(clusters=True) is compiled (one nvcc call per layer, layers in parallel)
 and timed with CUDA events around single launches (median of --reps), in the device's primary
 context; the heuristic's choice is marked. No onnxruntime overhead is in these figures.
 
@@ -38,7 +38,8 @@ def _key(tile) -> str:
 @click.option("--json", default=None, help="write the rows as JSON here")
 def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse.cuda.compile import NVCC_FLAGS, find_nvcc
-    from onnxfuse.cuda.conv_codegen import candidates, generate, heuristic_tile
+    from onnxfuse.cuda.conv_codegen import generate
+    from onnxfuse.cuda.conv_plan import candidates, heuristic_tile
 
     layers = distinct_layers([m.strip() for m in args.models.split(",") if m.strip()])
     jobs = []

@@ -43,8 +43,9 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph.activations import BY_OP, CONV, ops_fused_in
 from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, match_after, op
 from onnxfuse.graph import facts
-from onnxfuse.cuda.conv_codegen import (ConvShape, Epilogue, Kernel, clusters_supported, generate, heuristic_tile,
-                                        tensor_cores_supported, tune)
+from onnxfuse.cuda.conv_codegen import Kernel, generate
+from onnxfuse.cuda.conv_plan import ConvShape, Epilogue, clusters_supported, heuristic_tile, tensor_cores_supported
+from onnxfuse.cuda.conv_tune import tune
 from onnxfuse.pipeline import Context, Pass
 
 FLOAT = np.dtype(np.float32)

@@ -198,7 +198,7 @@ SPECS = sorted({spec_of(c) for c in CASES} | {AttentionSpec(2, 256, 256, 0.0625,
 
 @needs_nvcc
 def test_generated_kernels_compile_for_sm90_without_spills():
-    from onnxfuse.cuda.conv_codegen import ptxas_check
+    from onnxfuse.cuda.conv_tune import ptxas_check
 
     kernels = [ac.generate(s) for s in SPECS]
     report = ptxas_check(kernels, "sm_90")

@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxfuse.cuda import conv_model
-from onnxfuse.cuda.conv_codegen import (
+from onnxfuse.cuda.conv_codegen import generate, generate_depthwise, generate_gemm
+from onnxfuse.cuda.conv_plan import (
     DEPTHWISE_TILES,
     GEMM_TILES,
     H100_SMS,
@@ -23,12 +24,9 @@ from onnxfuse.cuda.conv_codegen import (
     Epilogue,
     GemmTile,
     TensorTile,
-    generate,
-    generate_depthwise,
-    generate_gemm,
     heuristic_tile,
-    ptxas_check,
 )
+from onnxfuse.cuda.conv_tune import ptxas_check
 from onnxfuse.runtime import make_session
 
 RNG = np.random.default_rng(7)
@@ -260,7 +258,7 @@ def test_one_tf32_product_misses_the_bound_that_3xtf32_meets():
 def test_a_tiling_mistake_is_caught_by_the_model():
     """The model reads shared memory only where the kernel's load mapping wrote it: a slice that
     leaves a hole is poison (NaN) in the result, not a silent zero."""
-    import onnxfuse.cuda.conv_codegen as cg
+    import onnxfuse.cuda.conv_plan as cg
 
     shape = ConvShape(4, 6, 6, 8, 3, 3, (1, 1), (1, 1, 1, 1))
     x, w, b, _ = random_problem(shape, Epilogue())
@@ -369,7 +367,7 @@ def test_kernel_on_gpu_matches_onnxruntime(shape):
     drv = _gpu()
     from pycuda.compiler import SourceModule
 
-    from onnxfuse.cuda.conv_codegen import candidates
+    from onnxfuse.cuda.conv_plan import candidates
 
     epi = Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True)
     x, w, b, z = random_problem(shape, epi, batch=2)
@@ -392,9 +390,9 @@ def test_kernel_on_gpu_matches_onnxruntime(shape):
 @pytest.mark.gpu
 def test_tune_times_every_candidate():
     _gpu()
-    from onnxfuse.cuda.conv_codegen import tune
+    from onnxfuse.cuda.conv_tune import tune
 
-    from onnxfuse.cuda.conv_codegen import candidates
+    from onnxfuse.cuda.conv_plan import candidates
 
     shape = ConvShape(64, 28, 28, 64, 3, 3, (1, 1), (1, 1, 1, 1))
     best, table = tune(shape, Epilogue("relu"), batch=1, repeats=3)
@@ -406,7 +404,7 @@ def test_tune_times_every_candidate():
 def test_tune_without_a_gpu_says_so():
     if os.environ.get("CUDA_VISIBLE_DEVICES", "") != "" and shutil.which("nvidia-smi"):
         pytest.skip("a GPU may be present")
-    from onnxfuse.cuda.conv_codegen import tune
+    from onnxfuse.cuda.conv_tune import tune
 
     try:
         import pycuda.autoinit  # noqa: F401

@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.cuda import conv_model
-from onnxfuse.cuda.conv_codegen import ConvShape, DepthwiseTile, Epilogue, GemmTile
+from onnxfuse.cuda.conv_plan import ConvShape, DepthwiseTile, Epilogue, GemmTile
 from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
 from onnxfuse.runtime import make_session
 

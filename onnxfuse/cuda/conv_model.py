@@ -1,7 +1,7 @@
 """A numpy execution of the ConvBiasAct CUDA kernels, tile by tile.
 
 It runs what the generated source runs, with the same index arithmetic (the INDEX expressions of
-conv_codegen, evaluated on integer arrays), the same load-slot mapping and guards, the same
+conv_plan.py, evaluated on integer arrays), the same load-slot mapping and guards, the same
 shared-memory tile layout, the same reduction order (k0 slices, then kk = 0..BK-1 within a slice)
 and the same per-thread micro-tile and epilogue, for every block and thread at once. Tests compare
 it with onnxruntime's Conv, so a tiling or indexing mistake in the kernel design fails here without
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .conv_codegen import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile, TensorTile
+from .conv_plan import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile, TensorTile
 
 
 def _eval(table: str, env: dict) -> dict:

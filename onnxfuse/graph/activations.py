@@ -4,7 +4,7 @@ One line per activation: its ONNX op, its name in expression programs (onnxfuse/
 kernel epilogues, its ONNX attributes in program-parameter order with their defaults, and the
 fused epilogues that apply it in registers. Everything else derives from this table: the
 pointwise lowering (onnxfuse/lowering.py), the ops a batched linear layer may end in
-(patterns.ACTIVATIONS), ConvBiasAct's epilogue activations (cuda/conv_codegen.py), StackedMLP's
+(patterns.ACTIVATIONS), ConvBiasAct's epilogue activations (cuda/conv_plan.py), StackedMLP's
 (passes/ensemble_batch.py) and the activations onnxruntime fuses into its Conv and Gemm kernels
 (ort_fusions.py).
 
