@@ -1,148 +1,34 @@
-"""The pointwise-fusion pass: region formation, views, conditions and the target policy.
+"""The pointwise-fusion pass: region formation, views and conditions.
 
-Every rewritten model is checked three ways against the original model in onnxruntime:
-the fallback functions (optimized model run without our library), each Pointwise program
-evaluated by the numpy reference (Program.evaluate) on the node's actual inputs, and, where
-the built library has the Pointwise kernel, the optimized model run with it.
+Each rewritten model is checked against the original (pointwise_checks.check_equivalent). The
+rules that leave ops to onnxruntime's own fusions are tested in test_ort_fusions.py.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
-from onnxfuse.pipeline import Context, run_passes, select_passes
-from onnxfuse.program import ONNX_ELEM, Program
-
-F = T.FLOAT
-
-
-def model(nodes, inputs, outputs, inits=None, opset=17, elem=F):
-    """inputs/outputs: [(name, shape)] (or (name, shape, elem_type)); inits: {name: array}."""
-
-    def vi(spec):
-        name, shape, *et = spec
-        return helper.make_tensor_value_info(name, et[0] if et else elem, shape)
-
-    graph = helper.make_graph(
-        nodes, "g", [vi(s) for s in inputs], [vi(s) for s in outputs],
-        [numpy_helper.from_array(np.asarray(v), k) for k, v in (inits or {}).items()],
-    )
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 10
-    return onnx.shape_inference.infer_shapes(m)
-
-
-def node(op, ins, outs, **attrs):
-    return helper.make_node(op, ins, outs, name=f"{op}_{outs[0]}", **attrs)
-
-
-def fuse(m, target="cpu"):
-    out, stats = run_passes(m, select_passes(["pointwise"], target), Context(target=target))
-    onnx.checker.check_model(out)
-    return out
-
-
-def pointwise_nodes(m):
-    return [n for n in m.graph.node if n.op_type == "Pointwise"]
-
-
-def program_of(n) -> Program:
-    return Program.parse(helper.get_attribute_value(next(a for a in n.attribute if a.name == "program")).decode())
-
-
-def ops(m):
-    return sorted(n.op_type for n in m.graph.node)
-
-
-def session(m, with_library=False, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
-    so = ort.SessionOptions()
-    so.graph_optimization_level = level
-    so.log_severity_level = 3
-    if with_library:
-        from onnxfuse.runtime import library_path
-
-        so.register_custom_ops_library(library_path())
-    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-
-@functools.lru_cache(maxsize=None)
-def library_has_pointwise() -> bool:
-    graph = helper.make_graph(
-        [helper.make_node("Pointwise", ["x"], ["y"], domain="onnxfuse", program="in x0 f32\nt0 = neg x0\nout t0 f32\n")],
-        "probe", [helper.make_tensor_value_info("x", F, [2])], [helper.make_tensor_value_info("y", F, [2])],
-    )
-    one = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse", 1)])
-    one.ir_version = 10
-    try:
-        session(one, with_library=True).run(None, {"x": np.ones(2, np.float32)})
-        return True
-    except Exception:
-        return False
-
-
-def feeds_for(m, seed=0, dims=None):
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for i in m.graph.input:
-        tt = i.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else (dims or {}).get(d.dim_param, 3) for d in tt.shape.dim]
-        dt = helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if dt == np.bool_:
-            feeds[i.name] = rng.random(shape) > 0.5
-        elif dt.kind in "iu":
-            feeds[i.name] = rng.integers(-3, 4, shape).astype(dt)
-        else:
-            feeds[i.name] = (rng.standard_normal(shape) * 2).astype(dt)
-    return feeds
-
-
-def assert_same(expected, got, rtol=1e-5, atol=1e-6):
-    assert len(expected) == len(got)
-    for e, g in zip(expected, got):
-        assert e.shape == g.shape and e.dtype == g.dtype
-        np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol, equal_nan=True)
-
-
-def check_equivalent(original, fused, dims=None, seeds=(0, 1)):
-    """The fused model computes what the original computes: fallback bodies, every program
-    by the reference evaluator, and the native kernel when the library has it."""
-    for seed in seeds:
-        feeds = feeds_for(original, seed, dims)
-        want = session(original).run(None, feeds)
-        assert_same(want, session(fused).run(None, feeds))
-        check_programs(fused, feeds)
-        if library_has_pointwise():
-            assert_same(want, session(fused, with_library=True).run(None, feeds), rtol=2e-5, atol=1e-5)
-
-
-def check_programs(fused, feeds):
-    """Evaluate each Pointwise program on the node's inputs (from the fallback run) and
-    compare with the node's outputs."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(fused)
-    have = {o.name for o in probe.graph.output} | {i.name for i in probe.graph.input}
-    inits = {t.name: numpy_helper.to_array(t) for t in probe.graph.initializer}
-    for n in pointwise_nodes(fused):
-        prog = program_of(n)
-        dtypes = [i.dtype for i in prog.inputs] + [o.dtype for o in prog.outputs]
-        for name, dt in zip(list(n.input) + list(n.output), dtypes):
-            if name not in have and name not in inits:
-                probe.graph.output.append(helper.make_tensor_value_info(name, ONNX_ELEM[dt], None))
-                have.add(name)
-    names = [o.name for o in probe.graph.output]
-    values = dict(zip(names, session(probe).run(None, feeds)))
-    values.update(feeds)
-    values.update(inits)
-    for n in pointwise_nodes(fused):
-        prog = program_of(n)
-        got = prog.evaluate(*[values[i] for i in n.input])
-        assert_same([values[o] for o in n.output], got, rtol=2e-5, atol=1e-5)
+from pointwise_checks import (
+    F,
+    GAMMA,
+    RNG,
+    ZOO,
+    assert_same,
+    check_equivalent,
+    feeds_for,
+    fuse,
+    library_has_pointwise,
+    model,
+    node,
+    ops,
+    ort_kernels,
+    pointwise_nodes,
+    program_of,
+    session,
+)
 
 
 # ----------------------------------------------------------------------------- regions
@@ -471,208 +357,6 @@ def test_fallback_body_is_valid_when_a_tensor_is_read_through_several_views():
         assert len(set(fn.input)) == len(fn.input)
 
 
-# ----------------------------------------------------------------------------- policy
-
-
-RNG = np.random.default_rng(3)
-GAMMA = np.linspace(0.5, 1.5, 16).astype(np.float32)
-BETA = np.linspace(-0.2, 0.2, 16).astype(np.float32)
-SCAL = lambda v: np.array(v, np.float32)  # noqa: E731
-
-
-
-def case(pattern, inputs, out, inits, kept, prefix=(), suffix=(), full_inputs=None):
-    """A pattern onnxruntime fuses (inputs -> out), and a model that surrounds it with
-    elementwise ops a region would like to merge with (prefix/suffix)."""
-    return dict(pattern=pattern, inputs=inputs, out=out, inits=inits, kept=kept,
-                prefix=list(prefix), suffix=list(suffix), full_inputs=full_inputs or inputs)
-
-
-X3 = [("x", [2, 4, 16])]
-EXP_AFTER = [node("Exp", ["y"], ["z"])]
-POLICY_CASES = {
-    "conv-relu": case(
-        [node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1]), node("Relu", ["c"], ["y"])],
-        [("x", [1, 3, 8, 8])], ("y", [1, 4, 8, 8]), {"W": RNG.standard_normal((4, 3, 3, 3)).astype(np.float32)},
-        "Relu", suffix=EXP_AFTER,
-    ),
-    "matmul-add-2d": case(
-        [node("MatMul", ["x", "W"], ["m"]), node("Add", ["m", "b"], ["y"])],
-        [("x", [4, 16])], ("y", [4, 16]), {"W": RNG.standard_normal((16, 16)).astype(np.float32), "b": GAMMA},
-        "Add", suffix=EXP_AFTER,
-    ),
-    "matmul-add-relu-2d": case(
-        [node("MatMul", ["x", "W"], ["m"]), node("Add", ["m", "b"], ["a"]), node("Relu", ["a"], ["y"])],
-        [("x", [4, 16])], ("y", [4, 16]), {"W": RNG.standard_normal((16, 16)).astype(np.float32), "b": GAMMA},
-        "Relu", suffix=EXP_AFTER,
-    ),
-    "matmul-scale": case(
-        [node("MatMul", ["x", "W"], ["m"]), node("Mul", ["m", "s"], ["y"])],
-        X3, ("y", [2, 4, 16]), {"W": RNG.standard_normal((16, 16)).astype(np.float32), "s": SCAL(0.125)},
-        "Mul", suffix=EXP_AFTER,
-    ),
-    "skip-layernorm": case(
-        [node("Add", ["x", "r"], ["s"]), node("LayerNormalization", ["s", "g", "be"], ["y"], axis=-1)],
-        [("x", [2, 4, 16]), ("r", [2, 4, 16])], ("y", [2, 4, 16]), {"g": GAMMA, "be": BETA},
-        "Add", prefix=[node("Exp", ["x0"], ["x"])], full_inputs=[("x0", [2, 4, 16]), ("r", [2, 4, 16])],
-    ),
-    "layernorm": case(
-        [
-            node("ReduceMean", ["x"], ["mu"], axes=[-1]), node("Sub", ["x", "mu"], ["d"]), node("Pow", ["d", "two"], ["p"]),
-            node("ReduceMean", ["p"], ["v"], axes=[-1]), node("Add", ["v", "eps"], ["ve"]), node("Sqrt", ["ve"], ["sd"]),
-            node("Div", ["d", "sd"], ["n"]), node("Mul", ["n", "g"], ["ng"]), node("Add", ["ng", "be"], ["y"]),
-        ],
-        X3, ("y", [2, 4, 16]), {"two": SCAL(2.0), "eps": SCAL(1e-5), "g": GAMMA, "be": BETA},
-        "Div", suffix=EXP_AFTER,
-    ),
-    "rms-norm": case(
-        [
-            node("Pow", ["x", "two"], ["p"]), node("ReduceMean", ["p"], ["v"], axes=[-1]), node("Add", ["v", "eps"], ["ve"]),
-            node("Sqrt", ["ve"], ["sd"]), node("Div", ["x", "sd"], ["n"]), node("Mul", ["n", "g"], ["y"]),
-        ],
-        X3, ("y", [2, 4, 16]), {"two": SCAL(2.0), "eps": SCAL(1e-5), "g": GAMMA},
-        "Div", suffix=EXP_AFTER,
-    ),
-    "bias-gelu-erf": case(
-        [
-            node("Add", ["x", "b"], ["xb"]), node("Div", ["xb", "sq2"], ["d"]), node("Erf", ["d"], ["e"]),
-            node("Add", ["e", "one"], ["a"]), node("Mul", ["xb", "a"], ["m"]), node("Mul", ["m", "half"], ["y"]),
-        ],
-        X3, ("y", [2, 4, 16]), {"b": GAMMA, "sq2": SCAL(1.4142135), "one": SCAL(1.0), "half": SCAL(0.5)},
-        "Erf", suffix=EXP_AFTER,
-    ),
-    "bias-gelu-tanh": case(
-        [
-            node("Add", ["x0", "b"], ["x"]), node("Pow", ["x", "three"], ["c3"]), node("Mul", ["c3", "k"], ["kc"]), node("Add", ["x", "kc"], ["in"]),
-            node("Mul", ["in", "s2pi"], ["ins"]), node("Tanh", ["ins"], ["t"]), node("Add", ["t", "one"], ["a"]),
-            node("Mul", ["x", "half"], ["xh"]), node("Mul", ["xh", "a"], ["y"]),
-        ],
-        [("x0", [2, 4, 16])], ("y", [2, 4, 16]),
-        {"b": GAMMA, "three": SCAL(3.0), "k": SCAL(0.044715), "s2pi": SCAL(0.7978845608), "one": SCAL(1.0), "half": SCAL(0.5)},
-        "Tanh", suffix=EXP_AFTER,
-    ),
-    "silu": case(
-        [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"])],
-        X3, ("y", [2, 4, 16]), {}, "Sigmoid", suffix=EXP_AFTER,
-    ),
-}
-
-
-def full_model(c):
-    out = ("z", c["out"][1]) if c["suffix"] else c["out"]
-    return model(c["prefix"] + c["pattern"] + c["suffix"], c["full_inputs"], [out], c["inits"])
-
-
-def ort_kernels(m, with_library=False) -> list[str]:
-    """Op types of the kernels onnxruntime (ORT_ENABLE_ALL, CPU, 1 thread) runs per inference."""
-    import json
-    import os
-    import tempfile
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.enable_profiling = True
-    so.log_severity_level = 3
-    so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "p")
-    if with_library:
-        from onnxfuse.runtime import library_path
-
-        so.register_custom_ops_library(library_path())
-    s = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    s.run(None, feeds_for(m))
-    events = json.load(open(s.end_profiling()))
-    return [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-
-
-# onnxruntime 1.31 fuses the tanh GELU of gpt_stack (FastGelu) but not this standalone copy of
-# it, whose result is the graph output (test_gelus_onnxruntime_does_not_fuse_become_regions); the
-# rule is checked with an op after it and on the zoo model (test_gpt_stack_keeps_onnxruntime_fastgelu).
-@pytest.mark.parametrize("name", sorted(set(POLICY_CASES) - {"bias-gelu-tanh"}))
-def test_cpu_policy_patterns_are_fused_by_onnxruntime(name):
-    """The measurement behind each CPU rule: onnxruntime runs the pattern as one kernel (a
-    convolution also reorders its NCHWc output), the reserved op is no kernel of its own."""
-    c = POLICY_CASES[name]
-    kernels = ort_kernels(model(c["pattern"], c["inputs"], [c["out"]], c["inits"]))
-    assert c["kept"] not in kernels
-    assert len([k for k in kernels if k != "ReorderOutput"]) == 1, kernels
-
-
-@pytest.mark.parametrize("name", sorted(set(POLICY_CASES) - {"skip-layernorm"}))
-def test_cpu_policy_leaves_onnxruntime_fusions_alone(name):
-    c = POLICY_CASES[name]
-    m = full_model(c)
-    out = fuse(m, "cpu")
-    assert c["kept"] in ops(out)
-    assert "Pointwise" not in ops(out)  # the op around it alone does not pay
-    check_equivalent(m, out)
-
-
-def _tanh_gelu_with_cube(cube_nodes):
-    return [*cube_nodes, node("Mul", ["c3", "k"], ["kc"]), node("Add", ["x", "kc"], ["in"]),
-            node("Mul", ["in", "s2pi"], ["ins"]), node("Tanh", ["ins"], ["t"]), node("Add", ["t", "one"], ["a"]),
-            node("Mul", ["x", "half"], ["xh"]), node("Mul", ["xh", "a"], ["y"])]
-
-
-GELU_CONSTS = {"three": SCAL(3.0), "k": SCAL(0.044715), "s2pi": SCAL(0.7978845608), "one": SCAL(1.0), "half": SCAL(0.5)}
-# Tanh GELUs the gelu rule matches but onnxruntime 1.31 does not fuse: the result is the graph
-# output, or the cube is written x * x * x. The pass asks onnxruntime (reserved_for_runtime)
-# and makes them regions instead of leaving nine kernels.
-UNFUSED_GELUS = {
-    "result-is-graph-output": model(POLICY_CASES["bias-gelu-tanh"]["pattern"], [("x0", [2, 4, 16])], [("y", [2, 4, 16])],
-                                    POLICY_CASES["bias-gelu-tanh"]["inits"]),
-    "cube-as-products": model(_tanh_gelu_with_cube([node("Mul", ["x", "x"], ["x2"]), node("Mul", ["x2", "x"], ["c3"])])
-                              + EXP_AFTER, [("x", [2, 4, 16])], [("z", [2, 4, 16])], GELU_CONSTS),
-}
-
-
-@pytest.mark.parametrize("name", sorted(UNFUSED_GELUS))
-def test_gelus_onnxruntime_does_not_fuse_become_regions(name):
-    m = UNFUSED_GELUS[name]
-    assert "Tanh" in ort_kernels(m)  # the premise: onnxruntime leaves it in pieces
-    out = fuse(m, "cpu")
-    assert ops(out) == ["Pointwise"]
-    check_equivalent(m, out)
-
-
-def test_rules_stand_alone_when_onnxruntime_cannot_be_asked(monkeypatch):
-    from onnxfuse import runtime
-
-    def unavailable(model, with_library=True):
-        raise RuntimeError("no session")
-
-    monkeypatch.setattr(runtime, "executed_graph", unavailable)
-    m = UNFUSED_GELUS["cube-as-products"]
-    out = fuse(m, "cpu")
-    assert "Pointwise" not in ops(out) and "Tanh" in ops(out)  # left to onnxruntime, as the rule says
-    check_equivalent(m, out)
-
-
-def test_gelu_onnxruntime_fuses_stays_with_it_beside_one_it_does_not():
-    """One graph, two GELUs: the one onnxruntime fuses (FastGelu) is left to it, the other (cube
-    written x * x * x) becomes a region: the probe decides node by node."""
-    fused_one = [node("Pow", ["x", "three"], ["c3"])]
-    other = [node("Mul", ["x", "x"], ["x2"]), node("Mul", ["x2", "x"], ["c3"])]
-    rename = lambda nodes, sfx: [node(n.op_type, [i if i in GELU_CONSTS else i + sfx for i in n.input],  # noqa: E731
-                                      [o + sfx for o in n.output]) for n in nodes]
-    # Two graph inputs: GELUs of one value would share x * 0.5, which onnxruntime 1.31 merges and
-    # then removes with the FastGelu it fuses, leaving the other GELU reading nothing.
-    nodes = (rename(_tanh_gelu_with_cube(fused_one), "_a") + rename(_tanh_gelu_with_cube(other), "_b")
-             + [node("Add", ["y_a", "y_b"], ["z"])])
-    m = model(nodes, [("x_a", [2, 4, 16]), ("x_b", [2, 4, 16])], [("z", [2, 4, 16])], GELU_CONSTS)
-    out = fuse(m, "cpu")
-    kernels = ort_kernels(out, with_library=True)
-    assert kernels.count("FastGelu") == 1 and "Tanh" not in kernels, kernels
-    check_equivalent(m, out)
-
-
-def test_cuda_policy_fuses_gelu_which_cpu_leaves_to_onnxruntime():
-    m = full_model(POLICY_CASES["bias-gelu-tanh"])
-    assert "Pointwise" not in ops(fuse(m, "cpu"))
-    out = fuse(m, "cuda")
-    assert ops(out) == ["Pointwise"]  # the Exp after it joins too
-    check_equivalent(m, out)
-
-
 def test_3d_matmul_bias_is_fused_on_cpu():
     """onnxruntime makes no Gemm of a MatMul with symbolic leading dims: the bias Add and the
     residual Add are one region."""
@@ -681,22 +365,6 @@ def test_3d_matmul_bias_is_fused_on_cpu():
     out = fuse(m)
     assert ops(out) == ["MatMul", "Pointwise"]
     check_equivalent(m, out, dims={"B": 2, "T": 5})
-
-
-ZOO = __import__("pathlib").Path(__file__).resolve().parent.parent / "models"
-
-
-@pytest.mark.skipif(not (ZOO / "gpt_stack.onnx").exists(), reason="zoo model models/gpt_stack.onnx not generated")
-def test_gpt_stack_keeps_onnxruntime_fastgelu():
-    m = onnx.load(str(ZOO / "gpt_stack.onnx"))
-    out = fuse(m)
-    before, after = ort_kernels(m), ort_kernels(out)
-    assert before.count("FastGelu") == after.count("FastGelu") == 4
-    # bias and residual Adds of the attention and MLP outputs: one region each (the last one
-    # before ln_f too, which onnxruntime's slower SkipLayerNormalization would otherwise take)
-    assert len(pointwise_nodes(out)) == 8
-    assert "SkipLayerNormalization" not in ort_kernels(out, with_library=True)
-    check_equivalent(m, out, dims={"batch": 2, "seq": 5}, seeds=(0,))
 
 
 @pytest.mark.skipif(not (ZOO / "char_rnn.onnx").exists(), reason="zoo model models/char_rnn.onnx not generated")
@@ -731,95 +399,3 @@ def test_split_piece_split_again_on_the_same_axis_is_read_stored():
     (pw,) = pointwise_nodes(out)
     assert "a" in pw.input and "x" not in pw.input
     check_equivalent(m, out, dims={"batch": 2})
-
-
-def conv_elementwise_conv(op: str, binary: bool, group: int = 1, channels: int = 16):
-    """Conv -> op (unary on the Conv, or binary on two Convs of one shape) -> Mul by the first
-    Conv (so that the op cannot fold into the Conv) -> Conv."""
-    W = lambda cin: RNG.standard_normal((channels, cin, 3, 3)).astype(np.float32)  # noqa: E731
-    nodes = [node("Conv", ["x", "W1"], ["c1"], pads=[1, 1, 1, 1], group=group)]
-    inits = {"W1": W(channels // group), "W2": W(channels)}
-    if binary:
-        nodes.append(node("Conv", ["x", "W3"], ["c3"], pads=[1, 1, 1, 1]))
-        inits["W3"] = W(channels)
-    nodes.append(node(op, ["c1", "c3"] if binary else ["c1"], ["a"]))
-    nodes += [node("Mul", ["a", "c1"], ["m"]), node("Conv", ["m", "W2"], ["y"], pads=[1, 1, 1, 1])]
-    return model(nodes, [("x", [1, channels, 10, 10])], [("y", [1, channels, 10, 10])], inits)
-
-
-NCHWC_CASES = [("HardSigmoid", False), ("Sigmoid", False), ("Tanh", False), ("Relu", False),
-               ("Add", True), ("Mul", True), ("Sum", True)]
-
-
-@pytest.mark.parametrize("op, binary", NCHWC_CASES)
-def test_nchwc_elementwise_ops_run_in_place_in_onnxruntime(op, binary):
-    """The measurement behind the nchwc-elementwise rule: between NCHWc convolutions,
-    onnxruntime runs these ops on the blocked tensors with no reorder around them (one
-    ReorderInput for the graph input, one ReorderOutput for the graph output)."""
-    kernels = ort_kernels(conv_elementwise_conv(op, binary))
-    assert kernels.count("ReorderInput") + kernels.count("ReorderOutput") == 2, kernels
-
-
-@pytest.mark.parametrize("op, binary", NCHWC_CASES)
-def test_cpu_policy_leaves_nchwc_elementwise_ops_to_onnxruntime(op, binary):
-    m = conv_elementwise_conv(op, binary)
-    out = fuse(m, "cpu")
-    assert "Pointwise" not in ops(out)
-    assert len(ort_kernels(out)) == len(ort_kernels(m))
-    check_equivalent(m, out)
-
-
-@pytest.mark.parametrize("op, binary", [("LeakyRelu", False), ("Sub", True)])
-def test_ops_onnxruntime_reorders_around_are_still_fused_between_convolutions(op, binary):
-    """LeakyRelu and Sub leave the NCHWc layout in onnxruntime (reorders around them), so the
-    region with the Mul after them is fused, and saves kernels."""
-    m = conv_elementwise_conv(op, binary)
-    assert ort_kernels(m).count("ReorderOutput") > 1
-    out = fuse(m, "cpu")
-    assert ops(out).count("Pointwise") == 1
-    assert len(ort_kernels(out, with_library=True)) < len(ort_kernels(m))
-    check_equivalent(m, out)
-
-
-def test_grouped_convolution_is_not_taken_as_nchwc():
-    """A grouped (not depthwise) convolution stays NCHW in onnxruntime: its activation and the
-    Mul after it are one region."""
-    m = conv_elementwise_conv("HardSigmoid", False, group=2)
-    out = fuse(m, "cpu")
-    assert ops(out).count("Pointwise") == 1
-    check_equivalent(m, out)
-
-
-def residual_layernorm(written_out: bool):
-    """Add(x, r) -> LayerNormalization over the last axis, as one op or written out."""
-    if not written_out:
-        nodes = [node("Add", ["x", "r"], ["s"]), node("LayerNormalization", ["s", "g", "be"], ["y"], axis=-1)]
-        inits = {"g": GAMMA, "be": BETA}
-    else:
-        nodes = [
-            node("Add", ["x", "r"], ["s"]), node("ReduceMean", ["s"], ["mu"], axes=[-1]), node("Sub", ["s", "mu"], ["d"]),
-            node("Pow", ["d", "two"], ["p"]), node("ReduceMean", ["p"], ["v"], axes=[-1]), node("Add", ["v", "eps"], ["ve"]),
-            node("Sqrt", ["ve"], ["sd"]), node("Div", ["d", "sd"], ["n"]), node("Mul", ["n", "g"], ["ng"]),
-            node("Add", ["ng", "be"], ["y"]),
-        ]
-        inits = {"two": SCAL(2.0), "eps": SCAL(1e-5), "g": GAMMA, "be": BETA}
-    return model(nodes, [("x", [2, 4, 16]), ("r", [2, 4, 16])], [("y", [2, 4, 16])], inits, opset=17)
-
-
-@pytest.mark.parametrize("written_out", [False, True])
-def test_cpu_takes_a_lone_residual_add_from_onnxruntimes_skip_layernorm(written_out):
-    """onnxruntime's CPU SkipLayerNormalization is slower than a Pointwise region plus its
-    LayerNormalization (bench/results/skip_layernorm.md), so on the CPU even the residual Add
-    alone becomes a region, which keeps onnxruntime from making that fusion."""
-    m = residual_layernorm(written_out)
-    assert "SkipLayerNormalization" in ort_kernels(m)
-    out = fuse(m, "cpu")
-    assert ops(out).count("Pointwise") == 1
-    kernels = ort_kernels(out, with_library=True)
-    assert sorted(kernels) == ["LayerNormalization", "Pointwise"], kernels
-    check_equivalent(m, out)
-
-
-def test_cuda_leaves_the_residual_add_to_skip_layernorm():
-    out = fuse(residual_layernorm(False), "cuda")
-    assert "Pointwise" not in ops(out)

@@ -5,7 +5,7 @@ kernels. A Pointwise region that swallowed them would leave onnxruntime's kernel
 more kernel per pattern and a slower one: those ops are reserved for onnxruntime (POLICY). Some
 of its fusions are slower than a region, and a region takes them first (PREEMPT). Each rule
 below was checked on onnxruntime 1.31 (CPU provider): the pattern alone runs as the named single
-kernel (tests/test_pass_pointwise.py::test_cpu_policy_patterns_are_fused_by_onnxruntime).
+kernel (tests/test_ort_fusions.py::test_cpu_policy_patterns_are_fused_by_onnxruntime).
 
 Where a rule's fusion depends on details the rule does not repeat, the graph onnxruntime would
 execute is consulted through a function handed in (the ort layer's executed_graph): this module
