@@ -95,6 +95,12 @@ class PassOptions:
     stacked_mlp: str = "pays"  # "pays": where StackedMLP beats onnxruntime; "always"
     attention_cuda: bool = False  # fuse attention on --target cuda (opt-in until timed on a GPU)
 
+    def pointwise_fusion_runs(self) -> bool:
+        """Whether a pointwise-fusion pass is in this run: `pipeline` lists the selected pass
+        names when the caller records them; without it the default pipeline, which fuses
+        pointwise regions, is assumed."""
+        return self.pipeline is None or any("pointwise" in n for n in self.pipeline)
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, object] | None) -> PassOptions:
         """PassOptions from keyword values; a name that is no option is a ValueError."""

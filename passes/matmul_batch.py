@@ -23,35 +23,8 @@ batch-sibling-matmul
     the GEMM has a static number of rows <= SPLIT_COPY_MAX_ROWS (the copy grows with the batch,
     the saved dispatches do not: with a dynamic batch only in-place pieces qualify). Members
     that compute the same thing are always merged (a whole GEMM saved). Weights and FLOPs are unchanged; the one GEMM streams x once.
-
-hoist-matmul-over-gather
-    match:     n >= 2 MatMul(Gather(T, i_k, axis=a), W) [+ Add(bias)] with one T, one axis a that
-               is not T's last axis, constant indices i_k, one constant 2-D W and one bias (the
-               per-step input projections of an unrolled RNN: x_t = emb[:, t])
-    condition: T's dim a is static and the i_k cover at least half of it (the hoisted GEMM
-               computes no more than twice what the members did); saves n - 1 GEMMs
-    rewrite:   Y = MatMul(T, W) [+ Add(bias)], member k's output = Gather(Y, i_k, axis=a).
-               When T = Gather(E, ids, axis=0) of a constant 2-D table E (an embedding) with at
-               most FOLD_TABLE_MAX elements in E @ W, Y becomes Gather(E @ W + bias, ids): the
-               GEMM is computed once, here.
-
-merge-xh-matmul
-    match:     a tree of Add nodes (each read only inside the tree) whose leaves include >= 2
-               MatMul(a_i, W_i) with distinct variable inputs a_i (each MatMul read only by the
-               tree), constant 2-D W_i of equal N, inputs of rank 2 with equal leading dims,
-               plus any number of constant row biases and other tensors
-    condition: no pointwise-fusion pass is in the pipeline (ctx.options.pipeline, the
-               selected pass names, lists none). Rule: before = n GEMMs + the Adds of the tree (separate kernels without
-               pointwise fusion; onnxruntime folds one Add into a Gemm's C); after = 1 Concat +
-               1 GEMM (+ the remaining non-MatMul variable terms). With pointwise fusion the
-               Adds are fused into the next region anyway, so the merge would trade n-1 GEMMs
-               for one Concat copy: no kernel saved, and not applied.
-    rewrite:   Concat([a_1 .. a_n], axis=-1) -> MatMul(., stack_K(W_i)) + sum of constant
-               biases (+ other terms), writing the tree's output tensor.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -85,16 +58,6 @@ def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
             m.activation = a
             m.nodes.append(a)
             m.output = a.outputs[0]
-
-
-def pointwise_fusion_runs(ctx: Context) -> bool:
-    """Whether a pointwise-fusion pass follows in this pipeline. ctx.options.pipeline lists
-    the selected pass names when the caller records them; without it the default pipeline,
-    which fuses pointwise regions, is assumed."""
-    names = ctx.options.pipeline
-    if names is None:
-        return True
-    return any("pointwise" in n for n in names)
 
 
 def _folds_into_gemm(reader: gs.Node, piece: gs.Tensor) -> bool:
@@ -147,7 +110,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
         else:
             duplicates.append((m, first))
     outputs = [b.output for b in blocks]
-    split_free = pointwise_fusion_runs(ctx) and _pieces_read_in_place(graph, outputs)
+    split_free = ctx.options.pointwise_fusion_runs() and _pieces_read_in_place(graph, outputs)
     before, after = _kernels(members, len(blocks), gu.rank(x), split_free)
     # A materialized Split copies rows x sum(N) values; that cost grows with the batch while the
     # saved dispatches do not (bench/results/matmul_batch.md).
@@ -221,221 +184,9 @@ def batch_sibling_matmul(graph: gs.Graph, ctx: Context) -> int:
     return rewrites
 
 
-# hoist-matmul-over-gather -----------------------------------------------------------------------
-
-FOLD_TABLE_MAX = 1 << 22  # elements of a folded embedding @ weight table (16 MiB of float32)
-
-
-def _gather_member(graph: gs.Graph, mm: gs.Node):
-    """(T, axis, indices, weight tensor, bias array|None, nodes, output) of MatMul(Gather(T, i, a), W) [+ bias]."""
-    if not gu.is_op(mm, "MatMul"):
-        return None
-    g_out = mm.inputs[0]
-    g = gu.producer(g_out)
-    if not gu.is_op(g, "Gather") or isinstance(g.inputs[0], gs.Constant):
-        return None
-    idx = gu.constant_value(g.inputs[1])
-    w = gu.constant_value(mm.inputs[1])
-    src = g.inputs[0]
-    rank = gu.rank(src)
-    if idx is None or w is None or w.ndim != 2 or w.dtype.kind not in gl.FLOAT_KINDS or rank is None:
-        return None
-    axis = int(gu.attr(g, "axis", 0))
-    axis = axis + rank if axis < 0 else axis
-    if not 0 <= axis < rank - 1:
-        return None
-    nodes, out, bias = [mm], mm.outputs[0], None
-    reader = gu.single_consumer(out)
-    if gl.rewirable(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
-        other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
-        b = gu.constant_value(other) if other is not out else None
-        b = gl.row_bias(b, w.shape[1], None) if b is not None and b.dtype == w.dtype else None
-        if b is not None:
-            nodes.append(reader)
-            out, bias = reader.outputs[0], b
-    return src, axis, idx, mm.inputs[1], bias, nodes, out
-
-
-def hoist_matmul_over_gather(graph: gs.Graph, ctx: Context) -> int:
-    refresh_shapes(graph)
-    groups: dict[tuple, list] = {}
-    for node in list(graph.nodes):
-        m = _gather_member(graph, node)
-        if m is None:
-            continue
-        src, axis, idx, w_t, bias, _, _ = m
-        bias_key = None if bias is None else bias.tobytes()
-        groups.setdefault((src.name, axis, w_t.name, bias_key), []).append(m)
-    rewrites = 0
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        src, axis, _, w_t, bias, _, _ = members[0]
-        size = gu.dims(src)[axis]
-        covered = {int(i) % size for m in members for i in np.asarray(m[2]).reshape(-1)} if isinstance(size, int) else set()
-        if not isinstance(size, int) or 2 * len(covered) < size:
-            continue
-        w = gu.constant_value(w_t)
-        dtype = w.dtype
-        base = gu.unique_name(graph, f"{src.name}_hoisted")
-        nodes: list[gs.Node] = []
-        table_src = gu.producer(src)
-        table = gu.constant_value(table_src.inputs[0]) if gu.is_op(table_src, "Gather") else None
-        if (
-            table is not None and table.ndim == 2 and table.dtype == dtype
-            and int(gu.attr(table_src, "axis", 0)) in (0, -2)
-            and table.shape[0] * w.shape[1] <= FOLD_TABLE_MAX
-        ):
-            folded = (table.astype(np.float64) @ w.astype(np.float64))
-            if bias is not None:
-                folded = folded + bias
-            y = gs.Variable(f"{base}_folded", dtype=dtype)
-            nodes.append(gs.Node("Gather", name=f"{base}/Gather", attrs={"axis": 0},
-                                 inputs=[gu.make_constant(graph, f"{base}_table", folded.astype(dtype)), table_src.inputs[1]], outputs=[y]))
-        else:
-            y = gs.Variable(f"{base}_matmul", dtype=dtype)
-            nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[src, w_t], outputs=[y]))
-            if bias is not None:
-                yb = gs.Variable(f"{base}_add", dtype=dtype)
-                nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[y, gu.make_constant(graph, f"{base}_bias", bias)], outputs=[yb]))
-                y = yb
-        for k, (_, _, _, _, _, old, out) in enumerate(members):
-            gather = gu.producer(old[0].inputs[0])
-            for n in old:
-                gu.disconnect(n)
-            nodes.append(gs.Node("Gather", name=f"{base}/Gather_{k}", attrs={"axis": axis}, inputs=[y, gather.inputs[1]], outputs=[out]))
-        graph.nodes.extend(nodes)
-        rewrites += 1
-    return rewrites
-
-
-# merge-xh-matmul -------------------------------------------------------------------------------
-
-
-@dataclass
-class _AddTree:
-    adds: list[gs.Node] = field(default_factory=list)
-    leaves: list[gs.Tensor] = field(default_factory=list)
-
-
-def _collect_add_tree(graph: gs.Graph, root: gs.Node) -> _AddTree:
-    tree = _AddTree()
-
-    def visit(node: gs.Node) -> None:
-        tree.adds.append(node)
-        for t in node.inputs:
-            p = gu.producer(t)
-            if (
-                gu.is_op(p, "Add")
-                and len(t.outputs) == 1
-                and gl.rewirable(t, graph)
-                and node.inputs.count(t) == 1
-                and p.outputs[0].dtype == root.outputs[0].dtype
-            ):
-                visit(p)
-            else:
-                tree.leaves.append(t)
-
-    visit(root)
-    return tree
-
-
-def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
-    da, db = gu.dims(a), gu.dims(b)
-    if da is None or db is None or len(da) != 2 or len(db) != 2:
-        return False
-    return da[0] is not None and da[0] == db[0]
-
-
-def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
-    if pointwise_fusion_runs(ctx):
-        return 0
-    refresh_shapes(graph)
-    rewrites = 0
-    for root in list(graph.nodes):
-        if not gu.is_op(root, "Add") or not root.outputs:
-            continue
-        out = root.outputs[0]
-        # Only the top of a tree: a root read by another Add of the tree is handled there.
-        reader = gu.single_consumer(out)
-        if gu.is_op(reader, "Add") and gl.rewirable(out, graph):
-            continue
-        tree = _collect_add_tree(graph, root)
-        terms, rest = [], []
-        for leaf in tree.leaves:
-            p = gu.producer(leaf)
-            w = gu.constant_value(p.inputs[1]) if gu.is_op(p, "MatMul") else None
-            if (
-                w is not None and w.ndim == 2 and w.dtype.kind in gl.FLOAT_KINDS
-                and len(leaf.outputs) == 1 and gl.rewirable(leaf, graph)
-                and not isinstance(p.inputs[0], gs.Constant)
-                and gu.rank(p.inputs[0]) == 2
-            ):
-                terms.append((p, w))
-            else:
-                rest.append(leaf)
-        if len(terms) < 2:
-            continue
-        n = terms[0][1].shape[1]
-        a0 = terms[0][0].inputs[0]
-        if any(w.shape[1] != n or w.dtype != terms[0][1].dtype for _, w in terms):
-            continue
-        if len({id(p.inputs[0]) for p, _ in terms}) != len(terms):
-            continue
-        if not all(_same_leading_dims(a0, p.inputs[0]) for p, _ in terms[1:]):
-            continue
-        dtype = terms[0][1].dtype
-        biases, others = [], []
-        for t in rest:
-            v = gu.constant_value(t)
-            b = gl.row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
-            if b is not None:
-                biases.append(b)
-            else:
-                others.append(t)
-        base = gu.unique_name(graph, f"{out.name}_xh")
-        cat = gs.Variable(f"{base}_concat", dtype=dtype)
-        nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": -1}, inputs=[p.inputs[0] for p, _ in terms], outputs=[cat])]
-        w_t = gu.make_constant(graph, f"{base}_weight", np.concatenate([w for _, w in terms], axis=0))
-        cur = gs.Variable(f"{base}_matmul", dtype=dtype)
-        nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cat, w_t], outputs=[cur]))
-        extra = []
-        if biases:
-            extra.append(gu.make_constant(graph, f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
-        extra += others
-        for n_ in tree.adds:
-            gu.disconnect(n_)
-        for p, _ in terms:
-            gu.disconnect(p)
-        for i, t in enumerate(extra):
-            last = i == len(extra) - 1
-            y = out if last else gs.Variable(f"{base}_add{i}", dtype=dtype)
-            nodes.append(gs.Node("Add", name=f"{base}/Add{i}", inputs=[cur, t], outputs=[y]))
-            cur = y
-        if not extra:
-            nodes[-1].outputs[0] = out
-        graph.nodes.extend(nodes)
-        rewrites += 1
-    return rewrites
-
-
-PASSES = [
-    Pass(
-        "hoist-matmul-over-gather",
-        400,
-        "one MatMul over a tensor for MatMuls with one weight on Gathers of it (RNN input projections)",
-        hoist_matmul_over_gather,
-    ),
-    Pass(
-        "batch-sibling-matmul",
-        410,
-        "one GEMM on concatenated weights for MatMul/Gemm siblings reading the same input",
-        batch_sibling_matmul,
-    ),
-    Pass(
-        "merge-xh-matmul",
-        430,
-        "x@Wx + h@Wh as one GEMM on Concat([x, h]) when the Adds would be separate kernels",
-        merge_xh_matmul,
-    ),
-]
+PASS = Pass(
+    "batch-sibling-matmul",
+    410,
+    "one GEMM on concatenated weights for MatMul/Gemm siblings reading the same input",
+    batch_sibling_matmul,
+)

@@ -1,0 +1,141 @@
+"""x @ Wx + h @ Wh as one GEMM on Concat([x, h]), when no pointwise fusion takes the Adds.
+
+merge-xh-matmul
+    match:     a tree of Add nodes (each read only inside the tree) whose leaves include >= 2
+               MatMul(a_i, W_i) with distinct variable inputs a_i (each MatMul read only by the
+               tree), constant 2-D W_i of equal N, inputs of rank 2 with equal leading dims,
+               plus any number of constant row biases and other tensors
+    condition: no pointwise-fusion pass is in the pipeline (ctx.options.pipeline, the
+               selected pass names, lists none). Rule: before = n GEMMs + the Adds of the
+               tree (separate kernels without pointwise fusion; onnxruntime folds one Add into a Gemm's C); after = 1 Concat +
+               1 GEMM (+ the remaining non-MatMul variable terms). With pointwise fusion the
+               Adds are fused into the next region anyway, so the merge would trade n-1 GEMMs
+               for one Concat copy: no kernel saved, and not applied.
+    rewrite:   Concat([a_1 .. a_n], axis=-1) -> MatMul(., stack_K(W_i)) + sum of constant
+               biases (+ other terms), writing the tree's output tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse.graph import core as gu
+from onnxfuse.graph import linear as gl
+from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.pipeline import Context, Pass
+
+@dataclass
+class _AddTree:
+    adds: list[gs.Node] = field(default_factory=list)
+    leaves: list[gs.Tensor] = field(default_factory=list)
+
+
+def _collect_add_tree(graph: gs.Graph, root: gs.Node) -> _AddTree:
+    tree = _AddTree()
+
+    def visit(node: gs.Node) -> None:
+        tree.adds.append(node)
+        for t in node.inputs:
+            p = gu.producer(t)
+            if (
+                gu.is_op(p, "Add")
+                and len(t.outputs) == 1
+                and gl.rewirable(t, graph)
+                and node.inputs.count(t) == 1
+                and p.outputs[0].dtype == root.outputs[0].dtype
+            ):
+                visit(p)
+            else:
+                tree.leaves.append(t)
+
+    visit(root)
+    return tree
+
+
+def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
+    da, db = gu.dims(a), gu.dims(b)
+    if da is None or db is None or len(da) != 2 or len(db) != 2:
+        return False
+    return da[0] is not None and da[0] == db[0]
+
+
+def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
+    if ctx.options.pointwise_fusion_runs():
+        return 0
+    refresh_shapes(graph)
+    rewrites = 0
+    for root in list(graph.nodes):
+        if not gu.is_op(root, "Add") or not root.outputs:
+            continue
+        out = root.outputs[0]
+        # Only the top of a tree: a root read by another Add of the tree is handled there.
+        reader = gu.single_consumer(out)
+        if gu.is_op(reader, "Add") and gl.rewirable(out, graph):
+            continue
+        tree = _collect_add_tree(graph, root)
+        terms, rest = [], []
+        for leaf in tree.leaves:
+            p = gu.producer(leaf)
+            w = gu.constant_value(p.inputs[1]) if gu.is_op(p, "MatMul") else None
+            if (
+                w is not None and w.ndim == 2 and w.dtype.kind in gl.FLOAT_KINDS
+                and len(leaf.outputs) == 1 and gl.rewirable(leaf, graph)
+                and not isinstance(p.inputs[0], gs.Constant)
+                and gu.rank(p.inputs[0]) == 2
+            ):
+                terms.append((p, w))
+            else:
+                rest.append(leaf)
+        if len(terms) < 2:
+            continue
+        n = terms[0][1].shape[1]
+        a0 = terms[0][0].inputs[0]
+        if any(w.shape[1] != n or w.dtype != terms[0][1].dtype for _, w in terms):
+            continue
+        if len({id(p.inputs[0]) for p, _ in terms}) != len(terms):
+            continue
+        if not all(_same_leading_dims(a0, p.inputs[0]) for p, _ in terms[1:]):
+            continue
+        dtype = terms[0][1].dtype
+        biases, others = [], []
+        for t in rest:
+            v = gu.constant_value(t)
+            b = gl.row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
+            if b is not None:
+                biases.append(b)
+            else:
+                others.append(t)
+        base = gu.unique_name(graph, f"{out.name}_xh")
+        cat = gs.Variable(f"{base}_concat", dtype=dtype)
+        nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": -1}, inputs=[p.inputs[0] for p, _ in terms], outputs=[cat])]
+        w_t = gu.make_constant(graph, f"{base}_weight", np.concatenate([w for _, w in terms], axis=0))
+        cur = gs.Variable(f"{base}_matmul", dtype=dtype)
+        nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cat, w_t], outputs=[cur]))
+        extra = []
+        if biases:
+            extra.append(gu.make_constant(graph, f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
+        extra += others
+        for n_ in tree.adds:
+            gu.disconnect(n_)
+        for p, _ in terms:
+            gu.disconnect(p)
+        for i, t in enumerate(extra):
+            last = i == len(extra) - 1
+            y = out if last else gs.Variable(f"{base}_add{i}", dtype=dtype)
+            nodes.append(gs.Node("Add", name=f"{base}/Add{i}", inputs=[cur, t], outputs=[y]))
+            cur = y
+        if not extra:
+            nodes[-1].outputs[0] = out
+        graph.nodes.extend(nodes)
+        rewrites += 1
+    return rewrites
+
+
+PASS = Pass(
+    "merge-xh-matmul",
+    430,
+    "x@Wx + h@Wh as one GEMM on Concat([x, h]) when the Adds would be separate kernels",
+    merge_xh_matmul,
+)
