@@ -132,11 +132,9 @@ class ShapeEvaluator:
             syms = self.dim_symbols(node.inputs[0])
             if syms is None:
                 return None
-            rank = len(syms)
-            start, end = gu.attr(node, "start", 0), gu.attr(node, "end", rank)
-            start = min(max(start + rank if start < 0 else start, 0), rank)
-            end = min(max(end + rank if end < 0 else end, 0), rank)
-            return ShapeValue(1, tuple(syms[start:end]), np.dtype(np.int64))
+            # Shape's start and end take the dims as a Slice with step 1 would.
+            taken = slice_indices(len(syms), int(gu.attr(node, "start", 0)), int(gu.attr(node, "end", len(syms))), 1)
+            return ShapeValue(1, tuple(syms[i] for i in taken), np.dtype(np.int64))
         if op == "Size":
             syms = self.dim_symbols(node.inputs[0])
             if syms is None:
