@@ -122,6 +122,9 @@ class Context:
     options: PassOptions = field(default_factory=PassOptions)
     # Set by conv-bias-act when --tune found no GPU to time on (the heuristic tiles are used).
     tune_unavailable: str | None = None
+    # Set at import: the graph holds weights by reference to their file (weights.py), which the
+    # pipeline releases after each pass.
+    weights_on_disk: bool = False
     # Attributes graphsurgeon cannot carry, set aside at import and restored at export.
     binary_attributes: dict = field(default_factory=dict)
     # What onnxruntime executes for a model, for passes that must not block its fusions: the
@@ -197,7 +200,7 @@ def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[o
     ctx.binary_attributes = _set_aside_binary_attributes(stripped, ctx)
     graph = gs.import_onnx(stripped)
     # Weights held by reference stay on disk; passes map them when they read them.
-    ctx.options["weights_on_disk"] = attach_graph(graph) > 0
+    ctx.weights_on_disk = attach_graph(graph) > 0
     return graph, kept, overloads
 
 
@@ -281,7 +284,7 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context,
             matches = int(p.run(graph, ctx) or 0)
             if matches:
                 toposort(cleanup(graph))
-            if ctx.options.get("weights_on_disk"):
+            if ctx.weights_on_disk:
                 release_graph(graph)
             stats[p.name].record(round_, matches, before, len(graph.nodes), time.perf_counter() - t0)
             rewrites += matches
