@@ -25,6 +25,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import ShapeTable
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
@@ -37,7 +38,7 @@ def _is_contrib(node: gs.Node, *ops: str) -> bool:
     return node.domain == CONTRIB_DOMAIN and node.op in ops
 
 
-def _bias_add(graph: gs.Graph, t: gs.Tensor, shapes: gu.ShapeTable, width: int | None = None):
+def _bias_add(graph: gs.Graph, t: gs.Tensor, shapes: ShapeTable, width: int | None = None):
     """t = Add(x, b) with b a float32 1-D constant of t's last dim (or of `width`, the op's
     hidden size, when t's shape is unknown), t read once and not a graph output: (the Add, x, b).
     A 1-D b broadcasts along the last axis only, so t has x's shape."""
@@ -63,7 +64,7 @@ def _present(node: gs.Node, i: int) -> bool:
     return len(node.inputs) > i and gu.is_present(node.inputs[i])
 
 
-def _fold_skip_norm(graph: gs.Graph, node: gs.Node, shapes: gu.ShapeTable) -> bool:
+def _fold_skip_norm(graph: gs.Graph, node: gs.Node, shapes: ShapeTable) -> bool:
     at = SKIP_NORM_BIAS[node.op]
     if _present(node, at) or len(node.inputs) < 3:
         return False
@@ -85,7 +86,7 @@ def _fold_skip_norm(graph: gs.Graph, node: gs.Node, shapes: gu.ShapeTable) -> bo
     return False
 
 
-def _fold_mha(graph: gs.Graph, node: gs.Node, shapes: gu.ShapeTable) -> bool:
+def _fold_mha(graph: gs.Graph, node: gs.Node, shapes: ShapeTable) -> bool:
     if len(node.inputs) < 3 or _present(node, MHA_BIAS):
         return False
     dims = [shapes.dims(t) for t in node.inputs[:3]]
@@ -113,7 +114,7 @@ def _fold_mha(graph: gs.Graph, node: gs.Node, shapes: gu.ShapeTable) -> bool:
 def fold_contrib_bias(graph: gs.Graph, ctx: Context) -> int:
     if not any(_is_contrib(n, "MultiHeadAttention", *SKIP_NORM_BIAS) for n in graph.nodes):
         return 0
-    shapes = gu.ShapeTable(graph)
+    shapes = ShapeTable(graph)
     done = 0
     for node in list(graph.nodes):
         if _is_contrib(node, *SKIP_NORM_BIAS):

@@ -423,7 +423,7 @@ def _may_match(graph: gs.Graph) -> bool:
 
 
 def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.options.get("onnxscript_fusions") is False or ctx.executed_graph is None:
+    if not ctx.options.onnxscript_fusions or ctx.executed_graph is None:
         return 0
     if not _may_match(graph):
         return 0

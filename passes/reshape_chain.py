@@ -20,6 +20,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph.facts import ShapeTable
 from onnxfuse.pipeline import Context, Pass
 
 
@@ -45,7 +46,7 @@ def merge_reshapes(graph: gs.Graph, ctx: Context) -> int:
     return done
 
 
-def _is_identity(node: gs.Node, shapes: gu.ShapeTable) -> bool:
+def _is_identity(node: gs.Node, shapes: ShapeTable) -> bool:
     s = _target(node)
     if s is None:
         return False
@@ -68,7 +69,7 @@ def _is_identity(node: gs.Node, shapes: gu.ShapeTable) -> bool:
 def remove_identity_reshape(graph: gs.Graph, ctx: Context) -> int:
     if not any(_target(n) is not None for n in graph.nodes):
         return 0
-    shapes = gu.ShapeTable(graph)
+    shapes = ShapeTable(graph)
     done = 0
     for node in list(graph.nodes):
         if _is_identity(node, shapes) and gu.bypass(graph, node):
