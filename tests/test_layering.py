@@ -18,7 +18,8 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 # the ones below). Modules not listed (graph layer, program, passes...) are checked for circles
 # only.
 LAYERS = [
-    {"onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.runtime", "onnxfuse.weights"},  # io, ort
+    {"onnxfuse.version", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.weights",  # io
+     "onnxfuse.environment", "onnxfuse.runtime"},  # ort
     {"onnxfuse.verify", "onnxfuse.profile", "onnxfuse.zoo", "onnxfuse.region_verify"},
     {"onnxfuse.api", "onnxfuse.cli"},
 ]
