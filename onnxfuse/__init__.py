@@ -13,23 +13,10 @@ _API = {
     "VerificationError": "verify",
     "count_kernels": "profile",
     "measure_latency": "profile",
+    "get_library_path": "runtime",
 }
 
-__all__ = ["__version__", "get_library_path", *_API]
-
-
-def get_library_path() -> str:
-    """Path of onnxfuse's custom-op library, for onnxruntime's
-    `SessionOptions.register_custom_ops_library` (the onnxruntime-extensions convention).
-
-        so = onnxruntime.SessionOptions()
-        so.register_custom_ops_library(onnxfuse.get_library_path())
-
-    Raises onnxfuse.runtime.LibraryError when the library is not built.
-    """
-    from .runtime import library_path
-
-    return library_path()
+__all__ = ["__version__", *_API]
 
 
 def __getattr__(name):

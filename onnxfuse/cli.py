@@ -639,7 +639,7 @@ def info(as_json):
     import platform
     from importlib import metadata
 
-    from . import __version__
+    from .version import __version__
     from .environment import RuntimeInstallError, check_onnxruntime, library_info, onnxruntime_wheels
     from .fused import DOMAIN_VERSION
     from .runtime import LibraryError, library_path

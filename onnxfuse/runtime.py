@@ -44,6 +44,19 @@ def library_path() -> str:
     return found[0]
 
 
+def get_library_path() -> str:
+    """Path of onnxfuse's custom-op library, for onnxruntime's
+    `SessionOptions.register_custom_ops_library` (the onnxruntime-extensions convention);
+    `onnxfuse.get_library_path()` is this function.
+
+        so = onnxruntime.SessionOptions()
+        so.register_custom_ops_library(onnxfuse.get_library_path())
+
+    Raises LibraryError when the library is not built.
+    """
+    return library_path()
+
+
 # Fused op types the library registers for the CUDA provider. Their CUDA kernel launches the
 # kernel compiled and stored with the node (--target cuda); a node without one must run its
 # fallback function instead. On the CPU provider, op types the library does not implement fall

@@ -727,21 +727,16 @@ def _input_dependence(original, optimized, feeds, expected, dims, seed, provider
     if not feeds or all(np.array_equal(feeds[k], other_feeds[k]) for k in feeds):
         return None
     names = [o.name for o in original.graph.output]
-    other = make_session(original, provider=provider, threads=threads).run(None, other_feeds)
-    constant = [n for n, a, b, in zip(names, expected, other)
-                if np.asarray(a).shape == np.asarray(b).shape and np.array_equal(a, b, equal_nan=True)]
-    if not constant:
-        return None
-    found = InputDependence(constant)
+    uniform = [n for n, value in zip(names, expected) if _uniform(value)]
 
+    # Tensors before the uniform outputs, nearest first, that the optimized model computes too.
     producer = {out: node for node in original.graph.node for out in node.output if out}
     in_optimized = {out for node in optimized.graph.node for out in node.output}
     graph_inputs = {i.name for i in original.graph.input}
     candidates: list[str] = []
-    queue, seen = list(constant), set(constant)
+    queue, seen = list(uniform), set(uniform)
     while queue and len(candidates) < MAX_STAND_IN_CANDIDATES:
-        name = queue.pop(0)
-        node = producer.get(name)
+        node = producer.get(queue.pop(0))
         if node is None:
             continue
         for inp in node.input:
@@ -751,20 +746,25 @@ def _input_dependence(original, optimized, feeds, expected, dims, seed, provider
             queue.append(inp)
             if inp in in_optimized and inp not in names:
                 candidates.append(inp)
-    if not candidates:
-        found.note = "no tensor before them that depends on the inputs is computed by both models"
-        return found
-    probe = _with_outputs(original, candidates)
-    sess = make_session(probe, provider=provider, threads=threads)
-    first = sess.run(candidates, feeds)
-    second = sess.run(candidates, other_feeds)
-    varying = [n for n, a, b in zip(candidates, first, second)
-               if np.asarray(a).shape != np.asarray(b).shape or not np.array_equal(a, b, equal_nan=True)]
+
+    # One session of the original answers both questions: do the uniform outputs stay the same
+    # for other inputs, and which candidates change with them.
+    sess = make_session(_with_outputs(original, candidates), provider=provider, threads=threads)
+    fetched = uniform + candidates
+    first = sess.run(fetched, feeds)
+    second = sess.run(fetched, other_feeds)
+    same = {n: np.asarray(a).shape == np.asarray(b).shape and np.array_equal(a, b, equal_nan=True)
+            for n, a, b in zip(fetched, first, second)}
+    constant = [n for n in uniform if same[n]]
+    if not constant:
+        return None
+    found = InputDependence(constant)
+    varying = [n for n in candidates if not same[n]]
     if not varying:
         found.note = "no tensor before them that depends on the inputs is computed by both models"
         return found
     stand_in = varying[0]  # the nearest one, in breadth-first order from the outputs
-    reference = first[candidates.index(stand_in)]
+    reference = first[fetched.index(stand_in)]
     elem = _elem_type(reference)
     optimized_probe = _with_outputs(optimized, [stand_in])
     for label, with_library in configs:
