@@ -158,6 +158,13 @@ def lower_node(
     (None for outputs that have no value in the program, such as Dropout's mask)."""
     emit = prog.emit
     a = args[0] if args else None
+    half = in_types[0] == TensorProto.FLOAT16 if in_types else False
+    if half and op in ("PRelu", "LeakyRelu") and 16 <= opset <= 18:
+        # onnxruntime's float16 kernels of these opsets give +0 where a negative x times the
+        # slope is -0 (slope 0): the same here; a -0 x itself stays -0 there too.
+        t = emit("prelu", a, args[1]) if op == "PRelu" else \
+            emit("leakyrelu", a, params=[_attr_float(attrs, "alpha", 0.01)])
+        return [emit("where", emit("lt", a, 0.0), emit("add", t, 0.0), t)]
     if op == "Sign" and in_types[0] in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
         # onnxruntime's half-precision Sign gives 0 for NaN (its float and double Sign give NaN).
         return [emit("where", emit("isnan", a), 0.0, emit("sign", a))]

@@ -35,6 +35,13 @@ DTYPES = [np.float32, np.float64, np.float16]
 # Seen with onnxruntime 1.31: Max/Min of +0 and -0 return either operand depending on the tensor
 # lengths and positions (its vectorized and scalar loops order the comparison differently).
 ORT_SELF_INCONSISTENT = {"Max", "Min"}
+# onnxruntime's float16 kernels of opset 18 that compute in float16 or round otherwise: Softplus
+# overflows to inf at 65504 (its opset-20 kernel gives 65504), HardSwish rounds subnormal results
+# differently. Not matched: the Pointwise program computes in float32 whatever the opset.
+KNOWN_OPSET_DIFFERENCES = {("float16", 18): ("Softplus", "HardSwish", "Selu")}
+# ... and its float16 Relu of opset 18 gives +0 or -0 for -0 depending on the tensor's length
+# (+0 for 16 elements, -0 for 19 or 95): either is accepted there.
+ORT_ZERO_SIGN_BY_LENGTH = {("Relu", "float16", 18)}
 
 
 # The elementary functions whose float64 numpy value, rounded, is the correctly rounded result at
@@ -140,19 +147,19 @@ def _out_elem(op, dt):
     return TensorProto.BOOL if op in PREDICATES else ELEM[dt]
 
 
-def plain_model(op, attrs, dt, arity) -> onnx.ModelProto:
+def plain_model(op, attrs, dt, arity, opset: int = 20) -> onnx.ModelProto:
     names, inits = _graph_inputs(op, attrs, dt, arity)
     inputs = [helper.make_tensor_value_info(f"in{i}", _in_elem(op, i, dt), None) for i in range(arity)]
     inputs += [helper.make_tensor_value_info(k, ELEM[dt], []) for k in bound_feeds(attrs, dt)]
     node = helper.make_node(op, names, ["out0"], **_onnx_attrs(attrs))
     graph = helper.make_graph([node], "plain", inputs, [helper.make_tensor_value_info("out0", _out_elem(op, dt), None)],
                               initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
     return model
 
 
-def program_text(op, attrs, dt, arity, chained: bool) -> str:
+def program_text(op, attrs, dt, arity, chained: bool, opset: int = 20) -> str:
     prog = Program()
     in_types = [_in_elem(op, i, dt) for i in range(arity)]
     args = [prog.add_input(program_dtype(t)) for t in in_types]
@@ -163,7 +170,7 @@ def program_text(op, attrs, dt, arity, chained: bool) -> str:
         args += [prog.add_input(program_dtype(ELEM[dt])) for _ in range(2)]
         in_types += [ELEM[dt], ELEM[dt]]
     out_elem = _out_elem(op, dt)
-    (value,) = lower_node(prog, op, _onnx_attrs(attrs), 20, args, in_types, [out_elem])
+    (value,) = lower_node(prog, op, _onnx_attrs(attrs), opset, args, in_types, [out_elem])
     if chained and out_elem != TensorProto.BOOL:
         value = prog.emit("neg", prog.emit("neg", value))
     prog.add_output(value, program_dtype(out_elem))
@@ -193,9 +200,9 @@ def _run(model, feeds, with_library):
 REPEAT = 5
 
 
-def ort_answers(op, attrs, dt, arrays) -> list[np.ndarray]:
+def ort_answers(op, attrs, dt, arrays, opset: int = 20) -> list[np.ndarray]:
     """onnxruntime's outputs for the values, each at several positions and tensor lengths."""
-    model = plain_model(op, attrs, dt, len(arrays))
+    model = plain_model(op, attrs, dt, len(arrays), opset)
     n = arrays[0].size
     answers = []
     for copies, shift in ((1, 0), (REPEAT, 0), (REPEAT, 3)):
@@ -217,15 +224,22 @@ def mismatches(got: np.ndarray, answers: list[np.ndarray], compared: np.ndarray)
     return np.nonzero(compared & ~ok)[0]
 
 
-@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: np.dtype(d).name)
+# onnxruntime registers some float16 kernels per opset range, with other special-value rules.
+OPSETS = {np.float16: (17, 18, 20)}
+
+
+@pytest.mark.parametrize("dt,opset", [(d, o) for d in DTYPES for o in OPSETS.get(d, (20,))],
+                         ids=lambda v: np.dtype(v).name if isinstance(v, type) else f"opset{v}")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, monkeypatch):
+def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, opset, monkeypatch):
     op, attrs, arity, approximated = case
+    if op in KNOWN_OPSET_DIFFERENCES.get((np.dtype(dt).name, opset), ()):
+        pytest.skip(f"onnxruntime's {np.dtype(dt).name} {op} of opset {opset}: see KNOWN_OPSET_DIFFERENCES")
     arrays = _inputs(dt, arity)
     try:
-        answers = ort_answers(op, attrs, dt, arrays)
+        answers = ort_answers(op, attrs, dt, arrays, opset)
     except Exception as e:  # onnxruntime's NOT_IMPLEMENTED: no kernel of this type
-        if "NOT_IMPLEMENTED" in str(e) or "Type Error" in str(e):
+        if "NOT_IMPLEMENTED" in str(e) or "Type Error" in str(e) or "No Op registered" in str(e):
             pytest.skip(f"onnxruntime has no {np.dtype(dt).name} {op}")
         raise
     compared = np.ones(arrays[0].shape, bool)
@@ -240,6 +254,8 @@ def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, m
         for a in arrays:
             subnormal |= (a != 0) & (np.abs(a.astype(np.float64)) < np.finfo(dt).tiny)
         answers = answers + [np.where(subnormal, exact, answers[0])]
+    if (op, np.dtype(dt).name, opset) in ORT_ZERO_SIGN_BY_LENGTH:
+        answers = answers + [np.where(arrays[0] == 0, -answers[0], answers[0]).astype(dt)]
     if op in ORT_SELF_INCONSISTENT:
         # Accept the other zero where both operands are zeros (see ORT_SELF_INCONSISTENT).
         zeros = (arrays[0] == 0) & (arrays[1] == 0)
@@ -249,7 +265,7 @@ def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, m
     n = arrays[0].size
     problems = []
     for chained in (False, True):
-        text = program_text(op, attrs, dt, arity, chained)
+        text = program_text(op, attrs, dt, arity, chained, opset)
         for no_avx2 in (False, True):
             if no_avx2:
                 monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
