@@ -208,6 +208,7 @@ def main():
     onnxfuse passes              the passes of the pipeline
     onnxfuse zoo                 the bundled models
     onnxfuse info                versions, the custom-op library and its build
+    onnxfuse fuzz [--cases N]    check this installation on random graphs
     """
     from .environment import RuntimeInstallError, check_onnxruntime
 
@@ -744,6 +745,16 @@ def _input_text(value, dims: dict) -> str:
         else:
             shape.append("?")
     return f"{value.name} {elem}[{', '.join(shape)}]"
+
+
+@main.command("fuzz", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                        "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def fuzz_command(args):
+    """Check this installation against its onnxruntime on random graphs (see --help)."""
+    from .fuzz import main as fuzz_main
+
+    sys.exit(fuzz_main(list(args), prog="onnxfuse fuzz"))
 
 
 if __name__ == "__main__":
