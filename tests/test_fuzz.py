@@ -186,3 +186,17 @@ def test_nan_is_judged_against_the_float64_result():
     onnxruntime_right = {"y": np.array([np.nan, 2.0], np.float32)}
     assert fuzz.unexplained(model, feeds, onnxruntime_right, {"y": np.array([np.nan, np.nan], np.float32)},
                             TensorProto.FLOAT) is not None
+
+
+def test_the_fuzz_command_runs_cases_and_reports_them(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "fuzz", "--cases", "4", "--seed", "11",
+                           "--json", str(tmp_path / "f.json")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 cases from seed 11: 0 failures" in done.stdout
+    summary = json.loads((tmp_path / "f.json").read_text())
+    assert summary["cases"] == 4 and summary["failures"] == []
+    assert "cases_with_special_values" in summary

@@ -57,7 +57,8 @@ def _close(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> np.ndarray
     """Elementwise: equal within tolerance, NaN for NaN, an infinity for the same infinity."""
     with np.errstate(all="ignore"):
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        near = (np.abs(a64 - b64) <= atol + rtol * np.abs(b64)) | (a64 == b64)
+        finite = np.isfinite(a64) & np.isfinite(b64)  # inf - -inf is within rtol * inf: infinities must be equal
+        near = (finite & (np.abs(a64 - b64) <= atol + rtol * np.abs(b64))) | (a64 == b64)
         zeros = (a64 == 0) & (b64 == 0)
         near &= ~zeros | (np.signbit(a64) == np.signbit(b64))
         return near | (np.isnan(a64) & np.isnan(b64))
