@@ -18,7 +18,7 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 # the ones below). Modules not listed (graph layer, program, passes...) are checked for circles
 # only.
 LAYERS = [
-    {"onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.runtime", "onnxfuse.weights"},  # io, ort
+    {"onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.outfiles", "onnxfuse.runtime", "onnxfuse.weights"},  # io, ort
     {"onnxfuse.verify", "onnxfuse.profile", "onnxfuse.zoo", "onnxfuse.region_verify"},
     {"onnxfuse.api", "onnxfuse.cli"},
 ]
