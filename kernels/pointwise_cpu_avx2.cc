@@ -279,9 +279,9 @@ ONNXFUSE_INLINE void apply_stage(const StageLoop& c, V* x, int64_t j, __m256i ma
   if constexpr (Kind == K::MinC) ONNXFUSE_EACH x[i] = _mm256_min_ps(y[i], x[i]);
   if constexpr (Kind == K::Neg) ONNXFUSE_EACH x[i] = _mm256_xor_ps(x[i], splat(-0.0f));
   if constexpr (Kind == K::Abs) ONNXFUSE_EACH x[i] = _mm256_andnot_ps(splat(-0.0f), x[i]);
-  // x > 0 or NaN: x; otherwise +0.
+  // x < 0: +0; otherwise x (-0 and NaN included), as onnxruntime.
   if constexpr (Kind == K::Relu)
-    ONNXFUSE_EACH x[i] = _mm256_and_ps(x[i], _mm256_cmp_ps(x[i], _mm256_setzero_ps(), _CMP_NLE_UQ));
+    ONNXFUSE_EACH x[i] = _mm256_andnot_ps(_mm256_cmp_ps(x[i], _mm256_setzero_ps(), _CMP_LT_OQ), x[i]);
   if constexpr (Kind == K::Sqrt) ONNXFUSE_EACH x[i] = _mm256_sqrt_ps(x[i]);
   if constexpr (Kind == K::Recip) ONNXFUSE_EACH x[i] = _mm256_div_ps(splat(1.0f), x[i]);
   if constexpr (Kind == K::Floor) ONNXFUSE_EACH x[i] = _mm256_round_ps(x[i], _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -291,7 +291,13 @@ ONNXFUSE_INLINE void apply_stage(const StageLoop& c, V* x, int64_t j, __m256i ma
   if constexpr (Kind == K::LeakyRelu)
     ONNXFUSE_EACH x[i] = _mm256_blendv_ps(x[i], _mm256_mul_ps(splat(c.p0), x[i]),
                                           _mm256_cmp_ps(x[i], _mm256_setzero_ps(), _CMP_LT_OQ));
-  if constexpr (Kind == K::Clip) ONNXFUSE_EACH x[i] = min_nan8(max_nan8(x[i], splat(c.p0)), splat(c.p1));
+  // x < lo ? lo : x, then > hi ? hi: MAXPS(x, lo) is x > lo ? x : lo, which gives lo for x = -0 and
+  // lo = +0; onnxruntime keeps x. A NaN x passes both compares.
+  if constexpr (Kind == K::Clip)
+    ONNXFUSE_EACH {
+      V lo = _mm256_blendv_ps(x[i], splat(c.p0), _mm256_cmp_ps(x[i], splat(c.p0), _CMP_LT_OQ));
+      x[i] = _mm256_blendv_ps(lo, splat(c.p1), _mm256_cmp_ps(lo, splat(c.p1), _CMP_GT_OQ));
+    }
   if constexpr (Kind == K::Exp) exp_n<N>(x);
   if constexpr (Kind == K::Log) log_n<N>(x);
   if constexpr (Kind == K::Erf) erf_n<N>(x);

@@ -14,21 +14,27 @@ import warnings
 import click
 
 from .modelio import InputError
+from .outfiles import OutputError, Terminated, remove_temporaries_on_signals
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 EXIT_CODES_HELP = """\b
 Exit status:
   0  success
   1  verification failed: the optimized model does not match the original
      (or does not run); OUT is left untouched
-  2  bad input or usage: unreadable or invalid model, unknown pass, bad option
+  2  bad input, usage or environment: unreadable or invalid model, unknown
+     pass, bad option, OUT or --report not writable (checked before any
+     work), a failed write (disk full, I/O error); OUT is left untouched
   3  internal error or broken installation (e.g. the custom-op library does
      not load); rerun with --debug (or ONNXFUSE_DEBUG=1) for a traceback
+  130, 143  interrupted (SIGINT) or terminated (SIGTERM); temporary files
+     are removed and OUT is left untouched
 """
 
 def _debug_from_env() -> bool:
@@ -82,6 +88,7 @@ class OnnxfuseGroup(click.Group):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         global _debug
         _debug = _debug_from_env()
+        remove_temporaries_on_signals()
         try:
             rv = super().main(args, prog_name or "onnxfuse", complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as e:
@@ -94,7 +101,9 @@ class OnnxfuseGroup(click.Group):
             _fail(EXIT_BAD_INPUT, f"error: {e.format_message()}")
         except click.Abort:
             _fail(EXIT_INTERRUPTED, "interrupted")
-        except InputError as e:
+        except Terminated:
+            _fail(EXIT_TERMINATED, "terminated")
+        except (InputError, OutputError) as e:
             if _debug:
                 import traceback
 
@@ -199,6 +208,7 @@ def main():
     onnxfuse passes              the passes of the pipeline
     onnxfuse zoo                 the bundled models
     onnxfuse info                versions, the custom-op library and its build
+    onnxfuse fuzz [--cases N]    check this installation on random graphs
     """
     from .environment import RuntimeInstallError, check_onnxruntime
 
@@ -269,15 +279,21 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
             raise MismatchExit(f"{e}; {dest} not written") from None
         progress.stage(f"saving {dest}")
         t_save = time.perf_counter()
-        written = save_model(result.model, dest)
-    summary = dict(result.summary)
-    summary["output"] = dest
-    summary["files_written"] = written
-    summary["ir_version"] = _saved_ir(result.model)
-    summary["seconds"] = {**summary["seconds"], "save": round(time.perf_counter() - t_save, 4),
-                          "total": round(time.perf_counter() - t0, 4)}
-    if report_path:
-        write_text_atomic(report_path, json.dumps({**result.report(), "summary": summary}, indent=2) + "\n")
+        summary = dict(result.summary)
+        summary["output"] = dest
+        summary["ir_version"] = _saved_ir(result.model)
+
+        def finish_summary(paths: list[str]) -> None:
+            # Runs when OUT's bytes are written and before it is renamed into place: a report
+            # that cannot be written leaves OUT untouched.
+            summary["files_written"] = paths
+            summary["seconds"] = {**result.summary["seconds"], "save": round(time.perf_counter() - t_save, 4),
+                                  "total": round(time.perf_counter() - t0, 4)}
+            if report_path:
+                write_text_atomic(report_path, json.dumps({**result.report(), "summary": summary}, indent=2) + "\n",
+                                  "report")
+
+        save_model(result.model, dest, before_commit=finish_summary)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     else:
@@ -729,6 +745,16 @@ def _input_text(value, dims: dict) -> str:
         else:
             shape.append("?")
     return f"{value.name} {elem}[{', '.join(shape)}]"
+
+
+@main.command("fuzz", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                        "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def fuzz_command(args):
+    """Check this installation against its onnxruntime on random graphs (see --help)."""
+    from .fuzz import main as fuzz_main
+
+    sys.exit(fuzz_main(list(args), prog="onnxfuse fuzz"))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,16 @@ def lower_node(
     (None for outputs that have no value in the program, such as Dropout's mask)."""
     emit = prog.emit
     a = args[0] if args else None
+    half = in_types[0] == TensorProto.FLOAT16 if in_types else False
+    if half and op in ("PRelu", "LeakyRelu") and 16 <= opset <= 18:
+        # onnxruntime's float16 kernels of these opsets give +0 where a negative x times the
+        # slope is -0 (slope 0): the same here; a -0 x itself stays -0 there too.
+        t = emit("prelu", a, args[1]) if op == "PRelu" else \
+            emit("leakyrelu", a, params=[_attr_float(attrs, "alpha", 0.01)])
+        return [emit("where", emit("lt", a, 0.0), emit("add", t, 0.0), t)]
+    if op == "Sign" and in_types[0] in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        # onnxruntime's half-precision Sign gives 0 for NaN (its float and double Sign give NaN).
+        return [emit("where", emit("isnan", a), 0.0, emit("sign", a))]
     if op in UNARY:
         return [emit(UNARY[op], a)]
     if op in PARAM_UNARY:
@@ -176,7 +186,12 @@ def lower_node(
     if op in ("Identity", "Dropout"):
         return [a] + [None] * (len(out_types) - 1)
     if op == "Where":
-        return [emit("where", *args[:3])]
+        cond, x, y = args[:3]
+        if in_types[1] != BOOL:
+            # onnxruntime's Where gives +0 where it selects a -0 from X (from Y it keeps -0):
+            # x + 0 is x for every other value, NaN and infinities included.
+            x = (x + 0.0) if isinstance(x, float) else emit("add", x, 0.0)
+        return [emit("where", cond, x, y)]
     if op == "Cast":
         to = attrs["to"]
         src, dst = program_dtype(in_types[0]), program_dtype(to)
@@ -194,16 +209,20 @@ def lower_node(
         if opset < 11:
             lo, hi = _attr_float(attrs, "min", FLT_LOWEST), _attr_float(attrs, "max", FLT_MAX)
             return [emit("clip", a, params=[lo, hi])]
-        lo = args[1] if len(args) > 1 and args[1] is not None else -math.inf
-        hi = args[2] if len(args) > 2 and args[2] is not None else math.inf
+        # An absent bound is the type's lowest / largest finite value (onnxruntime's defaults):
+        # Clip sends +-inf to them.
+        lowest, largest = _finite_range(in_types[0])
+        lo = args[1] if len(args) > 1 and args[1] is not None else lowest
+        hi = args[2] if len(args) > 2 and args[2] is not None else largest
         if isinstance(lo, float) and isinstance(hi, float):
             return [emit("clip", a, params=[lo, hi])]
-        # Tensor bounds: Clip is max then min, exactly as onnxruntime evaluates it.
+        # Tensor bounds: x < lo ? lo : x, then > hi ? hi, as onnxruntime evaluates Clip (a NaN
+        # bound does nothing and -0 stays at a bound of 0, which max and min would not give).
         v = a
         if not (isinstance(lo, float) and lo == -math.inf):
-            v = emit("max", v, lo)
+            v = emit("where", emit("lt", v, lo), lo, v)
         if not (isinstance(hi, float) and hi == math.inf):
-            v = emit("min", v, hi)
+            v = emit("where", emit("gt", v, hi), hi, v)
         return [v]
     if op == "IsInf":
         pos, neg = int(attrs.get("detect_positive", 1)), int(attrs.get("detect_negative", 1))
@@ -216,6 +235,14 @@ def lower_node(
         return [emit("gt", a, math.inf)]  # detects nothing: always false
     if op == "Shrink":
         lambd, bias = _attr_float(attrs, "lambd", 0.5), _attr_float(attrs, "bias", 0.0)
+        if in_types[0] == TensorProto.DOUBLE:
+            # onnxruntime's double Shrink computes in float (1e300 gives inf): the same here,
+            # each step of it rounded to float.
+            x32 = emit("cast", a, params=["f32"])
+            below = emit("lt", x32, -lambd)
+            above = emit("gt", x32, lambd)
+            inner = emit("where", above, emit("cast", emit("sub", x32, bias), params=["f32"]), 0.0)
+            return [emit("where", below, emit("cast", emit("add", x32, bias), params=["f32"]), inner)]
         below = emit("lt", a, -lambd)
         above = emit("gt", a, lambd)
         inner = emit("where", above, emit("sub", a, bias), 0.0)
@@ -230,6 +257,18 @@ def lower_node(
         e = emit("erf", emit("mul", a, 1.0 / math.sqrt(2.0)))
         return [emit("mul", emit("mul", a, 0.5), emit("add", e, 1.0))]
     raise LoweringError(f"no lowering for {op}")
+
+
+def _finite_range(elem_type: int | None) -> tuple[float, float]:
+    """(lowest, largest) finite value of a float element type (float32's when unknown)."""
+    if elem_type == TensorProto.FLOAT16:
+        return -65504.0, 65504.0
+    if elem_type == TensorProto.BFLOAT16:
+        big = float.fromhex("0x1.fep127")
+        return -big, big
+    if elem_type == TensorProto.DOUBLE:
+        return -float(np.finfo(np.float64).max), float(np.finfo(np.float64).max)
+    return FLT_LOWEST, FLT_MAX
 
 
 def literal_value(value: np.ndarray | None) -> float | None:

@@ -9,15 +9,15 @@ import functools
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
 from onnx import helper
 
+from . import outfiles
 from .fused import DOMAIN
 
 # Protobuf cannot serialize one message of 2 GiB or more; bigger models keep their large
@@ -135,6 +135,24 @@ def _external_location(tensor: onnx.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
+def external_data_path(base_dir: Path, location: str, label: str, tensor: str) -> Path:
+    """The file an external-data location names, or InputError. A location is a relative path
+    below the model's directory (as the ONNX format specifies; onnx's own loader refuses others
+    too); one that is absolute or climbs out with '..' is refused before anything is looked up,
+    so that no message says anything about files elsewhere (a model must not be a way to probe
+    the file system). Symbolic links inside the directory are the model owner's choice and are
+    followed."""
+    candidate = Path(location)
+    if candidate.is_absolute() or candidate.drive or ".." in candidate.parts or "\\" in location:
+        raise InputError(f"{label}: tensor '{tensor}': external data location '{location}' is outside the"
+                         " model's directory")
+    data_path = base_dir / candidate
+    if not data_path.is_file():
+        raise InputError(f"{label}: external data file '{location}' for tensor '{tensor}' not found next to the"
+                         " model")
+    return data_path
+
+
 def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path, on_disk: bool = False) -> None:
     from onnx.external_data_helper import uses_external_data
 
@@ -146,9 +164,7 @@ def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path, on_d
         location = info.get("location")
         if not location:
             raise InputError(f"{label}: tensor '{t.name}' uses external data but names no file")
-        data_path = base_dir / location
-        if not data_path.is_file():
-            raise InputError(f"{label}: external data file '{location}' for tensor '{t.name}' not found in {base_dir}")
+        data_path = external_data_path(base_dir, location, label, t.name)
         size = data_path.stat().st_size
         offset = int(info.get("offset", 0) or 0)
         length = int(info["length"]) if info.get("length") else None
@@ -508,6 +524,48 @@ def _copy_fields(src, dst, skip: str) -> None:
             setattr(dst, desc.name, value)
 
 
+# Model fields the passes produce themselves; every other field of the original is kept.
+_MODEL_FIELDS_REBUILT = ("graph", "ir_version", "opset_import", "functions")
+_GRAPH_FIELDS_REBUILT = ("node", "initializer", "sparse_initializer", "input", "output", "value_info", "name")
+
+
+def keep_model_fields(original: onnx.ModelProto, out: onnx.ModelProto) -> None:
+    """Copy onto `out` (a rebuilt model) what the rebuilding does not carry: every model-level
+    field of `original` (domain, doc string, model version, producer, metadata_props, training
+    info, ...), the graph's doc string and metadata, and the doc strings and metadata of the graph
+    inputs and outputs that `out` still has (matched by name)."""
+    for desc, value in original.ListFields():
+        if desc.name in _MODEL_FIELDS_REBUILT:
+            continue
+        out.ClearField(desc.name)
+        if desc.is_repeated:
+            getattr(out, desc.name).extend(value)
+        elif desc.type == desc.TYPE_MESSAGE:
+            getattr(out, desc.name).CopyFrom(value)
+        else:
+            setattr(out, desc.name, value)
+    for desc, value in original.graph.ListFields():
+        if desc.name in _GRAPH_FIELDS_REBUILT:
+            continue
+        out.graph.ClearField(desc.name)
+        if desc.is_repeated:
+            getattr(out.graph, desc.name).extend(value)
+        elif desc.type == desc.TYPE_MESSAGE:
+            getattr(out.graph, desc.name).CopyFrom(value)
+        else:
+            setattr(out.graph, desc.name, value)
+    for mine, theirs in ((original.graph.input, out.graph.input), (original.graph.output, out.graph.output)):
+        by_name = {v.name: v for v in mine}
+        for v in theirs:
+            source = by_name.get(v.name)
+            if source is None:
+                continue
+            if source.doc_string:
+                v.doc_string = source.doc_string
+            if source.metadata_props and not v.metadata_props:
+                v.metadata_props.extend(source.metadata_props)
+
+
 def infer_light_model(light: onnx.ModelProto, left_out: int = 0, notes: list[str] | None = None) -> onnx.ModelProto | None:
     """Shape inference on a model whose large initializers were left out (left_out: their
     bytes): with data propagation, else without; None (with a note) when both fail or `light`
@@ -617,6 +675,7 @@ def save_model(
     path: str | os.PathLike,
     external_threshold: int = PROTOBUF_LIMIT,
     external_min_bytes: int = EXTERNAL_TENSOR_MIN_BYTES,
+    before_commit: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
     """Write `model` to `path` atomically, with the IR version onnxruntime accepts.
 
@@ -625,7 +684,10 @@ def save_model(
     next to the model, streamed there tensor by tensor (no protobuf message ever holds them);
     both files are written to temporary names in the target directory and renamed into place
     (data file first), so a reader never sees a partial model and a failed run leaves an
-    existing file untouched. Returns the paths written.
+    existing file untouched. `before_commit` runs when every byte is written and before the
+    first rename, given the paths about to be written: when it raises, nothing is renamed and
+    the temporary files are removed. A failed write (disk full, I/O error) is an OutputError
+    naming the path. Returns the paths written.
     """
     from .weights import all_tensors, inline_tensor
 
@@ -637,11 +699,13 @@ def save_model(
     mode = _mode_for_new_file()
     temps: list[str] = []
     written: list[str] = []
+    target = path
     try:
         data_tmp = None
         if _needs_data_file(out, external_threshold):
             location = path.name + ".data"
-            fd, data_tmp = tempfile.mkstemp(dir=directory, prefix=f".{location}.", suffix=".tmp")
+            target = directory / location
+            fd, data_tmp = outfiles.temporary(directory, location)
             temps.append(data_tmp)
             with os.fdopen(fd, "wb") as f:
                 _externalize(out, f, location, external_min_bytes)
@@ -651,52 +715,58 @@ def save_model(
         else:
             for t in all_tensors(out):
                 inline_tensor(t)
-        fd, model_tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+        target = path
+        fd, model_tmp = outfiles.temporary(directory, path.name)
         temps.append(model_tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(out.SerializeToString())
             f.flush()
             os.fsync(f.fileno())
         os.chmod(model_tmp, mode)
+        if before_commit is not None:
+            finals = [str(path)] + ([str(directory / (path.name + ".data"))] if data_tmp is not None else [])
+            before_commit(finals)
         if data_tmp is not None:
-            os.replace(data_tmp, directory / (path.name + ".data"))
-            written.append(str(directory / (path.name + ".data")))
+            target = directory / (path.name + ".data")
+            os.replace(data_tmp, target)
+            outfiles.release(data_tmp)
+            written.append(str(target))
+        target = path
         os.replace(model_tmp, path)
+        outfiles.release(model_tmp)
         written.insert(0, str(path))
         temps.clear()
+    except OSError as e:
+        raise outfiles.write_error(target, e) from None
     finally:
         for t in temps:
-            try:
-                os.unlink(t)
-            except OSError:
-                pass
+            outfiles.remove(t)
     return written
 
 
 def check_writable(path: str | os.PathLike, label: str = "output") -> None:
-    """Fail early (before any work) when OUT cannot be written."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise InputError(f"{path}: is a directory; give the output model a file name")
-    if not directory.is_dir():
-        raise InputError(f"{path}: cannot write {label}: directory {directory} does not exist")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise InputError(f"{path}: cannot write {label}: directory {directory} is not writable")
+    """Fail early (before any work) when OUT cannot be written: see outfiles.check_output_path."""
+    outfiles.check_output_path(path, label)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str, label: str = "output") -> None:
+    """Write `text` to `path` through a temporary file renamed into place; a failed write is an
+    OutputError naming the path and leaves nothing behind."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = outfiles.temporary(directory, path.name)
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, _mode_for_new_file())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        outfiles.release(tmp)
+        tmp = None
+    except OSError as e:
+        raise outfiles.write_error(path, e, label) from None
+    finally:
+        if tmp is not None:
+            outfiles.remove(tmp)

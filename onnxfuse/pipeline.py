@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
 from .graph.core import cleanup, export_model, toposort
+from .modelio import keep_model_fields
 from .weights import attach_graph, release_graph
 
 TARGETS = ("cpu", "cuda")
@@ -240,12 +241,8 @@ def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, ov
     out, _ = export_model(graph)  # gs.export_onnx's model, copying each weight once
     # Restore what graphsurgeon does not carry: model metadata, overloads of nodes we kept.
     out.ir_version = model.ir_version
+    keep_model_fields(model, out)
     out.producer_name = model.producer_name or "onnxfuse"
-    out.producer_version = model.producer_version
-    out.doc_string = model.doc_string
-    out.model_version = model.model_version
-    del out.metadata_props[:]
-    out.metadata_props.extend(model.metadata_props)
     for node in out.graph.node:
         if node.name in overloads and node.name not in ctx.registry.by_node:
             node.overload = overloads[node.name]

@@ -78,6 +78,13 @@ def _sigmoid(x):
         return 1 / (1 + np.exp(-x))
 
 
+def _clamp(x, lo, hi):
+    """x < lo ? lo : x, then > hi ? hi: onnxruntime's Clip. A NaN x passes, a NaN bound does
+    nothing, and a zero bound leaves -0 as it is (np.clip and np.maximum would not)."""
+    r = np.where(x < lo, lo, x)
+    return np.where(r > hi, hi, r).astype(np.asarray(x).dtype)
+
+
 def _softplus(x):
     with np.errstate(over="ignore"):
         return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))).astype(x.dtype)
@@ -113,13 +120,13 @@ _OPS: list[OpDef] = [
     _u("erf", _erf),
     _u("tanh", np.tanh),
     _u("sigmoid", _sigmoid),
-    _u("relu", lambda a: np.where(a > 0, a, np.where(np.isnan(a), a, np.zeros_like(a)))),  # as ORT: NaN stays, -inf -> 0
+    _u("relu", lambda a: np.where(a < 0, np.zeros_like(a), a)),  # as ORT: -0 and NaN stay, -inf -> +0
     _u("softplus", _softplus),
-    _u("softsign", lambda a: a / (1 + np.abs(a))),
+    _u("softsign", lambda a: a * (1 / (1 + np.abs(a)))),  # as ORT: times the reciprocal
     _u("floor", np.floor),
     _u("ceil", np.ceil),
     _u("round", np.round),  # half to even, as ONNX Round
-    _u("sign", np.sign),
+    _u("sign", lambda a: np.where(a > 0, 1, np.where(a < 0, -1, np.where(np.isnan(a), a, 0))).astype(a.dtype)),  # +-0 -> +0
     _u("sin", np.sin),
     _u("cos", np.cos),
     _u("tan", np.tan),
@@ -131,17 +138,17 @@ _OPS: list[OpDef] = [
     _u("asinh", np.arcsinh),
     _u("acosh", np.arccosh),
     _u("atanh", np.arctanh),
-    _u("hardswish", lambda a: a * np.clip(a / 6 + 0.5, 0, 1)),
+    _u("hardswish", lambda a: a * _clamp(a * (a.dtype.type(1) / a.dtype.type(6)) + a.dtype.type(0.5), 0, 1)),
     _u("not", lambda a: (a == 0), result="bool"),
     _u("isnan", np.isnan, result="bool"),
     # unary with parameters
     _u("leakyrelu", lambda a, alpha: np.where(a < 0, alpha * a, a), 1),
     _u("elu", lambda a, alpha: np.where(a < 0, alpha * (np.exp(a) - 1), a), 1),
-    _u("selu", lambda a, alpha, gamma: np.where(a <= 0, gamma * (alpha * np.exp(a) - alpha), gamma * a), 2),
+    _u("selu", lambda a, alpha, gamma: np.where(a <= 0, gamma * (alpha * (np.exp(a) - 1)), gamma * a), 2),
     _u("celu", lambda a, alpha: np.maximum(0, a) + np.minimum(0, alpha * (np.exp(a / alpha) - 1)), 1),
-    _u("hardsigmoid", lambda a, alpha, beta: np.clip(alpha * a + beta, 0, 1), 2),
+    _u("hardsigmoid", lambda a, alpha, beta: _clamp(alpha * a + beta, 0, 1), 2),
     _u("thresholdedrelu", lambda a, alpha: np.where(a > alpha, a, np.zeros_like(a)), 1),  # as ORT: NaN, -inf -> 0
-    _u("clip", lambda a, lo, hi: np.minimum(np.maximum(a, lo), hi), 2),  # NaN passes through
+    _u("clip", lambda a, lo, hi: _clamp(a, lo, hi), 2),  # as ORT: NaN passes, -0 stays at a bound of 0
     # cast[DTYPE]: exact ONNX Cast between the program dtypes (f16/bf16 round, bool is x != 0)
     OpDef("cast", 1, 1, None),
     # binary

@@ -178,6 +178,39 @@ def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None,
     return feeds
 
 
+# Special values the verification's second run puts at a few positions of every float input.
+# Not the type's largest values: summed in another order (a fused GEMM, a blocked reduction),
+# products near the top of the range overflow in one model and not in the other, correctly.
+SPECIAL_POSITIONS = 4
+
+
+def special_values(dtype: np.dtype) -> np.ndarray:
+    """+-0, +-inf, NaN, +-smallest normal and +-smallest subnormal of a float type."""
+    fi = np.finfo(dtype)
+    return np.array([0.0, -0.0, np.inf, -np.inf, np.nan, fi.tiny, -fi.tiny, fi.smallest_subnormal,
+                     -fi.smallest_subnormal], dtype)
+
+
+def special_inputs(feeds: Mapping[str, np.ndarray], seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
+    """(a copy of `feeds` with special values at up to SPECIAL_POSITIONS positions of each real
+    float input, the number of positions salted); deterministic in the seed."""
+    rng = np.random.default_rng([seed, 0x5A17])
+    salted: dict[str, np.ndarray] = {}
+    count = 0
+    for name, arr in feeds.items():
+        arr = np.asarray(arr)
+        if arr.dtype.kind != "f" or arr.size == 0:
+            salted[name] = arr
+            continue
+        arr = np.array(arr)
+        flat = arr.reshape(-1)
+        idx = rng.choice(flat.size, size=min(flat.size, SPECIAL_POSITIONS), replace=False)
+        flat[idx] = rng.choice(special_values(arr.dtype), size=len(idx))
+        salted[name] = arr
+        count += len(idx)
+    return salted, count
+
+
 def effective_dims(models: Sequence[onnx.ModelProto], dims: Mapping[str, int] | None = None) -> dict[str, int]:
     """Every symbolic input dimension of the models with the value it gets (given, else 1)."""
     dims = dict(dims or {})
@@ -352,13 +385,18 @@ class Verification:
     mode_reason: str | None = None  # why this mode ran (auto choice, or the option that forced it)
     regions: list = field(default_factory=list)  # region_verify.RegionCheck, in "regions" mode
     input_dependence: InputDependence | None = None  # set when some outputs are constant
+    # The same comparison on the inputs with special values at a few positions (special_inputs):
+    # NaN and infinity positions must match; None when no input is a float tensor.
+    special: RunCheck | None = None
+    special_positions: int = 0
 
     def _all_runs(self) -> list[RunCheck]:
         return self.runs + (self.input_dependence.runs if self.input_dependence else [])
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self._all_runs()) and all(r.ok for r in self.regions)
+        return (all(r.ok for r in self._all_runs()) and all(r.ok for r in self.regions)
+                and (self.special is None or self.special.ok))
 
     @property
     def outputs(self) -> list[OutputCheck]:
@@ -378,7 +416,7 @@ class Verification:
 
     def first_problem(self) -> str | None:
         stand_ins = self.input_dependence.runs if self.input_dependence else []
-        for r in self._all_runs():
+        for r in self._all_runs() + ([self.special] if self.special is not None else []):
             what = "tensor" if r in stand_ins else "output"
             if r.error:
                 return f"{r.label}: {r.error}"
@@ -409,6 +447,8 @@ class Verification:
             "runs": [r.as_dict() for r in self.runs],
             **({"regions": [r.as_dict() for r in self.regions]} if self.mode == "regions" else {}),
             "input_dependence": self.input_dependence.as_dict() if self.input_dependence else None,
+            "special_values": None if self.special is None else {
+                "positions": self.special_positions, **self.special.as_dict()},
         }
 
 
@@ -701,6 +741,9 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
     if result.runs and all(r.error is None for r in result.runs) and any(_uniform(x) for x in expected):
         result.input_dependence = _input_dependence(
             original, optimized, feeds, expected, dims, seed, provider, threads, configs)
+    if result.ok:
+        _verify_special_values(result, original_source, optimized_source, feeds, seed, provider, threads,
+                               configs[0], names, types, original_label)
     return result
 
 
@@ -793,3 +836,32 @@ def _elem_type(value) -> int:
         return int(onnx.helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype))
     except Exception:  # a dtype onnx has no enum for: compared exactly
         return 0
+
+
+def _verify_special_values(result, original_source, optimized_source, feeds, seed, provider, threads, config,
+                           names, types, original_label) -> None:
+    """Both models again on the inputs with special values salted in (special_inputs)."""
+    from .runtime import LibraryError, make_session
+
+    salted, count = special_inputs(feeds, seed)
+    if not count:
+        return
+    label, with_library = config
+    result.special_positions = count
+    result.special = run = RunCheck(f"special values at {count} input positions, {label}")
+    try:
+        expected = make_session(original_source, provider, with_library=False, threads=threads).run(None, salted)
+    except Exception as e:  # onnxruntime's own types: a model may refuse a NaN (e.g. as an index)
+        if isinstance(e, LibraryError):
+            raise
+        result.special = None  # the original cannot run them: nothing to compare
+        return
+    try:
+        actual = make_session(optimized_source, provider, with_library=with_library, threads=threads).run(None, salted)
+    except Exception as e:
+        if isinstance(e, LibraryError):
+            raise
+        run.error = f"onnxruntime cannot run the optimized model: {ort_error_text(e)}"
+        return
+    for name, elem, e, a in zip(names, types, expected, actual):
+        run.outputs.append(compare_output(name, elem, e, a))

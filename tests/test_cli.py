@@ -128,7 +128,9 @@ def test_save_is_atomic_and_leaves_the_old_file_when_writing_fails(tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", failing_replace)
-    with pytest.raises(OSError):
+    from onnxfuse.outfiles import OutputError
+
+    with pytest.raises(OutputError, match=f"{target}: cannot write output: no space left on device"):
         save_model(pointwise_chain_model(), target)
     assert target.read_bytes() == SENTINEL
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # no temporary left behind

@@ -281,6 +281,28 @@ def test_nvcc_builds_cubin_for_sm90_and_ptx_that_ptxas_accepts(tmp_path, monkeyp
 
 
 @needs_nvcc
+@pytest.mark.parametrize("ct", ["f32", "f64"])
+def test_every_opcode_compiles_for_the_device_and_affine_products_stay_unfused(tmp_path, monkeypatch, ct):
+    # The host build of the generated code (the tests above) takes the host branch of the
+    # helpers; this compiles the device branch of every opcode with nvcc and checks with ptxas.
+    # HardSigmoid and HardSwish round their product before the addition, as onnxruntime does:
+    # their PTX holds a mul.rn that nvcc may not contract into an fma.
+    from onnxfuse.cuda.compile import check_ptx, compile_source
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    kernels = [codegen.generate(_op_program(name, ct), 1) for name in sorted(OPS)]
+    # One translation unit (the helpers are guarded against repetition): one nvcc run.
+    c = compile_source("".join(k.source for k in kernels), kernels[0].entry, "sm_90", backend="nvcc")
+    check_ptx(c.ptx, "sm_90")
+    for name, k in zip(sorted(OPS), kernels):
+        assert f".entry {k.entry}(" in c.ptx, name
+    for name in ("hardsigmoid", "hardswish"):
+        k = kernels[sorted(OPS).index(name)]
+        body = c.ptx.split(f".entry {k.entry}(", 1)[1].split(".entry", 1)[0]
+        assert re.search(rf"mul\.rn\.{ct}", body), name
+
+
+@needs_nvcc
 def test_ptxas_rejects_broken_ptx_with_its_message():
     from onnxfuse.cuda.compile import CompileError, check_ptx
 

@@ -19,7 +19,7 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 # only.
 LAYERS = [
     {"onnxfuse.version", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.weights",  # io
-     "onnxfuse.environment", "onnxfuse.runtime"},  # ort
+     "onnxfuse.outfiles", "onnxfuse.environment", "onnxfuse.runtime"},  # ort
     {"onnxfuse.verify", "onnxfuse.profile", "onnxfuse.zoo", "onnxfuse.region_verify"},
     {"onnxfuse.api", "onnxfuse.cli"},
 ]

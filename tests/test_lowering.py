@@ -217,14 +217,17 @@ def test_clip_constant_bounds_become_parameters():
     assert [i.op for i in prog.instrs] == ["clip"] and prog.instrs[0].params == (-0.5, 1.0)
 
 
-def test_clip_with_only_a_maximum():
+def test_clip_with_only_a_maximum_keeps_the_lowest_float_as_its_minimum():
+    # onnxruntime's absent bound is the type's lowest value, so Clip sends -inf there.
     prog = run_case("Clip", [var((3, 4)), None, const(0.25)], opset=13)
-    assert prog.instrs[0].params == (-math.inf, 0.25)
+    assert prog.instrs[0].params == (float(np.finfo(np.float32).min), 0.25)
 
 
-def test_clip_tensor_bounds_become_max_and_min():
+def test_clip_tensor_bounds_become_compares_and_selects():
+    # x < lo ? lo : x, then > hi ? hi: as onnxruntime, a NaN bound does nothing and -0 stays -0
+    # at a bound of 0 (max and min would give NaN and +0).
     prog = run_case("Clip", [var((3, 4)), ("var", np.array(-0.5, np.float32), F), ("var", np.array(0.5, np.float32), F)], opset=13)
-    assert [i.op for i in prog.instrs] == ["max", "min"]
+    assert [i.op for i in prog.instrs] == ["lt", "where", "gt", "where"]
 
 
 @pytest.mark.parametrize(

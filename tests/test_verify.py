@@ -155,3 +155,50 @@ def test_cli_refuses_an_optimized_model_onnxruntime_cannot_run(chain_path, senti
     assert result.exit_code == 1
     assert "onnxruntime cannot run the optimized model" in result.stderr
     assert sentinel_out.read_bytes() == SENTINEL
+
+
+def _unary_model(nodes, out="y"):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, [64])],
+                              [numpy_helper.from_array(np.array(1e30, np.float32), "big")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def test_special_inputs_are_seeded_and_hold_special_values_at_a_few_positions():
+    from onnxfuse.verify import SPECIAL_POSITIONS, special_inputs, special_values
+
+    feeds = {"x": np.ones((4, 16), np.float32), "i": np.arange(3, dtype=np.int64)}
+    a, count = special_inputs(feeds, seed=3)
+    b, _ = special_inputs(feeds, seed=3)
+    assert count == SPECIAL_POSITIONS
+    np.testing.assert_array_equal(a["x"], b["x"])
+    np.testing.assert_array_equal(a["i"], feeds["i"])
+    changed = a["x"].reshape(-1) != 1
+    assert changed.sum() == SPECIAL_POSITIONS
+    specials = special_values(np.float32)
+    assert all(np.isnan(v) or v in specials for v in a["x"].reshape(-1)[changed])
+    assert (feeds["x"] == 1).all(), "the caller's inputs were changed"
+
+
+def test_outputs_with_nan_and_infinity_from_special_inputs_still_verify():
+    # log(x) and 1 / x: NaN and infinities at the special positions, in both models alike.
+    model = _unary_model([helper.make_node("Log", ["x"], ["l"]), helper.make_node("Reciprocal", ["l"], ["y"])])
+    result = verify(model, model)
+    assert result.ok, result.first_problem()
+    assert result.special is not None and result.special_positions > 0
+    assert result.as_dict()["special_values"]["ok"]
+
+
+def test_a_difference_only_special_values_show_fails_verification():
+    # min(x, 1e30) and x agree on every ordinary input; at +inf one gives 1e30, the other inf.
+    original = _unary_model([helper.make_node("Min", ["x", "big"], ["y"])])
+    wrong = _unary_model([helper.make_node("Identity", ["x"], ["y"])])
+    for seed in range(4):
+        result = verify(original, wrong, seed=seed)
+        assert all(r.ok for r in result.runs)  # the ordinary inputs cannot tell them apart
+        if not result.ok:
+            assert "special values" in result.first_problem() and "infinity" in result.first_problem()
+            return
+    pytest.fail("no seed salted a +inf into the input")

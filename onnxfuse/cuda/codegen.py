@@ -97,21 +97,25 @@ def instr_expr(op: str, args: list[str], params: tuple, ct: str) -> str:
         "neg": lambda: f"-{a}",
         "recip": lambda: f"{one} / {a}",
         "sigmoid": lambda: f"{one} / ({one} + {m('exp')}(-{a}))",
-        # NaN stays NaN, everything else not above 0 (-inf included) becomes +0, as onnxruntime's Relu.
-        "relu": lambda: f"({a} > {zero}) ? {a} : (({a} != {a}) ? {a} : {zero})",
+        # Below 0 (-inf included) gives +0; -0 and NaN pass as they are, as onnxruntime's Relu.
+        "relu": lambda: f"({a} < {zero}) ? {zero} : {a}",
         "softplus": lambda: f"({a} > (CT)20) ? {a} : {m('log1p')}({m('exp')}(of_min({a}, (CT)20)))",
-        "softsign": lambda: f"{a} / ({one} + {m('fabs')}({a}))",
-        "sign": lambda: f"({a} > {zero}) ? {one} : (({a} < {zero}) ? -{one} : {a})",
-        "hardswish": lambda: f"{a} * of_min(of_max({a} / (CT)6 + (CT)0.5, {zero}), {one})",
+        # x times the reciprocal, as onnxruntime (x / (1 + |x|) differs in the last bit for 1 in 10).
+        "softsign": lambda: f"{a} * ({one} / ({one} + {m('fabs')}({a})))",
+        # +-0 give +0 (as onnxruntime), NaN stays NaN.
+        "sign": lambda: f"({a} > {zero}) ? {one} : (({a} < {zero}) ? -{one} : (({a} != {a}) ? {a} : {zero}))",
+        # x * clip(x * (1/6) + 1/2, 0, 1) with the product rounded on its own (no FMA), as onnxruntime.
+        "hardswish": lambda: f"{a} * of_clamp(of_mul_rn({a}, {one} / (CT)6) + (CT)0.5, {zero}, {one})",
         "not": lambda: f"({a} == {zero}) ? {one} : {zero}",
         "isnan": lambda: f"({a} != {a}) ? {one} : {zero}",
         "leakyrelu": lambda: f"({a} < {zero}) ? {p[0]} * {a} : {a}",
         "elu": lambda: f"({a} < {zero}) ? {p[0]} * ({m('exp')}({a}) - {one}) : {a}",
-        "selu": lambda: f"({a} <= {zero}) ? {p[1]} * ({p[0]} * {m('exp')}({a}) - {p[0]}) : {p[1]} * {a}",
+        "selu": lambda: f"({a} <= {zero}) ? {p[1]} * ({p[0]} * ({m('exp')}({a}) - {one})) : {p[1]} * {a}",
         "celu": lambda: f"of_max({zero}, {a}) + of_min({zero}, {p[0]} * ({m('exp')}({a} / {p[0]}) - {one}))",
-        "hardsigmoid": lambda: f"of_min(of_max({p[0]} * {a} + {p[1]}, {zero}), {one})",
+        "hardsigmoid": lambda: f"of_clamp(of_mul_rn({p[0]}, {a}) + {p[1]}, {zero}, {one})",
         "thresholdedrelu": lambda: f"({a} > {p[0]}) ? {a} : {zero}",  # NaN and -inf give 0
-        "clip": lambda: f"of_min(of_max({a}, {p[0]}), {p[1]})",
+        # x < lo ? lo : x > hi ? hi : x, as onnxruntime: -0 stays at a bound of 0, NaN passes.
+        "clip": lambda: f"of_clamp({a}, {p[0]}, {p[1]})",
         "cast": lambda: _cast_expr(a, p[0], ct),
         "add": lambda: f"{a} + {b}",
         "sub": lambda: f"{a} - {b}",
@@ -180,6 +184,14 @@ _HELPERS = r"""#ifndef ONNXFUSE_PW_HELPERS
 // min/max that propagate NaN like numpy.minimum/maximum (fminf/fmaxf would drop it).
 template <typename T> __host__ __device__ __forceinline__ T of_min(T a, T b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
 template <typename T> __host__ __device__ __forceinline__ T of_max(T a, T b) { return (a != a || b != b) ? a + b : (a > b ? a : b); }
+template <typename T> __host__ __device__ __forceinline__ T of_clamp(T v, T lo, T hi) { T r = v < lo ? lo : v; return r > hi ? hi : r; }
+// A product rounded on its own: nvcc would contract it with the addition after it into an FMA.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float of_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double of_mul_rn(double a, double b) { return __dmul_rn(a, b); }
+#else
+template <typename T> __host__ __forceinline__ T of_mul_rn(T a, T b) { volatile T p = a * b; return p; }
+#endif
 template <typename T, int N> struct alignas(sizeof(T) * N) onnxfuse_vec { T v[N]; };
 #endif
 """

@@ -1,0 +1,291 @@
+"""Special values through the Pointwise kernels, op by op, bit for bit against onnxruntime.
+
+Every ONNX operator the pointwise lowering knows runs on +-0, +-inf, NaN, subnormals and each
+type's extremes (and, for binary operators, every pair of them), once in plain onnxruntime and
+twice through the library: as a one-op Pointwise region and as a chained region (the op, then
+two negations, which are exact and keep every sign). Both builds of the CPU kernel run (AVX2 and
+the baseline, ONNXFUSE_NO_AVX2=1).
+
+What is compared: every output bit, except that a NaN only has to be a NaN (its payload and
+sign bit are not compared: onnxruntime itself gives different NaN payloads for one input in
+different kernels). Where onnxruntime disagrees with itself about one input (the same value at
+another position in the tensor, or the same operation on another tensor length, runs another
+code path), any of its answers is accepted; `ORT_SELF_INCONSISTENT` lists where that was seen.
+For the elementary functions the kernel evaluates with its own approximations (exp, tanh, erf,
+...) the inputs compared are those whose result the IEEE special cases determine (+-0, +-inf,
+NaN, the largest values, where the function saturates) and the subnormals (where it is x, 0,
+1 or 1/2, or, where onnxruntime's value is not the correctly rounded one, the correctly rounded
+value: see CORRECTLY_ROUNDED); their accuracy elsewhere is held to ulp bounds by
+test_pointwise_cpu.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxfuse import runtime
+from onnxfuse.lowering import lower_node, program_dtype
+from onnxfuse.program import Program
+
+ELEM = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE}
+DTYPES = [np.float32, np.float64, np.float16]
+
+# Seen with onnxruntime 1.31: Max/Min of +0 and -0 return either operand depending on the tensor
+# lengths and positions (its vectorized and scalar loops order the comparison differently).
+ORT_SELF_INCONSISTENT = {"Max", "Min"}
+# onnxruntime's float16 kernels of opset 18 that compute in float16 or round otherwise: Softplus
+# overflows to inf at 65504 (its opset-20 kernel gives 65504), HardSwish rounds subnormal results
+# differently. Not matched: the Pointwise program computes in float32 whatever the opset.
+KNOWN_OPSET_DIFFERENCES = {("float16", 18): ("Softplus", "HardSwish", "Selu")}
+# ... and its float16 Relu of opset 18 gives +0 or -0 for -0 depending on the tensor's length
+# (+0 for 16 elements, -0 for 19 or 95): either is accepted there.
+ORT_ZERO_SIGN_BY_LENGTH = {("Relu", "float16", 18)}
+
+
+# The elementary functions whose float64 numpy value, rounded, is the correctly rounded result at
+# subnormal inputs. onnxruntime's float32 Tanh is not there: tanh(1.4e-45) gives 0 and
+# tanh(3.918315e-39) gives 3.918232e-39 (a relative error of 2e-5 where tanh(x) = x in float);
+# ours gives x, the correctly rounded value, which this test accepts besides onnxruntime's own.
+CORRECTLY_ROUNDED = {
+    "Tanh": np.tanh, "Exp": np.exp, "Sin": np.sin, "Atan": np.arctan, "Asin": np.arcsin, "Sinh": np.sinh,
+    "Asinh": np.arcsinh, "Atanh": np.arctanh, "Sigmoid": lambda x: 1 / (1 + np.exp(-x)),
+}
+
+
+def special_values(dt) -> np.ndarray:
+    """+-0, +-inf, NaN, +-largest, +-smallest normal, +-smallest subnormal, a subnormal in the
+    middle, and a few ordinary values that signed zeros come out of (x * 0, x - x, 1 / x)."""
+    fi = np.finfo(dt)
+    mid_sub = fi.tiny / 3
+    v = [0.0, -0.0, np.inf, -np.inf, np.nan, fi.max, -fi.max, fi.tiny, -fi.tiny, fi.smallest_subnormal,
+         -fi.smallest_subnormal, mid_sub, -mid_sub, 1.0, -1.0, 0.5, -0.5, 2.5, -2.5]
+    with np.errstate(all="ignore"):
+        return np.array(v, dtype=dt)
+
+
+# Whether a value is a special input of an approximated function: its result is an IEEE special
+# case or a saturated value, the same for every correct implementation.
+def _saturating_inputs(x: np.ndarray) -> np.ndarray:
+    a = np.abs(x.astype(np.float64))
+    return (a == 0) | np.isnan(a) | np.isinf(a) | (a >= np.finfo(x.dtype).max)
+
+
+# op -> (attributes, arity, dtypes onnxruntime's CPU provider implements, approximated?)
+UNARY_EXACT = ["Neg", "Abs", "Sqrt", "Reciprocal", "Relu", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf",
+               "Softsign", "HardSigmoid", "HardSwish"]
+UNARY_APPROX = ["Exp", "Log", "Erf", "Tanh", "Sigmoid", "Softplus", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan",
+                "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Elu", "Selu", "Celu", "Mish", "Gelu"]
+PARAM_EXACT = {
+    "LeakyRelu": {"alpha": 0.1}, "ThresholdedRelu": {"alpha": 1.0}, "Shrink": {"lambd": 0.5, "bias": 0.25},
+    "Clip": {},
+}
+BINARY_EXACT = ["Add", "Sub", "Mul", "Div", "Max", "Min", "PRelu", "Sum", "Mean", "Equal", "Less", "Greater",
+                "LessOrEqual", "GreaterOrEqual"]
+BINARY_APPROX = ["Pow"]
+# Where(cond, X, Y) with X and Y the cross product of the values, each under both conditions.
+TERNARY_EXACT = ["Where"]
+PREDICATES = {"IsNaN", "IsInf", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual"}
+CASES = (
+    [(op, {}, 1, False) for op in UNARY_EXACT] + [(op, {}, 1, True) for op in UNARY_APPROX]
+    + [(op, attrs, 1, False) for op, attrs in PARAM_EXACT.items()]
+    + [("LeakyRelu", {"alpha": 0.0}, 1, False), ("Clip", {"bounds": (0.0, 6.0)}, 1, False)]
+    + [("Clip", {"tensor_bounds": b}, 1, False) for b in ((0.0, 6.0), (-0.0, -0.0), (np.nan, 1.0), (-1.0, np.nan))]
+    + [(op, {}, 2, False) for op in BINARY_EXACT] + [(op, {}, 2, True) for op in BINARY_APPROX]
+    + [(op, {}, 3, False) for op in TERNARY_EXACT]
+)
+
+
+def _case_id(case) -> str:
+    op, attrs, _, _ = case
+    return op + "".join(f"-{k}={v}" for k, v in attrs.items())
+
+
+def _inputs(dt, arity: int) -> list[np.ndarray]:
+    s = special_values(dt)
+    if arity == 1:
+        return [s]
+    a, b = np.meshgrid(s, s, indexing="ij")
+    if arity == 3:
+        a, b = np.tile(a.reshape(-1), 2), np.tile(b.reshape(-1), 2)
+        cond = np.repeat(np.array([True, False]), s.size * s.size)
+        return [cond, a, b]
+    return [a.reshape(-1).copy(), b.reshape(-1).copy()]
+
+
+def _graph_inputs(op, attrs, dt, n_inputs):
+    """(node input names, initializers): Clip's bounds are constants of the input's type, or
+    (tensor_bounds) graph inputs lo and hi, fed by `bound_feeds`."""
+    names = [f"in{i}" for i in range(n_inputs)]
+    inits = []
+    if op == "Clip" and "bounds" in attrs:
+        for name, v in zip(("lo", "hi"), attrs["bounds"]):
+            inits.append(onnx.numpy_helper.from_array(np.array(v, dt), name))
+        names += ["lo", "hi"]
+    if op == "Clip" and "tensor_bounds" in attrs:
+        names += ["lo", "hi"]
+    return names, inits
+
+
+def bound_feeds(attrs, dt) -> dict:
+    if "tensor_bounds" not in attrs:
+        return {}
+    lo, hi = attrs["tensor_bounds"]
+    return {"lo": np.array(lo, dt), "hi": np.array(hi, dt)}
+
+
+def _onnx_attrs(attrs):
+    return {k: v for k, v in attrs.items() if k not in ("bounds", "tensor_bounds")}
+
+
+def _in_elem(op, i, dt):
+    return TensorProto.BOOL if op == "Where" and i == 0 else ELEM[dt]
+
+
+def _out_elem(op, dt):
+    return TensorProto.BOOL if op in PREDICATES else ELEM[dt]
+
+
+def plain_model(op, attrs, dt, arity, opset: int = 20) -> onnx.ModelProto:
+    names, inits = _graph_inputs(op, attrs, dt, arity)
+    inputs = [helper.make_tensor_value_info(f"in{i}", _in_elem(op, i, dt), None) for i in range(arity)]
+    inputs += [helper.make_tensor_value_info(k, ELEM[dt], []) for k in bound_feeds(attrs, dt)]
+    node = helper.make_node(op, names, ["out0"], **_onnx_attrs(attrs))
+    graph = helper.make_graph([node], "plain", inputs, [helper.make_tensor_value_info("out0", _out_elem(op, dt), None)],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def program_text(op, attrs, dt, arity, chained: bool, opset: int = 20) -> str:
+    prog = Program()
+    in_types = [_in_elem(op, i, dt) for i in range(arity)]
+    args = [prog.add_input(program_dtype(t)) for t in in_types]
+    if op == "Clip" and "bounds" in attrs:
+        args += [float(v) for v in attrs["bounds"]]
+        in_types += [ELEM[dt], ELEM[dt]]
+    if op == "Clip" and "tensor_bounds" in attrs:
+        args += [prog.add_input(program_dtype(ELEM[dt])) for _ in range(2)]
+        in_types += [ELEM[dt], ELEM[dt]]
+    out_elem = _out_elem(op, dt)
+    (value,) = lower_node(prog, op, _onnx_attrs(attrs), opset, args, in_types, [out_elem])
+    if chained and out_elem != TensorProto.BOOL:
+        value = prog.emit("neg", prog.emit("neg", value))
+    prog.add_output(value, program_dtype(out_elem))
+    return prog.to_text()
+
+
+def pointwise_model(text: str, dt, arity: int, op: str, extra: tuple = ()) -> onnx.ModelProto:
+    names = [f"in{i}" for i in range(arity)] + list(extra)
+    inputs = [helper.make_tensor_value_info(n, _in_elem(op, i, dt), None) for i, n in enumerate(names)]
+    node = helper.make_node("Pointwise", names, ["out0"], domain="onnxfuse", program=text)
+    graph = helper.make_graph([node], "fused", inputs, [helper.make_tensor_value_info("out0", _out_elem(op, dt), None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("onnxfuse", 1)])
+    model.ir_version = 10
+    return model
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
+
+
+def _run(model, feeds, with_library):
+    sess = runtime.make_session(model, threads=1, with_library=with_library, level="disable")
+    return sess.run(None, feeds)[0]
+
+
+# Copies of the values per run: enough for the vectorized loops and their tails to see each value.
+REPEAT = 5
+
+
+def ort_answers(op, attrs, dt, arrays, opset: int = 20) -> list[np.ndarray]:
+    """onnxruntime's outputs for the values, each at several positions and tensor lengths."""
+    model = plain_model(op, attrs, dt, len(arrays), opset)
+    n = arrays[0].size
+    answers = []
+    for copies, shift in ((1, 0), (REPEAT, 0), (REPEAT, 3)):
+        tiled = [np.roll(np.tile(a, copies), shift) for a in arrays]
+        feeds = {f"in{i}": t for i, t in enumerate(tiled)} | bound_feeds(attrs, dt)
+        out = np.roll(_run(model, feeds, False), -shift)
+        answers.extend(out[k * n:(k + 1) * n] for k in range(copies))
+    return answers
+
+
+def mismatches(got: np.ndarray, answers: list[np.ndarray], compared: np.ndarray) -> np.ndarray:
+    """Indices where `got` is none of onnxruntime's answers (NaN: any NaN)."""
+    ok = np.zeros(got.shape, bool)
+    for want in answers:
+        if got.dtype == np.bool_:
+            ok |= got == want
+            continue
+        ok |= (_bits(got) == _bits(want)) | (np.isnan(got) & np.isnan(want))
+    return np.nonzero(compared & ~ok)[0]
+
+
+# onnxruntime registers some float16 kernels per opset range, with other special-value rules.
+OPSETS = {np.float16: (17, 18, 20)}
+
+
+@pytest.mark.parametrize("dt,opset", [(d, o) for d in DTYPES for o in OPSETS.get(d, (20,))],
+                         ids=lambda v: np.dtype(v).name if isinstance(v, type) else f"opset{v}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, opset, monkeypatch):
+    op, attrs, arity, approximated = case
+    if op in KNOWN_OPSET_DIFFERENCES.get((np.dtype(dt).name, opset), ()):
+        pytest.skip(f"onnxruntime's {np.dtype(dt).name} {op} of opset {opset}: see KNOWN_OPSET_DIFFERENCES")
+    arrays = _inputs(dt, arity)
+    try:
+        answers = ort_answers(op, attrs, dt, arrays, opset)
+    except Exception as e:  # onnxruntime's NOT_IMPLEMENTED: no kernel of this type
+        if "NOT_IMPLEMENTED" in str(e) or "Type Error" in str(e) or "No Op registered" in str(e):
+            pytest.skip(f"onnxruntime has no {np.dtype(dt).name} {op}")
+        raise
+    compared = np.ones(arrays[0].shape, bool)
+    if approximated:
+        for a in arrays:
+            compared &= _saturating_inputs(a) | (np.abs(a.astype(np.float64)) < np.finfo(dt).tiny)
+    if approximated and op in CORRECTLY_ROUNDED:
+        # Subnormal inputs: onnxruntime's own result or the correctly rounded one.
+        with np.errstate(all="ignore"):
+            exact = CORRECTLY_ROUNDED[op](*[a.astype(np.float64) for a in arrays]).astype(dt)
+        subnormal = np.zeros(arrays[0].shape, bool)
+        for a in arrays:
+            subnormal |= (a != 0) & (np.abs(a.astype(np.float64)) < np.finfo(dt).tiny)
+        answers = answers + [np.where(subnormal, exact, answers[0])]
+    if (op, np.dtype(dt).name, opset) in ORT_ZERO_SIGN_BY_LENGTH:
+        answers = answers + [np.where(arrays[0] == 0, -answers[0], answers[0]).astype(dt)]
+    if op in ORT_SELF_INCONSISTENT:
+        # Accept the other zero where both operands are zeros (see ORT_SELF_INCONSISTENT).
+        zeros = (arrays[0] == 0) & (arrays[1] == 0)
+        answers = answers + [np.where(zeros, arrays[1], arrays[0]).astype(dt), np.where(zeros, arrays[0], arrays[1]).astype(dt)]
+    tiled = [np.tile(a, REPEAT) for a in arrays]
+    feeds = {f"in{i}": t for i, t in enumerate(tiled)} | bound_feeds(attrs, dt)
+    n = arrays[0].size
+    problems = []
+    for chained in (False, True):
+        text = program_text(op, attrs, dt, arity, chained, opset)
+        for no_avx2 in (False, True):
+            if no_avx2:
+                monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
+            else:
+                monkeypatch.delenv("ONNXFUSE_NO_AVX2", raising=False)
+            out = _run(pointwise_model(text, dt, arity, op, tuple(bound_feeds(attrs, dt))), feeds, True)
+            for k in range(REPEAT):
+                got = out[k * n:(k + 1) * n]
+                for i in mismatches(got, answers, compared)[:4]:
+                    problems.append(
+                        f"{'chained' if chained else 'one-op'} {'baseline' if no_avx2 else 'avx2'} copy {k}:"
+                        f" {op}({', '.join(repr(float(a[i])) for a in arrays)}) = {float(got[i])!r},"
+                        f" onnxruntime {float(answers[0][i])!r}")
+    assert not problems, "\n".join(sorted(set(problems))[:30])
+
+
+def test_reciprocal_of_relu_of_negated_zero_is_minus_infinity():
+    # The case that showed the signed-zero bug: y = 1 / Relu(-x) at x = 0 is 1 / -0 = -inf in
+    # onnxruntime; a Relu that turned -0 into +0 gave +inf.
+    for dt in DTYPES:
+        text = f"in x0 {program_dtype(ELEM[dt])}\nt0 = neg x0\nt1 = relu t0\nt2 = recip t1\nout t2 {program_dtype(ELEM[dt])}\n"
+        got = _run(pointwise_model(text, dt, 1, "Relu"), {"in0": np.zeros(19, dt)}, True)
+        assert np.all(np.isneginf(got)), (np.dtype(dt).name, got)
