@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
-from .graph.core import cleanup, export_model, toposort
+from .graph.core import cleanup, constants_as_initializers, export_model, toposort
 from .weights import attach_graph, release_graph
 
 TARGETS = ("cpu", "cuda")
@@ -160,6 +160,7 @@ def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[o
     graph = gs.import_onnx(stripped)
     # Weights held by reference stay on disk; passes map them when they read them.
     ctx.options["weights_on_disk"] = attach_graph(graph) > 0
+    constants_as_initializers(graph)
     return graph, kept, overloads
 
 
