@@ -76,6 +76,11 @@ def _executed_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     return runtime.executed_graph(model)
 
 
+def _evaluate(model: onnx.ModelProto) -> list:
+    """The outputs of an input-less `model` in onnxruntime, optimizations off (runtime.evaluate)."""
+    return runtime.evaluate(model)
+
+
 @dataclass
 class Context:
     """What a pass may read and use besides the graph."""
@@ -89,6 +94,9 @@ class Context:
     # What onnxruntime executes for a model, for passes that must not block its fusions: the
     # ort layer opens the session, never a pass. None: the passes' rules stand alone.
     executed_graph: Callable[[onnx.ModelProto], onnx.ModelProto] | None = _executed_graph
+    # The outputs of a model without inputs as onnxruntime's kernels compute them, for passes
+    # that fold constants. None: nothing is folded.
+    evaluate: Callable[[onnx.ModelProto], list] | None = _evaluate
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function."""
