@@ -101,13 +101,23 @@ def make_fused_node(
     input_names = [t.name for t in inputs]
     body: list[onnx.NodeProto] = []
     formal_inputs = _distinct_names(input_names)
-    emitted_consts: set[str] = set()
+    defined = set(input_names)
     for n in nodes:
         for t in n.inputs:
-            if isinstance(t, gs.Constant) and t.name not in input_names and t.name not in emitted_consts:
+            if not t.name or t.name in defined:
+                continue
+            if isinstance(t, gs.Constant):
                 body.append(_constant_node(t))
-                emitted_consts.add(t.name)
+            elif _constant_producer(t) is not None:
+                body.append(_export_node(_constant_producer(t)))
+            else:
+                # A function sees only its formal inputs: a body reading any other outer value
+                # would be a fallback that does not run (or, inlined, reads a wrong value).
+                raise ValueError(f"fused {op_type} node: body node {n.name!r} reads {t.name!r}, "
+                                 "which is neither an input of the fused node nor computed in its body")
+            defined.add(t.name)
         body.append(_export_node(n))
+        defined.update(t.name for t in n.outputs if t.name)
     if opset is None:
         opset = graph.opset
     overload = registry.new_overload(op_type)
@@ -136,6 +146,15 @@ def make_fused_node(
     graph.nodes.append(node)
     registry.by_node[name] = FusedRecord(op_type, overload, fn)
     return node
+
+
+def _constant_producer(t: gs.Tensor) -> gs.Node | None:
+    """The Constant node (outside the fused nodes) that writes `t`, if one does: its copy goes
+    into the body, as a constant initializer's value does."""
+    p = t.inputs[0] if len(t.inputs) else None
+    if p is not None and p.op == "Constant" and p.domain in (None, "", "ai.onnx") and not p.inputs:
+        return p
+    return None
 
 
 def _distinct_names(names: Sequence[str]) -> list[str]:

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
-from .graph.core import cleanup, export_model, toposort
+from .graph.core import cleanup, constants_as_initializers, export_model, toposort
 from .modelio import keep_model_fields
 from .weights import attach_graph, release_graph
 
@@ -77,6 +77,11 @@ def _executed_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     return runtime.executed_graph(model)
 
 
+def _evaluate(model: onnx.ModelProto) -> list:
+    """The outputs of an input-less `model` in onnxruntime, optimizations off (runtime.evaluate)."""
+    return runtime.evaluate(model)
+
+
 @dataclass
 class PassOptions:
     """What callers may tell the passes (api.optimize's `options`, tests, benchmarks). Passes
@@ -132,6 +137,9 @@ class Context:
     # What onnxruntime executes for a model, for passes that must not block its fusions: the
     # ort layer opens the session, never a pass. None: the passes' rules stand alone.
     executed_graph: Callable[[onnx.ModelProto], onnx.ModelProto] | None = _executed_graph
+    # The outputs of a model without inputs as onnxruntime's kernels compute them, for passes
+    # that fold constants. None: nothing is folded.
+    evaluate: Callable[[onnx.ModelProto], list] | None = _evaluate
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function."""
@@ -203,6 +211,7 @@ def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[o
     graph = gs.import_onnx(stripped)
     # Weights held by reference stay on disk; passes map them when they read them.
     ctx.weights_on_disk = attach_graph(graph) > 0
+    constants_as_initializers(graph)
     return graph, kept, overloads
 
 

@@ -148,6 +148,25 @@ class Region:
     lowered: Lowered | None = None
 
 
+_NOT_CONSTANT_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli")
+
+
+def constant_only(nodes: list[gs.Node]) -> set[int]:
+    """id() of the nodes (in topological order) that compute from constants alone: onnxruntime
+    folds them when it loads the model (fold-constants leaves such a node only when its result
+    is large), where a region would compute them on every run."""
+    derived: set[str] = set()
+    out: set[int] = set()
+    for n in nodes:
+        present = [t for t in n.inputs if gu.is_present(t)]
+        if (present and not gu.is_op(n, *_NOT_CONSTANT_OPS)
+                and not any(isinstance(v, gs.Graph) for v in n.attrs.values())
+                and all(t.name in derived or gu.is_constant(t) for t in present)):
+            out.add(id(n))
+            derived.update(t.name for t in n.outputs if gu.is_present(t))
+    return out
+
+
 class Analysis(GraphIndex):
     """Everything the region builder needs about the graph, indexed by node identity.
 
@@ -160,6 +179,7 @@ class Analysis(GraphIndex):
         super().__init__(graph)
         self.reserved = reserved
         self.preempted = preempted
+        self.constant_only = constant_only(self.nodes)
         self.views: dict[int, list[tuple[SliceSpec, ...]]] = {}
         self.pointwise: set[int] = set()
         for n in self.nodes:
@@ -169,7 +189,8 @@ class Analysis(GraphIndex):
                 v = self._view_of(n)
                 if v is not None:
                     self.views[id(n)] = v
-            elif n.op in SUPPORTED_OPS and id(n) not in self.reserved and self._lowerable(n):
+            elif (n.op in SUPPORTED_OPS and id(n) not in self.reserved and id(n) not in self.constant_only
+                  and self._lowerable(n)):
                 self.pointwise.add(id(n))
 
     def _view_of(self, n: gs.Node):

@@ -19,7 +19,7 @@ condition
     - the region pays: at least 2 ops that compute something, or 1 op and a Slice/Split that
       disappears, or 1 op that would otherwise go into a fusion of onnxruntime that is slower
       on the target (PREEMPT in onnxfuse/graph/ort_fusions.py: SkipLayerNormalization on the
-      CPU);
+      CPU) while the other regions save the kernel that costs;
     - the target policy (POLICY in onnxfuse/graph/ort_fusions.py): ops that onnxruntime fuses
       into its own kernels (FusedConv, Gemm, LayerNormalization, Gelu...), or runs in place in
       its NCHWc layout, are left to it; the LayerNormalization and GELU rules only where the
@@ -51,7 +51,7 @@ def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
         return True
     if work_ops == 0:
         return False
-    if any(id(n) in a.preempted for n in r.members.values()):
+    if _preempts(a, r):
         return True
     views = [n for n in r.members.values() if n.op in VIEW_OPS] + r.lowered.views_read
     for v in views:
@@ -59,6 +59,24 @@ def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
         if all(id(c) in fused for c in readers) and not any(o.name in a.graph_outputs for o in v.outputs):
             return True
     return False
+
+
+def _preempts(a: Analysis, r: Region) -> bool:
+    return any(id(n) in a.preempted for n in r.members.values())
+
+
+def _within_kernel_budget(regions: list[Region], a: Analysis) -> list[Region]:
+    """`regions` less the lone preempting ones the others cannot pay for. A region whose one
+    op is there only to keep a slower fusion of onnxruntime from forming (the residual Add
+    before a LayerNormalization) runs one kernel more than onnxruntime's fusion; a model must
+    never run more kernels than onnxruntime alone, so such regions are kept only while the
+    other regions save at least as many kernels (each saves its ops but one), in graph order."""
+    lone = [r for r in regions if work(r) == 1 and _preempts(a, r)]
+    saved = sum(work(r) - 1 for r in regions if not (work(r) == 1 and _preempts(a, r)))
+    if len(lone) <= saved:
+        return regions
+    dropped = {id(r) for r in lone[saved:]}
+    return [r for r in regions if id(r) not in dropped]
 
 
 def _detached_copy(n: gs.Node) -> gs.Node:
@@ -87,7 +105,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     chosen = [r for r in regions if work(r) >= 1]
     while True:
         fused = {k for r in chosen for k in r.members}
-        keep = [r for r in chosen if pays(a, r, fused)]
+        keep = _within_kernel_budget([r for r in chosen if pays(a, r, fused)], a)
         if len(keep) == len(chosen):
             break
         chosen = keep

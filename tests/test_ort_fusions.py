@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from onnx import helper
 
 from pointwise_checks import (
     BETA,
+    F,
     GAMMA,
     RNG,
     SCAL,
@@ -74,6 +76,17 @@ POLICY_CASES = {
             node("Sqrt", ["ve"], ["sd"]), node("Div", ["x", "sd"], ["n"]), node("Mul", ["n", "g"], ["y"]),
         ],
         X3, ("y", [2, 4, 16]), {"two": SCAL(2.0), "eps": SCAL(1e-5), "g": GAMMA},
+        "Div", suffix=EXP_AFTER,
+    ),
+    # Hugging Face's LlamaRMSNorm as the TorchScript exporter writes it: float32 to float32
+    # Casts around the computation, the reciprocal as Div(1, .), the weight Mul last.
+    "rms-norm-casts": case(
+        [
+            node("Cast", ["x"], ["xc"], to=F), node("Pow", ["xc", "two"], ["p"]), node("ReduceMean", ["p"], ["v"], axes=[-1]),
+            node("Add", ["v", "eps"], ["ve"]), node("Sqrt", ["ve"], ["sd"]), node("Div", ["one", "sd"], ["r"]),
+            node("Mul", ["xc", "r"], ["n"]), node("Cast", ["n"], ["nc"], to=F), node("Mul", ["g", "nc"], ["y"]),
+        ],
+        X3, ("y", [2, 4, 16]), {"two": SCAL(2.0), "eps": SCAL(1e-6), "one": SCAL(1.0), "g": GAMMA},
         "Div", suffix=EXP_AFTER,
     ),
     "bias-gelu-erf": case(
@@ -281,18 +294,38 @@ def residual_layernorm(written_out: bool):
     return model(nodes, [("x", [2, 4, 16]), ("r", [2, 4, 16])], [("y", [2, 4, 16])], inits, opset=17)
 
 
+def with_side_chain(m: onnx.ModelProto) -> onnx.ModelProto:
+    """`m` plus an unrelated three-op chain q = tanh(-|x|), a region saving 2 kernels."""
+    g = m.graph
+    g.node.extend([node("Abs", ["x"], ["q0"]), node("Neg", ["q0"], ["q1"]), node("Tanh", ["q1"], ["q"])])
+    g.output.append(helper.make_tensor_value_info("q", F, [2, 4, 16]))
+    return onnx.shape_inference.infer_shapes(m)
+
+
 @pytest.mark.parametrize("written_out", [False, True])
 def test_cpu_takes_a_lone_residual_add_from_onnxruntimes_skip_layernorm(written_out):
     """onnxruntime's CPU SkipLayerNormalization is slower than a Pointwise region plus its
     LayerNormalization (bench/results/skip_layernorm.md), so on the CPU even the residual Add
-    alone becomes a region, which keeps onnxruntime from making that fusion."""
-    m = residual_layernorm(written_out)
+    alone becomes a region, which keeps onnxruntime from making that fusion, where another
+    region saves the kernel that costs."""
+    m = with_side_chain(residual_layernorm(written_out))
     assert "SkipLayerNormalization" in ort_kernels(m)
     out = fuse(m, "cpu")
-    assert ops(out).count("Pointwise") == 1
+    assert ops(out).count("Pointwise") == 2
     kernels = ort_kernels(out, with_library=True)
-    assert sorted(kernels) == ["LayerNormalization", "Pointwise"], kernels
+    assert sorted(kernels) == ["LayerNormalization", "Pointwise", "Pointwise"], kernels
     check_equivalent(m, out)
+
+
+@pytest.mark.parametrize("written_out", [False, True])
+def test_cpu_leaves_a_lone_residual_add_when_nothing_pays_its_kernel(written_out):
+    """Alone, the residual Add's region plus LayerNormalization are two kernels where
+    onnxruntime runs one SkipLayerNormalization: a model never gets more kernels than
+    onnxruntime alone (a GPT-2 block exported by TorchScript went from 64 to 65)."""
+    m = residual_layernorm(written_out)
+    out = fuse(m, "cpu")
+    assert "Pointwise" not in ops(out)
+    assert len(ort_kernels(out, with_library=True)) <= len(ort_kernels(m))
 
 
 def test_cuda_leaves_the_residual_add_to_skip_layernorm():

@@ -33,10 +33,7 @@ BASELINE = zoo.load_baseline().get("models", {})
 UPDATE_HINT = "python models/update_baseline.py"
 
 # Corpus models `onnxfuse optimize` refuses (exit 1, nothing written): every check fails.
-OPTIMIZE_FAILS = {
-    "gru_ts": "issue 16: a fallback function reads a Constant node's output defined in the main graph "
-              "(fallback functions, no library: Node input '/Constant_7_output_0' is not a graph input)",
-}
+OPTIMIZE_FAILS: dict[str, str] = {}
 # Corpus models that optimize but run more kernels than under onnxruntime alone.
 MORE_KERNELS: dict[str, str] = {}
 # Corpus models whose optimized output a second optimize still changes.

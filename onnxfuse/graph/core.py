@@ -139,6 +139,37 @@ def is_constant(tensor: gs.Tensor) -> bool:
     )
 
 
+def constants_as_initializers(graph: gs.Graph) -> int:
+    """Every Constant node of the top-level graph becomes an initializer of the same name;
+    returns how many.
+
+    Exporters write constants both ways (torch.onnx's TorchScript exporter as Constant nodes,
+    torch.export mostly as initializers), and onnxruntime turns Constant nodes into
+    initializers when it loads a model. Passes then meet one form: a constant is a
+    gs.Constant, which a fused node's fallback body carries with it, where a Constant node's
+    output would be a value the function cannot see. Kept as nodes: a Constant whose output
+    is a graph output (an initializer cannot be one), one read from inside an If/Loop/Scan
+    body, and sparse or string values."""
+    nodes = {id(n) for n in graph.nodes}
+    outputs = {t.name for t in graph.outputs}
+    count = 0
+    for node in list(graph.nodes):
+        if not is_op(node, "Constant") or len(node.outputs) != 1:
+            continue
+        out = node.outputs[0]
+        if out.name in outputs or any(id(r) not in nodes for r in out.outputs):
+            continue
+        value = constant_value(out)
+        if value is None or value.dtype.kind not in "biuf":
+            continue
+        replace_uses(out, gs.Constant(out.name, np.asarray(value)))
+        node.outputs.clear()
+        count += 1
+    if count:
+        graph.nodes = [n for n in graph.nodes if n.outputs or not is_op(n, "Constant")]
+    return count
+
+
 def constant_ints(tensor: gs.Tensor) -> list[int] | None:
     """A constant integer tensor as a flat list of Python ints (None if not constant or not integer)."""
     if not is_present(tensor):

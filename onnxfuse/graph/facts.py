@@ -155,16 +155,33 @@ def elem_type(t: gs.Tensor) -> int | None:
         return None
 
 
+def _vague(shape) -> bool:
+    """Whether a recorded shape has dims that inference may now know: unknown ones, or the
+    names onnx's inference makes up for a dim it could not compute (unk__N)."""
+    return shape is not None and any(d is None or (isinstance(d, str) and d.startswith("unk__")) for d in shape)
+
+
 def refresh_shapes(graph: gs.Graph) -> None:
     """Run onnx shape inference on the current graph and record dtypes/shapes that the graph
-    does not know yet (tensors made by earlier passes have none)."""
-    if all(t.dtype is not None and t.shape is not None
-           for t in gu.tensor_map(graph).values() if not isinstance(t, gs.Constant)):
+    does not know yet (tensors made by earlier passes have none), and dims it knew only
+    vaguely: a Slice whose bounds an earlier pass made constant (torch's chunk of a dynamic
+    batch, bounds once computed from Shape) now has its static width, which the pointwise pass
+    needs; without it only a second optimize found the regions."""
+    tensors = gu.tensor_map(graph)
+    outer = {t.name for t in graph.inputs} | {t.name for t in graph.outputs}
+    vague = {name: t.shape for name, t in tensors.items()
+             if isinstance(t, gs.Variable) and name not in outer and _vague(t.shape)}
+    if not vague and all(t.dtype is not None and t.shape is not None
+                         for t in tensors.values() if not isinstance(t, gs.Constant)):
         return  # nothing to fill in
+    for name in vague:
+        tensors[name].shape = None
     try:
         # Large weights are described by type and shape: inferring on them costs their copies.
         model, left_out = inference_model(graph)
     except Exception:
+        for name, shape in vague.items():
+            tensors[name].shape = shape
         return
     model = infer_light_model(model, left_out) or model
     infos = {}
@@ -185,3 +202,11 @@ def refresh_shapes(graph: gs.Graph) -> None:
                 d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param else None)
                 for d in tt.shape.dim
             ]
+    # A dim inference still cannot compute keeps its old made-up name: other tensors may share
+    # it (onnxruntime reads such equalities from the value_info), where a new one would not.
+    for name, shape in vague.items():
+        new = tensors[name].shape
+        if new is None or len(new) != len(shape):
+            tensors[name].shape = shape
+        else:
+            tensors[name].shape = [o if _vague([d]) or not _vague([o]) else d for o, d in zip(shape, new)]
