@@ -22,6 +22,7 @@ as the original (ratio 1) in the geometric means: its user keeps the original mo
     pip install -e '.[bench]'
     python -m bench.corpus                          # writes bench/results/corpus.md and corpus.json
     python -m bench.corpus --models bert_ts,lstm_dynamo --budget 1
+    python -m bench.corpus --render-only            # the report again from corpus.json
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ import io
 import json
 import logging
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -240,6 +240,10 @@ def model_rows(rows: list[dict], threads_list: list[int]) -> list[list[str]]:
     return out
 
 
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return [*harness.table_head([(h, "l") for h in head]), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def render(rows: list[dict], stamp: harness.RunStamp, threads_list: list[int], budget: float, seconds: float) -> str:
     th = "/".join(f"{t}t" for t in threads_list)
     lines = stamp.header("Corpus benchmark: onnxfuse and the peers on torch.onnx exports",
@@ -263,7 +267,7 @@ def render(rows: list[dict], stamp: harness.RunStamp, threads_list: list[int], b
         "",
         "## Geometric means against onnxruntime alone",
         "",
-        *harness.markdown_table(
+        *_table(
             ["models", "tool", "kernels", *[f"latency {t} thread{'s' if t > 1 else ''}" for t in threads_list],
              "fewest kernels on", f"fastest ({threads_list[0]}t) on", "failed"],
             summary_rows(rows, threads_list)),
@@ -272,7 +276,7 @@ def render(rows: list[dict], stamp: harness.RunStamp, threads_list: list[int], b
         "",
         f"Each tool: kernels / latency ratio at {th}. ort ms: onnxruntime alone's median at 1 thread.",
         "",
-        *harness.markdown_table(["model", "ort kernels", "ort ms", *TOOLS[1:], "fewest kernels", "fastest (1t)"],
+        *_table(["model", "ort kernels", "ort ms", *TOOLS[1:], "fewest kernels", "fastest (1t)"],
                                 model_rows(rows, threads_list)),
         "",
     ]
@@ -289,7 +293,8 @@ def render(rows: list[dict], stamp: harness.RunStamp, threads_list: list[int], b
               help="seconds of timed rounds per model and thread count")
 @click.option("--threads", default="1,2", callback=harness.csv(int), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=DEFAULT_OUT, show_default=True,
-              help="the report (its .json beside it)")
+              help="the report (its figures in a .json beside it, written after each model)")
+@click.option("--render-only", is_flag=True, help="rewrite the report from its .json, running nothing")
 def cli(args, stamp: harness.RunStamp) -> int:
     from onnxfuse import zoo
 
@@ -302,20 +307,27 @@ def cli(args, stamp: harness.RunStamp) -> int:
         corpus = [m for m in corpus if m.name in args.models]
     if args.family:
         corpus = [m for m in corpus if m.family == args.family]
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    data_path = Path(args.out).with_suffix(".json") if args.out is not None else None
+    if args.render_only:
+        if data_path is None or not data_path.is_file():
+            raise click.UsageError(f"--render-only: no {data_path} to render")
+        data = json.loads(data_path.read_text())
+        stamp = harness.RunStamp(data["command"], data["started"], tuple(data["load"]), data["commit"])
+        harness.write_report(args.out, render(data["models"], stamp, data["threads"], data["budget"], data["seconds"]))
+        return 0
     t0 = time.perf_counter()
     rows = []
     for zm in corpus:
         harness.log(f"{zm.name} ...")
         rows.append(bench_model(zm, args.threads, args.budget))
-    seconds = time.perf_counter() - t0
-    text = render(rows, stamp, args.threads, args.budget, seconds)
-    harness.write_report(args.out, text)
-    if args.out is not None:
-        Path(args.out).with_suffix(".json").write_text(json.dumps(
-            {"command": stamp.command, "started": stamp.started, "commit": stamp.commit, "machine": harness.machine(),
-             "versions": harness.versions("onnxscript", "onnxslim"), "seconds": round(seconds, 1), "models": rows},
-            indent=1) + "\n")
+        if data_path is not None:  # after every model: a run cut short still leaves its figures
+            data_path.parent.mkdir(parents=True, exist_ok=True)
+            data_path.write_text(json.dumps(
+                {"command": stamp.command, "started": stamp.started, "load": list(stamp.load), "commit": stamp.commit,
+                 "machine": harness.machine(), "versions": harness.versions("onnxscript", "onnxslim"),
+                 "threads": args.threads, "budget": args.budget, "seconds": round(time.perf_counter() - t0, 1),
+                 "models": rows}, indent=1) + "\n")
+    harness.write_report(args.out, render(rows, stamp, args.threads, args.budget, time.perf_counter() - t0))
     return 0
 
 

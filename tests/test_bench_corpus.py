@@ -55,3 +55,6 @@ def test_corpus_model_runs_through_every_installed_tool(tmp_path):
     for tool, module in (("onnxscript", "onnxscript"), ("onnxslim", "onnxslim")):
         if importlib.util.find_spec(module) is None:
             assert "error" in row["tools"][tool]
+    out.write_text("")
+    assert corpus.main(["--render-only", "--out", str(out)]) == 0
+    assert out.read_text() == text
