@@ -291,7 +291,7 @@ def match_layernorm(a: GraphIndex) -> Iterable[gs.Node]:
         # Hugging Face's RMSNorm computes in float32 and casts back before the weight Mul
         # (x.to(float32) ... (x * rsqrt).to(dtype) * weight); the TorchScript exporter keeps
         # those Casts, even float32 to float32, and onnxruntime's fusion takes them in.
-        if _std(sub, "Cast") and centred.name not in a.graph_outputs and all(
+        if gu.is_op(sub, "Cast") and centred.name not in a.graph_outputs and all(
                 c is sq or c is norm for c in centred.outputs):
             yield sub
         yield from _forward_chain(a, norm.outputs[0], ("Mul", "Add", "Cast"), 3)
