@@ -20,7 +20,6 @@ MAX_ORIGINAL_NODES nodes) is reported as not checked.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -65,6 +64,15 @@ def _value_types(*models: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return types
 
 
+def _input_info(name: str, types, dims):
+    """A region input's ValueInfo at `dims`, or why it cannot be fed."""
+    t = types.get(name)
+    if t is None or not _has_shape(t):
+        return f"input '{name}' has no known type and shape"
+    shape = input_shape(helper.make_value_info(name, t), dims)
+    return helper.make_tensor_value_info(name, t.tensor_type.elem_type, list(shape))
+
+
 def _has_shape(t: onnx.TypeProto) -> bool:
     return t.tensor_type.HasField("shape") and t.tensor_type.elem_type != 0
 
@@ -92,11 +100,10 @@ def region_model(optimized: onnx.ModelProto, node: onnx.NodeProto, types: Mappin
         elif name in constant_nodes:
             nodes.append(constant_nodes[name])
         else:
-            t = types.get(name)
-            if t is None or not _has_shape(t):
-                return f"input '{name}' has no known type and shape"
-            shape = input_shape(helper.make_value_info(name, t), dims)
-            inputs.append(helper.make_tensor_value_info(name, t.tensor_type.elem_type, list(shape)))
+            info = _input_info(name, types, dims)
+            if isinstance(info, str):
+                return info
+            inputs.append(info)
     outputs = []
     for name in node.output:
         if not name:
@@ -221,11 +228,10 @@ def _rewrite_models(original, optimized, rewrite: Rewrite, types, dims):
     """(the original's nodes as a model, the rewrite's nodes as a model), or why not."""
     inputs = []
     for name in rewrite.inputs:
-        t = types.get(name)
-        if t is None or not _has_shape(t):
-            return f"input '{name}' has no known type and shape"
-        shape = input_shape(helper.make_value_info(name, t), dims)
-        inputs.append(helper.make_tensor_value_info(name, t.tensor_type.elem_type, list(shape)))
+        info = _input_info(name, types, dims)
+        if isinstance(info, str):
+            return info
+        inputs.append(info)
     outputs = []
     for name in rewrite.outputs:
         t = types.get(name)
