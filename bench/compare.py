@@ -135,7 +135,7 @@ def _short_path(filename: str) -> str:
 def worker(job: dict) -> dict:
     import onnx
 
-    from onnxfuse.modelio import save_model
+    from onnxfuse.modelsave import save_model
 
     tool = job["tool"]
     _import_tool(tool)
@@ -250,7 +250,7 @@ def interleaved_latency(sessions: dict, feeds: dict, rounds: int, min_rounds: in
 
 
 def _check_outputs(original, expected, actual) -> str | None:
-    from onnxfuse.verify import compare_output
+    from onnxfuse.compare import compare_output
 
     if len(actual) != len(expected):
         return f"{len(actual)} outputs instead of {len(expected)}"
@@ -266,9 +266,9 @@ def bench_model(name: str, path: Path, dims: dict, settings: list[Setting], tool
     """Every variant of one model: optimize, check, count kernels, time."""
     import onnx
 
-    from onnxfuse.modelio import ort_error_text
+    from onnxfuse.environment import ort_error_text
     from onnxfuse.profile import open_session, profiled_run
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     original = onnx.load(str(path), load_external_data=False)
     entry = {"model": name, "nodes": len(original.graph.node), "dims": dict(dims), "variants": {}}

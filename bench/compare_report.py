@@ -307,7 +307,7 @@ def render_chart(results: dict, path: Path) -> None:
 
 
 def write_outputs(results: dict, out: Path, json_path: Path, chart: Path | None) -> None:
-    from onnxfuse.modelio import write_text_atomic
+    from onnxfuse.modelsave import write_text_atomic
 
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,10 +19,10 @@ import onnx
 
 from bench import harness
 from onnxfuse import api
-from onnxfuse.modelio import normalize
+from onnxfuse.normalize import normalize
 from onnxfuse.zoo import resolve_input
 from onnxfuse.profile import compare, open_session
-from onnxfuse.verify import random_inputs
+from onnxfuse.inputs import random_inputs
 
 CNNS = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50", "shufflenet", "squeezenet",
         "vgg19", "zfnet512", "mobilenetv3"]

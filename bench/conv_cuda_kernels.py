@@ -20,7 +20,7 @@ from onnxfuse.cuda.compile import compiler_version, find_nvcc
 from onnxfuse.cuda.conv_codegen import generate
 from onnxfuse.cuda.conv_plan import Epilogue, clusters_supported, heuristic_tile, tensor_cores_supported
 from onnxfuse.cuda.conv_tune import ptxas_check
-from onnxfuse.modelio import normalize
+from onnxfuse.normalize import normalize
 from onnxfuse.zoo import resolve_input
 from onnxfuse.passes.conv_bias_act import conv_layers
 

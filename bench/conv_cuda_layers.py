@@ -124,7 +124,7 @@ def compact_epilogue(e) -> str:
 
 
 def distinct_layers(models):
-    from onnxfuse.modelio import normalize
+    from onnxfuse.normalize import normalize
     from onnxfuse.zoo import resolve_input
     from onnxfuse.passes.conv_bias_act import conv_layers
 

@@ -124,7 +124,7 @@ def bench_model(zm, threads_list: list[int], budget_s: float) -> dict:
     """Kernels and interleaved latency of every tool's output for one corpus model."""
     from onnxfuse.profile import count_kernels
     from onnxfuse.runtime import open_session
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     original = zm.load()
     feeds = random_inputs(original, zm.dims, seed=0)

@@ -139,7 +139,7 @@ class Bound:
 def bench_case(ort, label, name, dims, runs, warmup, arch, conv_policy=None, split_k=False,
                tensor_cores=False, attention=False) -> Row:
     from onnxfuse import api, zoo
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     zm = zoo.get(name)
     row = Row(label, name, dims or dict(zm.dims))

@@ -54,7 +54,7 @@ def profile(ort, model, library: bool, feeds, runs: int) -> dict:
 @click.option("--env", default=None, help="a markdown file describing the machine, put above the tables")
 def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int | None:
     from onnxfuse import api, zoo
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     ort, arch = cuda_onnxruntime()
     lines = stamp.header("Host-side cost per node on the CUDA provider")

@@ -25,7 +25,7 @@ from bench import harness
 from onnxfuse import api
 from onnxfuse.pipeline import select_passes
 from onnxfuse.profile import count_kernels, open_session
-from onnxfuse.verify import random_inputs
+from onnxfuse.inputs import random_inputs
 
 RULES = """## Rules these figures back
 

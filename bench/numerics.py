@@ -67,7 +67,7 @@ def as_float64(model):
 def measure(name: str, seeds: int) -> dict:
     from onnxfuse import api, zoo
     from onnxfuse.runtime import make_session
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     zm = zoo.get(name)
     result = api.optimize(zm.uri, verify_outputs=False, count_kernels=False)

@@ -43,7 +43,7 @@ def kernels(model: onnx.ModelProto) -> int | str:
 
 def latency_ratio(original: onnx.ModelProto, model: onnx.ModelProto, budget: float) -> float | None:
     from onnxfuse import runtime
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     feeds = random_inputs(original, {}, 0)
     a = runtime.make_session(original, threads=1)

@@ -91,7 +91,7 @@ def cli(readme: Path, json_path: Path, chart: Path, results: Path, check: bool) 
     if args.check:
         print(f"{args.readme}: benchmark section out of date; run python -m bench.readme_section", file=sys.stderr)
         return 1
-    from onnxfuse.modelio import write_text_atomic
+    from onnxfuse.modelsave import write_text_atomic
 
     write_text_atomic(args.readme, new)
     print(f"rewrote the benchmark section of {args.readme}", file=sys.stderr)

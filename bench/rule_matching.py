@@ -139,7 +139,7 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     import onnx
 
     from onnxfuse import zoo
-    from onnxfuse.modelio import normalize
+    from onnxfuse.normalize import normalize
 
     before = _import_tree(args.tree) if args.tree else None
     models = [(m.uri, normalize(zoo.resolve_input(m.uri)).model) for m in zoo.list_models()]

@@ -80,7 +80,7 @@ def timed_rounds(sess_a, sess_b, feeds, threads: int, budget_s: float, sample_ms
 def bench_model(zm, threads_list: list[int], args, log) -> dict:
     from onnxfuse import api, runtime
     from onnxfuse.profile import needs_library, open_session
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     original = zm.load()
     t0 = time.perf_counter()

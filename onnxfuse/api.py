@@ -17,9 +17,12 @@ from typing import Callable, Mapping, Sequence
 import onnx
 
 from .fused import DOMAIN
-from .modelio import InputError, LoadedModel, normalize, parse_model, check_model, save_model
+from .modelio import InputError, LoadedModel, check_model, parse_model
+from .modelsave import save_model
+from .normalize import normalize
 from .pipeline import TARGETS, Context, PassOptions, PassStats, run_passes, select_passes
-from .verify import Verification, VerificationError, check_dims, choose_mode, effective_dims, verify
+from .inputs import check_dims, effective_dims
+from .verify import Verification, VerificationError, choose_mode, verify
 from .zoo import ZooModel, resolve_input
 
 
@@ -228,47 +231,33 @@ def _too_large_to_count(original, optimized) -> str | None:
 
 
 def _count_before_after(original, optimized, label, dims, seed, threads):
-    from .weights import has_references
+    from .ortfiles import runtime_sources
 
-    if not (has_references(original) or has_references(optimized)):
-        return _count_models(original, optimized, label, dims, seed, threads)
-    import shutil
-
-    from .weights import RuntimeFiles, runtime_directory
-
-    directory = runtime_directory()
-    files = RuntimeFiles(directory)
-    try:
-        original_file, optimized_file = files.write(original, "original.onnx"), files.write(optimized, "optimized.onnx")
-        files.close()
-        return _count_models(original, optimized, label, dims, seed, threads, original_file, optimized_file)
-    finally:
-        files.close()
-        shutil.rmtree(directory, ignore_errors=True)
+    # weights held by reference go through model files; inline ones are serialized as they are
+    with runtime_sources([original, optimized], share_weights=False) as (original_source, optimized_source):
+        return _count_models(original, optimized, label, dims, seed, threads, original_source, optimized_source)
 
 
-def _count_models(original, optimized, label, dims, seed, threads, original_source=None, optimized_source=None):
+def _count_models(original, optimized, label, dims, seed, threads, original_source, optimized_source):
     """Kernel profiles of both models on the CPU provider (ORT_ENABLE_ALL). The original not
     running is bad input; the optimized one not running (unverified) is reported in the note."""
-    from .modelio import ort_error_text
+    from .environment import ort_error_text
     from .profile import kernel_profile
     from .runtime import LibraryError
-    from .verify import UnfeedableInputError, random_inputs
+    from .inputs import UnfeedableInputError, random_inputs
 
     try:
         random_inputs(original, dims, seed)
     except UnfeedableInputError as e:  # e.g. sequence inputs: nothing to count with, but nothing wrong
         return None, None, f"kernels not counted: {e}"
     try:
-        before = kernel_profile(original if original_source is None else original_source, dims=dims, seed=seed,
-                                threads=threads)
+        before = kernel_profile(original_source, dims=dims, seed=seed, threads=threads)
     except (InputError, LibraryError):
         raise
     except Exception as e:  # onnxruntime's exception types
         raise InputError(f"{label}: onnxruntime cannot run it: {ort_error_text(e)}") from None
     try:
-        return before, kernel_profile(optimized if optimized_source is None else optimized_source, dims=dims,
-                                      seed=seed, threads=threads), None
+        return before, kernel_profile(optimized_source, dims=dims, seed=seed, threads=threads), None
     except (InputError, LibraryError):
         raise
     except Exception as e:  # onnxruntime's exception types
@@ -284,7 +273,7 @@ def optimize_for_baseline(model: ZooModel) -> OptimizeResult:
 
 
 def save(model: onnx.ModelProto, path: str) -> list[str]:
-    """Write a model atomically with an IR version onnxruntime accepts (see modelio.save_model)."""
+    """Write a model atomically with an IR version onnxruntime accepts (see modelsave.save_model)."""
     return save_model(model, path)
 
 

@@ -255,7 +255,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     an existing OUT is never left half-written.
     """
     from . import api
-    from .modelio import check_writable, save_model, write_text_atomic
+    from .modelsave import check_writable, save_model, write_text_atomic
     from .verify import VerificationError
 
     if arch is not None and target != "cuda":
@@ -398,7 +398,7 @@ def _regions_text(v: dict) -> str:
 
 
 def _saved_ir(model) -> int:
-    from .modelio import output_ir_version
+    from .modelsave import output_ir_version
 
     return output_ir_version(model)
 
@@ -484,9 +484,9 @@ def profile(model_a, model_b, provider, threads, runs, warmup, profile_runs, lev
     timed interleaved. MODEL may be zoo:NAME. The onnxfuse library is loaded for models that
     hold fused ops.
     """
-    from .modelio import normalize
+    from .normalize import normalize
     from .profile import profile_models, ratios
-    from .verify import check_dims, effective_dims
+    from .inputs import check_dims, effective_dims
     from .zoo import resolve_input
 
     loaded = [normalize(resolve_input(m)) for m in [model_a, model_b] if m is not None]
@@ -518,7 +518,7 @@ def profile(model_a, model_b, provider, threads, runs, warmup, profile_runs, lev
 
 def _run_or_input_error(fn, loaded):
     """onnxruntime failing to load or run a user's model is bad input (exit 2)."""
-    from .modelio import ort_error_text
+    from .environment import ort_error_text
     from .runtime import LibraryError
 
     try:

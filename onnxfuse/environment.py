@@ -9,9 +9,14 @@ imported whole, which is how a GPU host shadows a CPU build.)
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from dataclasses import dataclass
+
+import onnx
+from onnx import helper
 
 ONNXRUNTIME_WHEELS = ("onnxruntime", "onnxruntime-gpu")
 CHOOSE_HINT = "pip install 'onnxfuse[cpu]' (or 'onnxfuse[gpu]' for CUDA)"
@@ -75,3 +80,67 @@ def library_info(path: str) -> dict:
     entry = lib.OnnxfuseLibraryInfo
     entry.restype = ctypes.c_char_p
     return json.loads(entry().decode("utf-8"))
+
+
+# --------------------------------------------------------------------------- what it loads
+
+
+def probe_model(ir_version: int, opset: int) -> bytes:
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    return model.SerializeToString()
+
+
+def _ort_accepts(ir_version: int, opset: int) -> bool:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(probe_model(ir_version, opset), sess_options=so, providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime raises its own exception types
+        return False
+    return True
+
+
+def _highest_accepted(low: int, high: int, accepts) -> int:
+    """The largest v in [low, high] with accepts(v), assuming acceptance is monotone."""
+    if not accepts(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if accepts(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+@functools.lru_cache(maxsize=None)
+def ort_max_ir_version() -> int:
+    """The newest ONNX IR version the installed onnxruntime loads (probed once: tables by
+    version go stale, a probe does not)."""
+    return _highest_accepted(7, max(onnx.IR_VERSION, 7) + 4, lambda ir: _ort_accepts(ir, 9))
+
+
+@functools.lru_cache(maxsize=None)
+def ort_max_opset() -> int:
+    """The newest ai.onnx opset the installed onnxruntime runs (probed once)."""
+    ir = ort_max_ir_version()
+    return _highest_accepted(7, onnx.defs.onnx_opset_version() + 4, lambda v: _ort_accepts(ir, v))
+
+
+def ort_error_text(exc: BaseException) -> str:
+    """onnxruntime's message without its status prefix and C++ source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"^/\S+:\d+ \S+?\(.*?\) ", "", text)
+    text = re.sub(r"^/\S+:\d+ ", "", text)
+    return text

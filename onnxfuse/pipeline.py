@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
 from .graph.core import cleanup, constants_as_initializers, export_model, toposort
-from .modelio import keep_model_fields
+from .modelfields import keep_model_fields
 from .weights import attach_graph, release_graph
 
 TARGETS = ("cpu", "cuda")

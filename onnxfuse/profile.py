@@ -27,7 +27,7 @@ from .runtime import (  # noqa: F401
     profiled_run,
     summarize_events,
 )
-from .verify import UnfeedableInputError, random_inputs  # noqa: F401
+from .inputs import UnfeedableInputError, random_inputs
 
 
 @dataclass

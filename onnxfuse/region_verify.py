@@ -28,8 +28,11 @@ import onnx
 from onnx import helper
 
 from .fused import DOMAIN
-from .modelio import InputError, ort_error_text
-from .verify import OutputCheck, UnfeedableInputError, Verification, compare_output, input_shape, random_inputs
+from .environment import ort_error_text
+from .modelio import InputError
+from .compare import OutputCheck, compare_output
+from .inputs import UnfeedableInputError, input_shape, random_inputs
+from .verify import Verification
 
 
 @dataclass
@@ -261,7 +264,7 @@ def verify_regions(
     against the original subgraph it replaced (see the module text); the result's `regions`
     hold one RegionCheck for each."""
     from .runtime import LibraryError, needs_library, open_session
-    from .weights import RuntimeFiles, runtime_directory
+    from .ortfiles import RuntimeFiles, runtime_directory
 
     dims = dict(dims or {})
     types = _value_types(optimized, original)

@@ -1,7 +1,7 @@
 """onnxruntime for the rest of onnxfuse: finding and registering the native custom-op library,
 sessions, and runs under onnxruntime's profiler (what one inference executed).
 
-This is the bottom layer with modelio: verify, profile and zoo build on it, never the reverse.
+This is the bottom layer with the io modules (modelio, modelsave, ...): verify, profile and zoo build on it, never the reverse.
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import contextlib
 import glob
 import json
 import os
-import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -254,20 +253,14 @@ def _session_source(model: onnx.ModelProto | bytes | str, provider: str = "cpu")
     as a file beside links to its data files for the session to load (onnxruntime refuses the
     absolute locations in memory), removed again once the session is made (it keeps the
     weights it mapped)."""
-    from .weights import RuntimeFiles, has_references, runtime_directory
+    from .ortfiles import runtime_sources
+    from .weights import has_references
 
     if not (isinstance(model, onnx.ModelProto) and has_references(model)):
         yield _model_bytes(model, provider)
         return
-    directory = runtime_directory()
-    files = RuntimeFiles(directory)
-    try:
-        path = files.write(model, "model.onnx")
-        files.close()
+    with runtime_sources([model]) as (path,):
         yield path, needs_library(model, provider)
-    finally:
-        files.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _model_bytes(model: onnx.ModelProto | bytes | str, provider: str = "cpu") -> tuple[bytes | str, bool]:
@@ -323,14 +316,14 @@ def cuda_usable() -> bool:
     if _cuda_usable is None:
         import onnxruntime as ort
 
-        from .modelio import _probe_model, ort_max_ir_version
+        from .environment import ort_max_ir_version, probe_model
 
         _cuda_usable = False
         if "CUDAExecutionProvider" in ort.get_available_providers():
             so = ort.SessionOptions()
             so.log_severity_level = 4
             try:
-                sess = ort.InferenceSession(_probe_model(ort_max_ir_version(), 13), sess_options=so,
+                sess = ort.InferenceSession(probe_model(ort_max_ir_version(), 13), sess_options=so,
                                             providers=PROVIDERS["cuda"])
                 _cuda_usable = "CUDAExecutionProvider" in sess.get_providers()
             except Exception:  # onnxruntime's exception types: no usable CUDA

@@ -1,48 +1,24 @@
 """Checking an optimized model against its original in onnxruntime on seeded random inputs.
 
-Both models run on the same inputs, drawn from a seeded generator with the declared shapes
-(symbolic dimensions from `dims`, default 1); every output is compared with a tolerance that
-depends on its element type. The optimized model runs with our custom-op library when it holds
-fused ops, and once more without it, so the fallback functions are checked too.
+Both models run on the same inputs (inputs.py: drawn from a seeded generator with the declared
+shapes, symbolic dimensions from `dims`, default 1); every output is compared with a tolerance
+that depends on its element type (compare.py). The optimized model runs with our custom-op
+library when it holds fused ops, and once more without it, so the fallback functions are
+checked too. A model too large to run whole is checked region by region instead
+(region_verify.py; `choose_mode` decides).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 import onnx
 
-from .modelio import InputError, ort_error_text
-
-DEFAULT_DIM = 1
-
-# (atol, rtol) by output element type. A fused kernel computes a chain in one pass (in f32 for
-# f16/bf16 chains, where onnxruntime rounds after every op) and may use other approximations of
-# exp/tanh than onnxruntime's, so floats get a few units in the last place per op of slack.
-TOLERANCES: dict[int, tuple[float, float]] = {
-    onnx.TensorProto.DOUBLE: (1e-9, 1e-6),
-    onnx.TensorProto.FLOAT: (1e-4, 1e-3),
-    onnx.TensorProto.FLOAT16: (1e-2, 1e-2),
-    onnx.TensorProto.BFLOAT16: (5e-2, 5e-2),
-}
-EXACT = (0.0, 0.0)
-
-# Ops whose input at the given position holds indices into another input's axis: a random
-# integer input feeding them is drawn within that axis' size.
-_INDEX_INPUTS = {
-    "Gather": (1, 0, "axis", 0),
-    "GatherElements": (1, 0, "axis", 0),
-    "GatherND": (1, 0, None, 0),
-    "ScatterElements": (1, 0, "axis", 0),
-    "ScatterND": (1, 0, None, 0),
-    "OneHot": (0, None, None, None),
-}
-DEFAULT_INT_HIGH = 4  # integers of unknown use: small non-negative values (counts, ids, flags)
-
-
-class UnfeedableInputError(InputError):
-    """A graph input random data cannot be made for (not a tensor, no numpy type)."""
+from .compare import OutputCheck, compare_output
+from .environment import ort_error_text
+from .inputs import UnfeedableInputError, random_inputs, special_inputs
+from .modelio import InputError
 
 
 class VerificationError(Exception):
@@ -51,278 +27,6 @@ class VerificationError(Exception):
     def __init__(self, message: str, result: "Verification | None" = None):
         super().__init__(message)
         self.result = result
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def symbolic_dims(model: onnx.ModelProto) -> list[str]:
-    names: list[str] = []
-    initializers = {t.name for t in model.graph.initializer}
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        for d in value.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param not in names:
-                names.append(d.dim_param)
-    return names
-
-
-def input_shape(value: onnx.ValueInfoProto, dims: Mapping[str, int]) -> tuple[int, ...]:
-    shape = []
-    for d in value.type.tensor_type.shape.dim:
-        if d.HasField("dim_value"):
-            shape.append(d.dim_value)
-        elif d.HasField("dim_param"):
-            shape.append(int(dims.get(d.dim_param, DEFAULT_DIM)))
-        else:
-            shape.append(DEFAULT_DIM)
-    return tuple(shape)
-
-
-def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    shapes: dict[str, list[int | None]] = {}
-    for t in model.graph.initializer:
-        shapes[t.name] = list(t.dims)
-    for v in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
-        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
-            shapes.setdefault(
-                v.name, [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            )
-    return shapes
-
-
-def _int_bounds(model: onnx.ModelProto, name: str) -> tuple[int, int]:
-    """[low, high) for a random integer input: within the indexed axis when the input is used
-    as indices (Gather & co.), else small non-negative values."""
-    shapes = None
-    high = None
-    for node in model.graph.node:
-        spec = _INDEX_INPUTS.get(node.op_type)
-        if spec is None:
-            continue
-        index_pos, data_pos, axis_attr, default_axis = spec
-        if index_pos >= len(node.input) or node.input[index_pos] != name:
-            continue
-        if node.op_type == "OneHot":
-            bound = None
-            depth = next((t for t in model.graph.initializer if len(node.input) > 1 and t.name == node.input[1]), None)
-            if depth is not None:
-                bound = int(onnx.numpy_helper.to_array(depth).reshape(-1)[0])
-        else:
-            if shapes is None:
-                shapes = _static_shapes(model)
-            data_shape = shapes.get(node.input[data_pos])
-            axis = default_axis
-            for a in node.attribute:
-                if axis_attr and a.name == axis_attr:
-                    axis = a.i
-            bound = None
-            if data_shape:
-                axis = axis + len(data_shape) if axis < 0 else axis
-                if 0 <= axis < len(data_shape):
-                    bound = data_shape[axis]
-        if bound:
-            high = bound if high is None else min(high, bound)
-    if high is None:
-        return 0, DEFAULT_INT_HIGH
-    return 0, max(1, high)
-
-
-# Random inputs beyond this many elements (4 GiB of float32) would exhaust memory or take minutes.
-MAX_RANDOM_INPUT_ELEMENTS = 2**30
-
-
-def random_inputs(model: onnx.ModelProto, dims: Mapping[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded random feeds for every graph input (initializers excluded), of the declared shapes."""
-    dims = dict(dims or {})
-    rng = np.random.default_rng(seed)
-    initializers = {t.name for t in model.graph.initializer}
-    feeds: dict[str, np.ndarray] = {}
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        if not value.type.HasField("tensor_type"):
-            kind = value.type.WhichOneof("value") or "untyped"
-            raise UnfeedableInputError(f"input '{value.name}' is a {kind.replace('_type', '')} value; only tensor inputs can be"
-                             " fed random data")
-        elem = value.type.tensor_type.elem_type
-        shape = input_shape(value, dims)
-        if any(d < 0 for d in shape):
-            raise UnfeedableInputError(f"input '{value.name}' has a negative dimension {list(shape)}")
-        if int(np.prod(shape, dtype=object)) > MAX_RANDOM_INPUT_ELEMENTS:
-            raise UnfeedableInputError(
-                f"input '{value.name}' of shape {list(shape)} is too large to feed random data"
-                f" (more than {MAX_RANDOM_INPUT_ELEMENTS} elements)")
-        if elem == onnx.TensorProto.STRING:
-            feeds[value.name] = rng.choice(np.array(["a", "b", "c"], dtype=object), size=shape)
-            continue
-        try:
-            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
-        except Exception:  # onnx raises KeyError/ValueError for types without a numpy equivalent
-            dtype = None
-        if dtype is None or elem in (onnx.TensorProto.BFLOAT16,) or dtype.kind == "V":
-            name = onnx.TensorProto.DataType.Name(elem)
-            raise UnfeedableInputError(f"input '{value.name}' has element type {name}, which cannot be fed from numpy")
-        if dtype.kind == "f":
-            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "c":
-            feeds[value.name] = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[value.name] = rng.random(shape) < 0.5
-        elif dtype.kind in "iu":
-            low, high = _int_bounds(model, value.name)
-            feeds[value.name] = rng.integers(low, high, size=shape).astype(dtype)
-        else:
-            raise UnfeedableInputError(f"input '{value.name}' has element type {dtype}, which cannot be fed random data")
-    return feeds
-
-
-# Special values the verification's second run puts at a few positions of every float input.
-# Not the type's largest values: summed in another order (a fused GEMM, a blocked reduction),
-# products near the top of the range overflow in one model and not in the other, correctly.
-SPECIAL_POSITIONS = 4
-
-
-def special_values(dtype: np.dtype) -> np.ndarray:
-    """+-0, +-inf, NaN, +-smallest normal and +-smallest subnormal of a float type."""
-    fi = np.finfo(dtype)
-    return np.array([0.0, -0.0, np.inf, -np.inf, np.nan, fi.tiny, -fi.tiny, fi.smallest_subnormal,
-                     -fi.smallest_subnormal], dtype)
-
-
-def special_inputs(feeds: Mapping[str, np.ndarray], seed: int = 0) -> tuple[dict[str, np.ndarray], int]:
-    """(a copy of `feeds` with special values at up to SPECIAL_POSITIONS positions of each real
-    float input, the number of positions salted); deterministic in the seed."""
-    rng = np.random.default_rng([seed, 0x5A17])
-    salted: dict[str, np.ndarray] = {}
-    count = 0
-    for name, arr in feeds.items():
-        arr = np.asarray(arr)
-        if arr.dtype.kind != "f" or arr.size == 0:
-            salted[name] = arr
-            continue
-        arr = np.array(arr)
-        flat = arr.reshape(-1)
-        idx = rng.choice(flat.size, size=min(flat.size, SPECIAL_POSITIONS), replace=False)
-        flat[idx] = rng.choice(special_values(arr.dtype), size=len(idx))
-        salted[name] = arr
-        count += len(idx)
-    return salted, count
-
-
-def effective_dims(models: Sequence[onnx.ModelProto], dims: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Every symbolic input dimension of the models with the value it gets (given, else 1)."""
-    dims = dict(dims or {})
-    out: dict[str, int] = {}
-    for m in models:
-        for name in symbolic_dims(m):
-            out.setdefault(name, int(dims.get(name, DEFAULT_DIM)))
-    return out
-
-
-def check_dims(dims: Mapping[str, int], models: Sequence[onnx.ModelProto], label: str = "--dim") -> None:
-    """A --dim naming no symbolic dimension of any model is a typo, not a no-op."""
-    known: list[str] = []
-    for m in models:
-        known += [d for d in symbolic_dims(m) if d not in known]
-    for name in dims:
-        if name not in known:
-            has = f"it has: {', '.join(known)}" if known else "it has none"
-            raise InputError(f"{label} {name}={dims[name]}: no input has a symbolic dimension '{name}' ({has})")
-
-
-# --------------------------------------------------------------------------- comparing
-
-
-@dataclass
-class OutputCheck:
-    name: str
-    dtype: str
-    shape: tuple
-    max_abs: float = 0.0
-    max_rel: float = 0.0  # max |a - b| / (|b| + atol)
-    # max |a - b| / max |b|: the error relative to the output's scale (infinity norm), which,
-    # unlike max_rel, does not grow without bound where an element crosses zero.
-    norm_rel: float = 0.0
-    atol: float = 0.0
-    rtol: float = 0.0
-    mismatched: int = 0  # elements outside the tolerance
-    problem: str | None = None  # shape/type/NaN mismatch, or the tolerance exceeded
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None
-
-    def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "max_abs": self.max_abs,
-            "max_rel": self.max_rel,
-            "norm_rel": self.norm_rel,
-            "atol": self.atol,
-            "rtol": self.rtol,
-            "mismatched": self.mismatched,
-            "ok": self.ok,
-            "problem": self.problem,
-        }
-
-
-def compare_output(name: str, elem_type: int, expected: np.ndarray, actual: np.ndarray) -> OutputCheck:
-    expected = np.asarray(expected)
-    actual = np.asarray(actual)
-    atol, rtol = TOLERANCES.get(elem_type, EXACT)
-    check = OutputCheck(name, str(expected.dtype), tuple(expected.shape), atol=atol, rtol=rtol)
-    if expected.shape != actual.shape:
-        check.problem = f"shape {tuple(actual.shape)} instead of {tuple(expected.shape)}"
-        return check
-    if expected.dtype != actual.dtype:
-        check.problem = f"element type {actual.dtype} instead of {expected.dtype}"
-        return check
-    if expected.size == 0:
-        return check
-    if expected.dtype.kind not in "fc":
-        bad = expected != actual
-        check.mismatched = int(np.count_nonzero(bad))
-        if expected.dtype.kind in "iub":
-            diff = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
-            check.max_abs = float(diff.max())
-            check.max_rel = float((diff / (np.abs(expected.astype(np.float64)) + 1)).max())
-        if check.mismatched:
-            check.problem = f"{check.mismatched} of {expected.size} values differ (exact match required)"
-        return check
-    e = expected.astype(np.complex128 if expected.dtype.kind == "c" else np.float64)
-    a = actual.astype(e.dtype)
-    nan_e, nan_a = np.isnan(e), np.isnan(a)
-    if np.any(nan_e != nan_a):
-        count = int(np.count_nonzero(nan_e != nan_a))
-        check.mismatched = count
-        check.problem = f"NaN at {count} positions where the other model has a number"
-        return check
-    finite = ~nan_e
-    inf_e, inf_a = np.isinf(e) & finite, np.isinf(a) & finite
-    if np.any(inf_e != inf_a) or np.any(e[inf_e] != a[inf_e]):
-        count = int(np.count_nonzero((inf_e != inf_a) | (inf_e & (e != a))))
-        check.mismatched = count
-        check.problem = f"infinity at {count} positions that differ between the models"
-        return check
-    both = finite & ~inf_e
-    diff = np.abs(a[both] - e[both])
-    if diff.size:
-        check.max_abs = float(diff.max())
-        check.max_rel = float((diff / (np.abs(e[both]) + max(atol, np.finfo(np.float64).tiny))).max())
-        scale = float(np.abs(e[both]).max())
-        check.norm_rel = check.max_abs / scale if scale > 0 else (0.0 if check.max_abs == 0 else float("inf"))
-        bad = diff > atol + rtol * np.abs(e[both])
-        check.mismatched = int(np.count_nonzero(bad))
-    if check.mismatched:
-        check.problem = (
-            f"{check.mismatched} of {expected.size} values outside atol={atol:g} rtol={rtol:g}"
-            f" (max abs error {check.max_abs:.3g}, max rel error {check.max_rel:.3g})"
-        )
-    return check
 
 
 # --------------------------------------------------------------------------- verifying
@@ -456,114 +160,6 @@ def _output_types(model: onnx.ModelProto) -> list[int]:
     return [o.type.tensor_type.elem_type if o.type.HasField("tensor_type") else 0 for o in model.graph.output]
 
 
-# Models with at least this many bytes of initializer data reach onnxruntime as model files
-# with their weights in one external data file (written once for both models: the weights
-# the optimized model did not change are stored once). Handing onnxruntime a ModelProto
-# serializes it (weights included) for every session, which for GPT-2 small's 500 MB was
-# most of the verification time; from a file, onnxruntime maps the aligned weights in.
-EXTERNAL_DATA_MIN_BYTES = 64 << 20
-_DATA_FILE = "weights.bin"
-_ALIGN = 4096
-
-
-def _initializer_bytes(t: onnx.TensorProto) -> int:
-    """The bytes of an initializer's data by its type and dims, without reading the data."""
-    if not t.HasField("raw_data"):
-        return 0
-    count = 1
-    for d in t.dims:
-        count *= d
-    try:
-        return count * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    except Exception:  # packed or exotic types stay inline
-        return 0
-
-
-def _scratch_directory(size: int) -> str | None:
-    """Where the model files for onnxruntime go: a memory file system (/dev/shm) when it has
-    room for twice `size` bytes, else the temporary directory. Writing to disk cost 2.8 s for
-    GPT-2 small's weights here, to /dev/shm 0.45 s."""
-    import os
-
-    shm = "/dev/shm"
-    try:
-        st = os.statvfs(shm)
-    except OSError:
-        return None
-    if not os.access(shm, os.W_OK | os.X_OK) or st.f_bavail * st.f_frsize < 2 * size:
-        return None
-    return shm
-
-
-def _large_weights(model: onnx.ModelProto) -> int:
-    return sum(_initializer_bytes(t) for t in model.graph.initializer)
-
-
-class _SharedWeights:
-    """One external data file for several models: identical initializers are stored once."""
-
-    def __init__(self, directory: str) -> None:
-        import os
-
-        self.directory = directory
-        self.file = open(os.path.join(directory, _DATA_FILE), "wb")
-        self.offset = 0
-        self.stored: dict[tuple, list[tuple[bytes, int]]] = {}
-
-    def place(self, t: onnx.TensorProto) -> tuple[int, int]:
-        """(offset, length) of `t`'s data in the file (written there unless an identical
-        tensor's data was)."""
-        data = t.raw_data
-        key = (t.data_type, tuple(t.dims), len(data))
-        for other, offset in self.stored.get(key, ()):
-            if other == data:
-                return offset, len(data)
-        pad = (-self.offset) % _ALIGN
-        self.file.write(b"\0" * pad)
-        offset = self.offset + pad
-        self.file.write(data)
-        self.offset = offset + len(data)
-        self.stored.setdefault(key, []).append((data, offset))
-        return offset, len(data)
-
-    def write_model(self, model: onnx.ModelProto, name: str) -> str:
-        """Save `model` under `name` with its large initializers in the shared data file."""
-        import os
-
-        from .modelio import EXTERNAL_TENSOR_MIN_BYTES, _copy_fields
-
-        light = onnx.ModelProto()
-        _copy_fields(model, light, skip="graph")
-        _copy_fields(model.graph, light.graph, skip="initializer")
-        for t in model.graph.initializer:
-            if _initializer_bytes(t) < EXTERNAL_TENSOR_MIN_BYTES:
-                light.graph.initializer.append(t)
-                continue
-            offset, size = self.place(t)
-            moved = light.graph.initializer.add()
-            # Field by field: ListFields/CopyFrom would copy the data too.
-            moved.name = t.name
-            moved.data_type = t.data_type
-            moved.dims.extend(t.dims)
-            if t.HasField("doc_string"):
-                moved.doc_string = t.doc_string
-            if t.HasField("segment"):
-                moved.segment.CopyFrom(t.segment)
-            moved.metadata_props.extend(t.metadata_props)
-            moved.data_location = onnx.TensorProto.EXTERNAL
-            for key, value in (("location", _DATA_FILE), ("offset", str(offset)), ("length", str(size))):
-                entry = moved.external_data.add()
-                entry.key, entry.value = key, value
-        path = os.path.join(self.directory, name)
-        with open(path, "wb") as f:
-            f.write(light.SerializeToString())
-        return path
-
-    def close(self) -> None:
-        self.file.close()
-        self.stored.clear()
-
-
 def verify(
     original: onnx.ModelProto,
     optimized: onnx.ModelProto,
@@ -585,46 +181,11 @@ def verify(
         feeds = random_inputs(original, dims, seed)
     except UnfeedableInputError as e:
         raise UnfeedableInputError(f"{original_label}: {e}; verification needs random inputs (--no-verify skips it)") from None
-    from .weights import has_references
+    from .ortfiles import runtime_sources
 
-    if has_references(original) or has_references(optimized):
-        return _verify_from_references(original, optimized, feeds, dims, seed, provider, threads, fallback,
-                                       original_label)
-    if max(_large_weights(original), _large_weights(optimized)) < EXTERNAL_DATA_MIN_BYTES:
-        return _verify(original, optimized, original, optimized, feeds, dims, seed, provider, threads, fallback,
-                       original_label)
-    import tempfile
-
-    size = _large_weights(original) + _large_weights(optimized)
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-verify-", dir=_scratch_directory(size)) as tmp:
-        weights = _SharedWeights(tmp)
-        try:
-            original_file = weights.write_model(original, "original.onnx")
-            optimized_file = weights.write_model(optimized, "optimized.onnx")
-        finally:
-            weights.close()
-        return _verify(original, optimized, original_file, optimized_file, feeds, dims, seed, provider, threads,
+    with runtime_sources([original, optimized]) as (original_source, optimized_source):
+        return _verify(original, optimized, original_source, optimized_source, feeds, dims, seed, provider, threads,
                        fallback, original_label)
-
-
-def _verify_from_references(original, optimized, feeds, dims, seed, provider, threads, fallback, original_label):
-    """verify() for models holding weights by reference (loaded with external data): onnxruntime
-    loads them from model files beside hard links to their data files, and maps the weights."""
-    import shutil
-
-    from .weights import RuntimeFiles, runtime_directory
-
-    directory = runtime_directory()
-    files = RuntimeFiles(directory)
-    try:
-        original_file = files.write(original, "original.onnx")
-        optimized_file = files.write(optimized, "optimized.onnx")
-        files.close()
-        return _verify(original, optimized, original_file, optimized_file, feeds, dims, seed, provider, threads,
-                       fallback, original_label)
-    finally:
-        files.close()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- choosing a mode

@@ -3,7 +3,7 @@
 A model loaded with external data keeps each such tensor as a reference (an EXTERNAL
 TensorProto whose location is the data file's absolute path, with offset and length) instead
 of reading the bytes into memory. Absolute locations exist only inside this process: every
-writer (modelio.save_model, the files made for onnxruntime) turns them back into relative ones.
+writer (modelsave.save_model, the files ortfiles.py makes for onnxruntime) turns them back into relative ones.
 
 - A pass that reads a weight's values gets a read-only numpy memmap of its file region
   (`ExternalValues`, graphsurgeon's lazy values for such tensors); `release_graph` drops the
@@ -117,32 +117,42 @@ def reference_tensor(name: str, data_type: int, dims, region: FileRegion) -> onn
     return t
 
 
+def _node_tensors(nodes) -> Iterator[onnx.TensorProto]:
+    for node in nodes:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from graph_tensors(attr.g)
+            for g in attr.graphs:
+                yield from graph_tensors(g)
+
+
+def graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto of a graph: initializers, Constant values and attribute tensors, in
+    subgraphs too."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    yield from _node_tensors(graph.node)
+
+
 def all_tensors(model: onnx.ModelProto, functions: bool = True) -> Iterator[onnx.TensorProto]:
-    """Every TensorProto of the model: initializers, Constant values and attribute tensors,
-    in subgraphs too, and in function bodies when `functions`."""
-
-    def of_nodes(nodes) -> Iterator[onnx.TensorProto]:
-        for node in nodes:
-            for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
-                if attr.HasField("g"):
-                    yield from of_graph(attr.g)
-                for g in attr.graphs:
-                    yield from of_graph(g)
-
-    def of_graph(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-        yield from graph.initializer
-        for sparse in graph.sparse_initializer:
-            yield sparse.values
-            yield sparse.indices
-        yield from of_nodes(graph.node)
-
-    yield from of_graph(model.graph)
+    """graph_tensors of the model's graph, and of its function bodies when `functions`."""
+    yield from graph_tensors(model.graph)
     if functions:
         for f in model.functions:
-            yield from of_nodes(f.node)
+            yield from _node_tensors(f.node)
+
+
+def inline_function_tensors(model: onnx.ModelProto) -> None:
+    """Read the tensors of function bodies (fallback bodies' Constant nodes) back inline: a
+    model file keeps those in the body, as onnx writes them."""
+    for f in model.functions:
+        for t in _node_tensors(f.node):
+            inline_tensor(t)
 
 
 def referenced_bytes(model: onnx.ModelProto) -> int:
@@ -293,6 +303,11 @@ def spill(array: np.ndarray) -> FileRegion:
     return _scratch.write(np.ascontiguousarray(array))
 
 
+def scratch_directory() -> str | None:
+    """The directory of the scratch file, once a weight was spilled there (else None)."""
+    return _scratch.directory
+
+
 # --------------------------------------------------------------------------- graphsurgeon
 
 
@@ -422,78 +437,3 @@ def export_reference(t: gs.Constant) -> onnx.TensorProto | None:
         region, data_type, dims = source
         return reference_tensor(t.name, data_type, dims, region)
     return None
-
-
-# --------------------------------------------------------------------------- onnxruntime files
-
-
-class RuntimeFiles:
-    """Model files onnxruntime can load for models holding weights by reference.
-
-    onnxruntime accepts external data only at relative locations inside the model file's
-    directory (no absolute paths, no symbolic links leading out of it), and from a file path
-    it maps the data instead of copying it. So each data file a model references gets a hard
-    link in `directory` (a copy of the regions used where linking is impossible, e.g. across
-    file systems), and the model is written there with relative locations. Data files are
-    shared by all models written to the same directory."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.linked: dict[str, str] = {}  # source path -> file name in directory
-        self.copied: dict[FileRegion, tuple[str, int]] = {}
-        self.copy_file = None
-
-    def _name_for(self, region: FileRegion) -> tuple[str, int]:
-        """(file name in directory, offset there) of a region's bytes."""
-        name = self.linked.get(region.path)
-        if name is None and region.path not in self.linked:
-            candidate = f"data{len(self.linked)}.bin"
-            try:
-                os.link(region.path, os.path.join(self.directory, candidate))
-                name = candidate
-            except OSError:
-                name = None
-            self.linked[region.path] = name
-        if name is not None:
-            return name, region.offset
-        if region not in self.copied:
-            if self.copy_file is None:
-                self.copy_file = open(os.path.join(self.directory, "copied.bin"), "wb")
-            pad = (-self.copy_file.tell()) % ALIGN
-            self.copy_file.write(b"\0" * pad)
-            offset = self.copy_file.tell()
-            copy_region(region, self.copy_file)
-            self.copy_file.flush()
-            self.copied[region] = ("copied.bin", offset)
-        return self.copied[region]
-
-    def write(self, model: onnx.ModelProto, name: str) -> str:
-        """Write `model` as `name` in the directory; returns its path."""
-        out = onnx.ModelProto()
-        out.CopyFrom(model)
-        for f in out.functions:
-            for node in f.node:
-                for attr in node.attribute:
-                    for t in ([attr.t] if attr.HasField("t") else []) + list(attr.tensors):
-                        inline_tensor(t)
-        for t in all_tensors(out, functions=False):
-            region = region_of(t)
-            if region is not None:
-                location, offset = self._name_for(region)
-                set_reference(t, location, offset, region.length)
-        path = os.path.join(self.directory, name)
-        with open(path, "wb") as f:
-            f.write(out.SerializeToString())
-        return path
-
-    def close(self) -> None:
-        if self.copy_file is not None:
-            self.copy_file.close()
-            self.copy_file = None
-
-
-def runtime_directory() -> str:
-    """A new temporary directory for RuntimeFiles, on the scratch file's file system when
-    there is one (so that its new weights can be linked, not copied)."""
-    base = os.path.dirname(_scratch.directory) if _scratch.directory else None
-    return tempfile.mkdtemp(prefix="onnxfuse-ort-", dir=base)

@@ -17,8 +17,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import SENTINEL, pointwise_chain_model, stderr_lines, use_only_passes
 from onnxfuse import pipeline
-from onnxfuse.modelio import load_model, ort_max_ir_version, save_model
-from onnxfuse.verify import random_inputs
+from onnxfuse.environment import ort_max_ir_version
+from onnxfuse.modelio import load_model
+from onnxfuse.modelsave import save_model
+from onnxfuse.inputs import random_inputs
 
 
 def run_plain(model, feeds):

@@ -38,7 +38,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA
 @functools.lru_cache(maxsize=None)
 def zoo_layers() -> tuple:
     """(model, node, ConvShape, Epilogue or None) of every Conv of the zoo CNNs, after BN folding."""
-    from onnxfuse.modelio import normalize
+    from onnxfuse.normalize import normalize
     from onnxfuse.zoo import resolve_input
     from onnxfuse.passes.conv_bias_act import conv_layers
 

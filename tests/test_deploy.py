@@ -16,7 +16,7 @@ import pytest
 import onnxfuse
 from onnxfuse.environment import library_info
 from onnxfuse.fused import DOMAIN, DOMAIN_VERSION, METADATA_OPSET, METADATA_VERSION, OPSET_ATTRIBUTE
-from onnxfuse.verify import random_inputs
+from onnxfuse.inputs import random_inputs
 from small_models import with_fused_op_set
 
 

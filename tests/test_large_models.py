@@ -16,8 +16,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from onnxfuse import api, modelio, weights
-from onnxfuse.modelio import InputError, load_model, save_model
+from onnxfuse import api, modelsave, weights
+from onnxfuse.modelio import InputError, load_model
+from onnxfuse.modelsave import save_model
+from onnxfuse.normalize import normalize
 from onnxfuse.models import llama_large
 
 
@@ -82,7 +84,7 @@ def test_optimize_keeps_weights_on_disk_and_spills_new_ones(llama, tmp_path):
 
 
 def test_save_streams_references_into_the_data_file(llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(modelio, "INLINE_REFERENCED_MAX", 1024)  # as if the weights were gigabytes
+    monkeypatch.setattr(modelsave, "INLINE_REFERENCED_MAX", 1024)  # as if the weights were gigabytes
     model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
     serialized = []
     real = onnx.ModelProto.SerializeToString
@@ -107,7 +109,7 @@ def test_save_streams_references_into_the_data_file(llama, tmp_path, monkeypatch
 
 
 def test_shape_inference_is_not_skipped_for_weights_left_out(llama):
-    loaded = modelio.normalize(load_model(llama, weights_on_disk=True))
+    loaded = normalize(load_model(llama, weights_on_disk=True))
     assert not any("skipped" in n for n in loaded.notes)
     assert len(loaded.model.graph.value_info) > 50
 

@@ -11,7 +11,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxfuse import api, modelio, verify, zoo
+from onnxfuse import api, modelio, normalize, ortfiles, verify, zoo
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.passes import fold_batchnorm
@@ -145,7 +145,7 @@ def test_weight_free_inference_gives_onnx_inference_result(name):
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     expected = onnx.shape_inference.infer_shapes(copy, check_type=False, strict_mode=False, data_prop=True)
-    assert modelio.infer_shapes(model).SerializeToString() == expected.SerializeToString()
+    assert normalize.infer_shapes(model).SerializeToString() == expected.SerializeToString()
 
 
 def test_fold_batchnorm_reuses_names_its_folds_free():
@@ -195,9 +195,9 @@ def test_released_names_are_reused_except_node_names():
 
 def test_verification_through_model_files_matches_in_memory(monkeypatch):
     result = api.optimize(large_weight_model(), dims={"batch": 2})
-    original = modelio.normalize(modelio.LoadedModel(large_weight_model(), "m")).model
+    original = normalize.normalize(modelio.LoadedModel(large_weight_model(), "m")).model
     in_memory = verify.verify(original, result.model, {"batch": 2})
-    monkeypatch.setattr(verify, "EXTERNAL_DATA_MIN_BYTES", 0)
+    monkeypatch.setattr(ortfiles, "EXTERNAL_DATA_MIN_BYTES", 0)
     through_files = verify.verify(original, result.model, {"batch": 2})
     assert through_files.ok and in_memory.ok
     assert through_files.original_profile == in_memory.original_profile

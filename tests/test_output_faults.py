@@ -70,12 +70,12 @@ def test_unwritable_report_path_exits_2_before_any_work(cli, chain_path, tmp_pat
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_a_failed_write_exits_2_naming_the_path_and_leaves_out_untouched(cli, chain_path, tmp_path, sentinel_out,
                                                                          monkeypatch, code):
-    from onnxfuse import modelio
+    from onnxfuse import modelsave
 
     def failing_fsync(fd):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(modelio.os, "fsync", failing_fsync)
+    monkeypatch.setattr(modelsave.os, "fsync", failing_fsync)
     result = cli("optimize", chain_path, sentinel_out)
     assert result.exit_code == 2, result.output
     (line,) = stderr_lines(result)
@@ -87,7 +87,7 @@ def test_a_failed_write_exits_2_naming_the_path_and_leaves_out_untouched(cli, ch
 
 def test_report_is_written_before_out_so_its_failure_leaves_out_untouched(cli, chain_path, tmp_path, sentinel_out,
                                                                           monkeypatch):
-    from onnxfuse import modelio
+    from onnxfuse import modelsave
 
     report = tmp_path / "report.json"
     real_replace = os.replace
@@ -97,7 +97,7 @@ def test_report_is_written_before_out_so_its_failure_leaves_out_untouched(cli, c
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(modelio.os, "replace", replace)
+    monkeypatch.setattr(modelsave.os, "replace", replace)
     result = cli("optimize", chain_path, sentinel_out, "--report", report)
     assert result.exit_code == 2
     assert stderr_lines(result) == [f"onnxfuse: error: {report}: cannot write report: no space left on device"]
@@ -120,13 +120,13 @@ def test_report_and_out_are_both_written_on_success(cli, chain_path, tmp_path):
 _SLOW_WRITE = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from onnxfuse import modelio
+    from onnxfuse import modelsave
     from onnxfuse.cli import main
     ready = Path(sys.argv[1])
     def slow_fsync(fd):
         ready.write_text("writing")
         time.sleep(60)
-    modelio.os.fsync = slow_fsync
+    modelsave.os.fsync = slow_fsync
     sys.argv = ["onnxfuse"] + sys.argv[2:]
     main()
 """)

@@ -350,9 +350,9 @@ def test_tensor_cores_are_opt_in_and_need_sm80(arch, tensor_cores):
 @pytest.mark.parametrize("name,policy,expected", [("resnet50", "always", 49), ("mobilenetv3", "always", 33),
                                                   ("resnet50", "pays", 4), ("mobilenetv3", "pays", 29)])
 def test_zoo_cnn_fuses_and_fallback_matches(name, policy, expected):
-    from onnxfuse.modelio import normalize
+    from onnxfuse.normalize import normalize
     from onnxfuse.zoo import resolve_input
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     m = normalize(resolve_input(f"zoo:{name}")).model
     out, stats = optimize(m, ["fold-batchnorm", "conv-bias-act"], "cuda", conv_policy=policy)

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import cuda_device_count, pointwise_chain_model, stderr_lines
 from onnxfuse.profile import count_kernels, kernel_profile, measure_latency
-from onnxfuse.verify import random_inputs
+from onnxfuse.inputs import random_inputs
 
 
 def conv_model():

@@ -9,9 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnxfuse import api, modelio, verify
+from onnxfuse import api, verify
 from onnxfuse.fused import DOMAIN
 from onnxfuse.modelio import InputError, load_model
+from onnxfuse.normalize import normalize
 from onnxfuse.models import llama_large
 from onnxfuse.region_verify import verify_regions
 
@@ -43,7 +44,7 @@ def test_region_mode_checks_concatenated_gemm_weights_against_the_original_matmu
 
 def test_region_mode_catches_a_rewrite_that_differs_from_the_original(llama):
     result = api.optimize(str(llama), verify_outputs=False, count_kernels=False)
-    original = modelio.normalize(load_model(llama, weights_on_disk=True)).model
+    original = normalize(load_model(llama, weights_on_disk=True)).model
     optimized = onnx.ModelProto()
     optimized.CopyFrom(result.model)
     split = next(n for n in optimized.graph.node if n.op_type == "Split" and len(n.output) == 3)
@@ -73,7 +74,7 @@ def _tamper_one_fallback(model: onnx.ModelProto) -> str:
 
 def test_region_mode_catches_a_fused_node_that_differs_from_its_fallback(llama):
     result = api.optimize(str(llama), verify_outputs=False, count_kernels=False)
-    original = modelio.normalize(load_model(llama, weights_on_disk=True)).model
+    original = normalize(load_model(llama, weights_on_disk=True)).model
     optimized = onnx.ModelProto()
     optimized.CopyFrom(result.model)
     name = _tamper_one_fallback(optimized)
@@ -85,7 +86,7 @@ def test_region_mode_catches_a_fused_node_that_differs_from_its_fallback(llama):
 
 
 def test_auto_mode_picks_regions_when_the_whole_run_would_not_fit(llama, monkeypatch):
-    original = modelio.normalize(load_model(llama, weights_on_disk=True)).model
+    original = normalize(load_model(llama, weights_on_disk=True)).model
     size = verify.weight_bytes(original)
     assert verify.choose_mode(original, original, "auto", available=100 * size)[0] == "whole"
     mode, why = verify.choose_mode(original, original, "auto", available=size)

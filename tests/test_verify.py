@@ -12,7 +12,9 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import SENTINEL, shift_first_constant, stderr_lines, use_only_passes
 from onnxfuse import pipeline
 from onnxfuse.runtime import make_session
-from onnxfuse.verify import TOLERANCES, compare_output, random_inputs, verify
+from onnxfuse.compare import TOLERANCES, compare_output
+from onnxfuse.inputs import random_inputs
+from onnxfuse.verify import verify
 
 
 def gather_model():
@@ -167,7 +169,7 @@ def _unary_model(nodes, out="y"):
 
 
 def test_special_inputs_are_seeded_and_hold_special_values_at_a_few_positions():
-    from onnxfuse.verify import SPECIAL_POSITIONS, special_inputs, special_values
+    from onnxfuse.inputs import SPECIAL_POSITIONS, special_inputs, special_values
 
     feeds = {"x": np.ones((4, 16), np.float32), "i": np.arange(3, dtype=np.int64)}
     a, count = special_inputs(feeds, seed=3)

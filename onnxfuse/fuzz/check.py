@@ -336,7 +336,8 @@ class Outcome:
 
 
 def optimize_model(model: onnx.ModelProto, passes=None, target: str = "cpu") -> onnx.ModelProto:
-    from ..modelio import LoadedModel, normalize
+    from ..modelio import LoadedModel
+    from ..normalize import normalize
     from ..pipeline import Context, run_passes, select_passes
 
     work = onnx.ModelProto()

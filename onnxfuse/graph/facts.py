@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnxfuse.modelio import infer_light_model
+from onnxfuse.normalize import infer_light_model
 
 from . import core as gu
 

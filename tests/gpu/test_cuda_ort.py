@@ -26,7 +26,7 @@ def optimize_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def feeds_for(model: onnx.ModelProto, dims: dict, seed: int = 0) -> dict:
-    from onnxfuse.verify import random_inputs
+    from onnxfuse.inputs import random_inputs
 
     return random_inputs(model, dims, seed)
 

@@ -1,0 +1,202 @@
+"""Saving models atomically, with the IR version onnxruntime loads and large weights in a data file.
+
+Every file is written to a temporary name in its target directory and renamed into place, so
+a reader never sees a partial file and a failed write leaves an existing one untouched; a
+failed write is an OutputError naming the path (outfiles.py).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from . import outfiles
+from .environment import ort_max_ir_version
+from .fused import DOMAIN
+from .modelio import PROTOBUF_LIMIT
+
+# Tensors at least this big go to the data file when a model has to use one (small ones
+# stay inline, as onnx itself does).
+EXTERNAL_TENSOR_MIN_BYTES = 1024
+# IR version from which function overloads (one fallback body per fused node) exist.
+IR_WITH_OVERLOADS = 10
+
+
+def uses_functions(model: onnx.ModelProto) -> bool:
+    return bool(model.functions) or any(n.overload for n in model.graph.node) or any(
+        n.domain == DOMAIN for n in model.graph.node
+    )
+
+
+def output_ir_version(model: onnx.ModelProto) -> int:
+    """min(max(model IR, 10 when fused ops / overloads are used), newest onnxruntime loads)."""
+    wanted = model.ir_version
+    if uses_functions(model):
+        wanted = max(wanted, IR_WITH_OVERLOADS)
+    return min(wanted, ort_max_ir_version())
+
+
+def _mode_for_new_file() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+# A model holding more than this many bytes of weights by reference (loaded with external
+# data) is written with a data file even under 2 GiB: inlining would read them all into memory.
+INLINE_REFERENCED_MAX = 256 << 20
+
+
+def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: int) -> None:
+    """Move large tensor payloads into data_file (already open), pointing the model at `location`.
+
+    Tensors held by reference are streamed from their files, never read whole; tensors in
+    function bodies (fallback bodies' Constant nodes) stay inline."""
+    from onnx import numpy_helper
+
+    from .weights import ALIGN, all_tensors, copy_region, inline_function_tensors, region_of, set_reference
+
+    inline_function_tensors(model)
+    offset = 0
+    for t in all_tensors(model, functions=False):
+        if t.data_type == onnx.TensorProto.STRING:
+            continue
+        region = region_of(t)
+        if region is None:
+            if not t.HasField("raw_data"):
+                # Typed fields (float_data, ...) become raw bytes so they can be moved out too.
+                array = numpy_helper.to_array(t)
+                if array.nbytes < min_bytes:
+                    continue
+                t.CopyFrom(numpy_helper.from_array(array, t.name))
+            if len(t.raw_data) < min_bytes:
+                continue
+        # Align each tensor to 4 KiB so the data file can be memory-mapped tensor by tensor.
+        pad = (-offset) % ALIGN
+        data_file.write(b"\0" * pad)
+        offset += pad
+        if region is None:
+            length = len(t.raw_data)
+            data_file.write(t.raw_data)
+        else:
+            length = region.length
+            copy_region(region, data_file)
+        set_reference(t, location, offset, length)
+        offset += length
+
+
+def _needs_data_file(model: onnx.ModelProto, threshold: int) -> bool:
+    from .weights import referenced_bytes
+
+    referenced = referenced_bytes(model)
+    if referenced > INLINE_REFERENCED_MAX:
+        return True
+    try:
+        size = model.ByteSize()
+    except Exception:  # protobuf refuses to size a message over 2 GiB
+        return True
+    return size + referenced >= threshold
+
+
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    external_threshold: int = PROTOBUF_LIMIT,
+    external_min_bytes: int = EXTERNAL_TENSOR_MIN_BYTES,
+    before_commit: Callable[[list[str]], None] | None = None,
+) -> list[str]:
+    """Write `model` to `path` atomically, with the IR version onnxruntime accepts.
+
+    Models of external_threshold bytes or more, and models holding over INLINE_REFERENCED_MAX
+    bytes of weights by reference, keep tensors of external_min_bytes or more in `<name>.data`
+    next to the model, streamed there tensor by tensor (no protobuf message ever holds them);
+    both files are written to temporary names in the target directory and renamed into place
+    (data file first), so a reader never sees a partial model and a failed run leaves an
+    existing file untouched. `before_commit` runs when every byte is written and before the
+    first rename, given the paths about to be written: when it raises, nothing is renamed and
+    the temporary files are removed. A failed write (disk full, I/O error) is an OutputError
+    naming the path. Returns the paths written.
+    """
+    from .weights import all_tensors, inline_tensor
+
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out.ir_version = output_ir_version(model)
+    mode = _mode_for_new_file()
+    temps: list[str] = []
+    written: list[str] = []
+    target = path
+    try:
+        data_tmp = None
+        if _needs_data_file(out, external_threshold):
+            location = path.name + ".data"
+            target = directory / location
+            fd, data_tmp = outfiles.temporary(directory, location)
+            temps.append(data_tmp)
+            with os.fdopen(fd, "wb") as f:
+                _externalize(out, f, location, external_min_bytes)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(data_tmp, mode)
+        else:
+            for t in all_tensors(out):
+                inline_tensor(t)
+        target = path
+        fd, model_tmp = outfiles.temporary(directory, path.name)
+        temps.append(model_tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(out.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(model_tmp, mode)
+        if before_commit is not None:
+            finals = [str(path)] + ([str(directory / (path.name + ".data"))] if data_tmp is not None else [])
+            before_commit(finals)
+        if data_tmp is not None:
+            target = directory / (path.name + ".data")
+            os.replace(data_tmp, target)
+            outfiles.release(data_tmp)
+            written.append(str(target))
+        target = path
+        os.replace(model_tmp, path)
+        outfiles.release(model_tmp)
+        written.insert(0, str(path))
+        temps.clear()
+    except OSError as e:
+        raise outfiles.write_error(target, e) from None
+    finally:
+        for t in temps:
+            outfiles.remove(t)
+    return written
+
+
+def check_writable(path: str | os.PathLike, label: str = "output") -> None:
+    """Fail early (before any work) when OUT cannot be written: see outfiles.check_output_path."""
+    outfiles.check_output_path(path, label)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, label: str = "output") -> None:
+    """Write `text` to `path` through a temporary file renamed into place; a failed write is an
+    OutputError naming the path and leaves nothing behind."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    tmp = None
+    try:
+        fd, tmp = outfiles.temporary(directory, path.name)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _mode_for_new_file())
+        os.replace(tmp, path)
+        outfiles.release(tmp)
+        tmp = None
+    except OSError as e:
+        raise outfiles.write_error(path, e, label) from None
+    finally:
+        if tmp is not None:
+            outfiles.remove(tmp)
