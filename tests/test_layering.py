@@ -23,7 +23,7 @@ LAYERS = [
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
      "onnxfuse.zoo"},
-    {"onnxfuse.api", "onnxfuse.cli"},
+    {"onnxfuse.api", "onnxfuse.cli", "onnxfuse.display"},
 ]
 
 
