@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 import click
 
@@ -56,26 +55,6 @@ debug_option = click.option(
     "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
     help="Show tracebacks and onnxruntime warnings.",
 )
-
-
-def _quiet_libraries() -> None:
-    """onnxruntime and graphsurgeon log warnings to the terminal; the CLI's contract is one line
-    per error, so they are silenced unless --debug."""
-    if _debug:
-        return
-    warnings.simplefilter("ignore")
-    try:
-        import onnxruntime as ort
-
-        ort.set_default_logger_severity(4)
-    except ImportError:
-        pass
-    try:
-        from onnx_graphsurgeon.logger import G_LOGGER
-
-        G_LOGGER.severity = G_LOGGER.ERROR
-    except ImportError:
-        pass
 
 
 def _fail(code: int, message: str) -> None:
@@ -197,7 +176,7 @@ def main():
     onnxfuse info                versions, the custom-op library and its build
     onnxfuse fuzz [--cases N]    check this installation on random graphs
     """
-    from .environment import RuntimeInstallError, check_onnxruntime
+    from .environment import RuntimeInstallError, check_onnxruntime, quiet_libraries
 
     # `info` reports a broken onnxruntime installation instead of stopping at it.
     if click.get_current_context().invoked_subcommand != "info":
@@ -205,7 +184,10 @@ def main():
             check_onnxruntime()
         except RuntimeInstallError as e:
             raise InstallationError(str(e)) from None
-    _quiet_libraries()
+    # onnxruntime and graphsurgeon log warnings to the terminal; the CLI's contract is one line
+    # per error, so they are silenced unless --debug.
+    if not _debug:
+        quiet_libraries()
 
 
 @main.command(epilog=EXIT_CODES_HELP)

@@ -72,6 +72,26 @@ def check_onnxruntime() -> None:
             raise RuntimeInstallError(f"onnxruntime is not installed: {CHOOSE_HINT}") from None
 
 
+def quiet_libraries(graphsurgeon_level: str = "ERROR") -> None:
+    """Silence what onnxruntime, graphsurgeon and Python's warnings print to the terminal
+    (graphsurgeon below `graphsurgeon_level`): a command's output is its own lines alone."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    try:
+        import onnxruntime as ort
+
+        ort.set_default_logger_severity(4)
+    except ImportError:
+        pass
+    try:
+        from onnx_graphsurgeon.logger import G_LOGGER
+
+        G_LOGGER.severity = getattr(G_LOGGER, graphsurgeon_level)
+    except ImportError:
+        pass
+
+
 def library_info(path: str) -> dict:
     """What the native library at `path` says about itself (its OnnxfuseLibraryInfo entry)."""
     import ctypes

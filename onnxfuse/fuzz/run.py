@@ -9,6 +9,7 @@ from pathlib import Path
 
 import onnx
 
+from ..environment import quiet_libraries
 from .cases import build_case
 from .check import Outcome, run_case
 
@@ -18,24 +19,6 @@ def _checked(seed_and_idempotence) -> Outcome:
         return run_case(seed, idempotence=idempotence)
     except Exception as e:  # a crash of the checker itself is a failure of the case too
         return Outcome(seed, "fail", f"seed {seed}: checker crashed: {type(e).__name__}: {str(e)[:200]}")
-
-
-def _quiet() -> None:
-    import warnings
-
-    warnings.simplefilter("ignore")
-    try:
-        import onnxruntime as ort
-
-        ort.set_default_logger_severity(4)
-    except ImportError:
-        pass
-    try:
-        from onnx_graphsurgeon.logger import G_LOGGER
-
-        G_LOGGER.severity = G_LOGGER.CRITICAL
-    except ImportError:
-        pass
 
 
 def failure_kind(message: str) -> str:
@@ -61,7 +44,7 @@ def main(argv=None, prog: str = "python -m onnxfuse.fuzz") -> int:
     ap.add_argument("--no-idempotence", action="store_true", help="skip optimizing each optimized model again")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (each case runs on one thread)")
     args = ap.parse_args(argv)
-    _quiet()
+    quiet_libraries("CRITICAL")
     if args.one is not None:
         case = build_case(args.one)
         print(onnx.printer.to_text(case.model))
@@ -79,7 +62,7 @@ def main(argv=None, prog: str = "python -m onnxfuse.fuzz") -> int:
     if args.jobs > 1:
         import multiprocessing
 
-        pool = multiprocessing.get_context("spawn").Pool(args.jobs, initializer=_quiet)
+        pool = multiprocessing.get_context("spawn").Pool(args.jobs, initializer=quiet_libraries, initargs=("CRITICAL",))
         outcomes = pool.imap(_checked, work, chunksize=20)
     else:
         pool, outcomes = None, map(_checked, work)
