@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from .records import attributes
+
 # (atol, rtol) by output element type. A fused kernel computes a chain in one pass (in f32 for
 # f16/bf16 chains, where onnxruntime rounds after every op) and may use other approximations of
 # exp/tanh than onnxruntime's, so floats get a few units in the last place per op of slack.
@@ -39,19 +41,8 @@ class OutputCheck:
         return self.problem is None
 
     def as_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "max_abs": self.max_abs,
-            "max_rel": self.max_rel,
-            "norm_rel": self.norm_rel,
-            "atol": self.atol,
-            "rtol": self.rtol,
-            "mismatched": self.mismatched,
-            "ok": self.ok,
-            "problem": self.problem,
-        }
+        return {**attributes(self, "name dtype", shape=list(self.shape)),
+                **attributes(self, "max_abs max_rel norm_rel atol rtol mismatched ok problem")}
 
 
 def compare_output(name: str, elem_type: int, expected: np.ndarray, actual: np.ndarray) -> OutputCheck:

@@ -28,6 +28,7 @@ from .runtime import (  # noqa: F401
     summarize_events,
 )
 from .inputs import UnfeedableInputError, random_inputs
+from .records import attributes
 
 
 @dataclass
@@ -40,13 +41,7 @@ class Latency:
     samples_ms: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
-        return {
-            "median_ms": self.median_ms,
-            "p10_ms": self.p10_ms,
-            "p90_ms": self.p90_ms,
-            "mean_ms": self.mean_ms,
-            "runs": self.runs,
-        }
+        return attributes(self, "median_ms p10_ms p90_ms mean_ms runs")
 
 
 @dataclass

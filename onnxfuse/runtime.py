@@ -20,6 +20,7 @@ import onnx
 
 from .fused import DOMAIN
 from .modelio import InputError
+from .records import attributes
 
 _PKG = Path(__file__).resolve().parent
 LIBRARY_STEM = "_onnxfuse_ops"
@@ -228,20 +229,9 @@ class KernelProfile:
         return sum(self.time_us_by_op_type.values())
 
     def as_dict(self) -> dict:
-        return {
-            "kernels_per_inference": self.kernels_per_inference,
-            "by_op_type": self.by_op_type,
-            "time_us_by_op_type": self.time_us_by_op_type,
-            "kernel_time_us": self.kernel_time_us,
-            "timed_runs": self.timed_runs,
-            "by_provider": self.by_provider,
-            "activation_bytes_read": self.activation_bytes_read,
-            "parameter_bytes_read": self.parameter_bytes_read,
-            "bytes_written": self.bytes_written,
-            "library_loaded": self.library_loaded,
-            "provider": self.provider,
-            "ort_level": self.level,
-        }
+        return attributes(self, "kernels_per_inference by_op_type time_us_by_op_type kernel_time_us timed_runs"
+                                " by_provider activation_bytes_read parameter_bytes_read bytes_written"
+                                " library_loaded provider", ort_level=self.level)
 
 
 # --------------------------------------------------------------------------- sessions and profiled runs

@@ -19,6 +19,7 @@ from .compare import OutputCheck, compare_output
 from .environment import ort_error_text
 from .inputs import UnfeedableInputError, random_inputs, special_inputs
 from .modelio import InputError
+from .records import attributes
 
 
 class VerificationError(Exception):
@@ -139,15 +140,7 @@ class Verification:
 
     def as_dict(self) -> dict:
         return {
-            "ok": self.ok,
-            "seed": self.seed,
-            "dims": self.dims,
-            "provider": self.provider,
-            "max_abs": self.max_abs,
-            "max_rel": self.max_rel,
-            "norm_rel": self.norm_rel,
-            "mode": self.mode,
-            "mode_reason": self.mode_reason,
+            **attributes(self, "ok seed dims provider max_abs max_rel norm_rel mode mode_reason"),
             "runs": [r.as_dict() for r in self.runs],
             **({"regions": [r.as_dict() for r in self.regions]} if self.mode == "regions" else {}),
             "input_dependence": self.input_dependence.as_dict() if self.input_dependence else None,
