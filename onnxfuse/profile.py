@@ -63,9 +63,7 @@ def kernel_profile(
     seed: int = 0,
     with_library: bool | None = None,
 ) -> KernelProfile:
-    proto = model if isinstance(model, onnx.ModelProto) else _load_for_inputs(model)
-    feeds = random_inputs(proto, dims, seed)
-    return profiled_run(model, feeds, provider, threads, level, with_library)[1]
+    return profiled_run(model, _feeds(model, dims, seed), provider, threads, level, with_library)[1]
 
 
 def count_kernels(
@@ -80,10 +78,19 @@ def count_kernels(
     return prof.kernels_per_inference, prof.by_op_type
 
 
-def _load_for_inputs(model: bytes | str) -> onnx.ModelProto:
+def _feeds(model: onnx.ModelProto | bytes | str, dims: Mapping[str, int] | None, seed: int, label: str | None = None):
+    """random_inputs for a model as a ModelProto, bytes or a path (read without its weights);
+    `label` names the model in the error when its inputs cannot be fed."""
     if isinstance(model, bytes):
-        return onnx.load_from_string(model)
-    return onnx.load(str(model), load_external_data=False)
+        model = onnx.load_from_string(model)
+    elif not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    try:
+        return random_inputs(model, dims, seed)
+    except UnfeedableInputError as e:
+        if label is None:
+            raise
+        raise UnfeedableInputError(f"{label}: {e}") from None
 
 
 # --------------------------------------------------------------------------- latency
@@ -129,8 +136,7 @@ def measure_latency(
     with_library: bool | None = None,
 ) -> Latency:
     """Latency of one inference (no profiler), over `runs` runs after `warmup` runs."""
-    proto = model if isinstance(model, onnx.ModelProto) else _load_for_inputs(model)
-    feeds = random_inputs(proto, dims, seed)
+    feeds = _feeds(model, dims, seed)
     sess, _ = open_session(model, provider, threads, level, with_library)
     return _latency(_timed_runs([(sess, feeds)], max(1, runs), warmup)[0])
 
@@ -151,10 +157,7 @@ def profile_models(
     reports: list[ModelReport] = []
     timed = []
     for label, model in models:
-        try:
-            feeds = random_inputs(model, dims, seed)
-        except UnfeedableInputError as e:
-            raise UnfeedableInputError(f"{label}: {e}") from None
+        feeds = _feeds(model, dims, seed, label)
         _, prof = profiled_run(model, feeds, provider, threads, level, runs=profile_runs)
         reports.append(ModelReport(label, prof))
         sess, _ = open_session(model, provider, threads, level)
@@ -165,19 +168,9 @@ def profile_models(
     return reports
 
 
-def compare(
-    model_a: onnx.ModelProto,
-    model_b: onnx.ModelProto,
-    provider: str = "cpu",
-    threads: int | None = None,
-    level: str = "all",
-    dims: Mapping[str, int] | None = None,
-    runs: int = 100,
-    warmup: int = 10,
-    seed: int = 0,
-) -> dict:
-    """Two models side by side: their reports and the ratios B/A."""
-    a, b = profile_models([("a", model_a), ("b", model_b)], provider, threads, level, dims, runs, warmup, seed)
+def compare(model_a: onnx.ModelProto, model_b: onnx.ModelProto, *options, **named_options) -> dict:
+    """Two models side by side: their reports and the ratios B/A (options as for profile_models)."""
+    a, b = profile_models([("a", model_a), ("b", model_b)], *options, **named_options)
     return {"a": a, "b": b, "ratios": ratios(a, b)}
 
 
