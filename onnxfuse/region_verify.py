@@ -67,17 +67,25 @@ def _value_types(*models: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return types
 
 
-def _input_info(name: str, types, dims):
-    """A region input's ValueInfo at `dims`, or why it cannot be fed."""
-    t = types.get(name)
-    if t is None or not _has_shape(t):
-        return f"input '{name}' has no known type and shape"
-    shape = input_shape(helper.make_value_info(name, t), dims)
-    return helper.make_tensor_value_info(name, t.tensor_type.elem_type, list(shape))
-
-
-def _has_shape(t: onnx.TypeProto) -> bool:
-    return t.tensor_type.HasField("shape") and t.tensor_type.elem_type != 0
+def _value_infos(names, types, dims: Mapping[str, int] | None = None) -> list[onnx.ValueInfoProto] | str:
+    """The ValueInfos of a region's inputs (with `dims`: static shapes at those dims) or of its
+    outputs (dims None: the element type alone), or why one cannot be made."""
+    infos = []
+    for name in names:
+        if not name:
+            continue
+        t = types.get(name)
+        elem = t.tensor_type.elem_type if t is not None else 0
+        if dims is None:
+            if elem == 0:
+                return f"output '{name}' has no known type"
+            infos.append(helper.make_tensor_value_info(name, elem, None))
+            continue
+        if elem == 0 or not t.tensor_type.HasField("shape"):
+            return f"input '{name}' has no known type and shape"
+        shape = input_shape(helper.make_value_info(name, t), dims)
+        infos.append(helper.make_tensor_value_info(name, elem, list(shape)))
+    return infos
 
 
 def region_model(optimized: onnx.ModelProto, node: onnx.NodeProto, types: Mapping[str, onnx.TypeProto],
@@ -92,29 +100,18 @@ def region_model(optimized: onnx.ModelProto, node: onnx.NodeProto, types: Mappin
     initializers = {t.name: t for t in optimized.graph.initializer}
     constant_nodes = {o: n for n in optimized.graph.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx")
                       for o in n.output}
-    inputs, inits, nodes = [], [], []
-    seen: set[str] = set()
-    for name in node.input:
-        if not name or name in seen:
-            continue
-        seen.add(name)
+    computed, inits, nodes = [], [], []
+    for name in dict.fromkeys(node.input):
         if name in initializers:
             inits.append(initializers[name])
         elif name in constant_nodes:
             nodes.append(constant_nodes[name])
         else:
-            info = _input_info(name, types, dims)
-            if isinstance(info, str):
-                return info
-            inputs.append(info)
-    outputs = []
-    for name in node.output:
-        if not name:
-            continue
-        t = types.get(name)
-        if t is None or t.tensor_type.elem_type == 0:
-            return f"output '{name}' has no known type"
-        outputs.append(helper.make_tensor_value_info(name, t.tensor_type.elem_type, None))
+            computed.append(name)
+    inputs, outputs = _value_infos(computed, types, dims), _value_infos(node.output, types)
+    for problem in (inputs, outputs):
+        if isinstance(problem, str):
+            return problem
     graph = helper.make_graph(nodes + [node], f"region_{node.name}", inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=list(optimized.opset_import), functions=[function])
     model.ir_version = optimized.ir_version
@@ -229,18 +226,10 @@ def rewrites(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[Rewr
 
 def _rewrite_models(original, optimized, rewrite: Rewrite, types, dims):
     """(the original's nodes as a model, the rewrite's nodes as a model), or why not."""
-    inputs = []
-    for name in rewrite.inputs:
-        info = _input_info(name, types, dims)
-        if isinstance(info, str):
-            return info
-        inputs.append(info)
-    outputs = []
-    for name in rewrite.outputs:
-        t = types.get(name)
-        if t is None or t.tensor_type.elem_type == 0:
-            return f"output '{name}' has no known type"
-        outputs.append(helper.make_tensor_value_info(name, t.tensor_type.elem_type, None))
+    inputs, outputs = _value_infos(rewrite.inputs, types, dims), _value_infos(rewrite.outputs, types)
+    for problem in (inputs, outputs):
+        if isinstance(problem, str):
+            return problem
     made = []
     for source, nodes in ((original, rewrite.original_nodes), (optimized, rewrite.nodes)):
         inits = {t.name: t for t in source.graph.initializer}
@@ -250,6 +239,26 @@ def _rewrite_models(original, optimized, rewrite: Rewrite, types, dims):
         model.ir_version = source.ir_version
         made.append(model)
     return tuple(made)
+
+
+def _run(path: str, feeds, provider: str, threads: int | None, with_library: bool | None = None):
+    """(outputs, None) of one run of the model file at `path`, or (None, onnxruntime's message)
+    where onnxruntime rejects the model or the inputs; our own errors propagate."""
+    from .runtime import LibraryError, open_session
+
+    try:
+        sess, _ = open_session(path, provider=provider, threads=threads, with_library=with_library)
+        return sess.run(None, feeds), None
+    except (InputError, LibraryError):
+        raise
+    except Exception as e:  # onnxruntime's exception types
+        return None, ort_error_text(e)
+
+
+def _compare(outputs, expected, actual) -> list[OutputCheck]:
+    """compare_output for each of a region model's `outputs` (ValueInfos)."""
+    return [compare_output(o.name, o.type.tensor_type.elem_type, np.asarray(e), np.asarray(a))
+            for o, e, a in zip(outputs, expected, actual)]
 
 
 def verify_regions(
@@ -263,8 +272,8 @@ def verify_regions(
     """Check every fused node of `optimized` against its fallback body, and every other rewrite
     against the original subgraph it replaced (see the module text); the result's `regions`
     hold one RegionCheck for each."""
-    from .runtime import LibraryError, needs_library, open_session
     from .ortfiles import RuntimeFiles, runtime_directory
+    from .runtime import needs_library
 
     dims = dict(dims or {})
     types = _value_types(optimized, original)
@@ -287,31 +296,18 @@ def verify_regions(
                 check.skipped = str(e)
                 continue
             path = files.write(model, f"region{index}.onnx")
-            names = [o.name for o in model.graph.output]
-            elem_types = [o.type.tensor_type.elem_type for o in model.graph.output]
-            try:
-                sess, _ = open_session(path, provider=provider, threads=threads, with_library=False)
-                expected = sess.run(None, feeds)
-                del sess
-            except InputError:
-                raise
-            except Exception as e:  # onnxruntime's exception types: the original ops reject these inputs
-                check.skipped = f"the replaced subgraph does not run on random inputs: {ort_error_text(e)}"
+            expected, problem = _run(path, feeds, provider, threads, with_library=False)
+            if problem:  # the original ops reject these inputs
+                check.skipped = f"the replaced subgraph does not run on random inputs: {problem}"
                 continue
             if not needs_library(model, provider):
                 check.skipped = "no kernel of the onnxfuse library for this node on this provider"
                 continue
-            try:
-                sess, _ = open_session(path, provider=provider, threads=threads, with_library=True)
-                actual = sess.run(None, feeds)
-                del sess
-            except (InputError, LibraryError):
-                raise
-            except Exception as e:  # onnxruntime's exception types
-                check.error = f"the fused node does not run: {ort_error_text(e)}"
+            actual, problem = _run(path, feeds, provider, threads, with_library=True)
+            if problem:
+                check.error = f"the fused node does not run: {problem}"
                 continue
-            for name, elem, e, a in zip(names, elem_types, expected, actual):
-                check.outputs.append(compare_output(name, elem, np.asarray(e), np.asarray(a)))
+            check.outputs += _compare(model.graph.output, expected, actual)
         for index, rewrite in enumerate(rewrites(original, optimized)):
             ops = sorted({n.op_type for n in rewrite.nodes})
             label = rewrite.nodes[0].name or (rewrite.outputs[0] if rewrite.outputs else f"rewrite {index}")
@@ -331,26 +327,15 @@ def verify_regions(
                 check.skipped = str(e)
                 continue
             paths = [files.write(m, f"rewrite{index}_{which}.onnx") for which, m in (("a", reference), ("b", rewritten))]
-            try:
-                sess, _ = open_session(paths[0], provider=provider, threads=threads)
-                expected = sess.run(None, feeds)
-                del sess
-            except (InputError, LibraryError):
-                raise
-            except Exception as e:  # onnxruntime's exception types: the original ops reject these inputs
-                check.skipped = f"the original subgraph does not run on random inputs: {ort_error_text(e)}"
+            expected, problem = _run(paths[0], feeds, provider, threads)
+            if problem:  # the original ops reject these inputs
+                check.skipped = f"the original subgraph does not run on random inputs: {problem}"
                 continue
-            try:
-                sess, _ = open_session(paths[1], provider=provider, threads=threads)
-                actual = sess.run(None, feeds)
-                del sess
-            except (InputError, LibraryError):
-                raise
-            except Exception as e:  # onnxruntime's exception types
-                check.error = f"the rewritten subgraph does not run: {ort_error_text(e)}"
+            actual, problem = _run(paths[1], feeds, provider, threads)
+            if problem:
+                check.error = f"the rewritten subgraph does not run: {problem}"
                 continue
-            for name, out, e, a in zip(rewrite.outputs, rewritten.graph.output, expected, actual):
-                check.outputs.append(compare_output(name, out.type.tensor_type.elem_type, np.asarray(e), np.asarray(a)))
+            check.outputs += _compare(rewritten.graph.output, expected, actual)
     finally:
         files.close()
         shutil.rmtree(directory, ignore_errors=True)
