@@ -59,6 +59,31 @@ def _weights(b: _Builder, gates: int) -> None:
     b.inits.append(numpy_helper.from_array((rng.standard_normal((H, gates * H)) * 0.3).astype(np.float32), "R"))
 
 
+def _projections(b: _Builder, h: str, s: str) -> None:
+    """Step `s`'s input and recurrent projections gx = x W, gh = h R."""
+    b.node("MatMul", ["x", "W"], ["gx" + s])
+    b.node("MatMul", [h, "R"], ["gh" + s])
+
+
+def _gates(b: _Builder, h: str, s: str) -> str:
+    """Step `s`'s gate pre-activations x W + h R; returns their name."""
+    _projections(b, h, s)
+    b.node("Add", ["gx" + s, "gh" + s], ["g" + s])
+    return "g" + s
+
+
+def _lstm_cell(b: _Builder, c: str, s: str) -> tuple[str, str]:
+    """The LSTM cell update of step `s` from its gates i, f, gg, o: (h, c) of the step."""
+    for gate, act in (("i", "Sigmoid"), ("f", "Sigmoid"), ("gg", "Tanh"), ("o", "Sigmoid")):
+        b.node(act, [gate + s], ["a" + gate + s])
+    b.node("Mul", ["af" + s, c], ["fc" + s])
+    b.node("Mul", ["ai" + s, "agg" + s], ["ig" + s])
+    b.node("Add", ["fc" + s, "ig" + s], ["c" + s])
+    b.node("Tanh", ["c" + s], ["tc" + s])
+    b.node("Mul", ["ao" + s, "tc" + s], ["h" + s])
+    return "h" + s, "c" + s
+
+
 def lstm_model(constant_nodes: bool, steps: int = 3) -> onnx.ModelProto:
     """Unrolled LSTM steps: gates = x W + h R; i, f, g, o = Split(gates, sizes); c, h updates."""
     b = _Builder(constant_nodes)
@@ -67,18 +92,8 @@ def lstm_model(constant_nodes: bool, steps: int = 3) -> onnx.ModelProto:
     h, c = "h0", "c0"
     for t in range(steps):
         s = f"_{t}"
-        b.node("MatMul", ["x", "W"], ["gx" + s])
-        b.node("MatMul", [h, "R"], ["gh" + s])
-        b.node("Add", ["gx" + s, "gh" + s], ["g" + s])
-        b.node("Split", ["g" + s, sizes], ["i" + s, "f" + s, "gg" + s, "o" + s], axis=1)
-        for gate, act in (("i", "Sigmoid"), ("f", "Sigmoid"), ("gg", "Tanh"), ("o", "Sigmoid")):
-            b.node(act, [gate + s], ["a" + gate + s])
-        b.node("Mul", ["af" + s, c], ["fc" + s])
-        b.node("Mul", ["ai" + s, "agg" + s], ["ig" + s])
-        b.node("Add", ["fc" + s, "ig" + s], ["c" + s])
-        b.node("Tanh", ["c" + s], ["tc" + s])
-        b.node("Mul", ["ao" + s, "tc" + s], ["h" + s])
-        h, c = "h" + s, "c" + s
+        b.node("Split", [_gates(b, h, s), sizes], ["i" + s, "f" + s, "gg" + s, "o" + s], axis=1)
+        h, c = _lstm_cell(b, c, s)
     return b.model([h])
 
 
@@ -94,8 +109,7 @@ def gru_model(constant_nodes: bool, steps: int = 3) -> onnx.ModelProto:
     h = "h0"
     for t in range(steps):
         s = f"_{t}"
-        b.node("MatMul", ["x", "W"], ["gx" + s])
-        b.node("MatMul", [h, "R"], ["gh" + s])
+        _projections(b, h, s)
         for src in ("gx", "gh"):
             for k, (lo, hi) in enumerate(((bounds[0], bounds[1]), (bounds[1], bounds[2]), (bounds[2], end))):
                 b.node("Slice", [src + s, lo, hi, axes], [f"{src}{k}{s}"])
@@ -174,10 +188,7 @@ def dynamic_batch_lstm_model(steps: int = 2) -> onnx.ModelProto:
     h, c = "h0", "c0"
     for t in range(steps):
         s = f"_{t}"
-        b.node("MatMul", ["x", "W"], ["gx" + s])
-        b.node("MatMul", [h, "R"], ["gh" + s])
-        b.node("Add", ["gx" + s, "gh" + s], ["g" + s])
-        b.node("Shape", ["g" + s], ["shape" + s])
+        b.node("Shape", [_gates(b, h, s)], ["shape" + s])
         b.node("Gather", ["shape" + s, idx], ["width" + s], axis=0)
         b.node("Div", ["width" + s, four], ["size" + s])
         for k in range(5):
@@ -185,14 +196,7 @@ def dynamic_batch_lstm_model(steps: int = 2) -> onnx.ModelProto:
             b.node("Unsqueeze", [f"bound{k}{s}", axes], [f"b{k}{s}"])
         for k, gate in enumerate(("i", "f", "gg", "o")):
             b.node("Slice", ["g" + s, f"b{k}{s}", f"b{k + 1}{s}", slice_axes], [gate + s])
-        for gate, act in (("i", "Sigmoid"), ("f", "Sigmoid"), ("gg", "Tanh"), ("o", "Sigmoid")):
-            b.node(act, [gate + s], ["a" + gate + s])
-        b.node("Mul", ["af" + s, c], ["fc" + s])
-        b.node("Mul", ["ai" + s, "agg" + s], ["ig" + s])
-        b.node("Add", ["fc" + s, "ig" + s], ["c" + s])
-        b.node("Tanh", ["c" + s], ["tc" + s])
-        b.node("Mul", ["ao" + s, "tc" + s], ["h" + s])
-        h, c = "h" + s, "c" + s
+        h, c = _lstm_cell(b, c, s)
     m = b.model([h])
     for v in list(m.graph.input) + list(m.graph.output):
         v.type.tensor_type.shape.dim[0].dim_param = "batch"
