@@ -114,13 +114,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             b = gu.make_constant(graph, f"{base}_bias", lin0.bias)
             nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[y, b], outputs=[yb]))
             y = yb
-        outputs = []
-        for _, lin in members:
-            out = lin.output
-            for node in lin.nodes:
-                gu.disconnect(node)
-            out.shape = [rows, n]
-            outputs.append(out)
+        outputs = [gu.take_output(lin.nodes, lin.output, [rows, n]) for _, lin in members]
         nodes.append(gu.split_node(graph, y, [rows] * len(members), outputs, axis=0, name=f"{base}/Split"))
         graph.nodes.extend(nodes)
         made += len(members)

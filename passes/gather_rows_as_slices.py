@@ -77,11 +77,9 @@ def run(graph: gs.Graph, ctx: Context) -> int:
                          outputs=[flat])]
         axes = gu.make_constant(graph, f"{base}_axes", np.asarray([axis], np.int64))
         for k, (node, i) in enumerate(members):
-            out = node.outputs[0]
-            gu.disconnect(node)
+            out = gu.take_output([node], node.outputs[0], shape[:axis] + shape[axis + 1:])
             starts = gu.make_constant(graph, f"{base}_start{i}", np.asarray([i * rows], np.int64))
             ends = gu.make_constant(graph, f"{base}_end{i}", np.asarray([(i + 1) * rows], np.int64))
-            out.shape = shape[:axis] + shape[axis + 1:]
             nodes.append(gs.Node("Slice", name=f"{base}/Slice_{k}", inputs=[flat, starts, ends, axes], outputs=[out]))
         graph.nodes.extend(nodes)
         made += len(members)

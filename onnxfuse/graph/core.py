@@ -423,6 +423,15 @@ def disconnect(node: gs.Node) -> None:
     node.outputs.clear()
 
 
+def take_output(nodes: Iterable[gs.Node], output: gs.Variable, shape: Sequence) -> gs.Variable:
+    """Detach `nodes` (those that computed `output`) and return `output`, now of `shape`, for a
+    replacement node to write: its readers keep reading the same tensor."""
+    for node in nodes:
+        disconnect(node)
+    output.shape = list(shape)
+    return output
+
+
 def bypass(graph: gs.Graph, node: gs.Node, input_index: int = 0, output_index: int = 0) -> bool:
     """Remove a node whose output `output_index` equals its input `input_index` (Identity, a
     no-op Slice, ...). Other outputs of the node must be unused.
