@@ -48,13 +48,7 @@ def gelu_model(rows: int, d: int, form: str, seed: int = 0) -> onnx.ModelProto:
     return harness.float_model("gelu", nodes, {"x0": shape}, {"y": shape}, inits)
 
 
-def cases():
-    for rows, d in SHAPES:
-        for form in FORMS:
-            feeds = {"x0": np.random.default_rng(1).standard_normal((2, rows // 2, d)).astype(np.float32)}
-            yield [f"{rows} x {d}", form], gelu_model(rows, d, form), feeds
-
-
+cases = harness.row_cases(SHAPES, {form: form for form in FORMS}, gelu_model, ["x0"])
 main = harness.optimized_ab_command(
     "gelu_forms", __doc__, "Tanh GELU forms on the CPU: onnxruntime alone against onnxfuse",
     "bias Add -> tanh GELU on float32[2, rows/2, d], ORT_ENABLE_ALL on both sides. *pow, then Exp*: Pow(x, 3) and an"

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Iterator
 
 import click
 import numpy as np
@@ -434,6 +434,22 @@ def optimized_ab_table(cases, threads_list: list[int], budget_s: float) -> tuple
         head += f" {th} thread{'s' if th > 1 else ''}: us, ort / ours ({clock}) | ratio [95%] |"
         rule += "---|---|"
     return head, rule, rows
+
+
+def row_cases(shapes: list[tuple[int, int]], variants: dict[str, object], build: Callable[[int, int, object], object],
+              inputs: list[str]) -> Callable[[], Iterator]:
+    """cases() for optimized_ab_command: for each (rows, d) of `shapes` and each variant (its
+    table label -> value), the model build(rows, d, value) with seeded float32 normal feeds of
+    shape [2, rows / 2, d] for the `inputs`, labelled "rows x d" and the variant's label."""
+
+    def cases() -> Iterator:
+        for rows, d in shapes:
+            for label, value in variants.items():
+                rng = np.random.default_rng(1)
+                feeds = {name: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for name in inputs}
+                yield [f"{rows} x {d}", label], build(rows, d, value), feeds
+
+    return cases
 
 
 def optimized_ab_command(module: str, doc: str, title: str, description: str, labels: list[str],

@@ -39,14 +39,7 @@ def residual_layernorm(rows: int, d: int, bias: bool, seed: int = 0) -> onnx.Mod
     return harness.float_model("residual_layernorm", nodes, {"x": shape, "residual": shape}, {"y": shape}, inits)
 
 
-def cases():
-    for rows, d in SHAPES:
-        for bias in (True, False):
-            rng = np.random.default_rng(1)
-            feeds = {k: rng.standard_normal((2, rows // 2, d)).astype(np.float32) for k in ("x", "residual")}
-            yield [f"{rows} x {d}", "yes" if bias else "no"], residual_layernorm(rows, d, bias), feeds
-
-
+cases = harness.row_cases(SHAPES, {"yes": True, "no": False}, residual_layernorm, ["x", "residual"])
 main = harness.optimized_ab_command(
     "skip_layernorm", __doc__,
     "onnxruntime's SkipLayerNormalization (CPU) against Pointwise + LayerNormalization",
