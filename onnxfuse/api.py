@@ -17,11 +17,11 @@ from typing import Callable, Mapping, Sequence
 import onnx
 
 from .fused import DOMAIN
+from .inputs import check_dims, effective_dims
 from .modelio import InputError, LoadedModel, check_model, parse_model
 from .modelsave import save_model
 from .normalize import normalize
 from .pipeline import TARGETS, Context, PassOptions, PassStats, run_passes, select_passes
-from .inputs import check_dims, effective_dims
 from .verify import Verification, VerificationError, choose_mode, verify
 from .zoo import ZooModel, resolve_input
 

@@ -21,8 +21,8 @@ from typing import Iterator, Sequence
 
 import onnx
 
-from .modelsave import EXTERNAL_TENSOR_MIN_BYTES
 from .modelfields import copy_fields
+from .modelsave import EXTERNAL_TENSOR_MIN_BYTES
 from .weights import (ALIGN, FileRegion, all_tensors, copy_region, expected_bytes, has_references,
                       inline_function_tensors, region_of, scratch_directory, set_reference)
 

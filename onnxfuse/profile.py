@@ -15,6 +15,9 @@ from typing import Mapping, Sequence
 
 import onnx
 
+from .inputs import UnfeedableInputError, random_inputs
+from .records import attributes
+
 # Sessions and profiled runs live in the ort layer (runtime), which verify uses too; they are
 # part of this module's documented interface as well.
 from .runtime import (  # noqa: F401
@@ -27,8 +30,6 @@ from .runtime import (  # noqa: F401
     profiled_run,
     summarize_events,
 )
-from .inputs import UnfeedableInputError, random_inputs
-from .records import attributes
 
 
 @dataclass

@@ -7,7 +7,7 @@ carries the subgraph it replaced as its fallback function, so a model holding ju
 (its weights included, by reference) runs once with the onnxfuse library, where the node runs
 our kernel, and once without, where onnxruntime runs the fallback body: the original ops. Both
 get the same seeded random inputs of the region's shapes, and every output is compared with
-the tolerance of its type (verify.compare_output). Only one region's weights are mapped at a
+the tolerance of its type (compare.compare_output). Only one region's weights are mapped at a
 time.
 
 Rewrites that make no fused node (concatenated GEMM weights, a folded BatchNormalization) are
@@ -27,11 +27,11 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .fused import DOMAIN
-from .environment import ort_error_text
-from .modelio import InputError
 from .compare import OutputCheck, compare_output
+from .environment import ort_error_text
+from .fused import DOMAIN
 from .inputs import UnfeedableInputError, input_shape, random_inputs
+from .modelio import InputError
 from .verify import Verification
 
 
