@@ -149,18 +149,13 @@ def optimize(
             kernel_note = "no usable GPU here: verified on the CPU provider"
     if verify_outputs:
         mode, why = choose_mode(original, optimized, verify_mode)
-        if mode == "whole":
-            stage("verifying against the original in onnxruntime")
-            verification = verify(
-                original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
-                fallback=fallback_check, original_label=loaded.label,
-            )
-        else:
-            from .region_verify import verify_regions
-
-            stage("verifying each fused node against its fallback body")
-            verification = verify_regions(original, optimized, merged_dims, seed, provider=verify_provider,
-                                          threads=threads)
+        stage("verifying against the original in onnxruntime" if mode == "whole"
+              else "verifying each fused node against its fallback body")
+        verification = verify(
+            original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
+            fallback=fallback_check, original_label=loaded.label, mode=mode,
+        )
+        if mode == "regions":
             kernel_note = kernel_note or "kernels not counted (region-level verification: the whole model was not run)"
         verification.mode_reason = why
         if verify_provider == "cpu":

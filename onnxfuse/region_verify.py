@@ -32,7 +32,6 @@ from .environment import ort_error_text
 from .fused import DOMAIN
 from .inputs import UnfeedableInputError, input_shape, random_inputs
 from .modelio import InputError
-from .verify import Verification
 
 
 @dataclass
@@ -261,21 +260,14 @@ def _compare(outputs, expected, actual) -> list[OutputCheck]:
             for o, e, a in zip(outputs, expected, actual)]
 
 
-def verify_regions(
-    original: onnx.ModelProto,
-    optimized: onnx.ModelProto,
-    dims: Mapping[str, int] | None = None,
-    seed: int = 0,
-    provider: str = "cpu",
-    threads: int | None = None,
-) -> Verification:
+def check_regions(original: onnx.ModelProto, optimized: onnx.ModelProto, dims: dict[str, int], seed: int,
+                  provider: str, threads: int | None) -> list[RegionCheck]:
     """Check every fused node of `optimized` against its fallback body, and every other rewrite
-    against the original subgraph it replaced (see the module text); the result's `regions`
-    hold one RegionCheck for each."""
+    against the original subgraph it replaced (see the module text): one RegionCheck for each.
+    verify.verify(..., mode="regions") runs it."""
     from .ortfiles import RuntimeFiles, runtime_directory
     from .runtime import needs_library
 
-    dims = dict(dims or {})
     types = _value_types(optimized, original)
     checks: list[RegionCheck] = []
     directory = runtime_directory()
@@ -339,4 +331,4 @@ def verify_regions(
     finally:
         files.close()
         shutil.rmtree(directory, ignore_errors=True)
-    return Verification(seed=seed, dims=dims, provider=provider, mode="regions", regions=checks)
+    return checks

@@ -162,14 +162,23 @@ def verify(
     threads: int | None = None,
     fallback: bool = True,
     original_label: str = "original model",
+    mode: str = "whole",
 ) -> Verification:
-    """Run both models on the same seeded inputs and compare every output.
+    """Run both models on the same seeded inputs and compare every output; with mode "regions",
+    check each fused node and rewrite against what it replaced instead (region_verify.py).
 
     Raises InputError when the original itself cannot be fed or run (that is the input's
     problem, not the optimizer's). Mismatches and failures of the optimized model are recorded
     in the result; check .ok. The profiled runs also give both models' kernel counts.
     """
     dims = dict(dims or {})
+    if mode == "regions":
+        from .region_verify import check_regions
+
+        return Verification(seed=seed, dims=dims, provider=provider, mode="regions",
+                            regions=check_regions(original, optimized, dims, seed, provider, threads))
+    if mode != "whole":
+        raise ValueError(f"verification mode {mode!r}: expected 'whole' or 'regions'")
     try:
         feeds = random_inputs(original, dims, seed)
     except UnfeedableInputError as e:

@@ -12,9 +12,8 @@ from onnx import TensorProto, helper
 from onnxfuse import api, verify
 from onnxfuse.fused import DOMAIN
 from onnxfuse.modelio import InputError, load_model
-from onnxfuse.normalize import normalize
 from onnxfuse.models import llama_large
-from onnxfuse.region_verify import verify_regions
+from onnxfuse.normalize import normalize
 
 
 
@@ -50,7 +49,7 @@ def test_region_mode_catches_a_rewrite_that_differs_from_the_original(llama):
     split = next(n for n in optimized.graph.node if n.op_type == "Split" and len(n.output) == 3)
     first, second = split.output[0], split.output[1]
     split.output[0], split.output[1] = second, first  # Q and K swapped: same shapes, other values
-    v = verify_regions(original, optimized)
+    v = verify.verify(original, optimized, mode="regions")
     bad = [r for r in v.regions if not r.ok]
     assert len(bad) == 1 and bad[0].kind == "rewrite" and bad[0].op_type == "MatMul+Split"
     assert not v.ok and "against the original subgraph" in v.first_problem()
@@ -78,7 +77,7 @@ def test_region_mode_catches_a_fused_node_that_differs_from_its_fallback(llama):
     optimized = onnx.ModelProto()
     optimized.CopyFrom(result.model)
     name = _tamper_one_fallback(optimized)
-    v = verify_regions(original, optimized)
+    v = verify.verify(original, optimized, mode="regions")
     assert not v.ok
     bad = [r for r in v.regions if not r.ok]
     assert [r.node for r in bad] == [name]
