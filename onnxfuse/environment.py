@@ -1,4 +1,5 @@
-"""Which onnxruntime this installation runs on, and what the native library was built with.
+"""Which onnxruntime this installation runs on, what it loads (the newest IR version and opset,
+probed), and what the native library was built with.
 
 onnxruntime comes from the extra a user installs: `onnxfuse[cpu]` (the `onnxruntime` wheel) or
 `onnxfuse[gpu]` (`onnxruntime-gpu`, which also has the CPU provider). Both wheels install the
@@ -106,6 +107,7 @@ def library_info(path: str) -> dict:
 
 
 def probe_model(ir_version: int, opset: int) -> bytes:
+    """A one-Relu model of `ir_version` and ai.onnx `opset`, serialized: what the probes load."""
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"])],
         "probe",
