@@ -90,11 +90,10 @@ def reduced(s: ConvShape) -> ConvShape:
     return ConvShape(c, size, size + 1, k, s.r, s.s, s.stride, s.pads, s.dilation, g)
 
 
-def ort_reference(shape: ConvShape, epi: Epilogue, x, w, b, z=None):
-    """onnxruntime (CPU, no graph optimizations) running Conv and the epilogue as ONNX ops."""
-    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=list(shape.stride), pads=list(shape.pads),
-                              dilations=list(shape.dilation), group=shape.group)]
-    v = "c"
+def _epilogue_nodes(epi: Epilogue, v: str) -> tuple[list, str, list]:
+    """The epilogue as the ONNX ops it replaces, reading tensor `v` (and "z", the residual):
+    (nodes, their output, the initializers they read)."""
+    nodes = []
     act = epi.activation
     if act != "none":
         if act == "silu":
@@ -113,16 +112,27 @@ def ort_reference(shape: ConvShape, epi: Epilogue, x, w, b, z=None):
     if epi.post_relu:
         nodes += [helper.make_node("Relu", [v], ["pr"])]
         v = "pr"
-    nodes += [helper.make_node("Identity", [v], ["y"])]
     inits = [helper.make_tensor("lo", TensorProto.FLOAT, [], [epi.alpha]),
              helper.make_tensor("hi", TensorProto.FLOAT, [], [epi.beta])] if act == "clip" else []
-    names = ["x", "w", "b"] + (["z"] if epi.residual else [])
-    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+    return nodes, v, inits
+
+
+def _run_ort(nodes, out: str, inits, feeds: dict):
+    nodes = [*nodes, helper.make_node("Identity", [out], ["y"])]
+    g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in feeds],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 9
-    feeds = {"x": x, "w": w, "b": b, **({"z": z} if epi.residual else {})}
     return make_session(m, with_library=False, level="disable").run(None, feeds)[0]
+
+
+def ort_reference(shape: ConvShape, epi: Epilogue, x, w, b, z=None):
+    """onnxruntime (CPU, no graph optimizations) running Conv and the epilogue as ONNX ops."""
+    conv = helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=list(shape.stride), pads=list(shape.pads),
+                            dilations=list(shape.dilation), group=shape.group)
+    nodes, out, inits = _epilogue_nodes(epi, "c")
+    feeds = {"x": x, "w": w, "b": b, **({"z": z} if epi.residual else {})}
+    return _run_ort([conv, *nodes], out, inits, feeds)
 
 
 def random_problem(shape: ConvShape, epi: Epilogue, batch: int = 2):
@@ -273,6 +283,107 @@ def test_a_tiling_mistake_is_caught_by_the_model():
     assert got is None or not np.allclose(got, ort_reference(shape, Epilogue(), x, w, b), rtol=1e-3, atol=1e-3)
 
 
+# ------------------------------------------------------------ the epilogue's special values
+
+# Epilogues of ops onnxruntime computes exactly (no elementary function): the kernels must give
+# its bits, signed zeros, NaN and infinities included.
+EXACT_EPILOGUES = [
+    Epilogue("relu"),
+    Epilogue("leakyrelu", 0.1),
+    Epilogue("clip", 0.0, 6.0),
+    Epilogue("hardsigmoid", 0.2, 0.5),
+    Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True),
+    Epilogue("leakyrelu", 1e-30, residual=True, post_relu=True),
+    Epilogue("none", residual=True, post_relu=True),
+]
+SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1.2e-38, -1.2e-38, -10.0, 10.0, -3.0, 3.0,
+                     -0.5, 0.5, 3e38, -3e38], np.float32)
+
+
+def _bits(a) -> np.ndarray:
+    """The float32 bits, every NaN as one (its sign and payload are not compared)."""
+    a = np.asarray(a, np.float32)
+    return np.where(np.isnan(a), np.uint32(0x7FC00000), a.view(np.uint32))
+
+
+def _special_pairs() -> tuple[np.ndarray, np.ndarray]:
+    """Every (value, residual) pair of special values."""
+    return np.repeat(SPECIALS, len(SPECIALS)), np.tile(SPECIALS, len(SPECIALS))
+
+
+def _ort_epilogue(epi: Epilogue, v, z):
+    nodes, out, inits = _epilogue_nodes(epi, "v")
+    return _run_ort(nodes, out, inits, {"v": v, **({"z": z} if epi.residual else {})})
+
+
+def test_every_store_site_prints_the_epilogue_program():
+    """The kernels apply the epilogue through the Pointwise printer, so the CUDA code and the
+    numpy model share one meaning of each op: no hand-written activation (fmaxf turned -0 into
+    +0 and dropped NaN where onnxruntime keeps them)."""
+    from onnxfuse.cuda.codegen import body_lines
+
+    gemm = ConvShape(8, 6, 6, 16, 3, 3, (1, 1), (1, 1, 1, 1))
+    dw = ConvShape(8, 6, 6, 8, 3, 3, (1, 1), (1, 1, 1, 1), group=8)
+    for epi in EPILOGUES + EXACT_EPILOGUES:
+        body, _ = body_lines(epi.program(), ["v", *(["a.z[dst]"] if epi.residual else [])], "f32", "", prefix="ep_")
+        for k in (generate_gemm(gemm, epi, GEMM_TILES[0]), generate(gemm, epi, TENSOR_TILES[0]),
+                  generate(gemm, epi, GEMM_TILES[3].split(2)), generate_depthwise(dw, epi, DEPTHWISE_TILES[0])):
+            lines = [line.strip() for line in k.source.splitlines()]
+            assert all(line in lines for line in body), (epi, k.kind)
+            assert "fmaxf(" not in k.source and "fminf(" not in k.source
+
+
+@pytest.mark.parametrize("epi", EXACT_EPILOGUES, ids=str)
+def test_epilogue_program_matches_onnxruntime_bit_for_bit_on_special_values(epi):
+    v, z = _special_pairs()
+    got = epi.program().evaluate(v, *([z] if epi.residual else []))[0]
+    np.testing.assert_array_equal(_bits(got), _bits(_ort_epilogue(epi, v, z)))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
+def test_printed_epilogue_matches_onnxruntime_bit_for_bit_on_special_values(tmp_path):
+    """The CUDA C the kernels hold, compiled for the host (onnxfuse/cuda/hostsim.py)."""
+    from onnxfuse.cuda import codegen
+    from onnxfuse.cuda.hostsim import HostKernels
+
+    kernels = [codegen.generate(epi.program(), 1) for epi in EXACT_EPILOGUES]
+    host = HostKernels(kernels, str(tmp_path))
+    v, z = _special_pairs()
+    for epi, k in zip(EXACT_EPILOGUES, kernels):
+        (got,) = host.run(epi.program(), k, [v, *([z] if epi.residual else [])], [np.float32])
+        np.testing.assert_array_equal(_bits(got), _bits(_ort_epilogue(epi, v, z)), err_msg=str(epi))
+
+
+# A Relu after a residual Add of -0 to a hard-swish's -0 (onnxruntime's Relu keeps it), and a Clip
+# of NaN (onnxruntime's Clip lets it through).
+SIGNED_ZERO_EPILOGUES = [Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True), Epilogue("clip", 0.0, 6.0)]
+
+
+def _signed_zero_problem(epi: Epilogue, depthwise: bool = False):
+    """A convolution whose outputs all lie below -3 (hard-swish gives -0 there), a residual of
+    -0 and one NaN in the input: (shape, x, w, b, z)."""
+    rng = np.random.default_rng(3)
+    shape = ConvShape(4, 6, 6, 4 if depthwise else 8, 3, 3, (1, 1), (1, 1, 1, 1), group=4 if depthwise else 1)
+    x = rng.uniform(0, 1, (2, shape.c, shape.h, shape.w)).astype(np.float32)
+    x[1, 1, 2, 3] = np.nan
+    w = rng.uniform(0, 0.1, (shape.k, shape.cg, shape.r, shape.s)).astype(np.float32)
+    b = np.full(shape.k, -10.0, np.float32)
+    z = np.full((2, shape.k, shape.p, shape.q), -0.0, np.float32) if epi.residual else None
+    return shape, x, w, b, z
+
+
+@pytest.mark.parametrize("epi", SIGNED_ZERO_EPILOGUES, ids=str)
+def test_kernel_model_keeps_negative_zero_and_nan_as_onnxruntime(epi):
+    shape, x, w, b, z = _signed_zero_problem(epi)
+    want = ort_reference(shape, epi, x, w, b, z)
+    assert np.isnan(want).any() and (np.signbit(want) & ~np.isnan(want)).any() == epi.residual
+    for tile in (GEMM_TILES[0], TENSOR_TILES[0], heuristic_tile(shape)):
+        np.testing.assert_array_equal(_bits(conv_model.run(shape, epi, tile, x, w, b, z)), _bits(want), err_msg=str(tile))
+    shape, x, w, b, z = _signed_zero_problem(epi, depthwise=True)
+    got = conv_model.run(shape, epi, DEPTHWISE_TILES[0], x, w, b, z)
+    np.testing.assert_array_equal(_bits(got), _bits(ort_reference(shape, epi, x, w, b, z)))
+
+
 def test_index_expressions_appear_verbatim_in_the_source():
     s = ConvShape(16, 12, 12, 32, 3, 3, (2, 2), (1, 1, 1, 1))
     gemm = generate_gemm(s, Epilogue("relu"), GEMM_TILES[3]).source
@@ -365,8 +476,6 @@ def _gpu():
 def test_kernel_on_gpu_matches_onnxruntime(shape):
     """Every candidate tile, split-K over thread-block clusters and 3xTF32 tensor cores included."""
     drv = _gpu()
-    from pycuda.compiler import SourceModule
-
     from onnxfuse.cuda.conv_plan import candidates
 
     epi = Epilogue("hardswish", 1 / 6, 0.5, residual=True, post_relu=True)
@@ -374,17 +483,47 @@ def test_kernel_on_gpu_matches_onnxruntime(shape):
     expected = ort_reference(shape, epi, x, w, b, z)
     tiles = candidates(shape, 2, clusters=True, tensor_cores=True)
     kernels = [generate(shape, epi, tile) for tile in tiles]
-    module = SourceModule("\n".join({k.entry: k.source for k in kernels}.values()), no_extern_c=True, options=["-O3"])
-    for tile, k in zip(tiles, kernels):
-        fn = module.get_function(k.entry)
-        y = np.zeros_like(expected)
-        bufs = [drv.to_device(a) for a in (x, w, b, z)]
-        yd = drv.mem_alloc(y.nbytes)
-        words = np.array([int(p) for p in bufs] + [int(yd), 2], dtype=np.uint64)
-        fn(np.frombuffer(words.tobytes(), dtype=np.dtype((np.void, words.nbytes)))[0],
-           block=(k.threads, 1, 1), grid=k.grid(2))
-        drv.memcpy_dtoh(y, yd)
+    for tile, y in zip(tiles, _run_on_gpu(drv, kernels, x, w, b, z)):
         np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4, err_msg=str(tile))
+
+
+def _run_on_gpu(drv, kernels, x, w, b, z) -> list[np.ndarray]:
+    """Each kernel's output for the same inputs (z None: no residual), compiled in one module."""
+    from pycuda.compiler import SourceModule
+
+    module = SourceModule("\n".join({k.entry: k.source for k in kernels}.values()), no_extern_c=True, options=["-O3"])
+    outs = []
+    batch = x.shape[0]
+    for k in kernels:
+        fn = module.get_function(k.entry)
+        kk, p, q = k.output_kpq
+        y = np.zeros((batch, kk, p, q), np.float32)
+        bufs = [drv.to_device(a) for a in (x, w, b)]
+        zd = drv.to_device(z) if z is not None else None
+        yd = drv.mem_alloc(y.nbytes)
+        words = np.array([int(p) for p in bufs] + [int(zd) if zd is not None else 0, int(yd), batch], dtype=np.uint64)
+        fn(np.frombuffer(words.tobytes(), dtype=np.dtype((np.void, words.nbytes)))[0],
+           block=(k.threads, 1, 1), grid=k.grid(batch))
+        drv.memcpy_dtoh(y, yd)
+        outs.append(y)
+    return outs
+
+
+@pytest.mark.gpu
+def test_kernel_on_gpu_keeps_negative_zero_and_nan_as_onnxruntime():
+    """Relu after a residual keeps -0 and Clip lets NaN through, as onnxruntime's ops do: every
+    kind of kernel, bit for bit."""
+    drv = _gpu()
+    for epi in SIGNED_ZERO_EPILOGUES:
+        shape, x, w, b, z = _signed_zero_problem(epi)
+        tiles = [GEMM_TILES[0], TENSOR_TILES[0], heuristic_tile(shape)]
+        dw_shape, dx, dwt, db, dz = _signed_zero_problem(epi, depthwise=True)
+        got = _run_on_gpu(drv, [generate(shape, epi, t) for t in tiles], x, w, b, z)
+        want = ort_reference(shape, epi, x, w, b, z)
+        for tile, y in zip(tiles, got):
+            np.testing.assert_array_equal(_bits(y), _bits(want), err_msg=f"{epi} {tile}")
+        (y,) = _run_on_gpu(drv, [generate(dw_shape, epi, DEPTHWISE_TILES[0])], dx, dwt, db, dz)
+        np.testing.assert_array_equal(_bits(y), _bits(ort_reference(dw_shape, epi, dx, dwt, db, dz)), err_msg=str(epi))
 
 
 @pytest.mark.gpu

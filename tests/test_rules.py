@@ -143,16 +143,24 @@ def test_every_activation_lowers_to_a_program_op(act):
     assert lowered == act.name and act.name in OPS
 
 
-def test_every_conv_epilogue_activation_has_cuda_code():
-    from onnxfuse.cuda.conv_codegen import activation_c
+def test_every_conv_epilogue_activation_is_a_program_the_cuda_printer_renders():
+    from onnxfuse.cuda.codegen import body_lines
+    from onnxfuse.cuda.conv_plan import ACTIVATIONS, Epilogue
+    from onnxfuse.program import Program
 
-    for name in names_fused_in(CONV):
-        assert activation_c(name, "v", 0.5, 1.0)
+    assert set(names_fused_in(CONV)) <= set(ACTIVATIONS)
+    for name in ACTIVATIONS:
+        prog = Epilogue(name, 0.5, 1.0).program()
+        assert Program.parse(prog.to_text()).to_text() == prog.to_text()
+        body_lines(prog, ["v"], "f32", "")
 
 
-def test_stacked_mlp_activations_are_the_kernels():
-    # kernels/stacked_mlp_cpu.cc reads these names from the node's `activations` attribute
-    assert sorted(a.name for a in TABLE if STACKED_MLP in a.fused_in) == ["relu", "sigmoid", "tanh"]
+def test_stacked_mlp_activations_are_unary_program_ops():
+    # kernels/stacked_mlp_cpu.cc runs each as a one-instruction program (pointwise_exec.inc)
+    from onnxfuse.program import OPS
+
+    acts = [a for a in TABLE if STACKED_MLP in a.fused_in]
+    assert acts and all(OPS[a.name].arity == 1 and OPS[a.name].nparams == len(a.params) for a in acts)
 
 
 # --------------------------------------------------------------------------- GELU forms

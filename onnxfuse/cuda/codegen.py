@@ -140,6 +140,20 @@ def instr_expr(op: str, args: list[str], params: tuple, ct: str) -> str:
     return table[op]()
 
 
+def body_lines(prog: Program, inputs: list[str], ct: str, indent: str, prefix: str = "") -> tuple[list[str], list[str]]:
+    """The program's instructions as C statements `const CT PREFIXtK = ...;` over the C
+    expressions `inputs` (one per program input, in the compute type), and the C names of its
+    outputs. Every kernel that applies a program (a Pointwise node, a ConvBiasAct epilogue)
+    prints it here, so each op has one CUDA expression."""
+    names = {i.name: inputs[k] for k, i in enumerate(prog.inputs)}
+    lines = []
+    for ins in prog.instrs:
+        args = [names[a] if isinstance(a, str) else literal(a, ct) for a in ins.args]
+        names[ins.dst] = prefix + ins.dst
+        lines.append(f"{indent}const CT {prefix}{ins.dst} = {instr_expr(ins.op, args, ins.params, ct)};")
+    return lines, [names[o.name] for o in prog.outputs]
+
+
 def _cast_expr(a: str, dtype: str, ct: str) -> str:
     """ONNX Cast to `dtype` and back to the compute type, as program.cast_values does."""
     if dtype == "bool":
@@ -179,7 +193,7 @@ def store_expr(value: str, dtype: str, ct: str) -> str:
     return f"(unsigned char)({value} != (CT)0)"
 
 
-_HELPERS = r"""#ifndef ONNXFUSE_PW_HELPERS
+HELPERS = r"""#ifndef ONNXFUSE_PW_HELPERS
 #define ONNXFUSE_PW_HELPERS
 // min/max that propagate NaN like numpy.minimum/maximum (fminf/fmaxf would drop it).
 template <typename T> __host__ __device__ __forceinline__ T of_min(T a, T b) { return (a != a || b != b) ? a + b : (a < b ? a : b); }
@@ -236,7 +250,7 @@ def generate(prog: Program, rank: int) -> Kernel:
     for line in prog.to_text().splitlines():
         w(f"//   {line}")
     L.extend(_includes(prog))
-    w(_HELPERS)
+    w(HELPERS)
     w(f"#define CT {ctype}")
     w(f"struct {entry}_args {{")
     w("  long long n;")
@@ -254,11 +268,10 @@ def generate(prog: Program, rank: int) -> Kernel:
     # The program itself: compute-type operands in, compute-type results out.
     params = [f"const CT {i.name}" for i in ins_] + [f"CT& y{k}" for k in range(nout)]
     w(f"static __host__ __device__ __forceinline__ void {entry}_compute({', '.join(params)}) {{")
-    for ins in prog.instrs:
-        args = [a if isinstance(a, str) else literal(a, ct) for a in ins.args]
-        w(f"  const CT {ins.dst} = {instr_expr(ins.op, args, ins.params, ct)};")
-    for k, o in enumerate(outs):
-        w(f"  y{k} = {o.name};")
+    body, results = body_lines(prog, [i.name for i in ins_], ct, "  ")
+    L.extend(body)
+    for k, name in enumerate(results):
+        w(f"  y{k} = {name};")
     w("}")
     w("")
 

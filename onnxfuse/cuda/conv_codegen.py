@@ -50,9 +50,9 @@ Kernel ABI (shared with the launcher of stored CUDA kernels): every argument is 
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 
+from .codegen import HELPERS, body_lines
 from .conv_plan import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile, TensorTile, heuristic_tile
 
 
@@ -73,32 +73,6 @@ def _c_lines(table: str, indent: str, skip: tuple[str, ...] = ()) -> list[str]:
         ctype = "bool" if name in ("ok", "tok") else ("long long" if name in _WIDE else "int")
         lines.append(f"{indent}const {ctype} {name} = {expr};")
     return lines
-
-
-def activation_c(act: str, v: str, alpha: float, beta: float) -> str:
-    a, b = _flit(alpha), _flit(beta)
-    return {
-        "none": v,
-        "relu": f"fmaxf({v}, 0.0f)",
-        "leakyrelu": f"({v} >= 0.0f ? {v} : {a} * {v})",
-        "clip": f"fminf(fmaxf({v}, {a}), {b})",
-        "sigmoid": f"(1.0f / (1.0f + expf(-{v})))",
-        "hardsigmoid": f"fmaxf(0.0f, fminf(1.0f, {a} * {v} + {b}))",
-        "hardswish": f"({v} * fmaxf(0.0f, fminf(1.0f, {a} * {v} + {b})))",
-        "tanh": f"tanhf({v})",
-        "silu": f"({v} / (1.0f + expf(-{v})))",
-    }[act]
-
-
-def _flit(x: float) -> str:
-    """An exact float32 C literal."""
-    import numpy as np
-
-    v = float(np.float32(x))
-    if math.isinf(v):
-        return "INFINITY" if v > 0 else "(-INFINITY)"
-    text = v.hex() + "f"
-    return f"({text})" if text.startswith("-") else text
 
 
 @dataclass(frozen=True)
@@ -157,7 +131,8 @@ _INDEX_MACROS = """#ifndef ONNXFUSE_CONV_INDEX
 #define MOD(a, b) ((a) % (b))
 #define WIDE(a) ((long long)(a))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
-#endif"""
+#endif
+""" + HELPERS + "#define CT float  // the epilogue program's compute type"
 
 
 def _args_struct(entry: str) -> list[str]:
@@ -177,12 +152,14 @@ def _constants_block(consts: dict[str, int], indent: str) -> list[str]:
 
 
 def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
-    lines = [f"{indent}{v} = {activation_c(epi.activation, v, epi.alpha, epi.beta)};"] if epi.activation != "none" else []
-    if epi.residual:
-        lines.append(f"{indent}{v} += a.z[dst];")
-    if epi.post_relu:
-        lines.append(f"{indent}{v} = fmaxf({v}, 0.0f);")
-    return lines
+    """`v = epilogue(v)`: the epilogue's program (Epilogue.program) printed by the Pointwise
+    printer, in a block of its own so that every store site can hold one."""
+    prog = epi.program()
+    if not prog.instrs:
+        return []
+    residual = ["a.z[dst]"] if epi.residual else []
+    body, (result,) = body_lines(prog, [v, *residual], "f32", indent + "  ", prefix="ep_")
+    return [f"{indent}{{", *body, f"{indent}  {v} = {result};", f"{indent}}}"]
 
 
 # Every kernel declares __launch_bounds__(THREADS, 1): with no minimum-blocks hint ptxas capped
@@ -248,10 +225,17 @@ def _gemm_prologue(title: str, shape: ConvShape, epi: Epilogue, tile, consts: di
     return entry, L
 
 
+def _own_elements(split: bool) -> list[str]:
+    """Opens the loops over the thread's TM x TN micro-tile (two braces to close); with split-K,
+    over the elements this block of the cluster stores (those with e % SPLITK == ks)."""
+    lines = ["#pragma unroll", "  for (int i = 0; i < TM; ++i) {", "#pragma unroll", "    for (int j = 0; j < TN; ++j) {"]
+    return lines + (["      if ((i * TN + j) % SPLITK != ks) continue;"] if split else [])
+
+
 def _gemm_kernel(kind: str, entry: str, lines: list[str], shape: ConvShape, epi: Epilogue, tile) -> Kernel:
     """A GEMM kernel's launch record: one block per BN output pixels and BM output channels of a
     group, SPLITK blocks (a cluster) per tile with split-K."""
-    return Kernel(entry=entry, source="\n".join(lines) + "\n", kind=kind, threads=tile.threads,
+    return Kernel(entry=entry, source="\n".join([*lines, "#undef CT"]) + "\n", kind=kind, threads=tile.threads,
                   cols_per_block=tile.bn, grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // tile.bm),
                   grid_z=shape.group * tile.splitk, smem_bytes=tile.smem_bytes, tile=tile.as_list(),
                   **_io(shape, epi))
@@ -308,11 +292,7 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
             "#pragma unroll",
             "    for (int j = 0; j < TN; ++j) part[i * TN + j][tid] = acc[i][j];",
             "  cluster.sync();",
-            "#pragma unroll",
-            "  for (int i = 0; i < TM; ++i) {",
-            "#pragma unroll",
-            "    for (int j = 0; j < TN; ++j) {",
-            "      if ((i * TN + j) % SPLITK != ks) continue;",
+            *_own_elements(split),
             "      float sum = 0.0f;",
             "#pragma unroll",
             "      for (int rank = 0; rank < SPLITK; ++rank)",
@@ -321,14 +301,7 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
             "    }",
             "  }",
         ]
-    L += [
-        "#pragma unroll",
-        "  for (int i = 0; i < TM; ++i) {",
-        "#pragma unroll",
-        "    for (int j = 0; j < TN; ++j) {",
-    ]
-    if split:
-        L.append("      if ((i * TN + j) % SPLITK != ks) continue;")
+    L += _own_elements(split)
     L += _c_lines("store", "      ")
     L += ["      if (!ok) continue;", "      float v = acc[i][j] + __ldg(a.bias + ko);"]
     L += _epilogue_lines(epi, "v", "      ")
@@ -491,7 +464,7 @@ def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> 
     ]
     L += _epilogue_lines(epi, "v", "  ")
     L += ["  a.y[dst] = v;", "}"]
-    return Kernel(entry=entry, source="\n".join(L) + "\n", kind="depthwise", threads=tile.threads,
+    return Kernel(entry=entry, source="\n".join([*L, "#undef CT"]) + "\n", kind="depthwise", threads=tile.threads,
                   cols_per_block=tile.threads, grid_cols=shape.p * shape.q, grid_y=shape.k, grid_z=1,
                   smem_bytes=4 * shape.r * shape.s, tile=[tile.threads], **_io(shape, epi))
 

@@ -23,38 +23,12 @@ def _eval(table: str, env: dict) -> dict:
     return env
 
 
-def activation(act: str, v: np.ndarray, alpha: float, beta: float) -> np.ndarray:
-    f = np.float32
-    a, b = f(alpha), f(beta)
-    with np.errstate(over="ignore"):
-        if act == "none":
-            return v
-        if act == "relu":
-            return np.maximum(v, f(0))
-        if act == "leakyrelu":
-            return np.where(v >= 0, v, a * v)
-        if act == "clip":
-            return np.minimum(np.maximum(v, a), b)
-        if act == "sigmoid":
-            return f(1) / (f(1) + np.exp(-v))
-        if act == "hardsigmoid":
-            return np.maximum(f(0), np.minimum(f(1), a * v + b))
-        if act == "hardswish":
-            return v * np.maximum(f(0), np.minimum(f(1), a * v + b))
-        if act == "tanh":
-            return np.tanh(v)
-        if act == "silu":
-            return v / (f(1) + np.exp(-v))
-    raise ValueError(f"unknown activation {act!r}")
-
-
 def _epilogue(v: np.ndarray, epi: Epilogue, z: np.ndarray | None, dst: np.ndarray) -> np.ndarray:
-    v = activation(epi.activation, v, epi.alpha, epi.beta)
-    if epi.residual:
-        v = v + z[dst]
-    if epi.post_relu:
-        v = np.maximum(v, np.float32(0))
-    return v
+    """The epilogue's program (Epilogue.program), evaluated by the program's numpy reference."""
+    prog = epi.program()
+    if not prog.instrs:
+        return v
+    return prog.evaluate(v, *([z[dst]] if epi.residual else []))[0]
 
 
 def _stage_tiles(t, base: dict, k0, rows, blocks: int, a_iters: int, b_iters: int, wf, xf):
@@ -105,12 +79,23 @@ def _gemm_grid(shape: ConvShape, t, x, w, z, tile_consts: dict):
     return base, blocks, (gy, gx), xf, wf, zf, yf
 
 
+def _cluster_sum(tiles: np.ndarray, groups: int, splitk: int) -> np.ndarray:
+    """Split-K's reduction of per-block partial tiles (axis 0 enumerates (blockIdx.z, y, x)): the
+    cluster of block (g, ks, y, x) is the SPLITK blocks (g, 0..SPLITK-1, y, x), whose partial
+    tiles are summed over ranks in order, starting from 0; every block of the cluster gets the sum."""
+    parts = tiles.reshape(groups, splitk, -1, *tiles.shape[1:])
+    total = np.zeros_like(parts[:, 0])
+    for rank in range(splitk):
+        total = total + parts[:, rank]
+    return np.broadcast_to(total[:, None], parts.shape).reshape(tiles.shape)
+
+
 def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None) -> np.ndarray:
     """The implicit-GEMM kernel over grid (ceil(N*P*Q/BN), ceil(KG/BM), G*SPLITK)."""
     batch = x.shape[0]
     t = tile
     split = t.splitk > 1
-    base, blocks, (gy, gx), xf, wf, zf, yf = _gemm_grid(shape, t, x, w, z, {"TM": t.tm, "TN": t.tn})
+    base, blocks, _, xf, wf, zf, yf = _gemm_grid(shape, t, x, w, z, {"TM": t.tm, "TN": t.tn})
     th = _eval("thread", dict(base))
     ty, tx = th["ty"], th["tx"]  # [1, THREADS]
     acc = np.zeros((blocks, t.threads, t.tm, t.tn), np.float32)
@@ -130,13 +115,7 @@ def run_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile, x, w, bias, z=None
             bv = Bs[:, kk, :][:, (tx.reshape(-1, 1) + np.arange(t.tn) * (t.bn // t.tn))]  # [blocks, THREADS, TN]
             acc[active] += av[active][:, :, :, None] * bv[active][:, :, None, :]
     if split:
-        # The cluster of block (g, ks, y, x) is the SPLITK blocks (g, 0..SPLITK-1, y, x); the
-        # partial tiles are summed over ranks in order, starting from 0.
-        parts = acc.reshape(shape.group, t.splitk, gy * gx, t.threads, t.tm, t.tn)
-        total = np.zeros_like(parts[:, 0])
-        for rank in range(t.splitk):
-            total = total + parts[:, rank]
-        acc = np.broadcast_to(total[:, None], parts.shape).reshape(acc.shape)
+        acc = _cluster_sum(acc, shape.group, t.splitk)
     bias = bias.astype(np.float32)
     stored = np.zeros(yf.shape, int)
     ks = base["ks"].reshape(-1, 1)
@@ -175,7 +154,7 @@ def run_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile, x, w, bias, z
     batch = x.shape[0]
     t = tile
     split = t.splitk > 1
-    base, blocks, (gy, gx), xf, wf, zf, yf = _gemm_grid(shape, t, x, w, z, {})
+    base, blocks, _, xf, wf, zf, yf = _gemm_grid(shape, t, x, w, z, {})
     # warp -> (wm0, wn0), as in the source
     warps = [((wp // (t.bn // t.wn)) * t.wm, (wp % (t.bn // t.wn)) * t.wn) for wp in range(t.warps)]
     acc = {(wp, i, j): np.zeros((blocks, 16, 16), np.float32)
@@ -206,11 +185,7 @@ def run_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile, x, w, bias, z
         Cs[:, wm0 + 16 * i:wm0 + 16 * i + 16, wn0 + 16 * j:wn0 + 16 * j + 16] = c
     Cs = Cs.reshape(blocks, -1)
     if split:
-        parts = Cs.reshape(shape.group, t.splitk, gy * gx, t.bm * t.bn)
-        total = np.zeros_like(parts[:, 0])
-        for rank in range(t.splitk):
-            total = total + parts[:, rank]
-        Cs = np.broadcast_to(total[:, None], parts.shape).reshape(Cs.shape)
+        Cs = _cluster_sum(Cs, shape.group, t.splitk)
     bias = bias.astype(np.float32)
     stored = np.zeros(yf.shape, int)
     ks = base["ks"].reshape(-1, 1)

@@ -3,16 +3,24 @@ heuristic that picks one, and the index arithmetic the generated kernel (conv_co
 its numpy model (conv_model.py) share (INDEX)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from onnxfuse.graph.activations import CONV, names_fused_in
+from onnxfuse.program import OPS, Program
 
 H100_SMS = 132  # streaming multiprocessors the heuristic fills (sm_90 parts have 114..132)
 
 
-# The epilogue's activations: the shared vocabulary's (onnxfuse/graph/activations.py) and SiLU,
-# which conv-bias-act matches as x * Sigmoid(x).
-ACTIVATIONS = ("none", *names_fused_in(CONV), "silu")
+# Epilogue activations that are more than one program op, as the instructions they stand for:
+# SiLU, which conv-bias-act matches as x * Sigmoid(x), and a hard-swish with any gate
+# (x * HardSigmoid(x), whose defaults 1/6, 1/2 give HardSwish's bits).
+COMPOSITE_ACTIVATIONS = {
+    "silu": lambda p, v, alpha, beta: p.emit("mul", v, p.emit("sigmoid", v)),
+    "hardswish": lambda p, v, alpha, beta: p.emit("mul", v, p.emit("hardsigmoid", v, params=(alpha, beta))),
+}
+# The epilogue's activations: the shared vocabulary's (onnxfuse/graph/activations.py), each one
+# program op, and the composites above.
+ACTIVATIONS = ("none", *names_fused_in(CONV), *(a for a in COMPOSITE_ACTIVATIONS if a not in names_fused_in(CONV)))
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,9 @@ class ConvShape:
 class Epilogue:
     """What follows the convolution sum: + bias, activation, + residual, Relu.
 
-    Activation parameters: leakyrelu alpha; clip min=alpha max=beta; hardsigmoid and hardswish
-    alpha, beta (y = v * max(0, min(1, alpha*v + beta)) for hardswish); silu is v * sigmoid(v).
+    Activation parameters, in the program op's parameter order: leakyrelu alpha; clip min=alpha
+    max=beta; hardsigmoid and hardswish alpha, beta (hardswish is v * hardsigmoid[alpha, beta](v));
+    silu is v * sigmoid(v). program() is its meaning.
     """
 
     activation: str = "none"
@@ -92,9 +101,49 @@ class Epilogue:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {self.activation!r}; known: {', '.join(ACTIVATIONS)}")
 
+    def program(self) -> Program:
+        """The epilogue as an expression program (onnxfuse/program.py) over x0, the convolution
+        sum plus bias, and x1, the residual when there is one: the numpy model evaluates it and
+        the CUDA kernels print it with the Pointwise printer, so every activation has one
+        meaning, special values included (a Relu keeps -0, a Clip lets NaN through)."""
+        p = Program()
+        v = p.add_input("f32")
+        z = p.add_input("f32") if self.residual else None
+        if self.activation in COMPOSITE_ACTIVATIONS:
+            v = COMPOSITE_ACTIVATIONS[self.activation](p, v, self.alpha, self.beta)
+        elif self.activation != "none":
+            v = p.emit(self.activation, v, params=(self.alpha, self.beta)[:OPS[self.activation].nparams])
+        if z is not None:
+            v = p.emit("add", v, z)
+        if self.post_relu:
+            v = p.emit("relu", v)
+        p.add_output(v, "f32")
+        return p
+
+
+class _BlockTile:
+    """What both GEMM tiles share: a BM x BN block tile whose reduction runs in BK-slices, split
+    over a cluster of `splitk` blocks, and the limits a launch puts on it."""
+
+    def _check_launch(self, needs_smem: bool) -> None:
+        if not 32 <= self.threads <= 1024:
+            raise ValueError(f"{self} gives {self.threads} threads per block")
+        if self.splitk not in SPLITS:
+            raise ValueError(f"split-K {self.splitk}: one of {SPLITS} (a portable cluster holds at most 8 blocks)")
+        if needs_smem and self.smem_bytes > 48 * 1024:
+            raise ValueError(f"{self} needs {self.smem_bytes} bytes of static shared memory")
+
+    def split(self, splitk: int):
+        """The same tile with its reduction split over a cluster of `splitk` blocks."""
+        return replace(self, splitk=splitk)
+
+    def slices_per_split(self, kred: int) -> int:
+        """BK-slices of the reduction each block of a cluster sums (the last may get fewer)."""
+        return -(-(-(-kred // self.bk)) // self.splitk)
+
 
 @dataclass(frozen=True)
-class GemmTile:
+class GemmTile(_BlockTile):
     """Block tile BM x BN (output channels x output pixels), reduction slice BK, per-thread TM x TN.
 
     splitk > 1: the reduction is split over a thread-block cluster of `splitk` blocks (sm_90 and
@@ -111,12 +160,7 @@ class GemmTile:
     def __post_init__(self) -> None:
         if self.bm % self.tm or self.bn % self.tn:
             raise ValueError(f"thread tile {self.tm}x{self.tn} does not divide block tile {self.bm}x{self.bn}")
-        if not 32 <= self.threads <= 1024:
-            raise ValueError(f"{self} gives {self.threads} threads per block")
-        if self.splitk not in SPLITS:
-            raise ValueError(f"split-K {self.splitk}: one of {SPLITS} (a portable cluster holds at most 8 blocks)")
-        if self.splitk > 1 and self.smem_bytes > 48 * 1024:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of static shared memory")
+        self._check_launch(needs_smem=self.splitk > 1)
 
     @property
     def threads(self) -> int:
@@ -129,13 +173,6 @@ class GemmTile:
     def as_list(self) -> list[int]:
         return [self.bm, self.bn, self.bk, self.tm, self.tn] + ([self.splitk] if self.splitk > 1 else [])
 
-    def split(self, splitk: int) -> "GemmTile":
-        return GemmTile(self.bm, self.bn, self.bk, self.tm, self.tn, splitk)
-
-    def slices_per_split(self, kred: int) -> int:
-        """BK-slices of the reduction each block of a cluster sums (the last may get fewer)."""
-        return -(-(-(-kred // self.bk)) // self.splitk)
-
 
 SPLITS = (1, 2, 4, 8)
 
@@ -146,7 +183,7 @@ class DepthwiseTile:
 
 
 @dataclass(frozen=True)
-class TensorTile:
+class TensorTile(_BlockTile):
     """Implicit GEMM on tensor cores, 3xTF32: block tile BM x BN, reduction slice BK, one warp
     per WM x WN piece of the block tile (16x16 WMMA fragments, k-steps of 8); splitk as GemmTile.
 
@@ -165,12 +202,7 @@ class TensorTile:
     def __post_init__(self) -> None:
         if self.bm % self.wm or self.bn % self.wn or self.wm % 16 or self.wn % 16 or self.bk % 8:
             raise ValueError(f"{self}: warp tiles must be multiples of 16 dividing the block tile, BK of 8")
-        if not 32 <= self.threads <= 1024:
-            raise ValueError(f"{self} gives {self.threads} threads per block")
-        if self.splitk not in SPLITS:
-            raise ValueError(f"split-K {self.splitk}: one of {SPLITS}")
-        if self.smem_bytes > 48 * 1024:
-            raise ValueError(f"{self} needs {self.smem_bytes} bytes of static shared memory")
+        self._check_launch(needs_smem=True)
 
     @property
     def warps(self) -> int:
@@ -187,12 +219,6 @@ class TensorTile:
 
     def as_list(self) -> list[int]:
         return [self.bm, self.bn, self.bk, self.wm, self.wn, self.splitk]
-
-    def split(self, splitk: int) -> "TensorTile":
-        return TensorTile(self.bm, self.bn, self.bk, self.wm, self.wn, splitk)
-
-    def slices_per_split(self, kred: int) -> int:
-        return -(-(-(-kred // self.bk)) // self.splitk)
 
 
 # Candidates, largest first; the heuristic and --tune choose among these.

@@ -8,10 +8,12 @@ pointwise lowering (onnxfuse/lowering.py), the ops a batched linear layer may en
 (passes/ensemble_batch.py) and the activations onnxruntime fuses into its Conv and Gemm kernels
 (ort_fusions.py).
 
-Adding an activation the expression program already computes is one line here. A new program
-op also needs its numpy reference (program.py), its C++ interpreter case (kernels/) and its CUDA
-expression (cuda/codegen.py); an activation new to an epilogue also needs its case in that
-kernel (cuda/conv_codegen.activation_c, kernels/stacked_mlp_cpu.cc).
+Adding an activation the expression program already computes is one line here, and so is
+adding it to an epilogue: every fused epilogue applies its activation as a program instruction
+(ConvBiasAct's CUDA kernels print it with the Pointwise printer, cuda/conv_plan.Epilogue.program;
+StackedMLP's kernel runs it with the Pointwise interpreter). A new program op needs its numpy
+reference (program.py), its C++ interpreter case (kernels/pointwise_plan.h, pointwise_exec.inc)
+and its CUDA expression (cuda/codegen.py), and then serves every backend and epilogue.
 """
 from __future__ import annotations
 
