@@ -49,7 +49,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr const char* kAttentionName = "Attention";
 constexpr int64_t kRows = 4;      // query rows per register tile
 constexpr int64_t kKeyTile = 16;  // keys per register tile (two AVX2 registers)
 // Query rows per work item when (batch, head) pairs alone are too few to keep threads busy.
@@ -610,15 +609,14 @@ struct AttentionKernel {
   int64_t causal_max_queries = 0, causal_max_keys = 0;  // the causal mask constant's [R, C]
 };
 
-std::string where(const AttentionKernel* k) { return "onnxfuse Attention node '" + k->node_name + "': "; }
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
-  OrtApiRef api(raw);
-  try {
+  return create_guarded(
+      raw, info, "Attention", "",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<AttentionKernel>();
     kernel->api = api;
-    if (OrtStatus* st = read_node_name(api, info, &kernel->node_name)) return st;
-    kernel->where = where(kernel.get());
+    kernel->node_name = name;
+    kernel->where = where;
     const std::string& w = kernel->where;
     int64_t has_mask = 0, packed = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "num_heads", &kernel->heads), w + "attribute 'num_heads': ");
@@ -663,9 +661,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     kernel->avx2 = use_avx2_fma();
     *out = kernel.release();
     return nullptr;
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse Attention: ") + e.what()).c_str());
-  }
+  });
 }
 
 OrtStatus* input_f32(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, const std::string& w, const char* what,
@@ -685,126 +681,109 @@ OrtStatus* invalid(const OrtApiRef& api, const std::string& msg) {
   return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
 }
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
-  auto* k = static_cast<AttentionKernel*>(kernel_ptr);
+OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
   const OrtApiRef& api = k->api;
   const std::string& w = k->where;
-  try {
-    Job job{};
-    job.heads = k->heads;
-    job.scale = k->scale;
-    job.avx2 = k->avx2;
-    job.causal = k->causal;
-    const int64_t H = k->heads;
-    std::vector<int64_t> qd, kd, vd, md;
-    size_t next = 0;
-    if (k->packed) {
-      const float* qkv = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "qkv", &qkv, &qd), "");
-      if (qd.size() != 3 || qd[2] % (3 * H) != 0)
-        return invalid(api, w + "qkv of shape " + dims_text(qd) + " is not [B, S, 3 * " + std::to_string(H) + " * d]");
-      const int64_t D = qd[2] / 3;
-      const View base{qkv, qd[1] * qd[2], qd[2]};
-      job.q = base;
-      job.k = View{qkv + D, base.batch_stride, base.row_stride};
-      job.v = View{qkv + 2 * D, base.batch_stride, base.row_stride};
-      job.batch = qd[0];
-      job.sq = job.sk = qd[1];
-      job.dh = job.dv = D / H;
-    } else {
-      const float *q = nullptr, *kk = nullptr, *v = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "q", &q, &qd), "");
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "k", &kk, &kd), "");
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "v", &v, &vd), "");
-      if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || kd[0] != vd[0] || kd[1] != vd[1] ||
-          qd[2] != kd[2] || qd[2] % H != 0 || vd[2] % H != 0)
-        return invalid(api, w + "q " + dims_text(qd) + ", k " + dims_text(kd) + ", v " + dims_text(vd) +
-                                " are not [B, Sq, H*dh], [B, Sk, H*dh], [B, Sk, H*dv] with H = " + std::to_string(H));
-      job.q = View{q, qd[1] * qd[2], qd[2]};
-      job.k = View{kk, kd[1] * kd[2], kd[2]};
-      job.v = View{v, vd[1] * vd[2], vd[2]};
-      job.batch = qd[0];
-      job.sq = qd[1];
-      job.sk = kd[1];
-      job.dh = qd[2] / H;
-      job.dv = vd[2] / H;
-    }
-    if (k->has_mask) {
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "mask", &job.mask, &md), "");
-      const int64_t target[4] = {job.batch, H, job.sq, job.sk};
-      bool fits = md.size() <= 4;
-      int64_t dims4[4] = {1, 1, 1, 1};
-      for (size_t i = 0; fits && i < md.size(); ++i) dims4[4 - md.size() + i] = md[i];
-      int64_t stride = 1;
-      for (int i = 3; fits && i >= 0; --i) {
-        fits = dims4[i] == 1 || dims4[i] == target[i];
-        job.mask_stride[i] = dims4[i] == 1 ? 0 : stride;
-        stride *= dims4[i];
-      }
-      if (!fits)
-        return invalid(api, w + "mask of shape " + dims_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
-                                dims_text(std::vector<int64_t>(target, target + 4)));
-    }
-    if (k->causal && (job.sq > k->causal_max_queries || job.sk > k->causal_max_keys))
-      return invalid(api, w + std::to_string(job.sq) + " queries and " + std::to_string(job.sk) +
-                              " keys exceed the causal mask's " + std::to_string(k->causal_max_queries) + " x " +
-                              std::to_string(k->causal_max_keys) +
-                              " (the original model's slice of that mask does not broadcast to the scores)");
-    if (k->has_bias) {
-      std::vector<int64_t> bd;
-      ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "bias", &job.bias, &bd), "");
-      if (bd.size() != 1 || bd[0] != 3 * H * job.dh)
-        return invalid(api, w + "bias of shape " + dims_text(bd) + " is not [" + std::to_string(3 * H * job.dh) + "]");
-    }
-    const int64_t out_dims[3] = {job.batch, job.sq, H * job.dv};
-    OrtValue* y = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &y), w);
-    void* yp = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), w);
-    job.out = static_cast<float*>(yp);
-    const int64_t total = job.batch * job.sq * H * job.dv;
-    if (total == 0) return nullptr;
-    if (job.sk == 0) {  // an empty sum: what MatMul over a zero-length axis gives
-      std::fill(job.out, job.out + total, 0.0f);
-      return nullptr;
-    }
-    const int64_t pairs = job.batch * H;
-    job.ld = padded_keys(job.sk);
-    job.block_rows = pairs >= kMinItems ? job.sq : std::min<int64_t>(job.sq, kQueryBlock);
-    job.query_blocks = (job.sq + job.block_rows - 1) / job.block_rows;
-    // Several query blocks per pair share its key panel, packed by a first pass; with one block
-    // per pair each work item packs its own (job.keys stays null).
-    std::unique_ptr<float[]> keys;
-    if (job.query_blocks > 1) {
-      keys.reset(new float[static_cast<size_t>(pairs * job.dh * job.ld)]);  // pack_keys writes every element
-      job.keys = keys.get();
-      ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_ParallelFor(ctx, pack_item, static_cast<size_t>(pairs), 0, &job), w);
-    }
-    ONNXFUSE_RETURN_IF_ERROR(
-        api.KernelContext_ParallelFor(ctx, run_item, static_cast<size_t>(pairs * job.query_blocks), 0, &job), w);
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (w + "out of memory").c_str());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (w + e.what()).c_str());
+  Job job{};
+  job.heads = k->heads;
+  job.scale = k->scale;
+  job.avx2 = k->avx2;
+  job.causal = k->causal;
+  const int64_t H = k->heads;
+  std::vector<int64_t> qd, kd, vd, md;
+  size_t next = 0;
+  if (k->packed) {
+    const float* qkv = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "qkv", &qkv, &qd), "");
+    if (qd.size() != 3 || qd[2] % (3 * H) != 0)
+      return invalid(api, w + "qkv of shape " + dims_text(qd) + " is not [B, S, 3 * " + std::to_string(H) + " * d]");
+    const int64_t D = qd[2] / 3;
+    const View base{qkv, qd[1] * qd[2], qd[2]};
+    job.q = base;
+    job.k = View{qkv + D, base.batch_stride, base.row_stride};
+    job.v = View{qkv + 2 * D, base.batch_stride, base.row_stride};
+    job.batch = qd[0];
+    job.sq = job.sk = qd[1];
+    job.dh = job.dv = D / H;
+  } else {
+    const float *q = nullptr, *kk = nullptr, *v = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "q", &q, &qd), "");
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "k", &kk, &kd), "");
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "v", &v, &vd), "");
+    if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || kd[0] != vd[0] || kd[1] != vd[1] ||
+        qd[2] != kd[2] || qd[2] % H != 0 || vd[2] % H != 0)
+      return invalid(api, w + "q " + dims_text(qd) + ", k " + dims_text(kd) + ", v " + dims_text(vd) +
+                              " are not [B, Sq, H*dh], [B, Sk, H*dh], [B, Sk, H*dv] with H = " + std::to_string(H));
+    job.q = View{q, qd[1] * qd[2], qd[2]};
+    job.k = View{kk, kd[1] * kd[2], kd[2]};
+    job.v = View{v, vd[1] * vd[2], vd[2]};
+    job.batch = qd[0];
+    job.sq = qd[1];
+    job.sk = kd[1];
+    job.dh = qd[2] / H;
+    job.dv = vd[2] / H;
   }
+  if (k->has_mask) {
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "mask", &job.mask, &md), "");
+    const int64_t target[4] = {job.batch, H, job.sq, job.sk};
+    bool fits = md.size() <= 4;
+    int64_t dims4[4] = {1, 1, 1, 1};
+    for (size_t i = 0; fits && i < md.size(); ++i) dims4[4 - md.size() + i] = md[i];
+    int64_t stride = 1;
+    for (int i = 3; fits && i >= 0; --i) {
+      fits = dims4[i] == 1 || dims4[i] == target[i];
+      job.mask_stride[i] = dims4[i] == 1 ? 0 : stride;
+      stride *= dims4[i];
+    }
+    if (!fits)
+      return invalid(api, w + "mask of shape " + dims_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
+                              dims_text(std::vector<int64_t>(target, target + 4)));
+  }
+  if (k->causal && (job.sq > k->causal_max_queries || job.sk > k->causal_max_keys))
+    return invalid(api, w + std::to_string(job.sq) + " queries and " + std::to_string(job.sk) +
+                            " keys exceed the causal mask's " + std::to_string(k->causal_max_queries) + " x " +
+                            std::to_string(k->causal_max_keys) +
+                            " (the original model's slice of that mask does not broadcast to the scores)");
+  if (k->has_bias) {
+    std::vector<int64_t> bd;
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "bias", &job.bias, &bd), "");
+    if (bd.size() != 1 || bd[0] != 3 * H * job.dh)
+      return invalid(api, w + "bias of shape " + dims_text(bd) + " is not [" + std::to_string(3 * H * job.dh) + "]");
+  }
+  const int64_t out_dims[3] = {job.batch, job.sq, H * job.dv};
+  OrtValue* y = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &y), w);
+  void* yp = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), w);
+  job.out = static_cast<float*>(yp);
+  const int64_t total = job.batch * job.sq * H * job.dv;
+  if (total == 0) return nullptr;
+  if (job.sk == 0) {  // an empty sum: what MatMul over a zero-length axis gives
+    std::fill(job.out, job.out + total, 0.0f);
+    return nullptr;
+  }
+  const int64_t pairs = job.batch * H;
+  job.ld = padded_keys(job.sk);
+  job.block_rows = pairs >= kMinItems ? job.sq : std::min<int64_t>(job.sq, kQueryBlock);
+  job.query_blocks = (job.sq + job.block_rows - 1) / job.block_rows;
+  // Several query blocks per pair share its key panel, packed by a first pass; with one block
+  // per pair each work item packs its own (job.keys stays null).
+  std::unique_ptr<float[]> keys;
+  if (job.query_blocks > 1) {
+    keys.reset(new float[static_cast<size_t>(pairs * job.dh * job.ld)]);  // pack_keys writes every element
+    job.keys = keys.get();
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_ParallelFor(ctx, pack_item, static_cast<size_t>(pairs), 0, &job), w);
+  }
+  ONNXFUSE_RETURN_IF_ERROR(
+      api.KernelContext_ParallelFor(ctx, run_item, static_cast<size_t>(pairs * job.query_blocks), 0, &job), w);
+  return nullptr;
 }
-
-void destroy_kernel(void* kernel) { delete static_cast<AttentionKernel*>(kernel); }
 
 // Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
 // the bias when has_bias).
-struct AttentionSchema {
-  static constexpr const char* kName = kAttentionName;
-  static constexpr const char* kProvider = "CPUExecutionProvider";
-  static constexpr int kMinInputs = 1;
-  static constexpr auto create = create_kernel;
-  static constexpr auto compute = onnxfuse::compute;
-  static constexpr auto destroy = destroy_kernel;
-};
-
-const OrtCustomOp kAttentionOp = make_float_variadic_op<AttentionSchema>();
-ONNXFUSE_REGISTER_OP(kAttentionOp);
+const OrtCustomOp kAttentionCpuOp = float_variadic_op<kAttentionOp, kCpuProvider, AttentionKernel, 1>(
+    create_kernel, compute_entry<AttentionKernel, run>);
+ONNXFUSE_REGISTER_OP(kAttentionCpuOp);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -28,7 +28,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr const char* kAttentionOpName = "Attention";
 constexpr int64_t kAbiVersion = 2;  // attention_codegen.ABI_VERSION
 
 struct CudaAttentionKernel {
@@ -40,12 +39,9 @@ struct CudaAttentionKernel {
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
-  OrtApiRef api(raw);
-  try {
-    std::string name;
-    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse Attention (CUDA): ");
-    const std::string where = "onnxfuse Attention node '" + name + "' (CUDA): ";
-
+  return create_guarded(
+      raw, info, "Attention", " (CUDA)",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     std::string error;
     cuda::KernelImage image;
     if (!cuda::read_stored_kernel(api, info, &image, &error))
@@ -86,137 +82,116 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     *out = new CudaAttentionKernel{api,  where, cuda::StoredKernel(std::move(image)), v[0], v[1], v[2], v[3], v[4],
                                    packed != 0, has_mask != 0, has_bias != 0};
     return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, "onnxfuse Attention (CUDA): out of memory");
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse Attention (CUDA): ") + e.what()).c_str());
-  }
+  });
 }
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
-  auto* k = static_cast<CudaAttentionKernel*>(kernel_ptr);
+OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
   const OrtApiRef& api = k->api;
   const std::string& where = k->where;
-  try {
-    const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    auto invalid = [&](const std::string& msg) { return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + msg).c_str()); };
-    std::vector<int64_t> qs, ks, vs, ms;
-    ONNXTensorElementDataType qt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, kt = qt, vt = qt, mt = qt;
-    const void *q = nullptr, *kp = nullptr, *vp = nullptr, *mask = nullptr, *bias = nullptr;
-    const int64_t H = k->heads;
-    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &qs, &qt, &q), where);
-    if (qt != f32) return invalid("the kernel reads float32 tensors only");
-    int64_t batch = 0, sq = 0, sk = 0;
-    if (k->packed) {
-      if (qs.size() != 3 || qs[2] != 3 * H * k->dh)
-        return invalid("qkv is " + dims_text(qs) + ", the kernel was generated for [B, S, " +
-                       std::to_string(3 * H * k->dh) + "]");
-      batch = qs[0];
-      sq = sk = qs[1];
-      kp = vp = q;
-    } else {
-      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ks, &kt, &kp), where);
-      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &vs, &vt, &vp), where);
-      if (kt != f32 || vt != f32) return invalid("the kernel reads float32 tensors only");
-      if (qs.size() != 3 || ks.size() != 3 || vs.size() != 3 || qs[2] != H * k->dh || ks[2] != H * k->dh ||
-          vs[2] != H * k->dv || ks[0] != qs[0] || vs[0] != qs[0] || vs[1] != ks[1])
-        return invalid("q " + dims_text(qs) + ", k " + dims_text(ks) + ", v " + dims_text(vs) +
-                       " do not fit the kernel's [B, Sq, " + std::to_string(H * k->dh) + "], [B, Sk, " +
-                       std::to_string(H * k->dh) + "], [B, Sk, " + std::to_string(H * k->dv) + "]");
-      batch = qs[0];
-      sq = qs[1];
-      sk = ks[1];
-    }
-    // The mask's element strides over [B, H, Sq, Sk]; 0 where it broadcasts.
-    int64_t mask_strides[4] = {0, 0, 0, 0};
-    if (k->has_mask) {
-      bool present = false;
-      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->packed ? 1 : 3, &ms, &mt, &mask, &present), where);
-      if (!present) return invalid("has_mask is 1 but the mask input is missing");
-      if (mt != f32) return invalid("the mask must be float32");
-      if (ms.size() > 4) return invalid("the mask " + dims_text(ms) + " has rank > 4");
-      const int64_t target[4] = {batch, H, sq, sk};
-      const size_t pad = 4 - ms.size();
-      int64_t running = 1;
-      for (int i = 3; i >= 0; --i) {
-        const int64_t dim = i < static_cast<int>(pad) ? 1 : ms[i - pad];
-        if (dim != 1 && dim != target[i])
-          return invalid("the mask " + dims_text(ms) + " does not broadcast to [" + std::to_string(batch) + ", " +
-                         std::to_string(H) + ", " + std::to_string(sq) + ", " + std::to_string(sk) + "]");
-        mask_strides[i] = dim == 1 ? 0 : running;
-        running *= dim;
-      }
-    }
-    if (k->has_bias) {
-      std::vector<int64_t> bs;
-      ONNXTensorElementDataType bt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      bool present = false;
-      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->has_mask ? 2 : 1, &bs, &bt, &bias, &present), where);
-      if (!present) return invalid("has_bias is 1 but the bias input is missing");
-      if (bt != f32) return invalid("the bias must be float32");
-      if (bs.size() != 1 || bs[0] != 3 * H * k->dh)
-        return invalid("the bias is " + dims_text(bs) + ", the kernel was generated for [" +
-                       std::to_string(3 * H * k->dh) + "]");
-    }
-    const int64_t out_dims[3] = {batch, sq, H * k->dv};
-    OrtValue* ov = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &ov), where);
-    void* out = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(ov, &out), where);
-    if (batch == 0 || sq == 0) return nullptr;  // empty output: nothing to compute
-
-    const int64_t row_blocks = (sq + k->rows - 1) / k->rows;
-    const int64_t max_grid = (int64_t{1} << 31) - 1;
-    if (batch > max_grid / H || batch * H > max_grid / row_blocks)
-      return invalid("batch " + std::to_string(batch) + " x sequence " + std::to_string(sq) + " is too large");
-
-    // The argument struct of attention_codegen ABI 2, as 8-byte words.
-    int64_t words[13] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
-                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(kp)),
-                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(vp)),
-                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(mask)),
-                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(bias)),
-                         static_cast<int64_t>(reinterpret_cast<uintptr_t>(out)),
-                         batch,
-                         sq,
-                         sk,
-                         mask_strides[0],
-                         mask_strides[1],
-                         mask_strides[2],
-                         mask_strides[3]};
-    void* stream = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
-    cuda::Dim3 grid, block;
-    grid.x = static_cast<unsigned int>(batch * H * row_blocks);
-    block.x = static_cast<unsigned int>(k->threads);
-    void* params[] = {words};
-    std::string error;
-    if (!k->kernel.launch(static_cast<cuda::CUstream>(stream), grid, block, 0, params, &error))
-      return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
+  const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  auto invalid = [&](const std::string& msg) { return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + msg).c_str()); };
+  std::vector<int64_t> qs, ks, vs, ms;
+  ONNXTensorElementDataType qt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, kt = qt, vt = qt, mt = qt;
+  const void *q = nullptr, *kp = nullptr, *vp = nullptr, *mask = nullptr, *bias = nullptr;
+  const int64_t H = k->heads;
+  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &qs, &qt, &q), where);
+  if (qt != f32) return invalid("the kernel reads float32 tensors only");
+  int64_t batch = 0, sq = 0, sk = 0;
+  if (k->packed) {
+    if (qs.size() != 3 || qs[2] != 3 * H * k->dh)
+      return invalid("qkv is " + dims_text(qs) + ", the kernel was generated for [B, S, " +
+                     std::to_string(3 * H * k->dh) + "]");
+    batch = qs[0];
+    sq = sk = qs[1];
+    kp = vp = q;
+  } else {
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ks, &kt, &kp), where);
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &vs, &vt, &vp), where);
+    if (kt != f32 || vt != f32) return invalid("the kernel reads float32 tensors only");
+    if (qs.size() != 3 || ks.size() != 3 || vs.size() != 3 || qs[2] != H * k->dh || ks[2] != H * k->dh ||
+        vs[2] != H * k->dv || ks[0] != qs[0] || vs[0] != qs[0] || vs[1] != ks[1])
+      return invalid("q " + dims_text(qs) + ", k " + dims_text(ks) + ", v " + dims_text(vs) +
+                     " do not fit the kernel's [B, Sq, " + std::to_string(H * k->dh) + "], [B, Sk, " +
+                     std::to_string(H * k->dh) + "], [B, Sk, " + std::to_string(H * k->dv) + "]");
+    batch = qs[0];
+    sq = qs[1];
+    sk = ks[1];
   }
-}
+  // The mask's element strides over [B, H, Sq, Sk]; 0 where it broadcasts.
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+  if (k->has_mask) {
+    bool present = false;
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->packed ? 1 : 3, &ms, &mt, &mask, &present), where);
+    if (!present) return invalid("has_mask is 1 but the mask input is missing");
+    if (mt != f32) return invalid("the mask must be float32");
+    if (ms.size() > 4) return invalid("the mask " + dims_text(ms) + " has rank > 4");
+    const int64_t target[4] = {batch, H, sq, sk};
+    const size_t pad = 4 - ms.size();
+    int64_t running = 1;
+    for (int i = 3; i >= 0; --i) {
+      const int64_t dim = i < static_cast<int>(pad) ? 1 : ms[i - pad];
+      if (dim != 1 && dim != target[i])
+        return invalid("the mask " + dims_text(ms) + " does not broadcast to [" + std::to_string(batch) + ", " +
+                       std::to_string(H) + ", " + std::to_string(sq) + ", " + std::to_string(sk) + "]");
+      mask_strides[i] = dim == 1 ? 0 : running;
+      running *= dim;
+    }
+  }
+  if (k->has_bias) {
+    std::vector<int64_t> bs;
+    ONNXTensorElementDataType bt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    bool present = false;
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->has_mask ? 2 : 1, &bs, &bt, &bias, &present), where);
+    if (!present) return invalid("has_bias is 1 but the bias input is missing");
+    if (bt != f32) return invalid("the bias must be float32");
+    if (bs.size() != 1 || bs[0] != 3 * H * k->dh)
+      return invalid("the bias is " + dims_text(bs) + ", the kernel was generated for [" +
+                     std::to_string(3 * H * k->dh) + "]");
+  }
+  const int64_t out_dims[3] = {batch, sq, H * k->dv};
+  OrtValue* ov = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 3, &ov), where);
+  void* out = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(ov, &out), where);
+  if (batch == 0 || sq == 0) return nullptr;  // empty output: nothing to compute
 
-void destroy_kernel(void* kernel) { delete static_cast<CudaAttentionKernel*>(kernel); }
+  const int64_t row_blocks = (sq + k->rows - 1) / k->rows;
+  const int64_t max_grid = (int64_t{1} << 31) - 1;
+  if (batch > max_grid / H || batch * H > max_grid / row_blocks)
+    return invalid("batch " + std::to_string(batch) + " x sequence " + std::to_string(sq) + " is too large");
+
+  // The argument struct of attention_codegen ABI 2, as 8-byte words.
+  int64_t words[13] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(kp)),
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(vp)),
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(mask)),
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(bias)),
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(out)),
+                       batch,
+                       sq,
+                       sk,
+                       mask_strides[0],
+                       mask_strides[1],
+                       mask_strides[2],
+                       mask_strides[3]};
+  void* stream = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+  cuda::Dim3 grid, block;
+  grid.x = static_cast<unsigned int>(batch * H * row_blocks);
+  block.x = static_cast<unsigned int>(k->threads);
+  void* params[] = {words};
+  std::string error;
+  if (!k->kernel.launch(static_cast<cuda::CUstream>(stream), grid, block, 0, params, &error))
+    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
+  return nullptr;
+}
 
 // The schema every registration of onnxfuse.Attention shares (the CPU kernel's in
 // attention_cpu.cc): float32 inputs, variadic and homogeneous (qkv or q, k, v, then the mask when
 // has_mask, then the bias when has_bias), one output. Registered for CUDA sessions only
 // (registry.cc).
-struct CudaAttentionSchema {
-  static constexpr const char* kName = kAttentionOpName;
-  static constexpr const char* kProvider = "CUDAExecutionProvider";
-  static constexpr int kMinInputs = 1;
-  static constexpr auto create = create_kernel;
-  static constexpr auto compute = onnxfuse::compute;
-  static constexpr auto destroy = destroy_kernel;
-};
-
-const OrtCustomOp kCudaAttentionOp = make_float_variadic_op<CudaAttentionSchema>();
+const OrtCustomOp kCudaAttentionOp = float_variadic_op<kAttentionOp, kCudaProvider, CudaAttentionKernel, 1>(
+    create_kernel, compute_entry<CudaAttentionKernel, run>);
 ONNXFUSE_REGISTER_OP(kCudaAttentionOp);
 
 }  // namespace

@@ -21,7 +21,7 @@
 namespace onnxfuse {
 namespace {
 
-constexpr const char* kConvBiasActOpName = "ConvBiasAct";
+constexpr char kConvBiasActOpName[] = "ConvBiasAct";
 
 struct CudaConvKernel {
   OrtApiRef api;
@@ -33,15 +33,10 @@ struct CudaConvKernel {
   bool residual;
 };
 
-std::string node_label(const std::string& name) { return "onnxfuse ConvBiasAct node '" + name + "' (CUDA): "; }
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
-  OrtApiRef api(raw);
-  try {
-    std::string name;
-    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse ConvBiasAct (CUDA): ");
-    const std::string where = node_label(name);
-
+  return create_guarded(
+      raw, info, "ConvBiasAct", " (CUDA)",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     std::string error;
     cuda::KernelImage image;
     if (!cuda::read_stored_kernel(api, info, &image, &error))
@@ -67,110 +62,82 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     *out = new CudaConvKernel{api,  where, cuda::StoredKernel(std::move(image)),
                               v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], residual != 0};
     return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, "onnxfuse ConvBiasAct (CUDA): out of memory");
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse ConvBiasAct (CUDA): ") + e.what()).c_str());
-  }
+  });
 }
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
-  auto* k = static_cast<CudaConvKernel*>(kernel_ptr);
+OrtStatus* run(CudaConvKernel* k, OrtKernelContext* ctx) {
   const OrtApiRef& api = k->api;
   const std::string& where = k->where;
-  try {
-    std::vector<int64_t> xs, ws, bs, zs;
-    ONNXTensorElementDataType xt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, wt = xt, bt = xt, zt = xt;
-    const void *x = nullptr, *w = nullptr, *b = nullptr, *z = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &xs, &xt, &x), where);
-    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ws, &wt, &w), where);
-    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &bs, &bt, &b), where);
-    if (k->residual) ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 3, &zs, &zt, &z), where);
-    const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    if (xt != f32 || wt != f32 || bt != f32 || (k->residual && zt != f32))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the kernel reads float32 tensors only").c_str());
-    if (xs.size() != 4 || xs[1] != k->c || xs[2] != k->h || xs[3] != k->w)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT,
-                              (where + "input X is " + dims_text(xs) + ", the kernel was generated for [N, " +
-                               std::to_string(k->c) + ", " + std::to_string(k->h) + ", " + std::to_string(k->w) +
-                               "] (optimize the model again for this input size)")
-                                  .c_str());
-    if (bs.size() != 1 || bs[0] != k->k || ws.empty() || ws[0] != k->k)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "W or B does not match the kernel's channels").c_str());
-    const int64_t n = xs[0];
-    const std::vector<int64_t> ys = {n, k->k, k->p, k->q};
-    if (k->residual && (z == nullptr || zs != ys))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT,
-                              (where + "residual Z is " + dims_text(zs) + ", expected " + dims_text(ys)).c_str());
-    OrtValue* yv = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, ys.data(), ys.size(), &yv), where);
-    void* y = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(yv, &y), where);
-    if (n == 0) return nullptr;
-    // Pixel indices in the kernel are 32-bit.
-    if (n * k->grid_cols + k->cols_per_block >= (int64_t{1} << 31))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "batch " + std::to_string(n) + " is too large").c_str());
+  std::vector<int64_t> xs, ws, bs, zs;
+  ONNXTensorElementDataType xt = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, wt = xt, bt = xt, zt = xt;
+  const void *x = nullptr, *w = nullptr, *b = nullptr, *z = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 0, &xs, &xt, &x), where);
+  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ws, &wt, &w), where);
+  ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &bs, &bt, &b), where);
+  if (k->residual) ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 3, &zs, &zt, &z), where);
+  const auto f32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if (xt != f32 || wt != f32 || bt != f32 || (k->residual && zt != f32))
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the kernel reads float32 tensors only").c_str());
+  if (xs.size() != 4 || xs[1] != k->c || xs[2] != k->h || xs[3] != k->w)
+    return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                            (where + "input X is " + dims_text(xs) + ", the kernel was generated for [N, " +
+                             std::to_string(k->c) + ", " + std::to_string(k->h) + ", " + std::to_string(k->w) +
+                             "] (optimize the model again for this input size)")
+                                .c_str());
+  if (bs.size() != 1 || bs[0] != k->k || ws.empty() || ws[0] != k->k)
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "W or B does not match the kernel's channels").c_str());
+  const int64_t n = xs[0];
+  const std::vector<int64_t> ys = {n, k->k, k->p, k->q};
+  if (k->residual && (z == nullptr || zs != ys))
+    return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                            (where + "residual Z is " + dims_text(zs) + ", expected " + dims_text(ys)).c_str());
+  OrtValue* yv = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, ys.data(), ys.size(), &yv), where);
+  void* y = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(yv, &y), where);
+  if (n == 0) return nullptr;
+  // Pixel indices in the kernel are 32-bit.
+  if (n * k->grid_cols + k->cols_per_block >= (int64_t{1} << 31))
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "batch " + std::to_string(n) + " is too large").c_str());
 
-    // The argument struct of conv_codegen ABI 1: x, w, bias, z, y, batch, as 8-byte words.
-    int64_t words[6] = {
-        static_cast<int64_t>(reinterpret_cast<uintptr_t>(x)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(w)),
-        static_cast<int64_t>(reinterpret_cast<uintptr_t>(b)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(z)),
-        static_cast<int64_t>(reinterpret_cast<uintptr_t>(y)), n};
-    void* stream = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
-    auto cu_stream = static_cast<cuda::CUstream>(stream);
-    std::string error;
-    cuda::Dim3 grid, block;
-    grid.x = static_cast<unsigned int>((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block);
-    grid.y = static_cast<unsigned int>(k->grid_y);
-    grid.z = static_cast<unsigned int>(k->grid_z);
-    block.x = static_cast<unsigned int>(k->threads);
-    void* params[] = {words};
-    if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
-      return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
-  }
+  // The argument struct of conv_codegen ABI 1: x, w, bias, z, y, batch, as 8-byte words.
+  int64_t words[6] = {
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(x)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(w)),
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(b)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(z)),
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(y)), n};
+  void* stream = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+  auto cu_stream = static_cast<cuda::CUstream>(stream);
+  std::string error;
+  cuda::Dim3 grid, block;
+  grid.x = static_cast<unsigned int>((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block);
+  grid.y = static_cast<unsigned int>(k->grid_y);
+  grid.z = static_cast<unsigned int>(k->grid_z);
+  block.x = static_cast<unsigned int>(k->threads);
+  void* params[] = {words};
+  if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
+    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
+  return nullptr;
 }
 
-void destroy_kernel(void* kernel) { delete static_cast<CudaConvKernel*>(kernel); }
-
-const char* op_name(const OrtCustomOp*) { return kConvBiasActOpName; }
-const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
-ONNXTensorElementDataType float_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-size_t four(const OrtCustomOp*) { return 4; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic input_kind(const OrtCustomOp*, size_t i) {
-  return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
-}
-OrtCustomOpInputOutputCharacteristic required(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-
-OrtCustomOp make_op() {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kOrtApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = cuda_provider;
-  op.GetInputType = float_type;
-  op.GetInputTypeCount = four;
-  op.GetOutputType = float_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = input_kind;
-  op.GetOutputCharacteristic = required;
-  op.GetInputMemoryType = default_memory;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
+// X, W, B and the optional residual Z, float32; one float32 output. Registered for CUDA sessions
+// only (registry.cc): a CPU session does not get this op, so its ConvBiasAct nodes run their
+// fallback functions there.
+OrtCustomOp conv_bias_act_op() {
+  OrtCustomOp op =
+      custom_op<kConvBiasActOpName, kCudaProvider, CudaConvKernel>(create_kernel, compute_entry<CudaConvKernel, run>);
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
   return op;
 }
 
-// Registered for CUDA sessions only (registry.cc): a CPU session does not get this op, so its
-// ConvBiasAct nodes run their fallback functions there.
-const OrtCustomOp kCudaConvBiasActOp = make_op();
+const OrtCustomOp kCudaConvBiasActOp = conv_bias_act_op();
 ONNXFUSE_REGISTER_OP(kCudaConvBiasActOp);
 
 }  // namespace

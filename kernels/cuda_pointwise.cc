@@ -38,15 +38,10 @@ struct CudaPointwiseKernel {
   std::shared_ptr<const IterPlan> plan;
 };
 
-std::string node_label(const std::string& name) { return "onnxfuse Pointwise node '" + name + "' (CUDA): "; }
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
-  OrtApiRef api(raw);
-  try {
-    std::string name;
-    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse Pointwise (CUDA): ");
-    const std::string where = node_label(name);
-
+  return create_guarded(
+      raw, info, "Pointwise", " (CUDA)",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     std::string text;
     if (!cuda::string_attr(api, info, kProgramAttr, &text))
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing string attribute 'program'").c_str());
@@ -78,165 +73,151 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                                    {},
                                    nullptr};
     return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, "onnxfuse Pointwise (CUDA): out of memory");
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse Pointwise (CUDA): ") + e.what()).c_str());
-  }
+  });
 }
 
 // Loop modes of the generated kernel (codegen.py).
 constexpr int64_t kModeStrided = 0, kModeLinear = 1, kModeVector = 2;
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
-  auto* k = static_cast<CudaPointwiseKernel*>(kernel_ptr);
+OrtStatus* run(CudaPointwiseKernel* k, OrtKernelContext* ctx) {
   const OrtApiRef& api = k->api;
   const Program& prog = k->program;
   const std::string& where = k->where;
-  try {
-    const size_t n_in = prog.inputs.size(), n_out = prog.outputs.size();
-    std::vector<std::vector<int64_t>> shapes(n_in);
-    std::vector<const unsigned char*> in_ptr(n_in);
-    for (size_t i = 0; i < n_in; ++i) {
-      const OrtValue* value = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetInput(ctx, i, &value), where);
-      if (value == nullptr)
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "input " + std::to_string(i) + " is missing").c_str());
-      OrtTensorTypeAndShapeInfo* ti = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(api.GetTensorTypeAndShape(value, &ti), where);
-      ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-      size_t r = 0;
-      OrtStatus* st = api.GetTensorElementType(ti, &et);
-      if (!st) st = api.GetDimensionsCount(ti, &r);
-      if (!st) {
-        shapes[i].resize(r);
-        st = api.GetDimensions(ti, shapes[i].data(), r);
-      }
-      api.ReleaseTensorTypeAndShapeInfo(ti);
-      if (st) return with_context(api, st, where);
-      if (et != dtype_to_onnx(prog.inputs[i].dtype)) {
-        std::string msg = where + "input " + std::to_string(i) + " has element type " + std::to_string(et) +
-                          ", the program reads " + dtype_name(prog.inputs[i].dtype);
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
-      }
-      void* data = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(const_cast<OrtValue*>(value), &data), where);
-      in_ptr[i] = static_cast<const unsigned char*>(data);
+  const size_t n_in = prog.inputs.size(), n_out = prog.outputs.size();
+  std::vector<std::vector<int64_t>> shapes(n_in);
+  std::vector<const unsigned char*> in_ptr(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* value = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetInput(ctx, i, &value), where);
+    if (value == nullptr)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "input " + std::to_string(i) + " is missing").c_str());
+    OrtTensorTypeAndShapeInfo* ti = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorTypeAndShape(value, &ti), where);
+    ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    size_t r = 0;
+    OrtStatus* st = api.GetTensorElementType(ti, &et);
+    if (!st) st = api.GetDimensionsCount(ti, &r);
+    if (!st) {
+      shapes[i].resize(r);
+      st = api.GetDimensions(ti, shapes[i].data(), r);
     }
-
-    std::string error;
-    std::shared_ptr<const IterPlan> plan_ref;
-    {
-      std::lock_guard<std::mutex> lock(k->plan_mu);
-      if (k->plan != nullptr && k->plan_shapes == shapes) plan_ref = k->plan;
-    }
-    if (plan_ref == nullptr) {
-      auto fresh = std::make_shared<IterPlan>();
-      if (!resolve_plan(prog, shapes, fresh.get(), &error))
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
-      plan_ref = fresh;
-      std::lock_guard<std::mutex> lock(k->plan_mu);
-      k->plan_shapes = shapes;
-      k->plan = plan_ref;
-    }
-    const IterPlan& plan = *plan_ref;
-
-    std::vector<unsigned char*> out_ptr(n_out, nullptr);
-    for (size_t o = 0; o < n_out; ++o) {
-      OrtValue* value = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(
-          api.KernelContext_GetOutput(ctx, o, plan.out_shape.data(), plan.out_shape.size(), &value), where);
-      if (value == nullptr) continue;  // not materialized: the kernel skips its stores
-      void* data = nullptr;
-      ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(value, &data), where);
-      out_ptr[o] = static_cast<unsigned char*>(data);
-    }
-    if (plan.numel == 0) return nullptr;
-
-    const int R = k->rank;
-    const int rank = static_cast<int>(plan.shape.size());
-    if (rank > R) {
-      std::string msg = where + "the inputs need a " + std::to_string(rank) + "-dimensional iteration space, the " +
-                        "kernel was generated for " + std::to_string(R) + " (optimize the model again)";
+    api.ReleaseTensorTypeAndShapeInfo(ti);
+    if (st) return with_context(api, st, where);
+    if (et != dtype_to_onnx(prog.inputs[i].dtype)) {
+      std::string msg = where + "input " + std::to_string(i) + " has element type " + std::to_string(et) +
+                        ", the program reads " + dtype_name(prog.inputs[i].dtype);
       return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
     }
-    // Dims padded with leading 1s to the kernel's rank; strides padded with 0.
-    std::vector<int64_t> dims(R, 1);
-    std::copy(plan.shape.begin(), plan.shape.end(), dims.begin() + (R - rank));
-    std::vector<int64_t> dense(R, 1);
-    for (int d = R - 2; d >= 0; --d) dense[d] = dense[d + 1] * dims[d + 1];
-
-    int64_t scalar_mask = 0;
-    bool linear = true, aligned = true;
-    const uintptr_t vec = static_cast<uintptr_t>(k->vec);
-    for (size_t i = 0; i < n_in; ++i) {
-      const auto& st = plan.inputs[i].strides;
-      bool scalar = true, contiguous = true;
-      for (int d = 0; d < rank; ++d) {
-        const int64_t size = plan.shape[d];
-        if (size == 1) continue;
-        if (st[d] != 0) scalar = false;
-        if (st[d] != dense[R - rank + d]) contiguous = false;
-      }
-      if (scalar) {
-        if (i < 63) scalar_mask |= int64_t{1} << i;
-        else linear = false;
-        continue;
-      }
-      if (!contiguous) linear = false;
-      const size_t esize = dtype_size(prog.inputs[i].dtype);
-      const uintptr_t addr = reinterpret_cast<uintptr_t>(in_ptr[i]) + plan.inputs[i].offset * esize;
-      if (addr % (vec * esize) != 0) aligned = false;
-    }
-    for (size_t o = 0; o < n_out; ++o) {
-      const size_t esize = dtype_size(prog.outputs[o].dtype);
-      if (reinterpret_cast<uintptr_t>(out_ptr[o]) % (vec * esize) != 0) aligned = false;
-    }
-    const int64_t mode = !linear ? kModeStrided : (aligned ? kModeVector : kModeLinear);
-
-    // The argument struct of codegen ABI 1, as 8-byte words.
-    std::vector<int64_t> words;
-    words.reserve(3 + R + n_in * (R + 2) + n_out);
-    words.push_back(plan.numel);
-    words.push_back(mode);
-    words.push_back(linear ? scalar_mask : 0);
-    words.insert(words.end(), dims.begin(), dims.end());
-    for (size_t i = 0; i < n_in; ++i) {
-      for (int d = 0; d < R - rank; ++d) words.push_back(0);
-      words.insert(words.end(), plan.inputs[i].strides.begin(), plan.inputs[i].strides.end());
-    }
-    for (size_t i = 0; i < n_in; ++i) words.push_back(plan.inputs[i].offset);
-    for (size_t i = 0; i < n_in; ++i) words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(in_ptr[i])));
-    for (size_t o = 0; o < n_out; ++o) words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_ptr[o])));
-
-    void* stream = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
-    auto cu_stream = static_cast<cuda::CUstream>(stream);
-    cuda::DeviceInfo device;
-    if (!k->kernel.prepare(cu_stream, &device, &error)) return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-    const int64_t work = mode == kModeVector ? std::max<int64_t>(1, plan.numel / k->vec) : plan.numel;
-    // A grid-stride loop: enough blocks to fill the device a few times over, no more.
-    const int64_t max_blocks = std::max(1, device.sm_count) * int64_t{16};
-    const int64_t blocks = std::min<int64_t>((work + k->block - 1) / k->block, max_blocks);
-    cuda::Dim3 grid, block;
-    grid.x = static_cast<unsigned int>(std::max<int64_t>(1, blocks));
-    block.x = static_cast<unsigned int>(k->block);
-    void* params[] = {words.data()};
-    if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
-      return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
+    void* data = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(const_cast<OrtValue*>(value), &data), where);
+    in_ptr[i] = static_cast<const unsigned char*>(data);
   }
+
+  std::string error;
+  std::shared_ptr<const IterPlan> plan_ref;
+  {
+    std::lock_guard<std::mutex> lock(k->plan_mu);
+    if (k->plan != nullptr && k->plan_shapes == shapes) plan_ref = k->plan;
+  }
+  if (plan_ref == nullptr) {
+    auto fresh = std::make_shared<IterPlan>();
+    if (!resolve_plan(prog, shapes, fresh.get(), &error))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+    plan_ref = fresh;
+    std::lock_guard<std::mutex> lock(k->plan_mu);
+    k->plan_shapes = shapes;
+    k->plan = plan_ref;
+  }
+  const IterPlan& plan = *plan_ref;
+
+  std::vector<unsigned char*> out_ptr(n_out, nullptr);
+  for (size_t o = 0; o < n_out; ++o) {
+    OrtValue* value = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(
+        api.KernelContext_GetOutput(ctx, o, plan.out_shape.data(), plan.out_shape.size(), &value), where);
+    if (value == nullptr) continue;  // not materialized: the kernel skips its stores
+    void* data = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(value, &data), where);
+    out_ptr[o] = static_cast<unsigned char*>(data);
+  }
+  if (plan.numel == 0) return nullptr;
+
+  const int R = k->rank;
+  const int rank = static_cast<int>(plan.shape.size());
+  if (rank > R) {
+    std::string msg = where + "the inputs need a " + std::to_string(rank) + "-dimensional iteration space, the " +
+                      "kernel was generated for " + std::to_string(R) + " (optimize the model again)";
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, msg.c_str());
+  }
+  // Dims padded with leading 1s to the kernel's rank; strides padded with 0.
+  std::vector<int64_t> dims(R, 1);
+  std::copy(plan.shape.begin(), plan.shape.end(), dims.begin() + (R - rank));
+  std::vector<int64_t> dense(R, 1);
+  for (int d = R - 2; d >= 0; --d) dense[d] = dense[d + 1] * dims[d + 1];
+
+  int64_t scalar_mask = 0;
+  bool linear = true, aligned = true;
+  const uintptr_t vec = static_cast<uintptr_t>(k->vec);
+  for (size_t i = 0; i < n_in; ++i) {
+    const auto& st = plan.inputs[i].strides;
+    bool scalar = true, contiguous = true;
+    for (int d = 0; d < rank; ++d) {
+      const int64_t size = plan.shape[d];
+      if (size == 1) continue;
+      if (st[d] != 0) scalar = false;
+      if (st[d] != dense[R - rank + d]) contiguous = false;
+    }
+    if (scalar) {
+      if (i < 63) scalar_mask |= int64_t{1} << i;
+      else linear = false;
+      continue;
+    }
+    if (!contiguous) linear = false;
+    const size_t esize = dtype_size(prog.inputs[i].dtype);
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(in_ptr[i]) + plan.inputs[i].offset * esize;
+    if (addr % (vec * esize) != 0) aligned = false;
+  }
+  for (size_t o = 0; o < n_out; ++o) {
+    const size_t esize = dtype_size(prog.outputs[o].dtype);
+    if (reinterpret_cast<uintptr_t>(out_ptr[o]) % (vec * esize) != 0) aligned = false;
+  }
+  const int64_t mode = !linear ? kModeStrided : (aligned ? kModeVector : kModeLinear);
+
+  // The argument struct of codegen ABI 1, as 8-byte words.
+  std::vector<int64_t> words;
+  words.reserve(3 + R + n_in * (R + 2) + n_out);
+  words.push_back(plan.numel);
+  words.push_back(mode);
+  words.push_back(linear ? scalar_mask : 0);
+  words.insert(words.end(), dims.begin(), dims.end());
+  for (size_t i = 0; i < n_in; ++i) {
+    for (int d = 0; d < R - rank; ++d) words.push_back(0);
+    words.insert(words.end(), plan.inputs[i].strides.begin(), plan.inputs[i].strides.end());
+  }
+  for (size_t i = 0; i < n_in; ++i) words.push_back(plan.inputs[i].offset);
+  for (size_t i = 0; i < n_in; ++i) words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(in_ptr[i])));
+  for (size_t o = 0; o < n_out; ++o) words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(out_ptr[o])));
+
+  void* stream = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+  auto cu_stream = static_cast<cuda::CUstream>(stream);
+  cuda::DeviceInfo device;
+  if (!k->kernel.prepare(cu_stream, &device, &error)) return api.CreateStatus(ORT_FAIL, (where + error).c_str());
+  const int64_t work = mode == kModeVector ? std::max<int64_t>(1, plan.numel / k->vec) : plan.numel;
+  // A grid-stride loop: enough blocks to fill the device a few times over, no more.
+  const int64_t max_blocks = std::max(1, device.sm_count) * int64_t{16};
+  const int64_t blocks = std::min<int64_t>((work + k->block - 1) / k->block, max_blocks);
+  cuda::Dim3 grid, block;
+  grid.x = static_cast<unsigned int>(std::max<int64_t>(1, blocks));
+  block.x = static_cast<unsigned int>(k->block);
+  void* params[] = {words.data()};
+  if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
+    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
+  return nullptr;
 }
 
-void destroy_kernel(void* kernel) { delete static_cast<CudaPointwiseKernel*>(kernel); }
-
-const char* cuda_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
-
-const OrtCustomOp kCudaPointwiseOp = make_pointwise_op(cuda_provider, create_kernel, compute, destroy_kernel);
+const OrtCustomOp kCudaPointwiseOp = pointwise_op<kCudaProvider, CudaPointwiseKernel>(
+    create_kernel, compute_entry<CudaPointwiseKernel, run>);
 ONNXFUSE_REGISTER_OP(kCudaPointwiseOp);
 
 }  // namespace

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,20 @@ inline OrtStatus* with_context(const OrtApiRef& api, OrtStatus* st, const std::s
 
 namespace onnxfuse {
 
+// Runs a kernel's create or compute body, turning a C++ exception into a failed status: "out of
+// memory", or the exception's message, after `where` (which names the op and node). Nothing may
+// unwind into onnxruntime.
+template <typename Body>
+OrtStatus* guarded(const OrtApiRef& api, const std::string& where, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (where + "out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (where + e.what()).c_str());
+  }
+}
+
 // The node's name, as the kernel info reports it.
 inline OrtStatus* read_node_name(const OrtApiRef& api, const OrtKernelInfo* info, std::string* name) {
   size_t size = 0;
@@ -38,6 +54,21 @@ inline OrtStatus* read_node_name(const OrtApiRef& api, const OrtKernelInfo* info
   if (OrtStatus* st = api.KernelInfo_GetNodeName(info, name->data(), &size)) return st;
   name->resize(std::strlen(name->c_str()));
   return nullptr;
+}
+
+// The body of a kernel's create entry point for op `op` (`note` is " (CUDA)" for a CUDA kernel,
+// "" otherwise): reads the node's name and runs make(api, name, where) guarded, where
+// "onnxfuse OP node 'NAME' (CUDA): " is the prefix of every message about the node.
+template <typename Make>
+OrtStatus* create_guarded(const OrtApi* raw, const OrtKernelInfo* info, const char* op, const char* note,
+                          Make&& make) noexcept {
+  OrtApiRef api(raw);
+  const std::string context = std::string("onnxfuse ") + op + note + ": ";
+  return guarded(api, context, [&]() -> OrtStatus* {
+    std::string name;
+    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), context);
+    return make(api, name, std::string("onnxfuse ") + op + " node '" + name + "'" + note + ": ");
+  });
 }
 
 }  // namespace onnxfuse
@@ -89,30 +120,54 @@ inline bool use_avx2_fma() {
 #endif
 }
 
-// The schema of a fused op whose inputs are variadic, homogeneous float32 tensors (at least
-// Schema::kMinInputs) and whose one output is float32 (Attention, StackedMLP). onnxruntime
-// requires every provider's registration of one op name to declare the same schema, so the CPU
-// and CUDA kernels of an op build it from here. Schema supplies kName, kProvider, kMinInputs and
-// the kernel's create / compute / destroy.
-template <typename Schema>
-OrtCustomOp make_float_variadic_op() {
+// Op names and execution providers, as arrays: a template argument of custom_op.
+inline constexpr char kCpuProvider[] = "CPUExecutionProvider";
+inline constexpr char kCudaProvider[] = "CUDAExecutionProvider";
+inline constexpr char kAttentionOp[] = "Attention";
+
+using CreateKernelFn = decltype(OrtCustomOp::CreateKernelV2);
+using ComputeKernelFn = decltype(OrtCustomOp::KernelComputeV2);
+
+// The compute entry point of a kernel type K (with members `api` and `where`): Run(kernel, ctx),
+// guarded.
+template <typename K, OrtStatus* (*Run)(K*, OrtKernelContext*)>
+OrtStatus* compute_entry(void* kernel, OrtKernelContext* ctx) noexcept {
+  K* k = static_cast<K*>(kernel);
+  return guarded(k->api, k->where, [&]() { return Run(k, ctx); });
+}
+
+// What every op of this library declares alike: its name and execution provider, inputs in
+// default memory, and its kernel type K (created by `create`, run by `compute`, deleted by
+// KernelDestroy). The caller adds the signature (types, counts, characteristics).
+template <const char* Name, const char* Provider, typename K>
+OrtCustomOp custom_op(CreateKernelFn create, ComputeKernelFn compute) {
   OrtCustomOp op;
   std::memset(&op, 0, sizeof(op));
   op.version = kOrtApiVersion;
-  op.GetName = [](const OrtCustomOp*) { return Schema::kName; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) { return Schema::kProvider; };
+  op.GetName = [](const OrtCustomOp*) { return static_cast<const char*>(Name); };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) { return static_cast<const char*>(Provider); };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op.KernelDestroy = [](void* kernel) { delete static_cast<K*>(kernel); };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+// A fused op whose inputs are variadic, homogeneous float32 tensors (at least MinInputs) and
+// whose one output is float32 (Attention, StackedMLP). onnxruntime requires every provider's
+// registration of one op name to declare the same schema, so the CPU and CUDA kernels of an op
+// build it from here.
+template <const char* Name, const char* Provider, typename K, int MinInputs>
+OrtCustomOp float_variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
+  OrtCustomOp op = custom_op<Name, Provider, K>(create, compute);
   op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.KernelDestroy = Schema::destroy;
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
   op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return Schema::kMinInputs; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return MinInputs; };
   op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.CreateKernelV2 = Schema::create;
-  op.KernelComputeV2 = Schema::compute;
   return op;
 }
 

@@ -249,6 +249,25 @@ RunTaskFn select_run_task() {
   return isa_base::run_task;
 }
 
+ApplyUnaryFn select_apply_unary_f32() {
+#if defined(__x86_64__)
+  if (use_avx2_fma()) return isa_avx2::apply_unary_f32;
+#endif
+  return isa_base::apply_unary_f32;
+}
+
+bool parse_unary_f32(const std::string& spec, Instr* out, std::string* error) {
+  Program prog;
+  if (!Program::parse("in x0 f32\nt0 = " + spec + " x0\nout t0 f32\n", &prog, error)) return false;
+  const OpInfo& info = op_info(prog.instrs[0].op);
+  if (info.arity != 1 || info.predicate || prog.instrs[0].op == Op::Cast) {
+    *error = "'" + spec + "' is not an activation";
+    return false;
+  }
+  *out = prog.instrs[0];
+  return true;
+}
+
 namespace {
 
 // The C API version that lets a kernel read an input's type and shape without an allocation.
@@ -365,12 +384,9 @@ std::string node_label(const std::string& name) {
 }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** kernel) noexcept {
-  OrtApiRef api(raw);
-  try {
-    std::string name;
-    ONNXFUSE_RETURN_IF_ERROR(read_node_name(api, info, &name), "onnxfuse Pointwise: ");
-    const std::string where = node_label(name);
-
+  return create_guarded(
+      raw, info, "Pointwise", "",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     size_t size = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_string(info, kProgramAttr, nullptr, &size),
                        where + "string attribute 'program': ");
@@ -395,11 +411,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     }
     *kernel = new PointwiseKernel(api, std::move(program), name);
     return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, "onnxfuse Pointwise: out of memory");
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse Pointwise: ") + e.what()).c_str());
-  }
+  });
 }
 
 const char* type_name(ONNXTensorElementDataType t) {
@@ -671,11 +683,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   }
 }
 
-void destroy_kernel(void* kernel) { delete static_cast<PointwiseKernel*>(kernel); }
-
-const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-
-OrtCustomOp pointwise_cpu_op = make_pointwise_op(cpu_provider, create_kernel, compute, destroy_kernel);
+const OrtCustomOp pointwise_cpu_op = pointwise_op<kCpuProvider, PointwiseKernel>(create_kernel, compute);
 ONNXFUSE_REGISTER_OP(pointwise_cpu_op);
 
 }  // namespace

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "pointwise_plan.h"
@@ -146,16 +147,26 @@ struct ExecJob {
 // Sets the block geometry of a job whose prog, shape, rank and `streaming` are set.
 void init_geometry(ExecJob* job);
 
-// Runs blocks [task * blocks_per_task, ...) of the job; defined once per instruction set.
+// Runs blocks [task * blocks_per_task, ...) of the job, and applies one unary float32
+// instruction in place (pointwise_exec.inc); defined once per instruction set.
 namespace isa_base {
 void run_task(const ExecJob& job, int64_t task);
+void apply_unary_f32(const Instr& ins, float* data, int64_t n);
 }
 namespace isa_avx2 {
 void run_task(const ExecJob& job, int64_t task);
+void apply_unary_f32(const Instr& ins, float* data, int64_t n);
 }
 
-// The best run_task this CPU supports.
+// The best run_task and apply_unary_f32 this CPU supports.
 using RunTaskFn = void (*)(const ExecJob&, int64_t);
 RunTaskFn select_run_task();
+using ApplyUnaryFn = void (*)(const Instr&, float*, int64_t);
+ApplyUnaryFn select_apply_unary_f32();
+
+// The instruction `t0 = SPEC x0` of a float32 program, for a kernel whose epilogue applies an
+// activation named in program syntax (`relu`, `leakyrelu[0.01]`): false with *error when SPEC
+// is not a unary op of the program that computes a value.
+bool parse_unary_f32(const std::string& spec, Instr* out, std::string* error);
 
 }  // namespace onnxfuse

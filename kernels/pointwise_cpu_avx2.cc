@@ -622,6 +622,7 @@ void fused_step(const FusedStep& step, const float* src, const ValT* others, flo
 namespace onnxfuse {
 namespace isa_avx2 {
 void run_task(const ExecJob& job, int64_t task) { isa_base::run_task(job, task); }
+void apply_unary_f32(const Instr& ins, float* data, int64_t n) { isa_base::apply_unary_f32(ins, data, n); }
 }  // namespace isa_avx2
 }  // namespace onnxfuse
 #endif

@@ -416,43 +416,4 @@ bool resolve_plan(const Program& program, const std::vector<std::vector<int64_t>
   return true;
 }
 
-namespace {
-
-const char* pointwise_name(const OrtCustomOp*) { return kPointwiseOpName; }
-ONNXTensorElementDataType any_type(const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
-size_t one(const OrtCustomOp*) { return 1; }
-OrtCustomOpInputOutputCharacteristic variadic(const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; }
-OrtMemType default_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int min_inputs(const OrtCustomOp*) { return kPointwiseMinInputs; }
-int min_outputs(const OrtCustomOp*) { return kPointwiseMinOutputs; }
-int heterogeneous(const OrtCustomOp*) { return 0; }
-
-}  // namespace
-
-OrtCustomOp make_pointwise_op(decltype(OrtCustomOp::GetExecutionProviderType) provider,
-                              decltype(OrtCustomOp::CreateKernelV2) create,
-                              decltype(OrtCustomOp::KernelComputeV2) compute,
-                              decltype(OrtCustomOp::KernelDestroy) destroy) {
-  OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = kOrtApiVersion;
-  op.GetName = pointwise_name;
-  op.GetExecutionProviderType = provider;
-  op.GetInputType = any_type;
-  op.GetInputTypeCount = one;
-  op.GetOutputType = any_type;
-  op.GetOutputTypeCount = one;
-  op.KernelDestroy = destroy;
-  op.GetInputCharacteristic = variadic;
-  op.GetOutputCharacteristic = variadic;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = min_inputs;
-  op.GetVariadicInputHomogeneity = heterogeneous;
-  op.GetVariadicOutputMinArity = min_outputs;
-  op.GetVariadicOutputHomogeneity = heterogeneous;
-  op.CreateKernelV2 = create;
-  op.KernelComputeV2 = compute;
-  return op;
-}
-
 }  // namespace onnxfuse

@@ -19,11 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "kernel_util.h"
 #include "ort_api.h"
 
 namespace onnxfuse {
 
-constexpr const char* kPointwiseOpName = "Pointwise";
+inline constexpr char kPointwiseOpName[] = "Pointwise";
 constexpr const char* kProgramAttr = "program";
 constexpr int kPointwiseMinInputs = 1;
 constexpr int kPointwiseMinOutputs = 1;
@@ -31,10 +32,21 @@ constexpr int kPointwiseMinOutputs = 1;
 // The OrtCustomOp of Pointwise for one execution provider. Every registration of the op is built
 // here, so all share one schema (variadic, heterogeneous inputs and outputs of any element type,
 // the minimum arities above), as onnxruntime requires of the registrations of one name.
-OrtCustomOp make_pointwise_op(decltype(OrtCustomOp::GetExecutionProviderType) provider,
-                              decltype(OrtCustomOp::CreateKernelV2) create,
-                              decltype(OrtCustomOp::KernelComputeV2) compute,
-                              decltype(OrtCustomOp::KernelDestroy) destroy);
+template <const char* Provider, typename K>
+OrtCustomOp pointwise_op(CreateKernelFn create, ComputeKernelFn compute) {
+  OrtCustomOp op = custom_op<kPointwiseOpName, Provider, K>(create, compute);
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return kPointwiseMinInputs; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 0; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return kPointwiseMinOutputs; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 0; };
+  return op;
+}
 
 enum class DType : uint8_t { F16, BF16, F32, F64, Bool };
 

@@ -5,7 +5,9 @@
 //            D_{l-1}, 16] (16-column panels, each contiguous over the reduction, zero-padded
 //            past D_l: the kernel streams a weight exactly in memory order), and b_l [K, D_l]
 //            (or [K, 1, D_l], the stacked Add's bias)
-//   attrs    activations: STRING, one name per layer, comma-separated: none, relu, tanh, sigmoid
+//   attrs    activations: STRING, one per layer, comma-separated: none, or a unary instruction
+//            of the expression program in its syntax (relu, tanh, leakyrelu[0.01]), run as the
+//            Pointwise executor runs it (pointwise_exec.inc)
 //   output   Y [B, K * D_L]: member k's output in columns [k * D_L, (k + 1) * D_L), which is
 //            the Concat of the members' outputs on the last axis (the fallback body's layout)
 //
@@ -29,14 +31,14 @@
 
 #include "kernel_util.h"
 #include "numeric.h"
+#include "pointwise_cpu.h"
 #include "registry.h"
 
 namespace onnxfuse {
 namespace {
 
-constexpr const char* kStackedMlpName = "StackedMLP";
+constexpr char kStackedMlpName[] = "StackedMLP";
 constexpr uint32_t kShapeReferenceApi = 24;  // GetTensorElementTypeAndShapeDataReference
-enum Activation : int64_t { kNone = 0, kRelu = 1, kTanh = 2, kSigmoid = 3 };
 
 constexpr int64_t kPanel = 16;  // columns per packed weight panel (two AVX2 registers)
 
@@ -44,7 +46,7 @@ struct Layer {
   const float* w;  // [K, panels, din, kPanel]
   const float* b;  // [K, dout]
   int64_t din, dout;
-  int64_t act;
+  const Instr* act;  // the layer's activation, nullptr for none
 };
 
 struct Job {
@@ -55,24 +57,9 @@ struct Job {
   size_t n_layers;
   int64_t widest;  // max layer width, for the scratch rows
   bool avx2;
+  ApplyUnaryFn apply;
   OrtStatus* error = nullptr;
 };
-
-void activate(float* row, int64_t n, int64_t act) {
-  switch (act) {
-    case kRelu:
-      for (int64_t j = 0; j < n; ++j) row[j] = row[j] < 0.0f ? 0.0f : row[j];  // a NaN stays NaN
-      break;
-    case kTanh:
-      for (int64_t j = 0; j < n; ++j) row[j] = num::vtanh(row[j]);
-      break;
-    case kSigmoid:
-      for (int64_t j = 0; j < n; ++j) row[j] = num::vsigmoid(row[j]);
-      break;
-    default:
-      break;
-  }
-}
 
 // out[r, n] = bias[n] + sum_k in[r, k] * W[k, n] for r < rows, W packed in panels: portable version.
 void linear_base(const float* in, int64_t ldin, int64_t rows, const float* w, const float* bias, int64_t din,
@@ -100,7 +87,8 @@ void linear_base(const float* in, int64_t ldin, int64_t rows, const float* w, co
 // both FMA pipes busy: few rows take several panels at once (1 row x 4 panels, 2 x 2), and
 // R <= 6, 2RP <= 12 leaves registers for the weights and the broadcast row value.
 // `cols` < 16P stores only the first `cols` columns (the padded last panel). Relu is applied on
-// the store (max(0, v) keeps a NaN, as activate does); other activations run after the layer.
+// the store (max(0, v) keeps a NaN and -0, as the program's relu does); other activations run
+// after the layer.
 template <int R, int P, bool kRelu>
 inline void block(const float* in, int64_t ldin, const float* panel, int64_t pstride, const float* bias, int64_t din,
                   float* out, int64_t ldout, int64_t cols) {
@@ -223,13 +211,14 @@ void run_member(void* data, size_t member) {
 #if defined(__x86_64__)
     bool activated = false;
     if (job->avx2) {
-      linear_avx2(in, ldin, B, w, b, layer.din, layer.dout, out, ldout, layer.act == kRelu);
-      activated = layer.act == kRelu;
+      const bool relu = layer.act != nullptr && layer.act->op == Op::Relu;
+      linear_avx2(in, ldin, B, w, b, layer.din, layer.dout, out, ldout, relu);
+      activated = relu;
     } else
 #endif
       linear_base(in, ldin, B, w, b, layer.din, layer.dout, out, ldout);
-    if (layer.act != kNone && !activated)
-      for (int64_t r = 0; r < B; ++r) activate(out + r * ldout, layer.dout, layer.act);
+    if (layer.act != nullptr && !activated)
+      for (int64_t r = 0; r < B; ++r) job->apply(*layer.act, out + r * ldout, layer.dout);
     in = out;
     ldin = ldout;
   }
@@ -238,19 +227,24 @@ void run_member(void* data, size_t member) {
 struct StackedMlpKernel {
   OrtApiRef api;
   std::string node_name;
-  std::vector<int64_t> activations;
+  std::string where;  // "onnxfuse StackedMLP node '<name>': ", built once
+  std::vector<Instr> activations;  // one per layer
+  std::vector<bool> activated;      // whether layer l has one
   bool avx2;
+  ApplyUnaryFn apply;
   bool shape_reference;  // the runtime serves GetTensorElementTypeAndShapeDataReference
 };
 
-std::string where(const StackedMlpKernel* k) { return "onnxfuse StackedMLP node '" + k->node_name + "': "; }
+const std::string& where(const StackedMlpKernel* k) { return k->where; }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
-  OrtApiRef api(raw);
-  try {
+  return create_guarded(
+      raw, info, "StackedMLP", "",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<StackedMlpKernel>();
     kernel->api = api;
-    if (OrtStatus* st = read_node_name(api, info, &kernel->node_name)) return st;
+    kernel->node_name = name;
+    kernel->where = where;
     size_t size = 0;
     std::string text;
     OrtStatus* st = api.KernelInfoGetAttribute_string(info, "activations", nullptr, &size);
@@ -259,33 +253,34 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       st = api.KernelInfoGetAttribute_string(info, "activations", text.data(), &size);
       text.resize(std::strlen(text.c_str()));
     }
-    if (st) return with_context(api, st, where(kernel.get()) + "attribute 'activations': ");
+    if (st) return with_context(api, st, where + "attribute 'activations': ");
     for (size_t start = 0; start <= text.size();) {
       size_t end = text.find(',', start);
       if (end == std::string::npos) end = text.size();
       const std::string name = text.substr(start, end - start);
-      const int64_t code = name == "none" ? kNone : name == "relu" ? kRelu : name == "tanh" ? kTanh
-                         : name == "sigmoid" ? kSigmoid : -1;
-      if (code < 0)
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where(kernel.get()) + "unknown activation '" + name + "'").c_str());
-      kernel->activations.push_back(code);
+      Instr act{};
+      std::string error;
+      if (name != "none" && !parse_unary_f32(name, &act, &error))
+        return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                                (where + "activation '" + name + "': " + error).c_str());
+      kernel->activations.push_back(act);
+      kernel->activated.push_back(name != "none");
       start = end + 1;
     }
     size_t n_in = 0;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where(kernel.get()));
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
     if (n_in < 3 || (n_in - 1) % 2 != 0 || kernel->activations.size() != (n_in - 1) / 2)
       return api.CreateStatus(ORT_INVALID_ARGUMENT,
-                              (where(kernel.get()) + "expects X, then a weight and a bias per layer, and one "
+                              (where + "expects X, then a weight and a bias per layer, and one "
                                                      "activation per layer")
                                   .c_str());
     kernel->avx2 = use_avx2_fma();
+    kernel->apply = select_apply_unary_f32();
     kernel->shape_reference =
         runtime_serves_api(kShapeReferenceApi) && std::getenv("ONNXFUSE_NO_SHAPE_REFERENCE") == nullptr;
     *out = kernel.release();
     return nullptr;
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse StackedMLP: ") + e.what()).c_str());
-  }
+  });
 }
 
 // Dims and data of input i, which must be present and float32. With a runtime that serves
@@ -321,78 +316,62 @@ OrtStatus* invalid(const StackedMlpKernel* k, const std::string& what) {
   return k->api.CreateStatus(ORT_INVALID_ARGUMENT, (where(k) + what).c_str());
 }
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
-  auto* k = static_cast<StackedMlpKernel*>(kernel_ptr);
+OrtStatus* run(StackedMlpKernel* k, OrtKernelContext* ctx) {
   const OrtApiRef& api = k->api;
-  try {
-    Job job;
-    thread_local std::vector<Layer> layers;  // the calling thread's, kept between calls
-    thread_local std::vector<int64_t> store;
-    layers.clear();
-    const int64_t* dims = nullptr;
-    size_t rank = 0;
-    if (OrtStatus* st = input_f32(k, ctx, 0, &job.x, &dims, &rank, &store)) return st;
-    if (rank != 2) return invalid(k, "X must be 2-D [batch, features]");
-    job.batch = dims[0];
-    int64_t width = dims[1];
-    job.members = -1;
-    job.widest = 1;
-    job.avx2 = k->avx2;
-    for (size_t l = 0; l < k->activations.size(); ++l) {
-      Layer layer{};
-      layer.act = k->activations[l];
-      if (OrtStatus* st = input_f32(k, ctx, 1 + 2 * l, &layer.w, &dims, &rank, &store)) return st;
-      if (rank != 4 || dims[2] != width || dims[3] != kPanel || (job.members >= 0 && dims[0] != job.members))
-        return invalid(k, "weight of layer " + std::to_string(l + 1) + " must be packed as [members, panels, " +
-                              std::to_string(width) + ", 16]");
-      job.members = dims[0];
-      const int64_t panels = dims[1];
-      layer.din = dims[2];
-      if (OrtStatus* st = input_f32(k, ctx, 2 + 2 * l, &layer.b, &dims, &rank, &store)) return st;
-      int64_t count = 1;
-      for (size_t d = 0; d < rank; ++d) count *= dims[d];
-      if (rank == 0 || dims[0] != job.members || job.members == 0 || count % job.members != 0)
-        return invalid(k, "bias of layer " + std::to_string(l + 1) + " must hold [members, out] values");
-      layer.dout = count / job.members;
-      if ((layer.dout + kPanel - 1) / kPanel != panels)
-        return invalid(k, "weight of layer " + std::to_string(l + 1) + " has " + std::to_string(panels) +
-                              " panels for " + std::to_string(layer.dout) + " outputs");
-      width = layer.dout;
-      job.widest = std::max(job.widest, width);
-      layers.push_back(layer);
-    }
-    job.layers = layers.data();
-    job.n_layers = layers.size();
-    const int64_t out_dims[2] = {job.batch, job.members * width};
-    OrtValue* y = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 2, &y), where(k));
-    void* yp = nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), where(k));
-    job.y = static_cast<float*>(yp);
-    if (job.batch == 0 || job.members == 0) return nullptr;
-    ONNXFUSE_RETURN_IF_ERROR(
-        api.KernelContext_ParallelFor(ctx, run_member, static_cast<size_t>(job.members), 0, &job), where(k));
-    return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (where(k) + "out of memory").c_str());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (where(k) + e.what()).c_str());
+  Job job;
+  thread_local std::vector<Layer> layers;  // the calling thread's, kept between calls
+  thread_local std::vector<int64_t> store;
+  layers.clear();
+  const int64_t* dims = nullptr;
+  size_t rank = 0;
+  if (OrtStatus* st = input_f32(k, ctx, 0, &job.x, &dims, &rank, &store)) return st;
+  if (rank != 2) return invalid(k, "X must be 2-D [batch, features]");
+  job.batch = dims[0];
+  int64_t width = dims[1];
+  job.members = -1;
+  job.widest = 1;
+  job.avx2 = k->avx2;
+  job.apply = k->apply;
+  for (size_t l = 0; l < k->activations.size(); ++l) {
+    Layer layer{};
+    layer.act = k->activated[l] ? &k->activations[l] : nullptr;
+    if (OrtStatus* st = input_f32(k, ctx, 1 + 2 * l, &layer.w, &dims, &rank, &store)) return st;
+    if (rank != 4 || dims[2] != width || dims[3] != kPanel || (job.members >= 0 && dims[0] != job.members))
+      return invalid(k, "weight of layer " + std::to_string(l + 1) + " must be packed as [members, panels, " +
+                            std::to_string(width) + ", 16]");
+    job.members = dims[0];
+    const int64_t panels = dims[1];
+    layer.din = dims[2];
+    if (OrtStatus* st = input_f32(k, ctx, 2 + 2 * l, &layer.b, &dims, &rank, &store)) return st;
+    int64_t count = 1;
+    for (size_t d = 0; d < rank; ++d) count *= dims[d];
+    if (rank == 0 || dims[0] != job.members || job.members == 0 || count % job.members != 0)
+      return invalid(k, "bias of layer " + std::to_string(l + 1) + " must hold [members, out] values");
+    layer.dout = count / job.members;
+    if ((layer.dout + kPanel - 1) / kPanel != panels)
+      return invalid(k, "weight of layer " + std::to_string(l + 1) + " has " + std::to_string(panels) +
+                            " panels for " + std::to_string(layer.dout) + " outputs");
+    width = layer.dout;
+    job.widest = std::max(job.widest, width);
+    layers.push_back(layer);
   }
+  job.layers = layers.data();
+  job.n_layers = layers.size();
+  const int64_t out_dims[2] = {job.batch, job.members * width};
+  OrtValue* y = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, out_dims, 2, &y), where(k));
+  void* yp = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), where(k));
+  job.y = static_cast<float*>(yp);
+  if (job.batch == 0 || job.members == 0) return nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(
+      api.KernelContext_ParallelFor(ctx, run_member, static_cast<size_t>(job.members), 0, &job), where(k));
+  return nullptr;
 }
 
-void destroy_kernel(void* kernel) { delete static_cast<StackedMlpKernel*>(kernel); }
-
 // Inputs: X, then (W, b) per layer: at least three float32 tensors.
-struct StackedMlpSchema {
-  static constexpr const char* kName = kStackedMlpName;
-  static constexpr const char* kProvider = "CPUExecutionProvider";
-  static constexpr int kMinInputs = 3;
-  static constexpr auto create = create_kernel;
-  static constexpr auto compute = onnxfuse::compute;
-  static constexpr auto destroy = destroy_kernel;
-};
-
-const OrtCustomOp kStackedMlpOp = make_float_variadic_op<StackedMlpSchema>();
+const OrtCustomOp kStackedMlpOp = float_variadic_op<kStackedMlpName, kCpuProvider, StackedMlpKernel, 3>(
+    create_kernel, compute_entry<StackedMlpKernel, run>);
 ONNXFUSE_REGISTER_OP(kStackedMlpOp);
 
 }  // namespace

@@ -240,10 +240,7 @@ class Program:
                 line += " view=" + ",".join(f"{s.axis}:{s.start}:{s.end}:{s.step}" for s in i.view)
             lines.append(line)
         for ins in self.instrs:
-            op = ins.op
-            if ins.params:
-                op += "[" + ",".join(_fmt(p) for p in ins.params) + "]"
-            lines.append(f"{ins.dst} = {op} " + " ".join(_fmt(a) for a in ins.args))
+            lines.append(f"{ins.dst} = {op_text(ins.op, ins.params)} " + " ".join(_fmt(a) for a in ins.args))
         for o in self.outputs:
             lines.append(f"out {o.name} {o.dtype}")
         return "\n".join(lines) + "\n"
@@ -338,6 +335,11 @@ class Program:
             v = np.broadcast_to(env[o.name], shape)
             outs.append(store_values(v, o.dtype))
         return outs
+
+
+def op_text(op: str, params: Sequence = ()) -> str:
+    """An instruction's op as the text format writes it: `relu`, `leakyrelu[0.01]`."""
+    return op + ("[" + ",".join(_fmt(p) for p in params) + "]" if params else "")
 
 
 def _fmt(v) -> str:

@@ -36,6 +36,7 @@ from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph.patterns import ACTIVATIONS
 from onnxfuse.pipeline import Context, Pass
+from onnxfuse.program import op_text
 
 # On the CPU provider (1 thread) the stacked form pays at batch 1, at batch 4 only with small
 # branch layers, and not at large batches (bench/results/matmul_batch.md). A dynamic batch may
@@ -130,12 +131,13 @@ def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
     return c if axis in (1, -1) else None
 
 
-STACKED_MLP_ACTIVATIONS = {a.op: a.name for a in ACTIVATION_TABLE if STACKED_MLP in a.fused_in}
+STACKED_MLP_ACTIVATIONS = {a.op: a for a in ACTIVATION_TABLE if STACKED_MLP in a.fused_in}
 
 
 def _stacked_mlp_activations(layers: list[Layer]) -> list[str] | None:
-    """One activation name per linear layer when the branches fit onnxfuse.StackedMLP (float32,
-    each linear layer followed by at most one Relu/Tanh/Sigmoid without attributes); else None."""
+    """One activation per linear layer when the branches fit onnxfuse.StackedMLP (float32, each
+    linear layer followed by at most one activation the kernel takes), written as the program
+    instruction the kernel runs (`relu`, `leakyrelu[0.01]`, or `none`); else None."""
     acts: list[str] = []
     for layer in layers:
         if layer.kind == "linear":
@@ -144,10 +146,10 @@ def _stacked_mlp_activations(layers: list[Layer]) -> list[str] | None:
             acts.append("none")
         else:
             a = layer.members[0]
-            name = STACKED_MLP_ACTIVATIONS.get(a.op)
-            if name is None or a.attrs or not acts or acts[-1] != "none":
+            act = STACKED_MLP_ACTIVATIONS.get(a.op)
+            if act is None or set(a.attrs) - {name for name, _ in act.params} or not acts or acts[-1] != "none":
                 return None
-            acts[-1] = name
+            acts[-1] = op_text(act.name, act.values(a))
     return acts
 
 

@@ -17,10 +17,12 @@ def stacked(model):
 
 
 def reference(k, d, hidden, out, act, x):
-    """numpy evaluation of ensemble_model's members, concatenated (same seed and weights)."""
-    m = ensemble_model(k=k, d=d, hidden=hidden, out=out, act=act)
+    """numpy evaluation of ensemble_model's members, concatenated (same seed and weights); `act`
+    is the model's activation op, or a function applied in its place."""
+    m = ensemble_model(k=k, d=d, hidden=hidden, out=out, act=act if isinstance(act, str) else "Relu")
     inits = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer}
-    f = {"Relu": lambda v: np.maximum(v, 0), "Tanh": np.tanh, "Sigmoid": lambda v: 1 / (1 + np.exp(-v))}[act]
+    f = act if callable(act) else {"Relu": lambda v: np.maximum(v, 0), "Tanh": np.tanh,
+                                   "Sigmoid": lambda v: 1 / (1 + np.exp(-v))}[act]
     cols = []
     for b in range(k):
         cur = x.astype(np.float64)
@@ -113,8 +115,18 @@ def test_an_unknown_activation_is_a_clear_session_error():
     opt, _ = optimize(ensemble_model(), ["batch-ensemble"])
     node = stacked(opt)[0]
     next(a for a in node.attribute if a.name == "activations").s = b"relu,gelu,none"
-    with pytest.raises(Exception, match="unknown activation 'gelu'"):
+    with pytest.raises(Exception, match="activation 'gelu': .*unknown op 'gelu'"):
         runtime.make_session(opt, threads=1, with_library=True).run(None, x_feeds(8, batches=(1,))[0])
+
+
+def test_an_activation_with_parameters_runs_as_its_program_instruction():
+    # The `activations` attribute takes any unary op of the expression program, in its syntax.
+    opt, _ = optimize(ensemble_model(k=3, d=37, hidden=48, out=17), ["batch-ensemble"])
+    next(a for a in stacked(opt)[0].attribute if a.name == "activations").s = b"leakyrelu[0.25],leakyrelu[0.25],none"
+    x = np.random.default_rng(4).standard_normal((5, 37)).astype(np.float32)
+    got = runtime.make_session(opt, threads=1, with_library=True).run(None, {"x": x})[0]
+    want = reference(3, 37, 48, 17, lambda v: np.where(v < 0, 0.25 * v, v), x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_a_member_output_that_is_also_a_graph_output_stays_produced():
