@@ -36,20 +36,11 @@ OrtStatus* compute(void* kernel, OrtKernelContext* ctx) noexcept {
   return k->api.KernelContext_GetOutput(ctx, 0, k->dims, 2, &out);
 }
 
-void destroy_kernel(void* kernel) { delete static_cast<OutputOnlyKernel*>(kernel); }
-
 // The schema the library's fused ops use (variadic float32 inputs, one float32 output), so that
 // the floor takes the path their calls take.
-struct OutputOnlySchema {
-  static constexpr const char* kName = "OutputOnly";
-  static constexpr const char* kProvider = "CPUExecutionProvider";
-  static constexpr int kMinInputs = 1;
-  static constexpr auto create = create_kernel;
-  static constexpr auto compute = ::compute;
-  static constexpr auto destroy = destroy_kernel;
-};
-
-const OrtCustomOp kOutputOnly = onnxfuse::make_float_variadic_op<OutputOnlySchema>();
+constexpr char kOutputOnlyName[] = "OutputOnly";
+const OrtCustomOp kOutputOnly =
+    onnxfuse::float_variadic_op<kOutputOnlyName, onnxfuse::kCpuProvider, OutputOnlyKernel, 1>(create_kernel, compute);
 
 }  // namespace
 

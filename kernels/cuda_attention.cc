@@ -42,17 +42,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   return create_guarded(
       raw, info, "Attention", " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    std::string error;
-    cuda::KernelImage image;
-    if (!cuda::read_stored_kernel(api, info, &image, &error))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
     const char* names[] = {"num_heads", "cuda_dh", "cuda_dv", "cuda_rows", "cuda_block", "cuda_abi"};
     int64_t v[6];
-    for (int i = 0; i < 6; ++i) {
-      if (!cuda::int_attr(api, info, names[i], &v[i]) || v[i] < 1)
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing or invalid attribute " + names[i] +
-                                                       " (optimize the model again)").c_str());
-    }
+    cuda::KernelImage image;
+    std::string error;
+    if (!cuda::read_launch(api, info, names, 6, &image, v, &error))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
     if (v[5] != kAbiVersion)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(v[5]) +
                                                      " is not this library's " + std::to_string(kAbiVersion) +

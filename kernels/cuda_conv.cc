@@ -37,20 +37,18 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   return create_guarded(
       raw, info, "ConvBiasAct", " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    std::string error;
-    cuda::KernelImage image;
-    if (!cuda::read_stored_kernel(api, info, &image, &error))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
     // Launch constants (conv_codegen.Kernel.attrs).
     const char* names[] = {"cuda_block", "cuda_grid_cols", "cuda_cols_per_block", "cuda_grid_y", "cuda_grid_z",
                            "cuda_c",     "cuda_h",         "cuda_w",              "cuda_k",      "cuda_p",
                            "cuda_q"};
     int64_t v[11];
-    for (int i = 0; i < 11; ++i) {
-      if (!cuda::int_attr(api, info, names[i], &v[i]) || v[i] < 1 || (i == 0 && v[i] > 1024))
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing or invalid attribute " + names[i] +
-                                                       " (optimize the model again)").c_str());
-    }
+    cuda::KernelImage image;
+    std::string error;
+    if (!cuda::read_launch(api, info, names, 11, &image, v, &error))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+    if (v[0] > 1024)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (where + "missing or invalid attribute cuda_block (optimize the model again)").c_str());
     int64_t residual = 0;
     if (!cuda::int_attr(api, info, "cuda_residual", &residual))
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "missing attribute cuda_residual").c_str());

@@ -151,6 +151,18 @@ bool int_attr(const OrtApiRef& api, const OrtKernelInfo* info, const char* name,
   return true;
 }
 
+bool read_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* const* names, size_t count,
+                 KernelImage* image, int64_t* values, std::string* error) {
+  if (!read_stored_kernel(api, info, image, error)) return false;
+  for (size_t i = 0; i < count; ++i) {
+    if (!int_attr(api, info, names[i], &values[i]) || values[i] < 1) {
+      *error = std::string("missing or invalid attribute ") + names[i] + " (optimize the model again)";
+      return false;
+    }
+  }
+  return true;
+}
+
 bool read_stored_kernel(const OrtApiRef& api, const OrtKernelInfo* info, KernelImage* image, std::string* error) {
   if (!string_attr(api, info, "cuda_entry", &image->entry) || image->entry.empty()) {
     *error = "no compiled CUDA kernel is stored with the node (attribute cuda_entry); optimize the model with "

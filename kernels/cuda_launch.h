@@ -40,6 +40,11 @@ struct KernelImage {
 // one-line *error when the node has no usable kernel.
 bool read_stored_kernel(const OrtApiRef& api, const OrtKernelInfo* info, KernelImage* image, std::string* error);
 
+// The stored kernel (read_stored_kernel) and its launch constants: the positive int attributes
+// names[0..count) into values. Returns false with a one-line *error when one is missing.
+bool read_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* const* names, size_t count,
+                 KernelImage* image, int64_t* values, std::string* error);
+
 // A string attribute, binary-safe (cubins hold NUL bytes). false when the node lacks it.
 bool string_attr(const OrtApiRef& api, const OrtKernelInfo* info, const char* name, std::string* out);
 // An int attribute. false when the node lacks it.

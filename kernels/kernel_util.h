@@ -153,22 +153,36 @@ OrtCustomOp custom_op(CreateKernelFn create, ComputeKernelFn compute) {
   return op;
 }
 
-// A fused op whose inputs are variadic, homogeneous float32 tensors (at least MinInputs) and
-// whose one output is float32 (Attention, StackedMLP). onnxruntime requires every provider's
-// registration of one op name to declare the same schema, so the CPU and CUDA kernels of an op
-// build it from here.
-template <const char* Name, const char* Provider, typename K, int MinInputs>
-OrtCustomOp float_variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
+// An op whose inputs are variadic: at least MinInputs, all of element type T when Homogeneous
+// (T UNDEFINED: any type). Its outputs are one of type T (MinOutputs 0), or variadic like the
+// inputs, at least MinOutputs. onnxruntime requires every provider's registration of one op name
+// to declare the same schema, so the CPU and CUDA kernels of an op build it from here.
+template <const char* Name, const char* Provider, typename K, ONNXTensorElementDataType T, int MinInputs,
+          int Homogeneous, int MinOutputs>
+OrtCustomOp variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
   OrtCustomOp op = custom_op<Name, Provider, K>(create, compute);
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return T; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return T; };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) {
+    return MinOutputs > 0 ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+  };
   op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return MinInputs; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return Homogeneous; };
+  if (MinOutputs > 0) {
+    op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return MinOutputs; };
+    op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return Homogeneous; };
+  }
   return op;
+}
+
+// A fused op whose inputs are variadic, homogeneous float32 tensors (at least MinInputs) and
+// whose one output is float32 (Attention, StackedMLP).
+template <const char* Name, const char* Provider, typename K, int MinInputs>
+OrtCustomOp float_variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
+  return variadic_op<Name, Provider, K, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, MinInputs, 1, 0>(create, compute);
 }
 
 }  // namespace onnxfuse

@@ -34,18 +34,8 @@ constexpr int kPointwiseMinOutputs = 1;
 // the minimum arities above), as onnxruntime requires of the registrations of one name.
 template <const char* Provider, typename K>
 OrtCustomOp pointwise_op(CreateKernelFn create, ComputeKernelFn compute) {
-  OrtCustomOp op = custom_op<kPointwiseOpName, Provider, K>(create, compute);
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return kPointwiseMinInputs; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 0; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return kPointwiseMinOutputs; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 0; };
-  return op;
+  return variadic_op<kPointwiseOpName, Provider, K, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, kPointwiseMinInputs, 0,
+                     kPointwiseMinOutputs>(create, compute);
 }
 
 enum class DType : uint8_t { F16, BF16, F32, F64, Bool };
