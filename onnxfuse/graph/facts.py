@@ -23,9 +23,12 @@ _INFER_KEEP_ELEMENTS = 4096
 
 
 def _merge_dim(a, b):
-    for pick in (int, str):
+    """A number over a name, a name over one onnx's inference made up (unk__N): a recorded
+    made-up name must not hide what inference, given facts it could not derive, now knows."""
+    for good in (lambda d: isinstance(d, int), lambda d: isinstance(d, str) and not d.startswith("unk__"),
+                 lambda d: isinstance(d, str)):
         for d in (a, b):
-            if isinstance(d, pick):
+            if good(d):
                 return d
     return None
 
