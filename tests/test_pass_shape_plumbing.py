@@ -300,3 +300,33 @@ if __name__ == "__main__":
     before, after = kernels_per_run(model), kernels_per_run(rewritten)
     print(f"gpt_stack: {before} -> {after} kernels per inference ({before - after} removed; "
           f"{len(model.graph.node)} -> {len(rewritten.graph.node)} nodes)")
+
+
+def test_refined_dims_follow_a_torchscript_expand_with_minus_one_handling():
+    # x.expand(B, 1, S, S) as the TorchScript exporter writes it: the target goes through
+    # Where(Equal(t, -1 * ConstantOfShape(Shape(t))), ones, t); dims are never -1, so the
+    # Where gives t, and the expanded Range over the sequence is [B, 1, S, S] (T5's mask).
+    import onnx_graphsurgeon as gs
+
+    from onnxfuse.graph.facts import ShapeTable
+    from onnxfuse.graph.shape_values import refined_dims
+
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    seq = b.size(x, 1)
+    rng = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
+    row = b.op("Unsqueeze", [rng, b.const(i64(0, 1, 2))])  # [1, 1, 1, S]
+    t = b.op("Reshape", [b.target(b.size(x, 0), 1, seq, seq), b.const(i64(-1))])
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    ones = b.op("ConstantOfShape", [b.op("Shape", [t])], value=one)
+    minus = b.op("Mul", [ones, b.const(np.array(-1, np.int64))])
+    target = b.op("Where", [b.op("Equal", [t, minus]), ones, t])
+    expanded = b.op("Expand", [row, target])
+    y = b.op("Cast", [expanded], to=TensorProto.FLOAT)
+    m = b.model([("x", ["batch", "seq", 3])], y)
+    g = gs.import_onnx(m)
+    assert ShapeTable(g).dims(g.tensors()[expanded])[0] != "batch"  # inference alone
+    shapes, _ = refined_dims(g, ShapeTable(g))
+    assert shapes.dims(g.tensors()[expanded]) == ["batch", 1, "seq", "seq"]
+    out, n = plumb(m)
+    assert_same_outputs(m, out)

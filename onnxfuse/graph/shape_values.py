@@ -46,6 +46,21 @@ def _const(c: int) -> Mono:
     return (int(c), ())
 
 
+def _equal(a: Mono | None, b: Mono | None) -> Mono | None:
+    """a == b as 1 or 0 where it holds for every value of the symbols: equal monomials, two
+    different constants, or a monomial of dims (never negative) against a negative constant."""
+    if a is None or b is None:
+        return None
+    if a == b:
+        return _const(1)
+    if not a[1] and not b[1]:
+        return _const(0)
+    for x, y in ((a, b), (b, a)):
+        if x[1] and x[0] > 0 and not y[1] and y[0] < 0:
+            return _const(0)
+    return None
+
+
 def _mul(a: Mono | None, b: Mono | None) -> Mono | None:
     if a is None or b is None:
         return None
@@ -189,6 +204,42 @@ class ShapeEvaluator:
             return ShapeValue(1, tuple(e for v in ins for e in v.elems), ins[0].dtype)
         if op == "Slice":
             return self._slice(node, ins)
+        if op == "Reshape":
+            # a 1-D value reshaped to 1-D ([-1] or its length): the same elements
+            x, to = ins[0], ins[1]
+            if x is None or to is None or x.rank != 1 or to.constant not in ([-1], [len(x.elems)]):
+                return None
+            return x
+        if op == "ConstantOfShape":
+            shape = ins[0].constant if ins[0] is not None else None
+            value = node.attrs.get("value")
+            fill = np.asarray(value.values if isinstance(value, gs.Constant) else 0).reshape(-1)
+            if shape is None or len(shape) != 1 or shape[0] > MAX_ELEMENTS or fill.size != 1:
+                return None
+            dtype = fill.dtype if isinstance(value, gs.Constant) else np.dtype(np.float32)
+            if dtype not in _INT_TYPES:
+                return None
+            return ShapeValue(1, tuple(_const(int(fill[0])) for _ in range(shape[0])), dtype)
+        if op == "Equal":
+            a, b = ins[0], ins[1]
+            if a is None or b is None:
+                return None
+            la, lb = len(a.elems), len(b.elems)
+            n = max(la, lb)
+            if (la != n and la != 1) or (lb != n and lb != 1):
+                return None
+            elems = tuple(_equal(a.elems[i % la], b.elems[i % lb]) for i in range(n))
+            return ShapeValue(max(a.rank, b.rank), elems, np.dtype(bool))
+        if op == "Where":
+            cond, a, b = ins
+            if cond is None or a is None or b is None or cond.constant is None:
+                return None
+            n = max(len(cond.elems), len(a.elems), len(b.elems))
+            if any(len(v.elems) not in (1, n) for v in (cond, a, b)):
+                return None
+            pick = lambda v, i: v.elems[i % len(v.elems)]  # noqa: E731
+            elems = tuple(pick(a, i) if pick(cond, i)[0] else pick(b, i) for i in range(n))
+            return ShapeValue(max(cond.rank, a.rank, b.rank), elems, a.dtype)
         if op in _ARITH:
             a, b = ins[0], ins[1]
             if a is None or b is None:
@@ -285,6 +336,16 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
             new = _range_dims(*(ev.value(t) for t in node.inputs))
         elif node.op == "ConstantOfShape" and node.inputs:
             new = _dims_of_value(ev.value(node.inputs[0]))
+        elif node.op == "Reshape" and len(node.inputs) == 2:
+            new = _dims_of_value(ev.value(node.inputs[1]))
+            if new is not None and any(d in (0, -1) for d in new):
+                new = None  # copies and inferred dims: inference's business
+        elif node.op == "Expand" and len(node.inputs) == 2:
+            to, x = _dims_of_value(ev.value(node.inputs[1])), dims(node.inputs[0])
+            if to is not None and x is not None:
+                rank = max(len(to), len(x))
+                new = [_broadcast_dim(a, b) if a is not None and b is not None else None
+                       for a, b in zip([1] * (rank - len(x)) + list(x), [1] * (rank - len(to)) + list(to))]
         elif node.op in _BROADCAST_OPS and len(node.outputs) == 1:
             ins = [dims(t) for t in node.inputs]
             if all(d is not None for d in ins) and ins:
