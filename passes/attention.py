@@ -4,11 +4,15 @@ fuse-attention
     match:     the multi-head attention chain written by torch.onnx.export for
                  q, k, v [B, S, H*dh] -> Reshape [B, S, H, dh] -> Transpose
                  scores = MatMul(q [B, H, Sq, dh], kT [B, H, dh, Sk])
-                 (Div by a constant | Mul by a constant | nothing) (+ mask) -> Softmax(last axis)
+                 (Div by a constant | Mul by a constant | nothing) (+ mask | + a + b) -> Softmax(last axis)
                  MatMul(P, v [B, H, Sk, dv]) -> Transpose(0, 2, 1, 3) -> Reshape [B, Sq, H*dv]
                with q read as Transpose(0, 2, 1, 3) of its Reshape, optionally times a constant;
                k as Transpose(0, 2, 3, 1) of its Reshape, or Transpose(0, 1, 3, 2) of
-               Transpose(0, 2, 1, 3); v as Transpose(0, 2, 1, 3) of its Reshape. When q, k, v
+               Transpose(0, 2, 1, 3), optionally times a constant (the TorchScript exporter
+               splits the scale as (q*c) @ (kT*c)); v as Transpose(0, 2, 1, 3) of its Reshape.
+               Two additive terms, (scores + a) + b (T5: the relative-position bias, then the
+               padding mask), are one mask a + b (an Add in the main graph, one per pair of
+               terms, shared by the blocks that read the same pair). When q, k, v
                are, in this order, the three equal last-axis pieces of one Split read by nothing
                else, the Split is part of the match (qkv_packed); when that Split reads
                Add(t, c) (either order) read by nothing else, with c a constant bias along the
@@ -20,7 +24,10 @@ fuse-attention
                tensor whose dims are provably [B, Sq, H*dv]; Softmax on the last axis (opset >=
                13); the mask of rank <= 4, each dim provably 1 or equal to its axis of
                [B, H, Sq, Sk], or, when the merge target pins [B, Sq], any dims (a mask that
-               broadcast the scores up would make that Reshape fail in the original as well);
+               broadcast the scores up would make that Reshape fail in the original as well;
+               two terms: their broadcast, each pair of dims equal or one of them 1, and dims
+               read from a table refined with the facts inference misses: Range lengths,
+               ConstantOfShape of a shape value, shape_values.refined_dims);
                every intermediate tensor read only by the chain and not a graph output; a
                folded bias float32 of 3*H*dh elements, of rank <= 3 with every dim but the last
                1 (so the Add's output is t's [B, S, 3*H*dh]).
@@ -89,7 +96,7 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.shape_values import ShapeEvaluator
+from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
 HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]
@@ -127,6 +134,9 @@ class Match:
     bias_add: gs.Node | None = None  # Add(t, bias) read by the packed Split (folded)
     bias: np.ndarray | None = None  # its constant, as [3*H*dh]
     causal: tuple[int, int] | None = None  # the mask is a causal Slice of a [R, C] constant: (R, C)
+    # (scores + a) + b: the two additive terms (T5's position bias and padding mask), which the
+    # node reads as one mask a + b; `mask` is then None until the rewrite computes that sum.
+    mask_terms: tuple[gs.Tensor, gs.Tensor] | None = None
 
 
 def _perm(node: gs.Node | None) -> list[int] | None:
@@ -233,9 +243,34 @@ def _merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: facts.Sha
     return True if _same_dim(sd[0], qd[0]) and _same_dim(sd[1], qd[1]) else None
 
 
-def _mask_fits(mask: gs.Tensor, target: list, shapes: facts.ShapeTable, pinned: bool) -> bool:
-    md = shapes.dims(mask)
-    if mask.dtype != np.float32 or md is None or len(md) > 4:
+def _broadcast_dims(a: list | None, b: list | None) -> list | None:
+    """The dims of a + b (ONNX multidirectional broadcasting) where provable: each pair of
+    aligned dims equal, or one of them 1; None otherwise."""
+    if a is None or b is None:
+        return None
+    n = max(len(a), len(b))
+    a, b = [1] * (n - len(a)) + list(a), [1] * (n - len(b)) + list(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == 1:
+            out.append(y)
+        elif y == 1 or _same_dim(x, y):
+            out.append(x)
+        else:
+            return None
+    return out
+
+
+def _mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, pinned: bool) -> bool:
+    """Whether the additive mask (a tensor, or the pair of terms the node reads summed) is
+    float32 of rank <= 4 and provably broadcasts to `target` [B, H, Sq, Sk] without growing it."""
+    terms = mask if isinstance(mask, tuple) else (mask,)
+    if any(t.dtype != np.float32 for t in terms):
+        return False
+    md = shapes.dims(terms[0])
+    for t in terms[1:]:
+        md = _broadcast_dims(md, shapes.dims(t))
+    if md is None or len(md) > 4:
         return False
     if pinned:
         return True
@@ -301,6 +336,21 @@ def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: 
     return int(value.shape[-2]), int(value.shape[-1])
 
 
+def _masked_scores(graph: gs.Graph, add: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
+    """add = Add(s, mask) / Add(mask, s) with s private to it and computed by a MatMul, possibly
+    through a scale (Mul / Div by a constant): (s, mask)."""
+    for i in (0, 1):
+        inner, _, _ = _scaled(graph, add.inputs[i])
+        if gu.is_op(gu.producer(inner), "MatMul") and gu.is_private(graph, add.inputs[i]):
+            return add.inputs[i], add.inputs[1 - i]
+    return None
+
+
+def _reads_scores(inner_add: gs.Node, term: gs.Tensor) -> bool:
+    """Whether `term` is the inner Add's own output (Add(t, t) has no second mask term)."""
+    return any(term is t for t in inner_add.outputs)
+
+
 def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> bool:
     """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
     CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
@@ -329,16 +379,29 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     logits = softmax.inputs[0]
     chain_before: list[gs.Node] = []
     mask = None
+    mask_terms = None
     add = gu.producer(logits)
     if gu.is_op(add, "Add") and len(add.inputs) == 2:
-        for i in (0, 1):
-            inner, _, _ = _scaled(graph, add.inputs[i])
-            if gu.is_op(gu.producer(inner), "MatMul") and gu.is_private(graph, add.inputs[i]):
-                logits, mask = add.inputs[i], add.inputs[1 - i]
-                chain_before.append(add)
-                break
-        if mask is None:
-            return None
+        found = _masked_scores(graph, add)
+        if found is None:
+            # (scores + a) + b: T5 adds its relative-position bias, then the padding mask.
+            for i in (0, 1):
+                inner_add = gu.producer(add.inputs[i])
+                if not gu.is_op(inner_add, "Add") or len(inner_add.inputs) != 2:
+                    continue
+                if not gu.is_private(graph, add.inputs[i]) or _reads_scores(inner_add, add.inputs[1 - i]):
+                    continue
+                inner = _masked_scores(graph, inner_add)
+                if inner is not None:
+                    logits, first = inner
+                    mask_terms = (first, add.inputs[1 - i])
+                    chain_before += [add, inner_add]
+                    break
+            if mask_terms is None:
+                return None
+        else:
+            logits, mask = found
+            chain_before.append(add)
     scores, scale, scale_node = _scaled(graph, logits)
     if scale_node is not None:
         if not gu.is_private(graph, scores):
@@ -352,8 +415,12 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     q_in, q_scale, q_scale_node = _scaled(graph, qk.inputs[0])
     if q_scale_node is not None and not gu.is_private(graph, qk.inputs[0]):
         return None
+    # The TorchScript exporter writes a scale split as sqrt(s) on q and on kT: (q*c) @ (kT*c).
+    k_in, k_scale, k_scale_node = _scaled(graph, qk.inputs[1])
+    if k_scale_node is not None and not gu.is_private(graph, qk.inputs[1]):
+        return None
     q = _head_split(graph, q_in, [HEADS_PERM], shapes) if gu.is_private(graph, q_in) else None
-    k = _keys(graph, qk.inputs[1], shapes) if gu.is_private(graph, qk.inputs[1]) else None
+    k = _keys(graph, k_in, shapes) if gu.is_private(graph, k_in) else None
     v = _head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if gu.is_private(graph, pv.inputs[1]) else None
     if q is None or k is None or v is None or qk.inputs[0] is qk.inputs[1]:
         return None
@@ -362,6 +429,9 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if q_scale_node is not None:
         q.nodes.append(q_scale_node)
         scale *= q_scale
+    if k_scale_node is not None:
+        k.nodes.append(k_scale_node)
+        scale *= k_scale
     ctx_heads = pv.outputs[0]
     back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
     if _perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
@@ -375,17 +445,19 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if not pinned and not (_same_dim(qd[0], kd[0]) and _same_dim(kd[0], vd[0])):
         return None  # a batch broadcast between q, k and v would grow the output
     causal = None
+    target = [qd[0], q.heads, qd[1], kd[1]]
     if mask is not None:
         # The CUDA kernel has no causal mode: there the mask stays an input.
         if ctx is None or ctx.target == "cpu":
             causal = _causal_slice(graph, mask, q, k, shapes)
-        target = [qd[0], q.heads, qd[1], kd[1]]
         if causal is None and not _mask_fits(mask, target, shapes, pinned):
             return None
+    if mask_terms is not None and not _mask_fits(mask_terms, target, shapes, pinned):
+        return None
     if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None):
         return None
     chain = [qk] + list(reversed(chain_before)) + [softmax, pv, back, merge]
-    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal)
+    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms)
     m.split = _packed_split(graph, m, shapes)
     if m.split is not None:
         folded = _qkv_bias(graph, m.split, shapes)
@@ -442,7 +514,35 @@ def _qkv_bias(graph: gs.Graph, split: gs.Node, shapes: facts.ShapeTable) -> tupl
     return None
 
 
-def rewrite(graph: gs.Graph, m: Match, ctx: Context) -> None:
+def _summed_mask(graph: gs.Graph, m: Match, sums: dict) -> None:
+    """(scores + a) + b becomes scores + (a + b): one Add of the two terms in the main graph
+    (shared by every attention that reads the same pair: T5's layers share the position bias and
+    the padding mask), which the node reads as its mask, and one Add in its body. In float32
+    this is the original's sum where b is 0 and where b is a large negative fill (both sums
+    round to the fill), the padding mask's two values; elsewhere it may differ in the last bit."""
+    a, b = m.mask_terms
+    outer = next(n for n in m.nodes if gu.is_op(n, "Add") and any(t is b for t in n.inputs))
+    inner = gu.producer(next(t for t in outer.inputs if t is not b))
+    key = (id(a), id(b))
+    if key not in sums:
+        dims = _broadcast_dims(gu.dims(a), gu.dims(b))
+        total = gs.Variable(gu.unique_name(graph, f"{inner.name or 'attention'}_mask_sum"), dtype=np.float32, shape=dims)
+        graph.nodes.append(gs.Node("Add", name=gu.unique_name(graph, f"{inner.name or 'attention'}_mask_sum_add"),
+                                   inputs=[a, b], outputs=[total]))
+        sums[key] = total
+    scores = next(t for t in inner.inputs if t is not a)
+    out = outer.outputs[0]
+    gu.disconnect(outer)
+    gu.disconnect(inner)
+    add = gs.Node("Add", name=outer.name, inputs=[scores, sums[key]], outputs=[out])
+    at = next(i for i, n in enumerate(m.nodes) if n is inner)
+    m.nodes[at:at + 2] = [add]
+    m.mask = sums[key]
+
+
+def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -> None:
+    if m.mask_terms is not None:
+        _summed_mask(graph, m, {} if sums is None else sums)
     merge = m.merge
     out = merge.outputs[0]
     out_width = m.v.heads * m.v.width
@@ -547,15 +647,20 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
     if ctx.target == "cuda" and not ctx.options.attention_cuda:
         return 0
+    if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
+        return 0
     refresh_shapes(graph)
-    shapes = facts.ShapeTable(graph)
+    # Dims inference alone leaves unnamed: a mask or position bias built from Ranges over the
+    # sequence (T5) must be proved [.., Sq, Sk] to be the node's mask input.
+    shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
     matches = [m for m in (match(graph, n, shapes, ctx) for n in list(graph.nodes)) if m is not None]
     if ctx.target == "cuda":
         from onnxfuse.cuda.attention_codegen import supported
 
         matches = [m for m in matches if supported(m.q.width, m.v.width)]
+    sums: dict = {}  # summed mask terms, one Add per pair (_summed_mask)
     for m in matches:
-        rewrite(graph, m, ctx)
+        rewrite(graph, m, ctx, sums)
     if matches:
         gu.toposort(graph)
     return len(matches)

@@ -31,121 +31,11 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import ShapeTable
-from onnxfuse.graph.shape_values import Mono, ShapeEvaluator, numpy_dtype
+from onnxfuse.graph.shape_values import Mono, ShapeEvaluator, element_count, exact_quotient, numpy_dtype, refined_dims
 from onnxfuse.graph.slices import slice_indices
 from onnxfuse.pipeline import Context, Pass
 
 MAX_ROUNDS = 4  # re-infer shapes after rewrites: a constant target makes the output's dims known
-
-
-# Facts about dims onnx shape inference does not derive ---------------------------------------
-
-# The dim of x[..., 0:e] along an axis of static size D is min(e, D): a name of its own.
-_MIN = "onnxfuse.min"
-_BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Equal", "Less", "Greater",
-                  "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu", "BitShift"}
-
-
-def _min_name(sym: str, bound: int) -> str:
-    return f"{_MIN}({sym},{bound})"
-
-
-def _broadcast_dim(a, b):
-    """The broadcast of two dims when it is the same in every valid run, else None."""
-    if a == b and a is not None:
-        return a
-    if a == 1:
-        return b
-    if b == 1:
-        return a
-    for x, y in ((a, b), (b, a)):
-        # min(s, D) with D >= 1 broadcast with s is s: they are equal, or both are 1, or s = 0.
-        if isinstance(x, str) and isinstance(y, str) and y.startswith(f"{_MIN}({x},"):
-            return x
-    return None
-
-
-def _better(new: list, old: list | None) -> bool:
-    if old is None:
-        return True
-    return len(new) == len(old) and any(n is not None and n != o for n, o in zip(new, old))
-
-
-def _dim_facts(graph: gs.Graph, shapes: ShapeTable, ev: "ShapeEvaluator") -> dict[str, list]:
-    """Dims of Slice outputs with run-time bounds and of broadcasts of them: what a causal mask
-    sliced to the sequence length, added to the attention scores, needs to keep the
-    sequence dim's name."""
-    facts: dict[str, list] = {}
-
-    def dims(t):
-        return facts.get(t.name) or shapes.dims(t)
-
-    for node in graph.nodes:
-        if not node.outputs or not gu.is_present(node.outputs[0]) or not gu.is_default_domain(node):
-            continue
-        out = node.outputs[0]
-        new = None
-        if node.op == "Slice" and (graph.opset or 1) >= 10 and len(node.inputs) >= 3:
-            new = _slice_dims(node, dims(node.inputs[0]), ev)
-        elif node.op == "Range" and len(node.inputs) == 3:
-            new = _range_dims(*(ev.value(t) for t in node.inputs))
-        elif node.op in _BROADCAST_OPS and len(node.outputs) == 1:
-            ins = [dims(t) for t in node.inputs]
-            if all(d is not None for d in ins) and ins:
-                rank = max(len(d) for d in ins)
-                padded = [[1] * (rank - len(d)) + list(d) for d in ins]
-                new = []
-                for column in zip(*padded):
-                    r = column[0]
-                    for c in column[1:]:
-                        r = _broadcast_dim(r, c) if r is not None else None
-                    new.append(r)
-        if new is None:
-            continue
-        old = shapes.dims(out)
-        if old is not None and len(old) == len(new):
-            new = [n if n is not None else o for n, o in zip(new, old)]
-        if _better(new, old):
-            facts[out.name] = new
-    return facts
-
-
-def _range_dims(start, limit, delta) -> list | None:
-    """Range(0, e, 1) has e elements: e's name, where e is one named dim."""
-    if start is None or limit is None or delta is None or start.constant != [0] or delta.constant != [1]:
-        return None
-    e = limit.elems[0]
-    if e is None or e[0] != 1 or len(e[1]) != 1 or e[1][0].startswith("\0"):
-        return None
-    return [e[1][0]]
-
-
-def _slice_dims(node: gs.Node, in_dims: list | None, ev: "ShapeEvaluator") -> list | None:
-    if in_dims is None:
-        return None
-    vals = [ev.value(t) if gu.is_present(t) else None for t in list(node.inputs[1:5]) + [None] * (5 - len(node.inputs))]
-    starts, ends, axes, steps = vals[0], vals[1], vals[2], vals[3]
-    if starts is None or ends is None or starts.constant is None or len(starts.elems) != len(ends.elems):
-        return None
-    n = len(starts.elems)
-    axes_c = axes.constant if axes is not None else list(range(n))
-    steps_c = steps.constant if steps is not None else [1] * n
-    if axes_c is None or steps_c is None or (len(node.inputs) > 3 and gu.is_present(node.inputs[3]) and axes is None):
-        return None
-    out = list(in_dims)
-    for a, s0, e, k in zip(axes_c, starts.constant, ends.elems, steps_c):
-        a = a + len(in_dims) if a < 0 else a
-        if not 0 <= a < len(in_dims):
-            return None
-        dim = in_dims[a]
-        if e is not None and not e[1] and isinstance(dim, int) and k != 0:
-            out[a] = len(slice_indices(dim, s0, e[0], k))
-        elif (e is not None and s0 == 0 and k == 1 and isinstance(dim, int) and dim >= 1 and e[0] == 1
-              and len(e[1]) == 1 and not e[1][0].startswith("\0")):
-            out[a] = _min_name(e[1][0], dim)
-        else:
-            out[a] = None
-    return out
 
 
 def _same_dim(elem: Mono | None, dim: Mono) -> bool:
@@ -157,7 +47,10 @@ def reshape_target(ev: ShapeEvaluator, node: gs.Node) -> list[int] | None:
     target = ev.value(node.inputs[1])
     if target is None or target.rank != 1:
         return None
-    allowzero = int(gu.attr(node, "allowzero", 0)) == 1
+    # With allowzero = 1 (the dynamo exporter's) a 0 is a zero, not a copy; a target without
+    # a literal zero means the same read either way, and the rewrite sets allowzero to 0
+    # (_rewrite_round) where the constant copies a dim with 0.
+    allowzero = int(gu.attr(node, "allowzero", 0)) == 1 and any(e == (0, ()) for e in target.elems)
     in_dims = ev.dim_symbols(node.inputs[0]) or []
     out: list[int | None] = []
     for i, e in enumerate(target.elems):
@@ -173,9 +66,23 @@ def reshape_target(ev: ShapeEvaluator, node: gs.Node) -> list[int] | None:
     if len(unknown) > 1:
         return None
     rest = [v for i, v in enumerate(out) if i != unknown[0]]
-    # -1 divides the element count by the product of the rest: it must never be zero.
-    if any(v is None or v <= 0 for v in rest):
+    if any(v is None or v < 0 for v in rest):
         return None
+    if any(v == 0 for v in rest) and not allowzero:
+        # -1 beside copied dims would be ambiguous where one of them is zero; the element
+        # itself is known when the input's element count over the other elements' product is
+        # a constant ([B, S, 64] to [B, S, -1, 16]: 4 heads). Where the original reshape
+        # succeeds the two agree.
+        if not in_dims or any(v == 0 and i >= len(in_dims) for i, v in enumerate(out)):
+            return None
+        count = element_count(in_dims)
+        others = element_count([in_dims[i] if v == 0 else (v, ()) for i, v in enumerate(out) if i != unknown[0]])
+        quotient = exact_quotient(count, others)
+        if quotient is None or quotient[1] or quotient[0] <= 0 or element_count([quotient, others]) != count:
+            return None
+        out[unknown[0]] = quotient[0]
+        return out  # type: ignore[return-value]
+    # -1 divides the element count by the product of the rest: it must never be zero.
     out[unknown[0]] = -1
     return out  # type: ignore[return-value]
 
@@ -227,14 +134,7 @@ def _rewrite_round(graph: gs.Graph) -> int:
         shapes = ShapeTable(graph, infer=False)  # never consulted (see _reads_dims)
         ev = ShapeEvaluator(graph, shapes)
     else:
-        shapes = ShapeTable(graph)
-        ev = ShapeEvaluator(graph, shapes)
-        for _ in range(MAX_ROUNDS):
-            facts = _dim_facts(graph, shapes, ev)
-            if not facts:
-                break
-            shapes = shapes.refined(graph, facts)
-            ev = ShapeEvaluator(graph, shapes)
+        shapes, ev = refined_dims(graph, ShapeTable(graph), MAX_ROUNDS)
     taken = gu.tensor_names(graph) | {n.name for n in graph.nodes}
     rewrites = 0
     for node in list(graph.nodes):
@@ -250,6 +150,8 @@ def _rewrite_round(graph: gs.Graph) -> int:
             continue
         base = f"{node.name or node.op.lower()}_shape"
         node.inputs[1] = gu.make_constant(graph, base, np.array(target, dtype=np.int64), taken)
+        if node.op == "Reshape" and 0 in target and int(gu.attr(node, "allowzero", 0)) == 1:
+            node.attrs["allowzero"] = 0  # its zeros copy dims now (reshape_target: no literal zero)
         rewrites += 1
     # Shape arithmetic on static dims that something else reads (Range, ConstantOfShape, Slice
     # bounds, ...): the value is known now. Shape values equal element by element to one computed

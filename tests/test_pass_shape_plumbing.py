@@ -157,24 +157,50 @@ def test_minus_one_beside_a_dynamic_dim_is_not_written():
     assert_same_outputs(m, out, sizes=SIZES + ((0, 4),))
 
 
-def test_allowzero_reshape_uses_no_zero_copies():
+def test_allowzero_reshape_without_a_literal_zero_copies_dims_with_allowzero_off():
+    # Every element is the dim itself or a nonzero constant: read with allowzero 0, copying the
+    # dims gives the same target, zero-sized dims included.
     b = Builder()
     x = b.op("Relu", ["x"])
     y = b.op("Reshape", [x, b.target(b.size(x, 0), b.size(x, 1), 2, 2)], allowzero=1)
     m = b.model([("x", ["batch", "seq", 4])], y)
     out, n = plumb(m)
+    assert reshape_targets(out) == [[0, 0, 2, 2]]
+    [node] = [x for x in out.graph.node if x.op_type == "Reshape"]
+    assert {a.name: a.i for a in node.attribute}.get("allowzero", 0) == 0
+    assert_same_outputs(m, out, sizes=SIZES + ((0, 3),))
+
+
+def test_allowzero_reshape_with_a_literal_zero_uses_no_zero_copies():
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    y = b.op("Reshape", [x, b.target(b.size(x, 0), b.size(x, 1), 0, 4)], allowzero=1)
+    m = b.model([("x", ["batch", "seq", 0, 4])], y)
+    out, n = plumb(m)
     assert reshape_targets(out) == [None]
     assert_same_outputs(m, out)
 
 
-def test_allowzero_reshape_with_one_dynamic_dim_uses_minus_one():
+def test_heads_beside_copied_dims_are_computed_instead_of_minus_one():
+    # [B, S, 64] -> [B, S, -1, 16]: -1 beside copies would be ambiguous at a zero dim; the
+    # element count over the rest is 4 wherever the original reshape succeeds.
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    y = b.op("Reshape", [x, b.target(b.size(x, 0), b.size(x, 1), -1, 16)])
+    m = b.model([("x", ["batch", "seq", 64])], y)
+    out, n = plumb(m)
+    assert reshape_targets(out) == [[0, 0, 4, 16]]
+    assert_same_outputs(m, out)
+
+
+def test_allowzero_reshape_with_one_dynamic_dim_copies_it():
     b = Builder()
     x = b.op("Relu", ["x"])
     y = b.op("Reshape", [x, b.target(b.size(x, 0), 2, 2)], allowzero=1)
     m = b.model([("x", ["batch", 4])], y)
     out, n = plumb(m)
-    assert reshape_targets(out) == [[-1, 2, 2]]
-    assert_same_outputs(m, out)
+    assert reshape_targets(out) == [[0, 2, 2]]
+    assert_same_outputs(m, out, sizes=SIZES + ((0, 1),))
 
 
 def test_shape_arithmetic_on_static_dims_is_folded():
@@ -228,7 +254,7 @@ def test_equal_shape_values_of_different_tensors_are_computed_once():
 
 
 def test_broadcast_facts_hold_for_every_size():
-    from onnxfuse.passes.shape_plumbing import _broadcast_dim, _min_name
+    from onnxfuse.graph.shape_values import _broadcast_dim, _min_name
 
     assert _broadcast_dim("seq", _min_name("seq", 64)) == "seq"
     assert _broadcast_dim(_min_name("seq", 64), "seq") == "seq"
@@ -274,3 +300,33 @@ if __name__ == "__main__":
     before, after = kernels_per_run(model), kernels_per_run(rewritten)
     print(f"gpt_stack: {before} -> {after} kernels per inference ({before - after} removed; "
           f"{len(model.graph.node)} -> {len(rewritten.graph.node)} nodes)")
+
+
+def test_refined_dims_follow_a_torchscript_expand_with_minus_one_handling():
+    # x.expand(B, 1, S, S) as the TorchScript exporter writes it: the target goes through
+    # Where(Equal(t, -1 * ConstantOfShape(Shape(t))), ones, t); dims are never -1, so the
+    # Where gives t, and the expanded Range over the sequence is [B, 1, S, S] (T5's mask).
+    import onnx_graphsurgeon as gs
+
+    from onnxfuse.graph.facts import ShapeTable
+    from onnxfuse.graph.shape_values import refined_dims
+
+    b = Builder()
+    x = b.op("Relu", ["x"])
+    seq = b.size(x, 1)
+    rng = b.op("Range", [b.const(np.array(0, np.int64)), seq, b.const(np.array(1, np.int64))])
+    row = b.op("Unsqueeze", [rng, b.const(i64(0, 1, 2))])  # [1, 1, 1, S]
+    t = b.op("Reshape", [b.target(b.size(x, 0), 1, seq, seq), b.const(i64(-1))])
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    ones = b.op("ConstantOfShape", [b.op("Shape", [t])], value=one)
+    minus = b.op("Mul", [ones, b.const(np.array(-1, np.int64))])
+    target = b.op("Where", [b.op("Equal", [t, minus]), ones, t])
+    expanded = b.op("Expand", [row, target])
+    y = b.op("Cast", [expanded], to=TensorProto.FLOAT)
+    m = b.model([("x", ["batch", "seq", 3])], y)
+    g = gs.import_onnx(m)
+    assert ShapeTable(g).dims(g.tensors()[expanded])[0] != "batch"  # inference alone
+    shapes, _ = refined_dims(g, ShapeTable(g))
+    assert shapes.dims(g.tensors()[expanded]) == ["batch", 1, "seq", "seq"]
+    out, n = plumb(m)
+    assert_same_outputs(m, out)

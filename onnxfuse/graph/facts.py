@@ -23,9 +23,12 @@ _INFER_KEEP_ELEMENTS = 4096
 
 
 def _merge_dim(a, b):
-    for pick in (int, str):
+    """A number over a name, a name over one onnx's inference made up (unk__N): a recorded
+    made-up name must not hide what inference, given facts it could not derive, now knows."""
+    for good in (lambda d: isinstance(d, int), lambda d: isinstance(d, str) and not d.startswith("unk__"),
+                 lambda d: isinstance(d, str)):
         for d in (a, b):
-            if isinstance(d, pick):
+            if good(d):
                 return d
     return None
 
@@ -37,9 +40,10 @@ class ShapeTable:
     A table describes the graph as it was when built: rebuild it after rewrites that change
     shapes."""
 
-    def __init__(self, graph: gs.Graph, infer: bool = True, _annotate: dict | None = None) -> None:
+    def __init__(self, graph: gs.Graph, infer: bool = True, _annotate: dict | None = None,
+                 _forget: set[str] | None = None) -> None:
         self._types: dict[str, int] = {}
-        self._inferred: dict[str, list] = _infer_dims(graph, self._types, _annotate) if infer else {}
+        self._inferred: dict[str, list] = _infer_dims(graph, self._types, _annotate, _forget) if infer else {}
 
     def refined(self, graph: gs.Graph, hints: dict[str, list]) -> "ShapeTable":
         """A new table where the tensors in `hints` have the given dims (facts a pass derived that
@@ -58,7 +62,9 @@ class ShapeTable:
         annotate = {n: (self._types.get(n, 0), d) for n, d in self._inferred.items() if n not in downstream}
         for n, d in hints.items():
             annotate[n] = (self._types.get(n, 0), d)
-        return ShapeTable(graph, _annotate=annotate)
+        # What the graph records for tensors downstream of the hints is what inference knew
+        # before them: left out, so that inference propagates the hints' dims.
+        return ShapeTable(graph, _annotate=annotate, _forget=downstream)
 
     def dims(self, tensor: gs.Tensor) -> list[int | str | None] | None:
         own = gu.dims(tensor)
@@ -93,7 +99,8 @@ _CACHE_ATTRIBUTE = "_onnxfuse_inferred_dims"
 _CACHE_SIZE = 8
 
 
-def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = None) -> dict[str, list]:
+def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = None,
+                forget: set[str] | None = None) -> dict[str, list]:
     import hashlib
 
     import onnx
@@ -106,7 +113,7 @@ def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = 
     g = model.graph
     if annotate:
         interface = {v.name for v in list(g.input) + list(g.output)} | {t.name for t in g.initializer}
-        others = [vi for vi in g.value_info if vi.name not in annotate]
+        others = [vi for vi in g.value_info if vi.name not in annotate and vi.name not in (forget or ())]
         del g.value_info[:]
         g.value_info.extend(others)
         for name, (elem_type, d) in annotate.items():

@@ -46,6 +46,21 @@ def _const(c: int) -> Mono:
     return (int(c), ())
 
 
+def _equal(a: Mono | None, b: Mono | None) -> Mono | None:
+    """a == b as 1 or 0 where it holds for every value of the symbols: equal monomials, two
+    different constants, or a monomial of dims (never negative) against a negative constant."""
+    if a is None or b is None:
+        return None
+    if a == b:
+        return _const(1)
+    if not a[1] and not b[1]:
+        return _const(0)
+    for x, y in ((a, b), (b, a)):
+        if x[1] and x[0] > 0 and not y[1] and y[0] < 0:
+            return _const(0)
+    return None
+
+
 def _mul(a: Mono | None, b: Mono | None) -> Mono | None:
     if a is None or b is None:
         return None
@@ -74,6 +89,21 @@ def _add(a: Mono | None, b: Mono | None, sign: int) -> Mono | None:
         return None
     coef = a[0] + sign * b[0]
     return (0, ()) if coef == 0 else (coef, a[1])
+
+
+def element_count(dims: list[Mono] | None) -> Mono | None:
+    """The product of dims given as monomials (a tensor's element count); None if one is unknown."""
+    if dims is None:
+        return None
+    total: Mono | None = _const(1)
+    for d in dims:
+        total = _mul(total, d)
+    return total
+
+
+def exact_quotient(a: Mono | None, b: Mono | None) -> Mono | None:
+    """a / b where the division is exact for every value of the symbols, else None."""
+    return _div(a, b)
 
 
 _ARITH = {
@@ -174,6 +204,42 @@ class ShapeEvaluator:
             return ShapeValue(1, tuple(e for v in ins for e in v.elems), ins[0].dtype)
         if op == "Slice":
             return self._slice(node, ins)
+        if op == "Reshape":
+            # a 1-D value reshaped to 1-D ([-1] or its length): the same elements
+            x, to = ins[0], ins[1]
+            if x is None or to is None or x.rank != 1 or to.constant not in ([-1], [len(x.elems)]):
+                return None
+            return x
+        if op == "ConstantOfShape":
+            shape = ins[0].constant if ins[0] is not None else None
+            value = node.attrs.get("value")
+            fill = np.asarray(value.values if isinstance(value, gs.Constant) else 0).reshape(-1)
+            if shape is None or len(shape) != 1 or shape[0] > MAX_ELEMENTS or fill.size != 1:
+                return None
+            dtype = fill.dtype if isinstance(value, gs.Constant) else np.dtype(np.float32)
+            if dtype not in _INT_TYPES:
+                return None
+            return ShapeValue(1, tuple(_const(int(fill[0])) for _ in range(shape[0])), dtype)
+        if op == "Equal":
+            a, b = ins[0], ins[1]
+            if a is None or b is None:
+                return None
+            la, lb = len(a.elems), len(b.elems)
+            n = max(la, lb)
+            if (la != n and la != 1) or (lb != n and lb != 1):
+                return None
+            elems = tuple(_equal(a.elems[i % la], b.elems[i % lb]) for i in range(n))
+            return ShapeValue(max(a.rank, b.rank), elems, np.dtype(bool))
+        if op == "Where":
+            cond, a, b = ins
+            if cond is None or a is None or b is None or cond.constant is None:
+                return None
+            n = max(len(cond.elems), len(a.elems), len(b.elems))
+            if any(len(v.elems) not in (1, n) for v in (cond, a, b)):
+                return None
+            pick = lambda v, i: v.elems[i % len(v.elems)]  # noqa: E731
+            elems = tuple(pick(a, i) if pick(cond, i)[0] else pick(b, i) for i in range(n))
+            return ShapeValue(max(cond.rank, a.rank, b.rank), elems, a.dtype)
         if op in _ARITH:
             a, b = ins[0], ins[1]
             if a is None or b is None:
@@ -214,3 +280,155 @@ def _may_be_shape(tensor: gs.Constant) -> bool:
         and len(shape) <= 1
         and (not shape or int(shape[0]) <= MAX_ELEMENTS)
     )
+
+
+# Facts about dims onnx shape inference does not derive ---------------------------------------
+
+# The dim of x[..., 0:e] along an axis of static size D is min(e, D): a name of its own.
+_MIN = "onnxfuse.min"
+_BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Equal", "Less", "Greater",
+                  "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "PRelu", "BitShift"}
+
+
+def _min_name(sym: str, bound: int) -> str:
+    return f"{_MIN}({sym},{bound})"
+
+
+def _broadcast_dim(a, b):
+    """The broadcast of two dims when it is the same in every valid run, else None."""
+    if a == b and a is not None:
+        return a
+    if a == 1:
+        return b
+    if b == 1:
+        return a
+    for x, y in ((a, b), (b, a)):
+        # min(s, D) with D >= 1 broadcast with s is s: they are equal, or both are 1, or s = 0.
+        if isinstance(x, str) and isinstance(y, str) and y.startswith(f"{_MIN}({x},"):
+            return x
+    return None
+
+
+def _better(new: list, old: list | None) -> bool:
+    if old is None:
+        return True
+    return len(new) == len(old) and any(n is not None and n != o for n, o in zip(new, old))
+
+
+def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) -> dict[str, list]:
+    """Dims of Slice outputs with run-time bounds, of Ranges to a dim, of ConstantOfShape of a
+    shape value, and of broadcasts of them: what a causal mask sliced to the sequence length,
+    added to the attention scores, needs to keep the sequence dim's name, and what T5's
+    relative-position bias, built from Ranges over the sequence, needs to be [1, H, S, S]."""
+    found: dict[str, list] = {}
+
+    def dims(t):
+        return found.get(t.name) or shapes.dims(t)
+
+    for node in graph.nodes:
+        if not node.outputs or not gu.is_present(node.outputs[0]) or not gu.is_default_domain(node):
+            continue
+        out = node.outputs[0]
+        new = None
+        if node.op == "Slice" and (graph.opset or 1) >= 10 and len(node.inputs) >= 3:
+            new = _slice_dims(node, dims(node.inputs[0]), ev)
+        elif node.op == "Range" and len(node.inputs) == 3:
+            new = _range_dims(*(ev.value(t) for t in node.inputs))
+        elif node.op == "ConstantOfShape" and node.inputs:
+            new = _dims_of_value(ev.value(node.inputs[0]))
+        elif node.op == "Reshape" and len(node.inputs) == 2:
+            new = _dims_of_value(ev.value(node.inputs[1]))
+            if new is not None and any(d in (0, -1) for d in new):
+                new = None  # copies and inferred dims: inference's business
+        elif node.op == "Expand" and len(node.inputs) == 2:
+            to, x = _dims_of_value(ev.value(node.inputs[1])), dims(node.inputs[0])
+            if to is not None and x is not None:
+                rank = max(len(to), len(x))
+                new = [_broadcast_dim(a, b) if a is not None and b is not None else None
+                       for a, b in zip([1] * (rank - len(x)) + list(x), [1] * (rank - len(to)) + list(to))]
+        elif node.op in _BROADCAST_OPS and len(node.outputs) == 1:
+            ins = [dims(t) for t in node.inputs]
+            if all(d is not None for d in ins) and ins:
+                rank = max(len(d) for d in ins)
+                padded = [[1] * (rank - len(d)) + list(d) for d in ins]
+                new = []
+                for column in zip(*padded):
+                    r = column[0]
+                    for c in column[1:]:
+                        r = _broadcast_dim(r, c) if r is not None else None
+                    new.append(r)
+        if new is None:
+            continue
+        old = shapes.dims(out)
+        if old is not None and len(old) == len(new):
+            new = [n if n is not None else o for n, o in zip(new, old)]
+        if _better(new, old):
+            found[out.name] = new
+    return found
+
+
+def _dims_of_value(v: ShapeValue | None) -> list | None:
+    """The dims a shape tensor's value spells: each element a number or one named dim."""
+    if v is None or v.rank != 1:
+        return None
+    dims = []
+    for e in v.elems:
+        if e is not None and not e[1]:
+            dims.append(e[0])
+        elif e is not None and e[0] == 1 and len(e[1]) == 1 and not e[1][0].startswith("\0"):
+            dims.append(e[1][0])
+        else:
+            dims.append(None)
+    return dims
+
+
+def _range_dims(start, limit, delta) -> list | None:
+    """Range(0, e, 1) has e elements: e's name, where e is one named dim."""
+    if start is None or limit is None or delta is None or start.constant != [0] or delta.constant != [1]:
+        return None
+    e = limit.elems[0]
+    if e is None or e[0] != 1 or len(e[1]) != 1 or e[1][0].startswith("\0"):
+        return None
+    return [e[1][0]]
+
+
+def _slice_dims(node: gs.Node, in_dims: list | None, ev: ShapeEvaluator) -> list | None:
+    if in_dims is None:
+        return None
+    vals = [ev.value(t) if gu.is_present(t) else None for t in list(node.inputs[1:5]) + [None] * (5 - len(node.inputs))]
+    starts, ends, axes, steps = vals[0], vals[1], vals[2], vals[3]
+    if starts is None or ends is None or starts.constant is None or len(starts.elems) != len(ends.elems):
+        return None
+    n = len(starts.elems)
+    axes_c = axes.constant if axes is not None else list(range(n))
+    steps_c = steps.constant if steps is not None else [1] * n
+    if axes_c is None or steps_c is None or (len(node.inputs) > 3 and gu.is_present(node.inputs[3]) and axes is None):
+        return None
+    out = list(in_dims)
+    for a, s0, e, k in zip(axes_c, starts.constant, ends.elems, steps_c):
+        a = a + len(in_dims) if a < 0 else a
+        if not 0 <= a < len(in_dims):
+            return None
+        dim = in_dims[a]
+        if e is not None and not e[1] and isinstance(dim, int) and k != 0:
+            out[a] = len(slice_indices(dim, s0, e[0], k))
+        elif (e is not None and s0 == 0 and k == 1 and isinstance(dim, int) and dim >= 1 and e[0] == 1
+              and len(e[1]) == 1 and not e[1][0].startswith("\0")):
+            out[a] = _min_name(e[1][0], dim)
+        else:
+            out[a] = None
+    return out
+
+
+def refined_dims(graph: gs.Graph, shapes: facts.ShapeTable, rounds: int = 4) -> tuple[facts.ShapeTable, ShapeEvaluator]:
+    """`shapes` refined with the dim facts onnx inference does not derive (_dim_facts: Range
+    lengths, Slices to run-time bounds, broadcasts of them), inferring again after each round,
+    and an evaluator over the refined table."""
+    ev = ShapeEvaluator(graph, shapes)
+    for _ in range(rounds):
+        found = _dim_facts(graph, shapes, ev)
+        if not found:
+            break
+        shapes = shapes.refined(graph, found)
+        ev = ShapeEvaluator(graph, shapes)
+    return shapes, ev
