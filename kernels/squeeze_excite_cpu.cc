@@ -18,12 +18,17 @@
 // microseconds of fixed cost on tensors of a few hundred values. Here the block is one pass that
 // averages each channel (applying the input activation and storing it on the way), two small
 // matrix-vector products and one pass that scales each channel in place.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "kernel_util.h"
 #include "numeric.h"
@@ -105,11 +110,20 @@ struct Job {
 // the compiler keeps in vector registers.
 constexpr int kLanes = 16;
 
-ONNXFUSE_INLINE void squeeze_body(void* data, size_t i) {
-  auto* job = static_cast<Job*>(data);
+ONNXFUSE_INLINE void squeeze_channel(Job* job, int64_t i) {
   const int64_t hw = job->hw;
-  const float* x = job->x + static_cast<int64_t>(i) * hw;
-  float* y = job->y + static_cast<int64_t>(i) * hw;
+  const float* x = job->x + i * hw;
+  float* y = job->y + i * hw;
+  if (hw < kLanes) {  // a late layer's few values: one sum, no lanes to fold
+    float sum = 0.0f;
+    for (int64_t j = 0; j < hw; ++j) {
+      const float v = job->k->input_act == Act::Silu ? x[j] * num::sigmoid_f32(x[j]) : x[j];
+      if (job->k->input_act == Act::Silu) y[j] = v;
+      sum += v;
+    }
+    job->means[i] = sum / static_cast<float>(hw);
+    return;
+  }
   float acc[kLanes] = {};
   const int64_t whole = hw - hw % kLanes;
   if (job->k->input_act == Act::Silu) {
@@ -135,36 +149,70 @@ ONNXFUSE_INLINE void squeeze_body(void* data, size_t i) {
   job->means[i] = acc[0] / static_cast<float>(hw);
 }
 
-// sum_j a[j] * b[j]
-ONNXFUSE_INLINE float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {};
+// out[i] = sum_j w[i * ld + j] * v[j] for i < rows: four rows at a time, kLanes lanes each, so
+// that 8 vector accumulators are in flight (one row alone would wait on its adds' latency).
+void matvec(const float* w, int64_t ld, const float* v, int64_t n, int64_t rows, float* out) {
+  constexpr int kRows = 4;
   const int64_t whole = n - n % kLanes;
-  for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[j0 + l] * b[j0 + l];
-  for (int64_t j = whole; j < n; ++j) acc[j - whole] += a[j] * b[j];
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) {
+    float acc[kRows][kLanes] = {};
+    for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+      for (int q = 0; q < kRows; ++q)
+        for (int l = 0; l < kLanes; ++l) acc[q][l] += w[(i + q) * ld + j0 + l] * v[j0 + l];
+    for (int q = 0; q < kRows; ++q) {
+      for (int64_t j = whole; j < n; ++j) acc[q][j - whole] += w[(i + q) * ld + j] * v[j];
+      for (int h = kLanes / 2; h > 0; h /= 2)
+        for (int l = 0; l < h; ++l) acc[q][l] += acc[q][l + h];
+      out[i + q] = acc[q][0];
+    }
+  }
+  for (; i < rows; ++i) {
+    float acc[kLanes] = {};
+    for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += w[i * ld + j0 + l] * v[j0 + l];
+    for (int64_t j = whole; j < n; ++j) acc[j - whole] += w[i * ld + j] * v[j];
+    for (int h = kLanes / 2; h > 0; h /= 2)
+      for (int l = 0; l < h; ++l) acc[l] += acc[l + h];
+    out[i] = acc[0];
+  }
 }
 
+template <void (*Matvec)(const float*, int64_t, const float*, int64_t, int64_t, float*)>
 ONNXFUSE_INLINE void excite_image_body(Job* job, int64_t n, float* hidden) {
   const SqueezeExciteKernel* k = job->k;
   const int64_t C = job->c, R = job->r;
-  const float* m = job->means + n * C;
-  for (int64_t r = 0; r < R; ++r)
-    hidden[r] = apply(k->hidden_act, k->hidden_alpha, k->hidden_beta, dot(job->w1 + r * C, m, C) + job->b1[r]);
+  Matvec(job->w1, C, job->means + n * C, C, R, hidden);
+  for (int64_t r = 0; r < R; ++r) hidden[r] = apply(k->hidden_act, k->hidden_alpha, k->hidden_beta, hidden[r] + job->b1[r]);
   float* g = job->gates + n * C;
-  for (int64_t c = 0; c < C; ++c)
-    g[c] = apply(k->gate_act, k->gate_alpha, k->gate_beta, dot(job->w2 + c * R, hidden, R) + job->b2[c]);
+  Matvec(job->w2, R, hidden, R, C, g);
+  for (int64_t c = 0; c < C; ++c) g[c] = apply(k->gate_act, k->gate_alpha, k->gate_beta, g[c] + job->b2[c]);
 }
 
-ONNXFUSE_INLINE void excite_body(void* data, size_t i) {
-  auto* job = static_cast<Job*>(data);
+ONNXFUSE_INLINE void excite_channel(Job* job, int64_t i) {
   const int64_t hw = job->hw;
   const float g = job->gates[i];
   const float* src = (job->k->input_act == Act::None ? job->x : job->y) + static_cast<int64_t>(i) * hw;
   float* y = job->y + static_cast<int64_t>(i) * hw;
   for (int64_t j = 0; j < hw; ++j) y[j] = src[j] * g;
+}
+
+// Tasks of kChunk channels: a late layer's channels hold a few values each, too little work for
+// one call each.
+constexpr int64_t kChunk = 32;
+
+int64_t chunks(int64_t channels) { return (channels + kChunk - 1) / kChunk; }
+
+ONNXFUSE_INLINE void squeeze_body(void* data, size_t t) {
+  auto* job = static_cast<Job*>(data);
+  const int64_t end = std::min<int64_t>(job->n * job->c, (static_cast<int64_t>(t) + 1) * kChunk);
+  for (int64_t i = static_cast<int64_t>(t) * kChunk; i < end; ++i) squeeze_channel(job, i);
+}
+
+ONNXFUSE_INLINE void excite_body(void* data, size_t t) {
+  auto* job = static_cast<Job*>(data);
+  const int64_t end = std::min<int64_t>(job->n * job->c, (static_cast<int64_t>(t) + 1) * kChunk);
+  for (int64_t i = static_cast<int64_t>(t) * kChunk; i < end; ++i) excite_channel(job, i);
 }
 
 struct Loops {
@@ -174,7 +222,7 @@ struct Loops {
 };
 
 void squeeze_base(void* d, size_t i) { squeeze_body(d, i); }
-void excite_image_base(Job* j, int64_t n, float* h) { excite_image_body(j, n, h); }
+void excite_image_base(Job* j, int64_t n, float* h) { excite_image_body<matvec>(j, n, h); }
 void excite_base(void* d, size_t i) { excite_body(d, i); }
 const Loops kBaseLoops = {squeeze_base, excite_image_base, excite_base};
 
@@ -182,7 +230,45 @@ const Loops kBaseLoops = {squeeze_base, excite_image_base, excite_base};
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 void squeeze_avx2(void* d, size_t i) { squeeze_body(d, i); }
-void excite_image_avx2(Job* j, int64_t n, float* h) { excite_image_body(j, n, h); }
+// matvec with AVX2 FMAs: four rows at a time, two 8-float accumulators per row.
+void matvec_avx2(const float* w, int64_t ld, const float* v, int64_t n, int64_t rows, float* out) {
+  const int64_t whole = n - n % 16;
+  auto hsum = [](__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  };
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    __m256 acc[4][2];
+    for (int q = 0; q < 4; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      const __m256 v0 = _mm256_loadu_ps(v + j), v1 = _mm256_loadu_ps(v + j + 8);
+      for (int q = 0; q < 4; ++q) {
+        const float* wr = w + (i + q) * ld + j;
+        acc[q][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wr), v0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wr + 8), v1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < 4; ++q) {
+      float sum = hsum(_mm256_add_ps(acc[q][0], acc[q][1]));
+      for (int64_t j = whole; j < n; ++j) sum += w[(i + q) * ld + j] * v[j];
+      out[i + q] = sum;
+    }
+  }
+  for (; i < rows; ++i) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * ld + j), _mm256_loadu_ps(v + j), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * ld + j + 8), _mm256_loadu_ps(v + j + 8), a1);
+    }
+    float sum = hsum(_mm256_add_ps(a0, a1));
+    for (int64_t j = whole; j < n; ++j) sum += w[i * ld + j] * v[j];
+    out[i] = sum;
+  }
+}
+void excite_image_avx2(Job* j, int64_t n, float* h) { excite_image_body<matvec_avx2>(j, n, h); }
 void excite_avx2(void* d, size_t i) { excite_body(d, i); }
 #pragma GCC pop_options
 const Loops kAvx2Loops = {squeeze_avx2, excite_image_avx2, excite_avx2};
@@ -300,10 +386,10 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     const Loops& loops = kBaseLoops;
 #endif
     ONNXFUSE_RETURN_IF_ERROR(
-        api.KernelContext_ParallelFor(ctx, loops.squeeze, static_cast<size_t>(channels), 0, &job), where(k));
+        api.KernelContext_ParallelFor(ctx, loops.squeeze, static_cast<size_t>(chunks(channels)), 0, &job), where(k));
     for (int64_t n = 0; n < job.n; ++n) loops.excite_image(&job, n, hidden.data());
     ONNXFUSE_RETURN_IF_ERROR(
-        api.KernelContext_ParallelFor(ctx, loops.excite, static_cast<size_t>(channels), 0, &job), where(k));
+        api.KernelContext_ParallelFor(ctx, loops.excite, static_cast<size_t>(chunks(channels)), 0, &job), where(k));
     return nullptr;
   } catch (const std::bad_alloc&) {
     return api.CreateStatus(ORT_FAIL, (where(k) + "out of memory").c_str());
