@@ -1,0 +1,417 @@
+// onnxfuse.SqueezeExcite on the CPU: a squeeze-and-excitation block in one kernel
+// (passes/squeeze_excite.py writes it).
+//
+//   inputs   X [N, C, H, W] float32, W1 [R, C, 1, 1], B1 [R], W2 [C, R, 1, 1], B2 [C]
+//   attrs    input_activation: STRING, none or silu: applied to X first (the activation of the
+//            convolution before the block, when only the block reads it)
+//            hidden_activation, gate_activation: STRING, one of none, relu, sigmoid, tanh,
+//            hardsigmoid, hardswish, silu, leakyrelu, clip; their parameters in
+//            hidden_alpha / hidden_beta and gate_alpha / gate_beta (HardSigmoid's alpha and
+//            beta, LeakyRelu's alpha, Clip's bounds)
+//   output   Y = A * gate(W2 hidden(W1 mean_hw(A) + B1) + B2), A = input_activation(X), the
+//            gate broadcast over H and W
+//
+// Why a kernel of our own: onnxruntime runs the block as GlobalAveragePool (or ReduceMean), two
+// 1x1 convolutions on a 1x1 image, their activations and a broadcast Mul, and since its NCHWc
+// layout has no broadcast Mul, the gate and X are each reordered out of the blocked layout for
+// the Mul and the product reordered back in: 7-9 kernels per block, most of them a few
+// microseconds of fixed cost on tensors of a few hundred values. Here the block is one pass that
+// averages each channel (applying the input activation and storing it on the way), two small
+// matrix-vector products and one pass that scales each channel in place.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kernel_util.h"
+#include "numeric.h"
+#include "registry.h"
+
+namespace onnxfuse {
+namespace {
+
+constexpr const char* kSqueezeExciteName = "SqueezeExcite";
+
+enum class Act { None, Relu, Sigmoid, Tanh, HardSigmoid, HardSwish, Silu, LeakyRelu, Clip };
+
+bool parse_act(const std::string& name, Act* act) {
+  static const struct {
+    const char* name;
+    Act act;
+  } table[] = {{"none", Act::None},           {"relu", Act::Relu},           {"sigmoid", Act::Sigmoid},
+               {"tanh", Act::Tanh},           {"hardsigmoid", Act::HardSigmoid}, {"hardswish", Act::HardSwish},
+               {"silu", Act::Silu},           {"leakyrelu", Act::LeakyRelu}, {"clip", Act::Clip}};
+  for (const auto& e : table) {
+    if (name == e.name) {
+      *act = e.act;
+      return true;
+    }
+  }
+  return false;
+}
+
+// x < lo ? lo : x > hi ? hi : x, as onnxruntime's Clip, HardSigmoid and HardSwish: NaN passes.
+inline float clamp_nan(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// One activation, as onnxruntime computes its op (the Pointwise kernel's cases, pointwise_exec.inc):
+// HardSigmoid and HardSwish round the product before adding; x < 0 gives +0 for Relu, -0 and NaN
+// pass.
+inline float apply(Act act, float a, float b, float x) {
+  switch (act) {
+    case Act::None: return x;
+    case Act::Relu: return x < 0.0f ? 0.0f : x;
+    case Act::Sigmoid: return num::sigmoid_f32(x);
+    case Act::Tanh: return num::tanh_f32(x);
+    case Act::HardSigmoid: {
+      volatile float prod = a * x;  // rounded before the addition, never contracted into an FMA
+      return clamp_nan(prod + b, 0.0f, 1.0f);
+    }
+    case Act::HardSwish: {
+      volatile float prod = x * (1.0f / 6.0f);
+      return x * clamp_nan(prod + 0.5f, 0.0f, 1.0f);
+    }
+    case Act::Silu: return x * num::sigmoid_f32(x);
+    case Act::LeakyRelu: return x < 0.0f ? a * x : x;
+    case Act::Clip: return clamp_nan(x, a, b);
+  }
+  return x;
+}
+
+struct SqueezeExciteKernel {
+  OrtApiRef api;
+  std::string node_name;
+  bool avx2 = false;
+  Act input_act = Act::None, hidden_act = Act::None, gate_act = Act::Sigmoid;
+  float hidden_alpha = 0, hidden_beta = 0, gate_alpha = 0, gate_beta = 0;
+};
+
+std::string where(const SqueezeExciteKernel* k) { return "onnxfuse SqueezeExcite node '" + k->node_name + "': "; }
+
+struct Job {
+  const SqueezeExciteKernel* k;
+  const float* x;
+  float* y;
+  const float *w1, *b1, *w2, *b2;
+  int64_t n, c, r, hw;
+  float* means;  // [N, C]
+  float* gates;  // [N, C]
+};
+
+// The kernel's loops, inlined into a baseline and an AVX2 + FMA build of each (below): channel i
+// of all N * C with its input activation stored in Y (or X read as it is) and its mean; one image's
+// two 1x1 convolutions; channel i scaled by its gate. Sums run in kLanes independent lanes, which
+// the compiler keeps in vector registers.
+constexpr int kLanes = 16;
+
+ONNXFUSE_INLINE void squeeze_channel(Job* job, int64_t i) {
+  const int64_t hw = job->hw;
+  const float* x = job->x + i * hw;
+  float* y = job->y + i * hw;
+  if (hw < kLanes) {  // a late layer's few values: one sum, no lanes to fold
+    float sum = 0.0f;
+    for (int64_t j = 0; j < hw; ++j) {
+      const float v = job->k->input_act == Act::Silu ? x[j] * num::sigmoid_f32(x[j]) : x[j];
+      if (job->k->input_act == Act::Silu) y[j] = v;
+      sum += v;
+    }
+    job->means[i] = sum / static_cast<float>(hw);
+    return;
+  }
+  float acc[kLanes] = {};
+  const int64_t whole = hw - hw % kLanes;
+  if (job->k->input_act == Act::Silu) {
+    for (int64_t j0 = 0; j0 < whole; j0 += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float v = x[j0 + l] * num::sigmoid_f32(x[j0 + l]);
+        y[j0 + l] = v;
+        acc[l] += v;
+      }
+    }
+    for (int64_t j = whole; j < hw; ++j) {
+      const float v = x[j] * num::sigmoid_f32(x[j]);
+      y[j] = v;
+      acc[j - whole] += v;
+    }
+  } else {
+    for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += x[j0 + l];
+    for (int64_t j = whole; j < hw; ++j) acc[j - whole] += x[j];
+  }
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  job->means[i] = acc[0] / static_cast<float>(hw);
+}
+
+// out[i] = sum_j w[i * ld + j] * v[j] for i < rows: four rows at a time, kLanes lanes each, so
+// that 8 vector accumulators are in flight (one row alone would wait on its adds' latency).
+void matvec(const float* w, int64_t ld, const float* v, int64_t n, int64_t rows, float* out) {
+  constexpr int kRows = 4;
+  const int64_t whole = n - n % kLanes;
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) {
+    float acc[kRows][kLanes] = {};
+    for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+      for (int q = 0; q < kRows; ++q)
+        for (int l = 0; l < kLanes; ++l) acc[q][l] += w[(i + q) * ld + j0 + l] * v[j0 + l];
+    for (int q = 0; q < kRows; ++q) {
+      for (int64_t j = whole; j < n; ++j) acc[q][j - whole] += w[(i + q) * ld + j] * v[j];
+      for (int h = kLanes / 2; h > 0; h /= 2)
+        for (int l = 0; l < h; ++l) acc[q][l] += acc[q][l + h];
+      out[i + q] = acc[q][0];
+    }
+  }
+  for (; i < rows; ++i) {
+    float acc[kLanes] = {};
+    for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += w[i * ld + j0 + l] * v[j0 + l];
+    for (int64_t j = whole; j < n; ++j) acc[j - whole] += w[i * ld + j] * v[j];
+    for (int h = kLanes / 2; h > 0; h /= 2)
+      for (int l = 0; l < h; ++l) acc[l] += acc[l + h];
+    out[i] = acc[0];
+  }
+}
+
+template <void (*Matvec)(const float*, int64_t, const float*, int64_t, int64_t, float*)>
+ONNXFUSE_INLINE void excite_image_body(Job* job, int64_t n, float* hidden) {
+  const SqueezeExciteKernel* k = job->k;
+  const int64_t C = job->c, R = job->r;
+  Matvec(job->w1, C, job->means + n * C, C, R, hidden);
+  for (int64_t r = 0; r < R; ++r) hidden[r] = apply(k->hidden_act, k->hidden_alpha, k->hidden_beta, hidden[r] + job->b1[r]);
+  float* g = job->gates + n * C;
+  Matvec(job->w2, R, hidden, R, C, g);
+  for (int64_t c = 0; c < C; ++c) g[c] = apply(k->gate_act, k->gate_alpha, k->gate_beta, g[c] + job->b2[c]);
+}
+
+ONNXFUSE_INLINE void excite_channel(Job* job, int64_t i) {
+  const int64_t hw = job->hw;
+  const float g = job->gates[i];
+  const float* src = (job->k->input_act == Act::None ? job->x : job->y) + static_cast<int64_t>(i) * hw;
+  float* y = job->y + static_cast<int64_t>(i) * hw;
+  for (int64_t j = 0; j < hw; ++j) y[j] = src[j] * g;
+}
+
+// Tasks of kChunk channels: a late layer's channels hold a few values each, too little work for
+// one call each.
+constexpr int64_t kChunk = 32;
+
+int64_t chunks(int64_t channels) { return (channels + kChunk - 1) / kChunk; }
+
+ONNXFUSE_INLINE void squeeze_body(void* data, size_t t) {
+  auto* job = static_cast<Job*>(data);
+  const int64_t end = std::min<int64_t>(job->n * job->c, (static_cast<int64_t>(t) + 1) * kChunk);
+  for (int64_t i = static_cast<int64_t>(t) * kChunk; i < end; ++i) squeeze_channel(job, i);
+}
+
+ONNXFUSE_INLINE void excite_body(void* data, size_t t) {
+  auto* job = static_cast<Job*>(data);
+  const int64_t end = std::min<int64_t>(job->n * job->c, (static_cast<int64_t>(t) + 1) * kChunk);
+  for (int64_t i = static_cast<int64_t>(t) * kChunk; i < end; ++i) excite_channel(job, i);
+}
+
+struct Loops {
+  void (*squeeze)(void*, size_t);
+  void (*excite_image)(Job*, int64_t, float*);
+  void (*excite)(void*, size_t);
+};
+
+void squeeze_base(void* d, size_t i) { squeeze_body(d, i); }
+void excite_image_base(Job* j, int64_t n, float* h) { excite_image_body<matvec>(j, n, h); }
+void excite_base(void* d, size_t i) { excite_body(d, i); }
+const Loops kBaseLoops = {squeeze_base, excite_image_base, excite_base};
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+void squeeze_avx2(void* d, size_t i) { squeeze_body(d, i); }
+// matvec with AVX2 FMAs: four rows at a time, two 8-float accumulators per row.
+void matvec_avx2(const float* w, int64_t ld, const float* v, int64_t n, int64_t rows, float* out) {
+  const int64_t whole = n - n % 16;
+  auto hsum = [](__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  };
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    __m256 acc[4][2];
+    for (int q = 0; q < 4; ++q) acc[q][0] = acc[q][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      const __m256 v0 = _mm256_loadu_ps(v + j), v1 = _mm256_loadu_ps(v + j + 8);
+      for (int q = 0; q < 4; ++q) {
+        const float* wr = w + (i + q) * ld + j;
+        acc[q][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wr), v0, acc[q][0]);
+        acc[q][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wr + 8), v1, acc[q][1]);
+      }
+    }
+    for (int q = 0; q < 4; ++q) {
+      float sum = hsum(_mm256_add_ps(acc[q][0], acc[q][1]));
+      for (int64_t j = whole; j < n; ++j) sum += w[(i + q) * ld + j] * v[j];
+      out[i + q] = sum;
+    }
+  }
+  for (; i < rows; ++i) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < whole; j += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * ld + j), _mm256_loadu_ps(v + j), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * ld + j + 8), _mm256_loadu_ps(v + j + 8), a1);
+    }
+    float sum = hsum(_mm256_add_ps(a0, a1));
+    for (int64_t j = whole; j < n; ++j) sum += w[i * ld + j] * v[j];
+    out[i] = sum;
+  }
+}
+void excite_image_avx2(Job* j, int64_t n, float* h) { excite_image_body<matvec_avx2>(j, n, h); }
+void excite_avx2(void* d, size_t i) { excite_body(d, i); }
+#pragma GCC pop_options
+const Loops kAvx2Loops = {squeeze_avx2, excite_image_avx2, excite_avx2};
+#endif
+
+OrtStatus* read_string(const OrtApiRef& api, const OrtKernelInfo* info, const char* name, std::string* out) {
+  size_t size = 0;
+  if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, nullptr, &size)) return st;
+  out->assign(size, '\0');
+  if (OrtStatus* st = api.KernelInfoGetAttribute_string(info, name, out->data(), &size)) return st;
+  out->resize(std::strlen(out->c_str()));
+  return nullptr;
+}
+
+// A float attribute, `fallback` when absent.
+float read_float(const OrtApiRef& api, const OrtKernelInfo* info, const char* name, float fallback) {
+  float v = fallback;
+  if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, name, &v)) {
+    api.ReleaseStatus(st);
+    return fallback;
+  }
+  return v;
+}
+
+OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
+  OrtApiRef api(raw);
+  try {
+    auto kernel = std::make_unique<SqueezeExciteKernel>();
+    kernel->api = api;
+    if (OrtStatus* st = read_node_name(api, info, &kernel->node_name)) return st;
+    const struct {
+      const char* attr;
+      Act* act;
+    } acts[] = {{"input_activation", &kernel->input_act},
+                {"hidden_activation", &kernel->hidden_act},
+                {"gate_activation", &kernel->gate_act}};
+    for (const auto& a : acts) {
+      std::string name;
+      if (OrtStatus* st = read_string(api, info, a.attr, &name))
+        return with_context(api, st, where(kernel.get()) + "attribute '" + a.attr + "': ");
+      if (!parse_act(name, a.act) || (a.act == &kernel->input_act && *a.act != Act::None && *a.act != Act::Silu))
+        return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                                (where(kernel.get()) + "unknown " + a.attr + " '" + name + "'").c_str());
+    }
+    kernel->hidden_alpha = read_float(api, info, "hidden_alpha", 0.0f);
+    kernel->hidden_beta = read_float(api, info, "hidden_beta", 0.0f);
+    kernel->gate_alpha = read_float(api, info, "gate_alpha", 0.0f);
+    kernel->gate_beta = read_float(api, info, "gate_beta", 0.0f);
+    kernel->avx2 = use_avx2_fma();
+    size_t n_in = 0;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where(kernel.get()));
+    if (n_in != 5)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where(kernel.get()) + "expects X, W1, B1, W2, B2").c_str());
+    *out = kernel.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse SqueezeExcite: ") + e.what()).c_str());
+  }
+}
+
+OrtStatus* invalid(const SqueezeExciteKernel* k, const std::string& what) {
+  return k->api.CreateStatus(ORT_INVALID_ARGUMENT, (where(k) + what).c_str());
+}
+
+int64_t count(const std::vector<int64_t>& d) {
+  int64_t n = 1;
+  for (int64_t v : d) n *= v;
+  return n;
+}
+
+OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
+  auto* k = static_cast<SqueezeExciteKernel*>(kernel_ptr);
+  const OrtApiRef& api = k->api;
+  try {
+    thread_local std::vector<int64_t> dims[5];
+    const void* data[5] = {};
+    for (size_t i = 0; i < 5; ++i) {
+      ONNXTensorElementDataType et = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+      bool present = false;
+      ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, i, &dims[i], &et, &data[i], &present), where(k));
+      if (!present || et != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+        return invalid(k, "input " + std::to_string(i) + " must be a float32 tensor");
+    }
+    const std::vector<int64_t>& xd = dims[0];
+    if (xd.size() != 4) return invalid(k, "X must be 4-D [N, C, H, W], got " + dims_text(xd));
+    Job job{};
+    job.k = k;
+    job.n = xd[0];
+    job.c = xd[1];
+    job.hw = xd[2] * xd[3];
+    job.r = count(dims[2]);
+    if (count(dims[1]) != job.r * job.c || count(dims[3]) != job.c * job.r || count(dims[4]) != job.c)
+      return invalid(k, "weights " + dims_text(dims[1]) + ", " + dims_text(dims[3]) + " and biases " +
+                            dims_text(dims[2]) + ", " + dims_text(dims[4]) + " do not fit X " + dims_text(xd));
+    job.x = static_cast<const float*>(data[0]);
+    job.w1 = static_cast<const float*>(data[1]);
+    job.b1 = static_cast<const float*>(data[2]);
+    job.w2 = static_cast<const float*>(data[3]);
+    job.b2 = static_cast<const float*>(data[4]);
+    OrtValue* y = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetOutput(ctx, 0, xd.data(), xd.size(), &y), where(k));
+    void* yp = nullptr;
+    ONNXFUSE_RETURN_IF_ERROR(api.GetTensorMutableData(y, &yp), where(k));
+    job.y = static_cast<float*>(yp);
+    const int64_t channels = job.n * job.c;
+    if (channels == 0 || job.hw == 0) return nullptr;
+    thread_local std::vector<float> scratch, hidden;
+    scratch.resize(static_cast<size_t>(2 * channels));
+    job.means = scratch.data();
+    job.gates = scratch.data() + channels;
+    hidden.resize(static_cast<size_t>(job.r));
+#if defined(__x86_64__)
+    const Loops& loops = k->avx2 ? kAvx2Loops : kBaseLoops;
+#else
+    const Loops& loops = kBaseLoops;
+#endif
+    ONNXFUSE_RETURN_IF_ERROR(
+        api.KernelContext_ParallelFor(ctx, loops.squeeze, static_cast<size_t>(chunks(channels)), 0, &job), where(k));
+    for (int64_t n = 0; n < job.n; ++n) loops.excite_image(&job, n, hidden.data());
+    ONNXFUSE_RETURN_IF_ERROR(
+        api.KernelContext_ParallelFor(ctx, loops.excite, static_cast<size_t>(chunks(channels)), 0, &job), where(k));
+    return nullptr;
+  } catch (const std::bad_alloc&) {
+    return api.CreateStatus(ORT_FAIL, (where(k) + "out of memory").c_str());
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_FAIL, (where(k) + e.what()).c_str());
+  }
+}
+
+void destroy_kernel(void* kernel) { delete static_cast<SqueezeExciteKernel*>(kernel); }
+
+// Inputs: X, W1, B1, W2, B2: five float32 tensors.
+struct SqueezeExciteSchema {
+  static constexpr const char* kName = kSqueezeExciteName;
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr int kMinInputs = 5;
+  static constexpr auto create = create_kernel;
+  static constexpr auto compute = onnxfuse::compute;
+  static constexpr auto destroy = destroy_kernel;
+};
+
+const OrtCustomOp kSqueezeExciteOp = make_float_variadic_op<SqueezeExciteSchema>();
+ONNXFUSE_REGISTER_OP(kSqueezeExciteOp);
+
+}  // namespace
+}  // namespace onnxfuse
