@@ -37,7 +37,7 @@
 namespace onnxfuse {
 namespace {
 
-constexpr const char* kSqueezeExciteName = "SqueezeExcite";
+constexpr char kSqueezeExciteName[] = "SqueezeExcite";
 
 enum class Act { None, Relu, Sigmoid, Tanh, HardSigmoid, HardSwish, Silu, LeakyRelu, Clip };
 
@@ -87,12 +87,13 @@ inline float apply(Act act, float a, float b, float x) {
 struct SqueezeExciteKernel {
   OrtApiRef api;
   std::string node_name;
+  std::string where;  // "onnxfuse SqueezeExcite node '<name>': ", built once
   bool avx2 = false;
   Act input_act = Act::None, hidden_act = Act::None, gate_act = Act::Sigmoid;
   float hidden_alpha = 0, hidden_beta = 0, gate_alpha = 0, gate_beta = 0;
 };
 
-std::string where(const SqueezeExciteKernel* k) { return "onnxfuse SqueezeExcite node '" + k->node_name + "': "; }
+const std::string& where(const SqueezeExciteKernel* k) { return k->where; }
 
 struct Job {
   const SqueezeExciteKernel* k;
@@ -294,11 +295,13 @@ float read_float(const OrtApiRef& api, const OrtKernelInfo* info, const char* na
 }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
-  OrtApiRef api(raw);
-  try {
+  return create_guarded(
+      raw, info, "SqueezeExcite", "",
+      [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<SqueezeExciteKernel>();
     kernel->api = api;
-    if (OrtStatus* st = read_node_name(api, info, &kernel->node_name)) return st;
+    kernel->node_name = name;
+    kernel->where = where;
     const struct {
       const char* attr;
       Act* act;
@@ -306,12 +309,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                 {"hidden_activation", &kernel->hidden_act},
                 {"gate_activation", &kernel->gate_act}};
     for (const auto& a : acts) {
-      std::string name;
-      if (OrtStatus* st = read_string(api, info, a.attr, &name))
-        return with_context(api, st, where(kernel.get()) + "attribute '" + a.attr + "': ");
-      if (!parse_act(name, a.act) || (a.act == &kernel->input_act && *a.act != Act::None && *a.act != Act::Silu))
+      std::string act_name;
+      if (OrtStatus* st = read_string(api, info, a.attr, &act_name))
+        return with_context(api, st, where + "attribute '" + a.attr + "': ");
+      if (!parse_act(act_name, a.act) || (a.act == &kernel->input_act && *a.act != Act::None && *a.act != Act::Silu))
         return api.CreateStatus(ORT_INVALID_ARGUMENT,
-                                (where(kernel.get()) + "unknown " + a.attr + " '" + name + "'").c_str());
+                                (where + "unknown " + a.attr + " '" + act_name + "'").c_str());
     }
     kernel->hidden_alpha = read_float(api, info, "hidden_alpha", 0.0f);
     kernel->hidden_beta = read_float(api, info, "hidden_beta", 0.0f);
@@ -319,14 +322,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     kernel->gate_beta = read_float(api, info, "gate_beta", 0.0f);
     kernel->avx2 = use_avx2_fma();
     size_t n_in = 0;
-    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where(kernel.get()));
+    ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
     if (n_in != 5)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where(kernel.get()) + "expects X, W1, B1, W2, B2").c_str());
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "expects X, W1, B1, W2, B2").c_str());
     *out = kernel.release();
     return nullptr;
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (std::string("onnxfuse SqueezeExcite: ") + e.what()).c_str());
-  }
+      });
 }
 
 OrtStatus* invalid(const SqueezeExciteKernel* k, const std::string& what) {
@@ -339,10 +340,9 @@ int64_t count(const std::vector<int64_t>& d) {
   return n;
 }
 
-OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
-  auto* k = static_cast<SqueezeExciteKernel*>(kernel_ptr);
+OrtStatus* run(SqueezeExciteKernel* k, OrtKernelContext* ctx) {
   const OrtApiRef& api = k->api;
-  try {
+  {
     thread_local std::vector<int64_t> dims[5];
     const void* data[5] = {};
     for (size_t i = 0; i < 5; ++i) {
@@ -391,26 +391,12 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
     ONNXFUSE_RETURN_IF_ERROR(
         api.KernelContext_ParallelFor(ctx, loops.excite, static_cast<size_t>(chunks(channels)), 0, &job), where(k));
     return nullptr;
-  } catch (const std::bad_alloc&) {
-    return api.CreateStatus(ORT_FAIL, (where(k) + "out of memory").c_str());
-  } catch (const std::exception& e) {
-    return api.CreateStatus(ORT_FAIL, (where(k) + e.what()).c_str());
   }
 }
 
-void destroy_kernel(void* kernel) { delete static_cast<SqueezeExciteKernel*>(kernel); }
-
 // Inputs: X, W1, B1, W2, B2: five float32 tensors.
-struct SqueezeExciteSchema {
-  static constexpr const char* kName = kSqueezeExciteName;
-  static constexpr const char* kProvider = "CPUExecutionProvider";
-  static constexpr int kMinInputs = 5;
-  static constexpr auto create = create_kernel;
-  static constexpr auto compute = onnxfuse::compute;
-  static constexpr auto destroy = destroy_kernel;
-};
-
-const OrtCustomOp kSqueezeExciteOp = make_float_variadic_op<SqueezeExciteSchema>();
+const OrtCustomOp kSqueezeExciteOp = float_variadic_op<kSqueezeExciteName, kCpuProvider, SqueezeExciteKernel, 5>(
+    create_kernel, compute_entry<SqueezeExciteKernel, run>);
 ONNXFUSE_REGISTER_OP(kSqueezeExciteOp);
 
 }  // namespace
