@@ -71,6 +71,7 @@ class Layer:
     seq: tuple | None  # q's sequence dim (a monomial)
     batch: tuple | None
     expand_mask: bool  # the mask's dims are not proved [B|1, 1, S, S]: see _Shared.mask_for
+    rows_proved: bool = False  # f's S' is proved to be S (else the caches are expanded to S rows)
 
 
 def _monos(ev: ShapeEvaluator, t: gs.Tensor):
@@ -326,7 +327,7 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if not np.isfinite(scale) or scale == 0.0:
         return None
     return Layer(qs["q"], ks["k"], vs["v"], heads_, kv_heads, width, float(np.float32(scale)), mask, f,
-                 m.root.outputs[0], form == "nan_to_zero", s, b, expand_mask)
+                 m.root.outputs[0], form == "nan_to_zero", s, b, expand_mask, _is((ev.dim_symbols(f) or [None, None])[1], s))
 
 
 class _Shared:
@@ -389,7 +390,7 @@ class _Shared:
         return self.masks[key]
 
     def caches_for(self, layer: Layer, seq: gs.Tensor):
-        key = (id(layer.freqs), layer.seq)
+        key = (id(layer.freqs), layer.seq, layer.rows_proved)
         if key not in self.caches:
             g, half = self.graph, layer.width // 2
             flat = self._var("gqa_positions_freqs", np.float32)
@@ -397,17 +398,20 @@ class _Shared:
             g.nodes.append(gs.Node("Reshape", name=flat.name,
                                    inputs=[layer.freqs, self._const("gqa_freqs_rows", np.array([-1, half], np.int64))],
                                    outputs=[flat]))
-            # f has S' rows: S' = S, or 1 (one row for every position), which Expand repeats to S
-            # rows as the original's broadcast does; any other S' fails there as in the original.
-            seq1 = self._var("gqa_seq_1d", np.int64)
-            g.nodes += [
-                gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
-                        outputs=[seq1]),
-                gs.Node("Concat", name=rows.name, inputs=[seq1, self._const("gqa_half", np.array([half], np.int64))],
-                        outputs=[rows], attrs={"axis": 0}),
-            ]
-            per_row = self._var("gqa_freqs_per_position", np.float32)
-            g.nodes.append(gs.Node("Expand", name=per_row.name, inputs=[flat, rows], outputs=[per_row]))
+            per_row = flat
+            if not layer.rows_proved:
+                # f has S' rows: S' = S, or 1 (one row for every position), which Expand repeats
+                # to S rows as the original's broadcast does; any other S' fails there as in the
+                # original.
+                seq1 = self._var("gqa_seq_1d", np.int64)
+                per_row = self._var("gqa_freqs_per_position", np.float32)
+                g.nodes += [
+                    gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
+                            outputs=[seq1]),
+                    gs.Node("Concat", name=rows.name, inputs=[seq1, self._const("gqa_half", np.array([half], np.int64))],
+                            outputs=[rows], attrs={"axis": 0}),
+                    gs.Node("Expand", name=per_row.name, inputs=[flat, rows], outputs=[per_row]),
+                ]
             caches = []
             for fn in ("Cos", "Sin"):
                 c = self._var(f"gqa_{fn.lower()}_cache", np.float32)
