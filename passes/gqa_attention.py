@@ -28,6 +28,9 @@ fuse-gqa
                S' = S; an S' of 1 (one row for all positions) is expanded to S rows. The
                NaN-to-zero form gets Where(IsNaN(out), 0, out) after the op: a row whose
                probabilities were NaN gave 0 in the original.
+Known limit: where inference gives no dims for the mask (the TorchScript export), a mask whose
+batch dim exceeds q's batch of 1 would have made the original broadcast its output wider; the
+op refuses that mask with an error instead.
 Why: onnxruntime alone runs each layer's attention as ~40 kernels (head splits, rotary pieces,
 repeat_kv copies, the 3-D key transpose, scores, mask, Softmax, merge); its GroupQueryAttention
 CPU kernel does the rotary, the grouped heads and the mask in one (figures in
@@ -87,8 +90,9 @@ def _const(n: int):
     return (int(n), ())
 
 
-def _split_heads(ev: ShapeEvaluator, m: rules.Match, name: str, dims) -> int | None:
-    """Heads of `name`'s split Reshape: its target proved [B|0, S|0, H|-1, d] for x [B, S, H*d]."""
+def _split_heads(ev: ShapeEvaluator, m: rules.Match, name: str, width: int) -> int | None:
+    """Heads of `name`'s split Reshape: its target proved [B|0, S|0, H|-1, d] for x [B, S, H*d]
+    (d = width)."""
     x = m[name]
     xd = ev.dim_symbols(x)
     target = _monos(ev, m[f"{name}_target"])
@@ -99,8 +103,8 @@ def _split_heads(ev: ShapeEvaluator, m: rules.Match, name: str, dims) -> int | N
     for i in (0, 1):
         if not (_is(target[i], xd[i]) or (target[i] == _const(0))):
             return None
-    total, width = xd[2][0], dims
-    if target[3] != _const(width) or total % width:
+    total = xd[2][0]
+    if width <= 0 or target[3] != _const(width) or total % width:
         return None
     h = total // width
     if target[2] not in (_const(h), _const(-1)):
@@ -285,6 +289,8 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if vd is None or vt is None or len(vt) != 4 or vt[3][1]:
         return None
     width = vt[3][0]
+    if width <= 0:
+        return None
     kv_heads = _split_heads(ev, vs, "v", width)
     if kv_heads is None or width % 2:
         return None
