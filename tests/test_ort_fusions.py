@@ -331,25 +331,3 @@ def test_cpu_leaves_a_lone_residual_add_when_nothing_pays_its_kernel(written_out
 def test_cuda_leaves_the_residual_add_to_skip_layernorm():
     out = fuse(residual_layernorm(False), "cuda")
     assert "Pointwise" not in ops(out)
-
-
-def test_silu_gating_a_product_becomes_one_region_with_its_split():
-    """LLaMA's gated MLP, SiLU(g) * u with g and u pieces of one Split: onnxruntime runs Split,
-    QuickGelu and Mul; the region reads g and u in place and runs as one kernel."""
-    nodes = [node("Split", ["x", "sizes"], ["g", "u"], axis=-1), node("Sigmoid", ["g"], ["s"]),
-             node("Mul", ["g", "s"], ["silu"]), node("Mul", ["silu", "u"], ["y"])]
-    m = model(nodes, [("x", [2, 4, 32])], [("y", [2, 4, 16])], {"sizes": np.array([16, 16], np.int64)})
-    assert sorted(ort_kernels(m)) == ["Mul", "QuickGelu", "Split"]  # the premise
-    out = fuse(m, "cpu")
-    assert ops(out) == ["Pointwise"]
-    assert ort_kernels(out, with_library=True) == ["Pointwise"]
-    check_equivalent(m, out)
-
-
-def test_silu_read_by_anything_but_one_product_stays_with_quickgelu():
-    nodes = [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["silu"]), node("Mul", ["silu", "u"], ["y"]),
-             node("Exp", ["silu"], ["z"])]
-    m = model(nodes, [("x", [2, 4, 16]), ("u", [2, 4, 16])], [("y", [2, 4, 16]), ("z", [2, 4, 16])], {})
-    out = fuse(m, "cpu")
-    assert "QuickGelu" in ort_kernels(out, with_library=True)
-    check_equivalent(m, out)

@@ -307,19 +307,6 @@ def _bias_add(a: GraphIndex, x: gs.Tensor, pattern_readers: int) -> gs.Node | No
     return None
 
 
-def _gates_a_product(a: GraphIndex, act: gs.Node) -> bool:
-    """SiLU(g) read by one Mul alone (a gated MLP: SiLU(g) * u, LLaMA's and Mistral's). There
-    a Pointwise region computes SiLU(g) * u in one kernel, reading g and u in place where they
-    are pieces of one Split, where onnxruntime runs Split, QuickGelu and Mul (3 kernels); on the
-    LLaMA exports that is 4 kernels fewer at the same latency (bench/results/corpus_llama.md),
-    so the SiLU is not left to onnxruntime's QuickGelu fusion."""
-    out = act.outputs[0]
-    if out.name in a.graph_outputs:
-        return False
-    readers = list(out.outputs)
-    return len(readers) == 1 and gu.is_op(readers[0], "Mul")
-
-
 def match_gelu(a: GraphIndex) -> Iterable[gs.Node]:
     """GELU written out (patterns.GELU_FORMS): with Erf (Gelu, BiasGelu with a bias Add before
     it), with Tanh and x^3 (FastGelu, bias included), and x * Sigmoid(alpha * x) (QuickGelu;
@@ -327,12 +314,10 @@ def match_gelu(a: GraphIndex) -> Iterable[gs.Node]:
     for n in a.nodes:
         if n.op != "Mul":
             continue
-        for kind, form in GELU_FORMS:
+        for _, form in GELU_FORMS:
             m = rules.match(form, n, a.graph_outputs, private=False)
             if m is None:
                 continue
-            if kind == "sigmoid" and _gates_a_product(a, n):
-                break
             yield from m.nodes
             x = m["x"]
             bias = _bias_add(a, x, sum(1 for r in x.outputs if m.holds(r)))
