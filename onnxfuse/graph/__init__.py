@@ -7,6 +7,7 @@ slices        ONNX Slice semantics
 shape_values  symbolic values of integer shape tensors
 linear        linear layers (MatMul/Gemm with a constant weight, + row bias)
 patterns      op vocabularies the passes match on
+transformer_forms  rotary, repeat_kv and attention as the torch.onnx exporters write them
 ort_fusions   a model of onnxruntime's own fusions, which passes must not block
 
 No pass imports another pass: what two passes share lives here.
