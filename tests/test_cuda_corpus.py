@@ -32,8 +32,18 @@ MAX_STATIC_SHARED = 48 * 1024  # bytes of static shared memory per block
 
 
 def _corpus_params():
-    return [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
-            for n in (m.name for m in zoo.list_models() if m.source == "corpus")]
+    """(model, pass options): every corpus model with the default pipeline, and the transformers
+    again with the opt-in CUDA attention fusion, so that an attention form fuse-attention learns
+    either gets a CUDA kernel or is not emitted for cuda."""
+    params = []
+    for m in zoo.list_models():
+        if m.source != "corpus":
+            continue
+        marks = () if m.name in FAST else (pytest.mark.slow,)
+        params.append(pytest.param(m.name, {}, marks=marks, id=m.name))
+        if m.family == "transformer":
+            params.append(pytest.param(m.name, {"attention_cuda": True}, marks=marks, id=f"{m.name}-attention_cuda"))
+    return params
 
 
 def _cuda(name: str, **options) -> onnx.ModelProto:
@@ -52,9 +62,9 @@ def _check_resources(records: list[audit.NodeKernel]) -> None:
 
 
 @needs_ptxas
-@pytest.mark.parametrize("name", _corpus_params())
-def test_every_fused_node_of_corpus_model_has_a_kernel_ptxas_accepts_for_sm90(name):
-    model = _cuda(name)
+@pytest.mark.parametrize("name, options", _corpus_params())
+def test_every_fused_node_of_corpus_model_has_a_kernel_ptxas_accepts_for_sm90(name, options):
+    model = _cuda(name, **options)
     records = audit.audit(model, "sm_90")
     assert records, "the cuda pipeline fuses nothing in this model"
     assert [(r.node, r.problem) for r in records if not r.ok] == []
