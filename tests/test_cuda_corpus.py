@@ -124,3 +124,16 @@ def test_audit_reports_a_kernel_for_another_architecture_and_ptx_ptxas_rejects()
     ptx.s = ptx.s.replace(b".entry", b".entry_broken", 1)
     bad = [r for r in audit.audit(model, "sm_90") if r.node == node.name]
     assert bad and bad[0].problem.startswith("ptxas")
+
+
+@needs_ptxas
+def test_cuda_corpus_report_lists_each_model_with_its_fused_ops_and_kernel_resources(tmp_path):
+    from bench.cuda_corpus import main
+
+    out = tmp_path / "cuda_corpus.md"
+    assert main(["--models", "lstm_ts", "--no-cpu-contrib", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "nodes without a kernel ptxas accepts: 0" in text
+    row = next(line for line in text.splitlines() if line.startswith("| lstm_ts |"))
+    assert "Pointwise 8" in row
+    assert "| Pointwise | 13 instr, 9 in (8 views), 2 out, f32 | 8 | lstm_ts | yes |" in text
