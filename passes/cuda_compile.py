@@ -3,7 +3,9 @@
     match:     onnxfuse.Pointwise nodes; onnxfuse.Attention nodes whose head sizes are known
                (onnxfuse/cuda/attention_codegen.py); other onnxfuse nodes that carry a generated
                kernel (cuda_source + cuda_entry) but no cubin
-    condition: --target cuda; runs after every fusion pass (order 900)
+    condition: --target cuda; runs after every fusion pass (order 900); an Attention node gets a
+               kernel only when every attribute it carries is one the generator implements
+               (attention_codegen.NODE_ATTRIBUTES) and it is not in the CPU-only causal mode
     rewrite:   attributes read by the CUDA-EP kernels (kernels/cuda_launch.h):
                  cuda_entry  the kernel's extern "C" name
                  cuda_arch   the cubin's architecture (--arch, default sm_90)
@@ -60,6 +62,8 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
         return None
     if int(node.attrs.get("causal", 0)):
         return None  # fuse-attention's CPU-only causal mode: the generated kernel has none
+    if any(not a.startswith("cuda_") and a not in attention_codegen.NODE_ATTRIBUTES for a in node.attrs):
+        return None  # an attribute the generator does not implement: no kernel rather than a wrong one
     first = _static_last_dim(node.inputs[0], shapes)
     if first is None:
         return None

@@ -46,6 +46,8 @@ from onnxfuse.regions import Analysis, Region, build_regions, work
 def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
     """At least two ops that compute, or one and a Slice/Split that disappears, or one that a
     slower fusion of onnxruntime would otherwise take (PREEMPT)."""
+    if _copies_its_input(r):
+        return False
     work_ops = work(r)
     if work_ops >= 2:
         return True
@@ -59,6 +61,18 @@ def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
         if all(id(c) in fused for c in readers) and not any(o.name in a.graph_outputs for o in v.outputs):
             return True
     return False
+
+
+def _copies_its_input(r: Region) -> bool:
+    """Whether the region's program computes nothing: no instruction, one input read whole, and
+    every output that input in its own dtype (a Cast to the type a value already has, twice in
+    LLaMA's `softmax(..., dtype=float32).to(q.dtype)` of a float32 model). Its kernel would only
+    copy, where onnxruntime removes such Casts at load time and runs no kernel."""
+    prog = r.lowered.program
+    if prog.instrs or len(prog.inputs) != 1 or prog.inputs[0].view:
+        return False
+    x = prog.inputs[0]
+    return all(o.name == x.name and o.dtype == x.dtype for o in prog.outputs)
 
 
 def _preempts(a: Analysis, r: Region) -> bool:

@@ -249,6 +249,19 @@ def test_cuda_compile_pass_leaves_an_attention_node_of_unknown_head_size_without
     assert attention_spec(node) is None
 
 
+def test_cuda_compile_pass_gives_no_kernel_to_an_attention_node_with_an_attribute_it_does_not_implement():
+    from onnxfuse.passes.cuda_compile import attention_spec
+
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(fused_model(CASES[4]))
+    (node,) = graph.nodes
+    node.attrs["cuda_entry"] = "a kernel's own attribute"
+    assert attention_spec(node) == spec_of(CASES[4])
+    node.attrs["kv_num_heads"] = 2  # grouped heads: a form the generator does not know
+    assert attention_spec(node) is None
+
+
 @needs_nvcc
 def test_cuda_target_attention_model_runs_on_the_cpu_provider_with_the_library(tmp_path, monkeypatch):
     from conftest import cuda_device_count

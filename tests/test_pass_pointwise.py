@@ -50,6 +50,21 @@ def test_connected_elementwise_ops_become_one_region():
     check_equivalent(m, out)
 
 
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_casts_to_the_type_a_value_has_make_no_copy_region(target):
+    # LLaMA's softmax(scores, dtype=float32).to(q.dtype) in a float32 model: two Casts from float
+    # to float, which onnxruntime removes at load time; a region of them would be a copy kernel.
+    nodes = [node("Softmax", ["x"], ["p"], axis=-1), node("Cast", ["p"], ["c"], to=F),
+             node("Cast", ["c"], ["d"], to=F), node("MatMul", ["d", "w"], ["z"])]
+    m = model(nodes, [("x", [2, 4])], [("z", [2, 4])], {"w": np.eye(4, dtype=np.float32)})
+    assert pointwise_nodes(fuse(m, target)) == []
+    # A Cast that changes the type still stores in another dtype: that region is work.
+    nodes[2] = node("Cast", ["c"], ["d"], to=T.FLOAT16)
+    nodes[3] = node("Cast", ["d"], ["z"], to=F)
+    m = model(nodes, [("x", [2, 4])], [("z", [2, 4])])
+    assert len(pointwise_nodes(fuse(m, target))) == 1
+
+
 def test_value_read_outside_becomes_a_second_output():
     nodes = [
         node("Add", ["x", "b"], ["a"]),

@@ -111,6 +111,14 @@ def shared_bytes(dh: int, dv: int, tile: int) -> int:
     return 4 * (ROWS * dh + tile * ks_stride(dh) + tile * dv)
 
 
+# The onnxfuse.Attention attributes whose meaning the generated kernel implements (causal is
+# among them only to be refused: the kernel has no causal mode). A node with any other attribute
+# (a form added to the op's contract later) gets no kernel until the generator learns it, so that
+# a CUDA session never runs a kernel that ignores part of the node's semantics.
+NODE_ATTRIBUTES = frozenset({"num_heads", "scale", "has_mask", "qkv_packed", "has_bias", "causal",
+                             "causal_max_queries", "causal_max_keys"})
+
+
 def supported(dh: int, dv: int) -> bool:
     """Whether the kernel handles these head sizes (a pass should not emit Attention for CUDA otherwise)."""
     return 1 <= dh <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM

@@ -215,14 +215,49 @@ def compile_many(items: Sequence[tuple[str, str]], arch: str | None = None, jobs
     return [done[source] for source, _ in items]
 
 
-def check_ptx(ptx: str, arch: str | None = None) -> None:
-    """Assemble PTX with ptxas for `arch`: raises CompileError with ptxas's message when it fails."""
+@dataclass(frozen=True)
+class PtxasInfo:
+    """ptxas's resource report for one kernel entry."""
+
+    entry: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    smem_bytes: int
+
+
+def parse_ptxas(text: str) -> dict[str, PtxasInfo]:
+    """ptxas -v output -> PtxasInfo per kernel entry."""
+    out: dict[str, PtxasInfo] = {}
+    current = None
+    spills = (0, 0)
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(r"Function properties for (\w+)", line)
+        if m:
+            current = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            spills = (int(m.group(1)), int(m.group(2)))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            smem = re.search(r"(\d+) bytes smem", line)
+            out[current] = PtxasInfo(current, int(m.group(1)), spills[0], spills[1], int(smem.group(1)) if smem else 0)
+            spills = (0, 0)
+    return out
+
+
+def check_ptx(ptx: str, arch: str | None = None) -> dict[str, PtxasInfo]:
+    """Assemble PTX with ptxas for `arch` and return its resource report per entry (ptxas -v):
+    raises CompileError with ptxas's message when it fails."""
     sm, _ = parse_arch(arch)
     ptxas = shutil.which("ptxas") or str(Path(find_nvcc()).parent / "ptxas")
     with tempfile.TemporaryDirectory(prefix="onnxfuse-ptxas-") as tmp:
         path = Path(tmp) / "kernel.ptx"
         path.write_text(ptx)
-        out = subprocess.run([ptxas, f"-arch={sm}", str(path), "-o", str(Path(tmp) / "kernel.cubin")],
+        out = subprocess.run([ptxas, "-v", f"-arch={sm}", str(path), "-o", str(Path(tmp) / "kernel.cubin")],
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise CompileError(f"ptxas rejected the PTX for {sm}:\n{out.stderr.strip()}")
+    return parse_ptxas(out.stdout + out.stderr)

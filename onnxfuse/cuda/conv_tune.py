@@ -3,23 +3,13 @@ choice of tile by timing every candidate on the GPU (onnxfuse/cuda/conv_codegen.
 """
 from __future__ import annotations
 
-import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from .compile import PtxasInfo, parse_ptxas
 from .conv_codegen import Kernel, generate
 from .conv_plan import ConvShape, Epilogue, candidates
-
-
-@dataclass
-class PtxasInfo:
-    entry: str
-    registers: int
-    spill_stores: int
-    spill_loads: int
-    smem_bytes: int
 
 
 def ptxas_check(kernels: list[Kernel], arch: str = "sm_90", timeout: float = 900) -> dict[str, PtxasInfo]:
@@ -43,28 +33,6 @@ def ptxas_check(kernels: list[Kernel], arch: str = "sm_90", timeout: float = 900
     if missing:
         raise CompileError(f"ptxas reported nothing for {missing[:3]}")
     return report
-
-
-def parse_ptxas(text: str) -> dict[str, PtxasInfo]:
-    """ptxas -v output -> PtxasInfo per kernel entry."""
-    out: dict[str, PtxasInfo] = {}
-    current = None
-    spills = (0, 0)
-    for line in text.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(r"Function properties for (\w+)", line)
-        if m:
-            current = m.group(1)
-            continue
-        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and current:
-            spills = (int(m.group(1)), int(m.group(2)))
-            continue
-        m = re.search(r"Used (\d+) registers", line)
-        if m and current:
-            smem = re.search(r"(\d+) bytes smem", line)
-            out[current] = PtxasInfo(current, int(m.group(1)), spills[0], spills[1], int(smem.group(1)) if smem else 0)
-            spills = (0, 0)
-    return out
 
 
 def tune(shape: ConvShape, epi: Epilogue, batch: int = 1, repeats: int = 20) -> tuple[object, list[tuple[object, float]]]:
