@@ -16,7 +16,7 @@ gemm-as-matmul
     rewrite:   y = MatMul(x, W) (W transposed once, as a new constant, for transB = 1), plus
                Add(., C as [N]) when C is present.
 Why: onnxruntime runs the two Reshapes as kernels of their own (GPT-2: 8 projections, 16
-Reshape kernels), and a 3-D MatMul by a 2-D weight is one GEMM over the flattened rows in
+Reshape kernels; bench/results/gemm_as_matmul.md), and a 3-D MatMul by a 2-D weight is one GEMM over the flattened rows in
 onnxruntime as well. A bias Add then left over is taken by what reads it: a Pointwise region
 with the residual Add, onnxruntime's FastGelu/BiasGelu, or a contrib op's bias input.
 """
