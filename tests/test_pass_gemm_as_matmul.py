@@ -116,3 +116,48 @@ def test_scaled_gemm_is_left_alone():
     m = _model(alpha=0.5)
     out, n = _optimize(m)
     assert n == 0 and "Gemm" in _ops(out)
+
+
+def _heads_model(restore):
+    """torch's MultiheadAttention output: Transpose(x) [5, batch, 2, K/2] -> Reshape [-1, K] ->
+    Gemm(transB) -> Reshape(restore), a constant target."""
+    inits = {"wt": np.ascontiguousarray(W.T), "flat": np.array([-1, K], np.int64), "target": np.array(restore, np.int64)}
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[2, 0, 1, 3]),
+        helper.make_node("Reshape", ["xt", "flat"], ["f"]),
+        helper.make_node("Gemm", ["f", "wt"], ["mm"], transB=1),
+        helper.make_node("Reshape", ["mm", "target"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2, 5, K // 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["d0", "d1", "d2"])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def _assert_close_heads(original, rewritten):
+    from onnxfuse.runtime import make_session
+
+    a, b = make_session(original, level="disable"), make_session(rewritten, level="disable")
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 2, 5, K // 2)).astype(np.float32)
+        for u, v in zip(a.run(None, {"x": x}), b.run(None, {"x": x})):
+            assert u.shape == v.shape
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+
+
+def test_merged_head_dims_become_one_reshape_and_a_matmul():
+    m = _heads_model([5, -1, N])
+    out, n = _optimize(m)
+    assert n == 1 and _ops(out) == ["MatMul", "Reshape", "Transpose"]
+    _assert_close_heads(m, out)
+
+
+def test_target_with_rows_in_another_grouping_is_left_alone():
+    # [-1, 5, N] regroups the rows: batch-major instead of x's sequence-major order
+    m = _heads_model([-1, 5, N])
+    out, n = _optimize(m)
+    assert n == 0 and "Gemm" in _ops(out)
