@@ -22,7 +22,10 @@ Excuses. Two correct implementations may disagree where the original is ill-cond
 jump (Equal(|x|, tanh(x)) for x = 1e-4, where onnxruntime's tanh and ours differ by one ulp; x / x
 near 0; Pow with a large exponent). A difference is excused only position by position
 (check.unexplained): at every element where the outputs differ, the original run in onnxruntime
-on inputs moved by a few ulps or by rounding noise gives our value, or our value is at least as
+on inputs moved by a few ulps or by rounding noise, or in another way that computes the same
+(its graph rewrites on; every value a graph output; each Relu on its input flattened, as its
+float16 Relu picks the sign of a zero by shape; node by node, each value rounded to its declared
+type, as its float16 emulation skips such roundings), gives our value, or our value is at least as
 close to the float64 result as onnxruntime's. The moves are relative, so zeros, infinities and NaNs
 stay what they are: a difference that a special value causes deterministically is a failure.
 Excused cases are counted and listed ("tie-sensitive"); anything else is a failure.
