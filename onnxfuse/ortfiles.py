@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from typing import Iterator, Sequence
 
 import onnx
 
+from . import outfiles
 from .modelfields import copy_fields
 from .modelsave import EXTERNAL_TENSOR_MIN_BYTES
 from .weights import (ALIGN, FileRegion, all_tensors, copy_region, expected_bytes, has_references,
@@ -93,7 +93,12 @@ def runtime_directory() -> str:
     there is one (so that its new weights can be linked, not copied)."""
     scratch = scratch_directory()
     base = os.path.dirname(scratch) if scratch else None
-    return tempfile.mkdtemp(prefix="onnxfuse-ort-", dir=base)
+    return outfiles.temporary_directory("onnxfuse-ort-", base)
+
+
+def remove_runtime_directory(directory: str) -> None:
+    """Remove a directory of runtime_directory with its files."""
+    outfiles.remove_directory(directory)
 
 
 # In-memory models with at least this many bytes of initializer data reach onnxruntime as
@@ -205,7 +210,7 @@ def runtime_sources(models: Sequence[onnx.ModelProto], share_weights: bool = Tru
             yield paths
         finally:
             files.close()
-            shutil.rmtree(directory, ignore_errors=True)
+            remove_runtime_directory(directory)
         return
     sizes = [inline_weight_bytes(m) for m in models]
     if not share_weights or max(sizes, default=0) < EXTERNAL_DATA_MIN_BYTES:

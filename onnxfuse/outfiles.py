@@ -5,13 +5,17 @@ Every file onnxfuse writes is first written to a temporary name in its target di
 renamed into place. `check_output_path` makes sure that can work before a long run starts (the
 directory exists, is a real writable directory, and takes a file of that name); `temporary`
 creates such a file and registers it, so that SIGTERM and SIGINT (installed by
-`remove_temporaries_on_signals`) remove it before the process ends; `OutputError` is a path
-that cannot be written or a failed write (disk full, I/O error): one line naming the path.
+`remove_temporaries_on_signals`) remove it before the process ends; `temporary_directory` does
+the same for the working directories of a run (the new weights' scratch file, the model files
+made for onnxruntime); `OutputError` is a path that cannot be written or a failed write (disk
+full, I/O error): one line naming the path.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -25,6 +29,11 @@ _TEMP_EXTRA = len(".") + 8 + len(".tmp")
 _SIDE_SUFFIXES = (".data",)
 
 _live: set[str] = set()
+_live_directories: set[str] = set()
+# While a temporary is being created and registered, a signal waits (its handler would find the
+# new file or directory not yet registered): the signal numbers that came meanwhile.
+_creating = 0
+_pending: list[int] = []
 
 
 class OutputError(Exception):
@@ -104,12 +113,42 @@ def write_error(path: str | os.PathLike, e: OSError, label: str = "output") -> O
     return OutputError(f"{path}: cannot write {label}: {_reason(e)}")
 
 
+@contextlib.contextmanager
+def _signals_wait():
+    global _creating
+    _creating += 1
+    try:
+        yield
+    finally:
+        _creating -= 1
+        if not _creating and _pending:
+            signum = _pending[0]
+            _pending.clear()
+            _on_signal(signum, None)
+
+
 def temporary(directory: str | os.PathLike, name: str) -> tuple[int, str]:
     """(fd, path) of a new temporary file for `name` in `directory`, registered for removal on
     SIGTERM/SIGINT until `release` (after its rename, or its removal)."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    _live.add(tmp)
+    with _signals_wait():
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+        _live.add(tmp)
     return fd, tmp
+
+
+def temporary_directory(prefix: str, directory: str | os.PathLike | None = None) -> str:
+    """A new temporary directory (in `directory`, else the system's temporary directory),
+    removed with everything in it on SIGTERM/SIGINT until `remove_directory`."""
+    with _signals_wait():
+        made = tempfile.mkdtemp(prefix=prefix, dir=directory)
+        _live_directories.add(made)
+    return made
+
+
+def remove_directory(path: str) -> None:
+    """Remove a temporary directory and everything in it (if it is still there) and forget it."""
+    shutil.rmtree(path, ignore_errors=True)
+    _live_directories.discard(path)
 
 
 def release(tmp: str) -> None:
@@ -126,7 +165,7 @@ def remove(tmp: str) -> None:
 
 
 def live_temporaries() -> list[str]:
-    return sorted(_live)
+    return sorted(_live | _live_directories)
 
 
 class Terminated(BaseException):
@@ -134,8 +173,13 @@ class Terminated(BaseException):
 
 
 def _on_signal(signum, frame):
+    if _creating:
+        _pending.append(signum)
+        return
     for tmp in list(_live):
         remove(tmp)
+    for path in list(_live_directories):
+        remove_directory(path)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated

@@ -19,7 +19,6 @@ MAX_ORIGINAL_NODES nodes) is reported as not checked.
 """
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -265,7 +264,7 @@ def check_regions(original: onnx.ModelProto, optimized: onnx.ModelProto, dims: d
     """Check every fused node of `optimized` against its fallback body, and every other rewrite
     against the original subgraph it replaced (see the module text): one RegionCheck for each.
     verify.verify(..., mode="regions") runs it."""
-    from .ortfiles import RuntimeFiles, runtime_directory
+    from .ortfiles import RuntimeFiles, remove_runtime_directory, runtime_directory
     from .runtime import needs_library
 
     types = _value_types(optimized, original)
@@ -330,5 +329,5 @@ def check_regions(original: onnx.ModelProto, optimized: onnx.ModelProto, dims: d
             check.outputs += _compare(rewritten.graph.output, expected, actual)
     finally:
         files.close()
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_runtime_directory(directory)
     return checks

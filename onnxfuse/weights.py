@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
-import tempfile
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from . import outfiles
 
 # Data file regions start at multiples of this, so that each tensor can be mapped on its own.
 ALIGN = 4096
@@ -269,7 +269,7 @@ class _Scratch:
     def open(self) -> None:
         if self.file is not None:
             return
-        self.directory = tempfile.mkdtemp(prefix="onnxfuse-weights-")
+        self.directory = outfiles.temporary_directory("onnxfuse-weights-")
         self.path = os.path.join(self.directory, "weights.bin")
         self.file = open(self.path, "wb")
         atexit.register(self.remove)
@@ -290,7 +290,7 @@ class _Scratch:
         if self.file is not None:
             self.file.close()
         if self.directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            outfiles.remove_directory(self.directory)
         self.file, self.directory = None, None
 
 

@@ -152,6 +152,64 @@ def test_a_signal_during_the_write_removes_the_temporary_files(chain_path, tmp_p
     assert sentinel_out.read_bytes() == SENTINEL
 
 
+# A run that stops at a point of `optimize` (a new weight just spilled to the scratch file, or a
+# model file just written for onnxruntime to verify) until a signal comes.
+_PAUSE_AT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from onnxfuse import ortfiles, weights
+    from onnxfuse.cli import main
+    ready, point = Path(sys.argv[1]), sys.argv[2]
+    cls, name = {"spill": (weights._Scratch, "write"), "verify": (ortfiles.RuntimeFiles, "write")}[point]
+    original = getattr(cls, name)
+    def paused(*args, **kwargs):
+        result = original(*args, **kwargs)
+        ready.write_text(point)
+        time.sleep(60)
+        return result
+    setattr(cls, name, paused)
+    sys.argv = ["onnxfuse"] + sys.argv[3:]
+    main()
+""")
+
+
+def _left_in(directory) -> list[str]:
+    # onnxruntime keeps a session id file, .ses, in TMPDIR across runs: not a temporary of the run
+    return sorted(p.name for p in directory.iterdir() if p.name != ".ses")
+
+
+@pytest.mark.parametrize("point", ["spill", "verify"])
+@pytest.mark.parametrize("signum,code,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_during_optimize_removes_every_temporary_file(tmp_path, point, signum, code, word):
+    """The new weights' scratch file and the model files made for onnxruntime (in TMPDIR) go too,
+    not only OUT's temporary file."""
+    from onnxfuse.models import llama_large
+
+    model_dir, scratch = tmp_path / "model", tmp_path / "scratch"
+    model_dir.mkdir()
+    scratch.mkdir()
+    model = model_dir / "llama.onnx"
+    llama_large.build(model, **llama_large.PRESETS["tiny"])
+    before = sorted(p.name for p in model_dir.iterdir())
+    ready = tmp_path / "ready"
+    env = dict(os.environ, TMPDIR=str(scratch))
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSE_AT, str(ready), point, "optimize", str(model),
+                             str(model_dir / "out.onnx")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    deadline = time.time() + 300
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"the run never reached the {point}"
+        time.sleep(0.05)
+    assert _left_in(scratch), "the run had no temporary file to remove"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert [line for line in err.splitlines() if line.strip()] == [f"onnxfuse: {word}"]
+    assert _left_in(scratch) == []
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+
+
 def test_external_data_outside_the_model_directory_is_refused_without_a_word_about_it(cli, tmp_path):
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"x" * 1234)
@@ -197,3 +255,21 @@ def test_model_level_fields_are_kept(cli, tmp_path):
     assert saved.graph.doc_string == "graph doc"
     assert saved.graph.input[0].doc_string == "pixels"
     assert saved.graph.output[0].doc_string == "scores"
+
+
+def test_a_signal_while_a_temporary_is_registered_waits_and_then_removes_it(tmp_path):
+    """A signal handled between creating a temporary and registering it would leave it behind:
+    it waits until the registration is done, then removes it and unwinds."""
+    from onnxfuse import outfiles
+
+    with pytest.raises(outfiles.Terminated):
+        with outfiles._signals_wait():
+            made = outfiles.tempfile.mkdtemp(prefix="onnxfuse-test-", dir=tmp_path)
+            outfiles._on_signal(signal.SIGTERM, None)  # arrives here: nothing to remove yet
+            assert os.path.isdir(made)
+            outfiles._live_directories.add(made)
+    assert not os.path.exists(made) and made not in outfiles.live_temporaries()
+    scratch = outfiles.temporary_directory("onnxfuse-test-", tmp_path)
+    assert scratch in outfiles.live_temporaries()
+    outfiles.remove_directory(scratch)
+    assert not os.path.exists(scratch) and scratch not in outfiles.live_temporaries()
