@@ -441,3 +441,19 @@ def test_plan_of_a_numpy_scalar_input_reads_its_only_element():
     prog = Program.parse("in x0 f32\nin x1 f32\nt0 = mul x0 x1\nout t0 f32\n")
     plan = plan_call(prog, 1, 4, [np.zeros(8, np.float32), np.float32(0.5)])
     assert plan.offsets == [0, 0] and plan.scalar_mask == 0b10
+
+
+def test_an_interrupted_kernel_cache_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """SIGINT (KeyboardInterrupt) or SIGTERM (onnxfuse's Terminated) while a compiled kernel is
+    being stored unwinds through the cache write: its temporary file goes with it."""
+    from onnxfuse.cuda import compile as cuda_compile
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cuda_compile.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cuda_compile._write_disk("k", b"cubin", "ptx")
+    assert list((tmp_path / "cuda").iterdir()) == []

@@ -7,6 +7,7 @@ architecture and the compiler's version), so identical programs are compiled onc
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -139,9 +140,14 @@ def _write_disk(key: str, cubin: bytes, ptx: str) -> None:
         d.mkdir(parents=True, exist_ok=True)
         for suffix, data in ((".ptx", ptx.encode()), (".cubin", cubin)):  # cubin last: it marks completeness
             fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, d / f"{key}{suffix}")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, d / f"{key}{suffix}")
+            except BaseException:  # a failed write, SIGTERM or SIGINT (they unwind): no .tmp- file stays
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
     except OSError:
         pass  # the disk cache only saves time; an unwritable one is not an error
 
