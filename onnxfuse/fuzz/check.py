@@ -101,8 +101,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
     # Where(c, y, x), and its Where gives +0 for a -0 taken from X only): at level "all" the
     # original gives onnxruntime's other answer. So does the original with every value a graph
     # output: its float16 Sign of NaN was NaN there and 0 alone (seed 5966).
-    # Its float16 Relu (opset 14 on, run as its function body Max(X, 0)) gives -0 or +0 for -0 by
-    # the tensor's shape: on the same values flattened it gives its other answer (seed 1241).
+    # Its float16 Relu (in an opset-18 model it runs the function body, Max(X, 0)) gives -0 or +0
+    # for -0 by the tensor's shape: on the same values flattened it gives its other answer (seed 1241).
     runs = [(model, feeds, "all"), (_every_value_an_output(model), feeds, "disable"),
             (_relu_on_flat_tensors(model), feeds, "disable")]
     runs += [(model, moved, "disable") for moved in perturbed_feeds(feeds, dtype)]
@@ -237,8 +237,9 @@ def _every_value_an_output(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _relu_on_flat_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
     """The original with each top-level Relu applied to its input flattened to one dimension and
-    reshaped back (the same values). onnxruntime's float16 Relu of opset 14 on runs as Max(X, 0),
-    and its Max of -0 and +0 picks by the broadcast loop: -0 for shape [16], +0 for [16, 1, 1]."""
+    reshaped back (the same values). onnxruntime 1.31 runs the float16 Relu of an opset-18 model
+    as its function body, Max(X, 0) (of other opsets: in float32), and its Max of -0 and +0 picks
+    by the broadcast loop: -0 for shape [16], +0 for [16, 1, 1]."""
     variant = onnx.ModelProto()
     variant.CopyFrom(model)
     graph = variant.graph
