@@ -161,6 +161,13 @@ ONNXFUSE_INLINE float sigmoid_f32(float x) {
 constexpr float kErfP[7] = {1.9111043414e-08f, -1.9423230242e-06f, 1.4728694805e-04f, 3.9905770682e-03f,
                             5.1524884999e-02f, 2.0712527633e-01f, 1.1283791065e+00f};
 constexpr float kErfQ[5] = {1.0211149929e-03f, 1.4958074316e-02f, 1.1797075719e-01f, 5.1689124107e-01f, 1.0f};
+// erf(x) for |x| >= 3, within 370 ulps of 1, where a few ulps decide whether it is exactly +-1
+// (which a Pow with a negative base or a Ceil turns into a jump: fuzz seed 13516): 1 - erfc(|x|),
+// erfc(a) = exp(-a^2) G(a - 3.5) with G of degree 5 fitted to erfc(a) exp(a^2) on [3, 4]
+// (relative error 2.3e-7), so the result is erf correctly rounded but within 1e-11 of a midpoint.
+constexpr float kErfTailFrom = 3.0f;
+constexpr float kErfcG[6] = {-1.588467857800424e-04f, 6.651979638263583e-04f, -2.6726885698735714e-03f,
+                             1.0660084895789623e-02f, -4.132358729839325e-02f, 1.5529367327690125e-01f};
 
 ONNXFUSE_INLINE float vexp(float x) { return exp_f32(x); }
 ONNXFUSE_INLINE double vexp(double x) { return std::exp(x); }

@@ -201,7 +201,8 @@ ONNXFUSE_INLINE void log_n(V* x) {
 
 // erf(x) = x P(x^2) / Q(x^2) for |x| <= 4 (num::kErfP, kErfQ: one rational fitted for this
 // file, relative error 6.5e-8 before rounding, within 6 ulps evaluated in float32); |x| is clamped
-// to 4, where the rational reaches 1 (erf rounds to 1 in float32 past 3.92), and the result to 1.
+// to 4, where erf rounds to 1 in float32 (past 3.92), and the result to 1. From |x| = 3 on it is
+// 1 - exp(-x^2) G(|x|) instead (num::kErfcG), rounded once: exactly 1 where erf rounds to 1.
 template <int N>
 ONNXFUSE_INLINE void erf_n(V* x) {
   const V sign = splat(-0.0f);
@@ -213,6 +214,18 @@ ONNXFUSE_INLINE void erf_n(V* x) {
   for (int k = 2; k < 7; ++k) ONNXFUSE_EACH p[i] = _mm256_fmadd_ps(p[i], z[i], splat(num::kErfP[k]));
   for (int k = 2; k < 5; ++k) ONNXFUSE_EACH q[i] = _mm256_fmadd_ps(q[i], z[i], splat(num::kErfQ[k]));
   ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_div_ps(_mm256_mul_ps(a[i], p[i]), q[i]));
+  V far[N], any = _mm256_setzero_ps();
+  ONNXFUSE_EACH far[i] = _mm256_cmp_ps(a[i], splat(num::kErfTailFrom), _CMP_GE_OQ);  // NaN: no
+  ONNXFUSE_EACH any = _mm256_or_ps(any, far[i]);
+  if (!_mm256_testz_ps(any, any)) {
+    V e[N], g[N];
+    ONNXFUSE_EACH e[i] = _mm256_sub_ps(_mm256_setzero_ps(), z[i]);  // in [-16, 0]; NaN lanes are not used
+    exp_in_range<N>(e);
+    ONNXFUSE_EACH q[i] = _mm256_sub_ps(a[i], splat(3.5f));
+    ONNXFUSE_EACH g[i] = _mm256_fmadd_ps(splat(num::kErfcG[0]), q[i], splat(num::kErfcG[1]));
+    for (int k = 2; k < 6; ++k) ONNXFUSE_EACH g[i] = _mm256_fmadd_ps(g[i], q[i], splat(num::kErfcG[k]));
+    ONNXFUSE_EACH p[i] = _mm256_blendv_ps(p[i], _mm256_fnmadd_ps(e[i], g[i], splat(1.0f)), far[i]);
+  }
   ONNXFUSE_EACH x[i] = _mm256_or_ps(p[i], _mm256_and_ps(x[i], sign));  // erf is odd; NaN stays NaN
 }
 
