@@ -46,6 +46,19 @@ def _const(c: int) -> Mono:
     return (int(c), ())
 
 
+def _broadcast_binary(a: "ShapeValue | None", b: "ShapeValue | None", fn, dtype) -> "ShapeValue | None":
+    """fn elementwise over two shape values, one of them possibly a single element (numpy
+    broadcasting of 1-D values); the result has dtype, or a's when dtype is None."""
+    if a is None or b is None:
+        return None
+    la, lb = len(a.elems), len(b.elems)
+    n = max(la, lb)
+    if (la != n and la != 1) or (lb != n and lb != 1):
+        return None
+    elems = tuple(fn(a.elems[i % la], b.elems[i % lb]) for i in range(n))
+    return ShapeValue(max(a.rank, b.rank), elems, a.dtype if dtype is None else dtype)
+
+
 def _equal(a: Mono | None, b: Mono | None) -> Mono | None:
     """a == b as 1 or 0 where it holds for every value of the symbols: equal monomials, two
     different constants, or a monomial of dims (never negative) against a negative constant."""
@@ -221,15 +234,7 @@ class ShapeEvaluator:
                 return None
             return ShapeValue(1, tuple(_const(int(fill[0])) for _ in range(shape[0])), dtype)
         if op == "Equal":
-            a, b = ins[0], ins[1]
-            if a is None or b is None:
-                return None
-            la, lb = len(a.elems), len(b.elems)
-            n = max(la, lb)
-            if (la != n and la != 1) or (lb != n and lb != 1):
-                return None
-            elems = tuple(_equal(a.elems[i % la], b.elems[i % lb]) for i in range(n))
-            return ShapeValue(max(a.rank, b.rank), elems, np.dtype(bool))
+            return _broadcast_binary(ins[0], ins[1], _equal, np.dtype(bool))
         if op == "Where":
             cond, a, b = ins
             if cond is None or a is None or b is None or cond.constant is None:
@@ -241,16 +246,7 @@ class ShapeEvaluator:
             elems = tuple(pick(a, i) if pick(cond, i)[0] else pick(b, i) for i in range(n))
             return ShapeValue(max(cond.rank, a.rank, b.rank), elems, a.dtype)
         if op in _ARITH:
-            a, b = ins[0], ins[1]
-            if a is None or b is None:
-                return None
-            la, lb = len(a.elems), len(b.elems)
-            n = max(la, lb)
-            if (la != n and la != 1) or (lb != n and lb != 1):
-                return None
-            fn = _ARITH[op]
-            elems = tuple(fn(a.elems[i % la], b.elems[i % lb]) for i in range(n))
-            return ShapeValue(max(a.rank, b.rank), elems, a.dtype)
+            return _broadcast_binary(ins[0], ins[1], _ARITH[op], None)
         return None
 
     def _slice(self, node: gs.Node, ins) -> ShapeValue | None:
