@@ -49,6 +49,13 @@ def _cpu_contrib_ops(name: str) -> Counter:
                    if n.domain not in ("", "ai.onnx", "onnxfuse"))
 
 
+def _row_start(name: str, recs) -> str:
+    """The first cells of a model's row: the fused ops emitted, distinct kernels, nodes without one."""
+    ops = Counter(r.op for r in recs)
+    return (f"| {name} | {', '.join(f'{op} {n}' for op, n in ops.most_common()) or '-'} | "
+            f"{len({r.entry for r in recs if r.entry})} | {sum(not r.ok for r in recs)} |")
+
+
 def _worst(records: list[audit.NodeKernel], op: str) -> str:
     infos = [r.ptxas for r in records if r.op == op and r.ptxas is not None]
     if not infos:
@@ -105,11 +112,8 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
                              ("other domains without CUDA kernel", "l"), ("seconds", "r")]),
     ]
     for name, (recs, fs, secs) in per_model.items():
-        ops = Counter(r.op for r in recs)
-        lines.append(
-            f"| {name} | {', '.join(f'{op} {n}' for op, n in ops.most_common()) or '-'} | "
-            f"{len({r.entry for r in recs if r.entry})} | {sum(not r.ok for r in recs)} | "
-            f"{_worst(recs, 'Pointwise')} | {_worst(recs, 'ConvBiasAct')} | {', '.join(fs) or '-'} | {secs:.0f} |")
+        lines.append(f"{_row_start(name, recs)} {_worst(recs, 'Pointwise')} | {_worst(recs, 'ConvBiasAct')} | "
+                     f"{', '.join(fs) or '-'} | {secs:.0f} |")
     if attention_runs:
         lines += [
             "",
@@ -118,12 +122,8 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
             *harness.table_head([("model", "l"), ("fused ops emitted", "l"), ("kernels", "r"), ("no kernel", "r"),
                                  ("Attention regs/spill/smem", "l")]),
         ]
-        for name, (recs, fs, secs) in attention_runs.items():
-            ops = Counter(r.op for r in recs)
-            lines.append(
-                f"| {name} | {', '.join(f'{op} {n}' for op, n in ops.most_common()) or '-'} | "
-                f"{len({r.entry for r in recs if r.entry})} | {sum(not r.ok for r in recs)} | "
-                f"{_worst(recs, 'Attention')} |")
+        for name, (recs, _, _) in attention_runs.items():
+            lines.append(f"{_row_start(name, recs)} {_worst(recs, 'Attention')} |")
     forms: dict[tuple[str, str], list] = defaultdict(list)
     for name, (recs, _, _) in [*per_model.items(), *attention_runs.items()]:
         for r in recs:
