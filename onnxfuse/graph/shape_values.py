@@ -119,6 +119,35 @@ def exact_quotient(a: Mono | None, b: Mono | None) -> Mono | None:
     return _div(a, b)
 
 
+def reshaped_dims(in_dims: list[Mono | None] | None, target: list[int] | None, allowzero: int = 0) -> list[Mono] | None:
+    """The dims of Reshape(x, target) for x of dims `in_dims` (monomials), where provable: a 0
+    copies x's dim at its position (allowzero = 0), one -1 is x's element count over the other
+    entries where that division is exact for every value of the symbols; without a -1 the element
+    counts must be equal. None otherwise (the Reshape could fail or give other dims)."""
+    if in_dims is None or target is None or any(d is None for d in in_dims):
+        return None
+    out: list[Mono | None] = []
+    inferred = None
+    for i, t in enumerate(target):
+        if t == 0 and not allowzero:
+            if i >= len(in_dims):
+                return None
+            out.append(in_dims[i])
+        elif t == -1 and inferred is None:
+            inferred = i
+            out.append(None)
+        elif t >= 0:
+            out.append(_const(t))
+        else:
+            return None
+    total = element_count(list(in_dims))
+    if inferred is None:
+        return out if element_count(out) == total else None
+    rest = element_count([d for i, d in enumerate(out) if i != inferred])
+    out[inferred] = exact_quotient(total, rest)
+    return None if out[inferred] is None else out
+
+
 _ARITH = {
     "Mul": _mul,
     "Div": _div,

@@ -82,3 +82,53 @@ def gqa_attention(exporter: str, probs_form: str) -> OpPattern:
 
 # (exporter, probabilities form) pairs the corpus's LLaMA exports take.
 GQA_FORMS = (("ts", "cast"), ("ts", "plain"), ("dynamo", "nan_to_zero"), ("dynamo", "plain"))
+
+
+# torch's nn.MultiheadAttention (torchvision's ViT), as both exporters write it: sequence-first.
+# The module transposes its batch-first input to [S, B, E], projects q, k, v with one packed
+# weight, and unpacks them as proj.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+# followed by a Gather per piece; each piece goes [S, B, E] -> [S, B*H, dh] -> [B*H, S, dh] ->
+# [B, H, S, dh]; the heads come back as [S, B, H, dh] -> [S, B, E] for the out-projection, which
+# is transposed back to [B, S, E].
+SEQ_FIRST_PERM = [1, 0, 2]  # [B, S, E] <-> [S, B, E]
+PIECES_PERM = [3, 1, 2, 0, 4]  # [1, S, B, 3, E] -> [3, S, B, 1, E]
+SEQ_FIRST_MERGE_PERM = [2, 0, 1, 3]  # [B, H, S, dh] -> [S, B, H, dh]
+
+
+def seq_first_pieces(bias: bool) -> OpPattern:
+    """Squeeze(Transpose(Unsqueeze(Reshape(Transpose(x, [1, 0, 2]) @ W (+ b), target), axes),
+    [3, 1, 2, 0, 4]), axes): the packed projection of x [B, S, E] as [3, S, B, E] (the pass proves
+    the targets and axes); binds x, in_weight, in_bias (with `bias`; a zero bias the export left
+    out has no Add), unpack_target, unsqueeze_axes, squeeze_axes, and the MatMul as `in_proj`."""
+    proj = op.MatMul(op.Transpose(Var("x"), perm=SEQ_FIRST_PERM), Var("in_weight"), _name="in_proj")
+    if bias:
+        proj = proj + Var("in_bias")
+    unpacked = op.Reshape(proj, Var("unpack_target"), _name="unpack")
+    return op.Squeeze(op.Transpose(op.Unsqueeze(unpacked, Var("unsqueeze_axes")), perm=PIECES_PERM),
+                      Var("squeeze_axes"), _name="pieces")
+
+
+def seq_first_heads(piece: str) -> OpPattern:
+    """Reshape(Transpose(Reshape(piece, flat_target), [1, 0, 2]), target): one of q, k, v
+    [S, B, E] split into heads [B, H, S, dh]; binds the piece as `piece`, the targets as
+    `piece`_flat_target and `piece`_target, the Reshapes as `piece`_flat and `piece`_heads."""
+    flat = op.Reshape(Var(piece), Var(f"{piece}_flat_target"), _name=f"{piece}_flat")
+    return op.Reshape(op.Transpose(flat, perm=SEQ_FIRST_PERM), Var(f"{piece}_target"), _name=f"{piece}_heads")
+
+
+def seq_first_keys_transposed(piece: str) -> OpPattern:
+    """Reshape(Transpose(Transpose(Reshape(piece, flat_target), [1, 0, 2]), [0, 2, 1]), target):
+    the keys [S, B, E] as [B, H, dh, S] (torch.export's 3-D key transpose, its head-split Reshape
+    merged into the one after it); binds as seq_first_heads does."""
+    flat = op.Reshape(Var(piece), Var(f"{piece}_flat_target"), _name=f"{piece}_flat")
+    keys_t = op.Transpose(op.Transpose(flat, perm=SEQ_FIRST_PERM), perm=[0, 2, 1])
+    return op.Reshape(keys_t, Var(f"{piece}_target"), _name=f"{piece}_heads")
+
+
+def seq_first_out_projection(bias: bool) -> OpPattern:
+    """Transpose(Reshape(Transpose(heads, [2, 0, 1, 3]), target) @ W (+ b), [1, 0, 2]): the heads
+    [B, H, S, dh] merged sequence-first, projected and made batch-first [B, S, N]; binds heads,
+    merge_target, out_weight, out_bias (with `bias`), and the Reshape as `merge`."""
+    merged = op.Reshape(op.Transpose(Var("heads"), perm=SEQ_FIRST_MERGE_PERM), Var("merge_target"), _name="merge")
+    proj = op.MatMul(merged, Var("out_weight"))
+    return op.Transpose(proj + Var("out_bias") if bias else proj, perm=SEQ_FIRST_PERM)

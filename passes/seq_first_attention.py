@@ -1,0 +1,257 @@
+"""torch's sequence-first nn.MultiheadAttention rewritten batch-first, the form fuse-attention takes.
+
+attention-batch-first
+    match:     (patterns: onnxfuse/graph/transformer_forms.py, seq_first_*) what both torch.onnx
+               exporters write for nn.MultiheadAttention with packed q, k, v weights (torchvision's
+               ViT), after shape-plumbing made its targets constants:
+                 in:  P = Transpose(x, [1, 0, 2]) @ W + b                      x [B, S, E] -> [S, B, 3E]
+                      Squeeze(Transpose(Unsqueeze(Reshape(P, [S, B, 3, E]), [0]), [3, 1, 2, 0, 4]), [3])
+                                                                               -> [3, S, B, E]
+                      three Gathers (axis 0, indices 0, 1, 2) of it, each piece
+                      Reshape [S, B*H, dh] -> Transpose(1, 0, 2) -> Reshape [B, H, S, dh]
+                 out: Transpose(Reshape(Transpose(heads, [2, 0, 1, 3]), [S, B, E]) @ Wo + bo, [1, 0, 2])
+               The two sides are separate rewrites, each value for value the same as what it replaces.
+    condition: every intermediate read inside the match only and no graph output; W, Wo constant
+               2-D ([E, 3E], [E', N]); b, bo constants varying along the last axis only (rank <= 3,
+               every other dim 1), so that the bias commutes with the transposes; the Reshape
+               targets constant and proved (shape_values.reshaped_dims, symbolically over the
+               dims of x and of heads) to give exactly the dims above: [S, B, 3, E];
+               [S, B*H, dh] with H*dh = E and then [B, H, S, dh]; [S', B', H'*dh'] from heads
+               [B', H', S', dh']; the Unsqueeze axes [0], the Squeeze axes [3] or [-2]; the Gathers
+               scalar constant indices, one per piece.
+    rewrite:   in:  P' = x @ W + b [B, S, 3E] (one MatMul on x, no Transpose), Split into three
+                    equal last-axis pieces, each Reshape [0, 0, H, dh] -> Transpose(0, 2, 1, 3):
+                    the heads tensors the attention reads, the same values. That is the packed
+                    form fuse-attention fuses with the Split and the bias (qkv_packed, has_bias).
+               out: Reshape(Transpose(heads, [0, 2, 1, 3]), [0, 0, E']) @ Wo + bo, written to the
+                    tensor the final Transpose wrote: fuse-attention's head merge, and a projection
+                    without Transposes.
+Why: onnxruntime alone runs the sequence-first form as 19 kernels on the input side (Transpose,
+MatMul, Add, Reshape, Unsqueeze, Transpose, Squeeze, 3 Gathers, 3 x Reshape, Transpose, Reshape)
+and 5 on the output side, and fuse-attention matches neither; batch-first, the attention with its
+Split and bias becomes one onnxfuse.Attention and the projections plain MatMuls. Written
+standard ops only, so the rewrite applies on every target (no new Attention attribute: the CUDA
+generator takes the packed form as it is).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnxfuse.graph import core as gu
+from onnxfuse.graph import facts, rules
+from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.shape_values import ShapeEvaluator, element_count, reshaped_dims
+from onnxfuse.graph.transformer_forms import (SEQ_FIRST_PERM, seq_first_heads, seq_first_keys_transposed,
+                                              seq_first_out_projection, seq_first_pieces)
+from onnxfuse.pipeline import Context, Pass
+
+PIECES = ("q", "k", "v")
+_IN = (seq_first_pieces(bias=True), seq_first_pieces(bias=False))
+_OUT = (seq_first_out_projection(bias=True), seq_first_out_projection(bias=False))
+# Per piece: [B, H, S, dh] (written by Transpose(0, 2, 1, 3) once batch-first) or the keys as
+# [B, H, dh, S] (Transpose(0, 2, 3, 1)).
+_HEADS = {p: ((seq_first_heads(p), [0, 2, 1, 3]), (seq_first_keys_transposed(p), [0, 2, 3, 1])) for p in PIECES}
+
+
+def _last_axis_bias(t: gs.Tensor, width: int) -> bool:
+    """A float32 constant of rank <= 3 whose dims are 1 but the last, which is `width` or 1: added
+    to a rank-3 tensor it varies along the last axis only, so it commutes with [1, 0, 2]."""
+    if not gu.is_constant(t):
+        return False
+    v = gu.constant_value(t)
+    return (v is not None and v.dtype == np.float32 and 1 <= v.ndim <= 3 and v.shape[-1] in (width, 1)
+            and all(d == 1 for d in v.shape[:-1]))
+
+
+def _weight(t: gs.Tensor, rows: int) -> int | None:
+    """The column count of a float32 constant 2-D weight with `rows` rows."""
+    if not gu.is_constant(t):
+        return None
+    v = gu.constant_value(t)
+    if v is None or v.dtype != np.float32 or v.ndim != 2 or v.shape[0] != rows:
+        return None
+    return int(v.shape[1])
+
+
+def _ints(t: gs.Tensor) -> list[int] | None:
+    return gu.constant_ints(t) if gu.is_constant(t) else None
+
+
+def _reshape_gives(node: gs.Node, target: gs.Tensor, in_dims: list, want: list) -> bool:
+    return reshaped_dims(in_dims, _ints(target), int(gu.attr(node, "allowzero", 0))) == want
+
+
+def _piece_index(node: gs.Node) -> int | None:
+    if not gu.is_op(node, "Gather") or len(node.inputs) != 2 or int(gu.attr(node, "axis", 0)) != 0:
+        return None
+    v = gu.constant_value(node.inputs[1]) if gu.is_constant(node.inputs[1]) else None
+    if v is None or v.ndim != 0 or v.dtype.kind not in "iu":
+        return None
+    i = int(v)
+    i = i + 3 if i < 0 else i
+    return i if 0 <= i < 3 else None
+
+
+def _chain_end(t: gs.Tensor, ops: tuple[str, ...]) -> gs.Node | None:
+    """The last node of a chain of single readers of `ops` starting at t's reader."""
+    node = None
+    for op_type in ops:
+        node = gu.single_consumer(t)
+        if not gu.is_op(node, op_type) or len(node.outputs) != 1:
+            return None
+        t = node.outputs[0]
+    return node
+
+
+def _first(patterns, root: gs.Node, outs: set, bind: dict | None = None) -> rules.Match | None:
+    for p in patterns:
+        m = rules.match(p, root, outs, bind)
+        if m is not None:
+            return m
+    return None
+
+
+def _input_side(graph: gs.Graph, squeeze: gs.Node, ev: ShapeEvaluator, outs: set) -> bool:
+    m = _first(_IN, squeeze, outs)
+    if m is None:
+        return False
+    in_bias = m.bindings.get("in_bias")
+    x = m["x"]
+    xd = ev.dim_symbols(x)
+    if x.dtype != np.float32 or xd is None or len(xd) != 3 or xd[2][1]:
+        return False
+    batch, seq, (width, _) = xd
+    if _weight(m["in_weight"], width) != 3 * width or (in_bias is not None and not _last_axis_bias(in_bias, 3 * width)):
+        return False
+    three_e = (3 * width, ())
+    if not _reshape_gives(m["unpack"], m["unpack_target"], [seq, batch, three_e], [seq, batch, (3, ()), (width, ())]):
+        return False
+    if _ints(m["unsqueeze_axes"]) != [0] or _ints(m["squeeze_axes"]) not in ([3], [-2]):
+        return False
+    pieces = m.output
+    gathers = list(pieces.outputs)
+    if len(gathers) != 3 or gu.is_graph_output(graph, pieces):
+        return False
+    order = [_piece_index(g) for g in gathers]
+    if sorted(i for i in order if i is not None) != [0, 1, 2]:
+        return False
+    heads = {}
+    for g, i in zip(gathers, order):
+        piece = g.outputs[0]
+        name = PIECES[i]
+        for (pattern, perm), ops in zip(_HEADS[name], (("Reshape", "Transpose", "Reshape"),
+                                                      ("Reshape", "Transpose", "Transpose", "Reshape"))):
+            end = _chain_end(piece, ops)
+            hm = rules.match(pattern, end, outs, bind={name: piece}) if end is not None else None
+            if hm is not None:
+                break
+        if hm is None or gu.is_graph_output(graph, piece):
+            return False
+        flat = _ints(hm[f"{name}_flat_target"])
+        if flat is None or len(flat) != 3 or flat[2] <= 0 or width % flat[2]:
+            return False
+        dh = flat[2]
+        h = width // dh
+        rows = element_count([batch, (h, ())])  # B*H
+        if not _reshape_gives(hm[f"{name}_flat"], hm[f"{name}_flat_target"], [seq, batch, (width, ())],
+                              [seq, rows, (dh, ())]):
+            return False
+        split = [rows, seq, (dh, ())] if perm == [0, 2, 1, 3] else [rows, (dh, ()), seq]
+        if not _reshape_gives(hm[f"{name}_heads"], hm[f"{name}_target"], split, [batch, (h, ())] + split[1:]):
+            return False
+        heads[i] = (g, hm, h, dh, perm)
+    # Rewrite: x @ W + b, split into q, k, v, each Reshape [0, 0, H, dh] -> Transpose(0, 2, 1, 3)
+    # writing the heads tensor the attention reads.
+    proj = m["in_proj"]
+    base = proj.name or "attention_in_proj"
+    packed = gs.Variable(gu.unique_name(graph, f"{base}_batch_first"), dtype=np.float32)
+    new = [gs.Node("MatMul", name=gu.unique_name(graph, f"{base}_batch_first"), inputs=[x, m["in_weight"]],
+                   outputs=[packed])]
+    if in_bias is not None:
+        product, packed = packed, gs.Variable(gu.unique_name(graph, f"{base}_batch_first_bias"), dtype=np.float32)
+        new.append(gs.Node("Add", name=gu.unique_name(graph, f"{base}_batch_first_bias"), inputs=[product, in_bias],
+                           outputs=[packed]))
+    parts = [gs.Variable(gu.unique_name(graph, f"{base}_{p}"), dtype=np.float32) for p in PIECES]
+    new.append(gu.split_node(graph, packed, [width] * 3, parts, axis=2, name=gu.unique_name(graph, f"{base}_split")))
+    old = list(m.nodes)
+    for i in range(3):
+        g, hm, h, dh, perm = heads[i]
+        out = hm.output
+        old += [g] + list(hm.nodes)
+        split4 = gs.Variable(gu.unique_name(graph, f"{parts[i].name}_heads"), dtype=np.float32)
+        target = gu.make_constant(graph, f"{parts[i].name}_heads_target", np.array([0, 0, h, dh], np.int64))
+        new += [gs.Node("Reshape", name=gu.unique_name(graph, f"{parts[i].name}_split_heads"), inputs=[parts[i], target],
+                        outputs=[split4]),
+                gs.Node("Transpose", name=gu.unique_name(graph, f"{parts[i].name}_heads_first"), inputs=[split4],
+                        outputs=[out], attrs={"perm": perm})]
+    for node in old:
+        gu.disconnect(node)
+    graph.nodes.extend(new)
+    return True
+
+
+def _output_side(graph: gs.Graph, node: gs.Node, ev: ShapeEvaluator, outs: set) -> bool:
+    m = _first(_OUT, node, outs)
+    if m is None:
+        return False
+    out_bias = m.bindings.get("out_bias")
+    heads = m["heads"]
+    hd = ev.dim_symbols(heads)
+    if heads.dtype != np.float32 or hd is None or len(hd) != 4 or hd[1][1] or hd[3][1]:
+        return False
+    batch, (h, _), seq, (dh, _) = hd
+    width = h * dh
+    n = _weight(m["out_weight"], width)
+    if n is None or (out_bias is not None and not _last_axis_bias(out_bias, n)):
+        return False
+    if not _reshape_gives(m["merge"], m["merge_target"], [seq, batch, (h, ()), (dh, ())], [seq, batch, (width, ())]):
+        return False
+    y = m.output
+    merge = m["merge"]
+    base = merge.name or "attention_merge"
+    moved = gs.Variable(gu.unique_name(graph, f"{base}_batch_first_heads"), dtype=np.float32)
+    merged = gs.Variable(gu.unique_name(graph, f"{base}_batch_first"), dtype=np.float32)
+    product = y if out_bias is None else gs.Variable(gu.unique_name(graph, f"{base}_batch_first_proj"),
+                                                     dtype=np.float32)
+    target = gu.make_constant(graph, f"{base}_batch_first_target", np.array([0, 0, width], np.int64))
+    for old in m.nodes:
+        gu.disconnect(old)
+    graph.nodes.extend([
+        gs.Node("Transpose", name=gu.unique_name(graph, f"{base}_heads_back"), inputs=[heads], outputs=[moved],
+                attrs={"perm": [0, 2, 1, 3]}),
+        gs.Node("Reshape", name=gu.unique_name(graph, f"{base}_batch_first"), inputs=[moved, target], outputs=[merged]),
+        gs.Node("MatMul", name=gu.unique_name(graph, f"{base}_out_proj"), inputs=[merged, m["out_weight"]],
+                outputs=[product]),
+    ])
+    if out_bias is not None:
+        graph.nodes.append(gs.Node("Add", name=gu.unique_name(graph, f"{base}_out_proj_bias"),
+                                   inputs=[product, out_bias], outputs=[y]))
+    return True
+
+
+def attention_batch_first(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "Squeeze") for n in graph.nodes) or graph.opset < 13:
+        return 0
+    refresh_shapes(graph)
+    ev = ShapeEvaluator(graph, facts.ShapeTable(graph))
+    outs = {t.name for t in graph.outputs}
+    count = 0
+    for node in list(graph.nodes):
+        if not node.outputs:  # taken by an earlier rewrite
+            continue
+        if gu.is_op(node, "Squeeze"):
+            count += _input_side(graph, node, ev, outs)
+        elif gu.is_op(node, "Transpose") and [int(p) for p in gu.attr(node, "perm", [])] == SEQ_FIRST_PERM:
+            count += _output_side(graph, node, ev, outs)
+    if count:
+        gu.toposort(graph)
+    return count
+
+
+PASS = Pass(
+    "attention-batch-first",
+    460,
+    "torch's sequence-first nn.MultiheadAttention (packed q, k, v unpacked by Gathers) as the batch-first form fuse-attention fuses",
+    attention_batch_first,
+)
