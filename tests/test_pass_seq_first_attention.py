@@ -167,3 +167,15 @@ def test_reshaped_dims_proves_what_a_reshape_gives_over_symbolic_dims():
     assert reshaped_dims([s, b, e], [5, -1, 3]) is None  # 16 B / 3 is not exact
     assert reshaped_dims([s, b, e], [5, 2, 8]) is None  # B is not 1 for every value
     assert reshaped_dims([s, b, e], [-1, -1, 16]) is None
+
+
+@pytest.mark.parametrize("form", ["ts", "dynamo"])
+def test_cuda_target_gets_the_packed_node_its_generator_implements(form):
+    from onnxfuse.cuda.attention_codegen import NODE_ATTRIBUTES
+
+    m = seq_first_mha(form)
+    opt, _ = optimize(m, BOTH, target="cuda", attention_cuda=True)
+    (node,) = fused(opt)
+    assert set(attrs(node)) <= NODE_ATTRIBUTES and attrs(node)["qkv_packed"] == 1
+    assert "causal" not in attrs(node)
+    check_runs_like_original(m, opt, feeds((1, 3)))
