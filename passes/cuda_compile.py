@@ -25,6 +25,7 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import facts
 from onnxfuse.cuda import attention_codegen, codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
+from onnxfuse import fused
 from onnxfuse.fused import DOMAIN
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.program import Program
@@ -62,7 +63,8 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
         return None
     if int(node.attrs.get("causal", 0)):
         return None  # fuse-attention's CPU-only causal mode: the generated kernel has none
-    if any(not a.startswith("cuda_") and a not in attention_codegen.NODE_ATTRIBUTES for a in node.attrs):
+    if any(not a.startswith("cuda_") and a not in attention_codegen.NODE_ATTRIBUTES and a != fused.OPSET_ATTRIBUTE
+           for a in node.attrs):
         return None  # an attribute the generator does not implement: no kernel rather than a wrong one
     first = _static_last_dim(node.inputs[0], shapes)
     if first is None:
