@@ -6,7 +6,8 @@
 //            mask: float32, additive, broadcastable to [B, H, Sq, Sk] (rank <= 4)
 //            bias: [3*H*dh] (has_bias, packed only), added to qkv's columns as they are read
 //   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0), causal (absent = 0;
-//            then causal_max_queries, causal_max_keys: longer sequences are an error)
+//            then causal_max_queries, causal_max_keys: longer sequences are an error),
+//            nan_to_zero (absent = 0; not with causal): a row of NaN probabilities weighs v by 0
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
 //            (causal: mask[s, t] = -inf for t > s, 0 otherwise; no mask input)
 //
@@ -74,6 +75,7 @@ struct Job {
   int64_t query_blocks, block_rows;
   float scale;
   bool causal;  // key t of query row i is masked out for t > i (top-left causal mask, no mask input)
+  bool nan_to_zero;  // Where(IsNaN(p), 0, p) on the probabilities (zero_probability_row)
   bool avx2;
 };
 
@@ -99,6 +101,21 @@ void biased_rows(const float* q, int64_t q_stride, const float* bias, int64_t ro
 void add_value_bias(float* out, int64_t out_stride, int64_t rows, const float* bias, int64_t dv) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < dv; ++j) out[r * out_stride + j] += bias[j];
+}
+
+// nan_to_zero: the output row of a query whose probabilities are NaN, as Where(IsNaN(p), 0, p)
+// then MatMul give it. Softmax's row is NaN as a whole or not at all (any NaN exp makes the sum,
+// and so every quotient, NaN; otherwise the sum is at least 1), and the kernel's 1 / sum is NaN
+// exactly then. out[j] = sum_t 0 * (v[t, j] + bias_v[j]): +0, or NaN where column j holds an
+// infinite or NaN value (0 * inf), summed from +0 as the MatMul's accumulators are. Such rows
+// (all keys masked by -inf) are rare, so this runs as plain loops after the row's normal path.
+void zero_probability_row(const Job& job, const float* v, const float* v_bias, float* o) {
+  for (int64_t j = 0; j < job.dv; ++j) {
+    const float b = v_bias == nullptr ? 0.0f : v_bias[j];
+    float acc = 0.0f;
+    for (int64_t t = 0; t < job.sk; ++t) acc += 0.0f * (v[t * job.v.row_stride + j] + b);
+    o[j] = acc;
+  }
 }
 
 int64_t padded_keys(int64_t sk) { return (sk + kKeyTile - 1) / kKeyTile * kKeyTile; }
@@ -151,6 +168,7 @@ void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, co
                float* q_rows) {
   const int64_t sk = job.sk, dh = job.dh, dv = job.dv;
   const int64_t out_stride = job.heads * dv;
+  std::vector<int64_t> nan_rows;  // nan_to_zero: rows whose probabilities are NaN
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + (r0 + r) * job.q.row_stride;
     if (q_bias != nullptr) {
@@ -168,6 +186,7 @@ void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, co
     const int64_t causal_end = job.causal ? r0 + r + 1 : sk;
     const float mx = scale_and_mask_base(s, sk, job.scale, mrow, job.mask_stride[3], causal_end);
     const float inv = softmax_base(s, sk, mx);
+    if (job.nan_to_zero && std::isnan(inv)) nan_rows.push_back(r0 + r);
     float* o = out + (r0 + r) * out_stride;
     for (int64_t j = 0; j < dv; ++j) o[j] = 0.0f;
     for (int64_t t = 0; t < sk; ++t) {
@@ -178,6 +197,7 @@ void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, co
     for (int64_t j = 0; j < dv; ++j) o[j] *= inv;
   }
   if (v_bias != nullptr) add_value_bias(out + r0 * out_stride, out_stride, rows, v_bias, dv);
+  for (int64_t i : nan_rows) zero_probability_row(job, v, v_bias, out + i * out_stride);
 }
 
 #if defined(__x86_64__)
@@ -427,6 +447,9 @@ void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
   const int64_t out_stride = job.heads * job.dv;
   weighted_sum_tile<R>(scores, ld, inv, v, job.v.row_stride, t0, t1, job.dv, out + r0 * out_stride, out_stride);
   if (v_bias != nullptr) add_value_bias_avx2(out + r0 * out_stride, out_stride, R, v_bias, job.dv);
+  if (job.nan_to_zero)
+    for (int r = 0; r < R; ++r)
+      if (std::isnan(inv[r])) zero_probability_row(job, v, v_bias, out + (r0 + r) * out_stride);
 }
 
 // dst[r * dh + i] = scale * (q[r * q_stride + i] + bias[i]) (no bias: scale * q) for R rows: the
@@ -605,7 +628,7 @@ struct AttentionKernel {
   int64_t heads = 0;
   float scale = 1.0f;
   bool has_mask = false, packed = false, has_bias = false, avx2 = false;
-  bool causal = false;
+  bool causal = false, nan_to_zero = false;
   int64_t causal_max_queries = 0, causal_max_keys = 0;  // the causal mask constant's [R, C]
 };
 
@@ -633,6 +656,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       api.ReleaseStatus(st);
       causal = 0;
     }
+    int64_t nan_to_zero = 0;  // optional: absent = 0
+    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, "nan_to_zero", &nan_to_zero)) {
+      api.ReleaseStatus(st);
+      nan_to_zero = 0;
+    }
+    kernel->nan_to_zero = nan_to_zero != 0;
     kernel->has_mask = has_mask != 0;
     kernel->packed = packed != 0;
     kernel->has_bias = has_bias != 0;
@@ -644,6 +673,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                                w + "attribute 'causal_max_keys': ");
       if (kernel->has_mask)
         return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "causal and has_mask are exclusive").c_str());
+      if (kernel->nan_to_zero)
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "causal and nan_to_zero are exclusive").c_str());
     }
     if (kernel->heads <= 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "num_heads must be positive").c_str());
@@ -689,6 +720,7 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
   job.scale = k->scale;
   job.avx2 = k->avx2;
   job.causal = k->causal;
+  job.nan_to_zero = k->nan_to_zero;
   const int64_t H = k->heads;
   std::vector<int64_t> qd, kd, vd, md;
   size_t next = 0;

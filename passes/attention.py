@@ -5,6 +5,7 @@ fuse-attention
                  q, k, v [B, S, H*dh] -> Reshape [B, S, H, dh] -> Transpose
                  scores = MatMul(q [B, H, Sq, dh], kT [B, H, dh, Sk])
                  (Div by a constant | Mul by a constant | nothing) (+ mask | + a + b) -> Softmax(last axis)
+                 (-> Where(IsNaN(P), 0, P))
                  MatMul(P, v [B, H, Sk, dv]) -> Transpose(0, 2, 1, 3) -> Reshape [B, Sq, H*dv]
                with q read as Transpose(0, 2, 1, 3) of its Reshape, optionally times a constant;
                k as Transpose(0, 2, 3, 1) of its Reshape, or Transpose(0, 1, 3, 2) of
@@ -16,7 +17,13 @@ fuse-attention
                are, in this order, the three equal last-axis pieces of one Split read by nothing
                else, the Split is part of the match (qkv_packed); when that Split reads
                Add(t, c) (either order) read by nothing else, with c a constant bias along the
-               last axis only, the Add is part of the match too (has_bias).
+               last axis only, the Add is part of the match too (has_bias). The NaN-to-zero
+               guard transformers' eager attention writes after Softmax (BERT's and GPT-2's
+               TorchScript exports: a row whose keys a -inf mask hides entirely gets
+               probabilities 0, not NaN) is part of the match when P is read by its IsNaN and
+               Where alone and the fill is a +0 constant of one element
+               (transformer_forms.nan_to_zero_guard): the node gets nan_to_zero = 1 (cpu only;
+               such a chain is left alone on cuda, and its mask is never read as causal).
     condition: float32 throughout; every scale a finite constant scalar (Div by c, c != 0, is a
                scale of 1/c); the head Reshapes' targets constant, [0 or B, 0 or S, H, dh] with
                H*dh (H*dv) the static last dim of q, k (v), one H for all three, and the
@@ -62,6 +69,10 @@ implement exactly this):
     attrs    num_heads INT H; scale FLOAT; has_mask INT 0/1 (whether the last input is a mask);
              qkv_packed INT 0/1; has_bias INT 0/1, absent = 0 (whether the last input is a
              bias [3*H*dh] float32 added to qkv's columns; only with qkv_packed = 1);
+             nan_to_zero INT 0/1, absent = 0 (not with causal): a query row whose probabilities
+             are NaN (Softmax's row is NaN as a whole: all scores -inf, or a NaN or +inf score)
+             weighs v by 0 instead: out[b, s, h*dv + j] = sum_t 0 * v[b, t, h, j] (v with its
+             bias), +0, or NaN where that column of v holds an infinite or NaN value
              causal INT 0/1, absent = 0 (only with has_mask = 0): the mask is the top-left causal
              one, -inf for t > s, 0 otherwise (see "out" for how the kernel may skip those keys);
              with causal, causal_max_queries INT R and causal_max_keys INT C: Sq > R or Sk > C
@@ -97,6 +108,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
+from onnxfuse.graph.transformer_forms import nan_to_zero_guard
 from onnxfuse.pipeline import Context, Pass
 
 HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]
@@ -137,6 +149,7 @@ class Match:
     # (scores + a) + b: the two additive terms (T5's position bias and padding mask), which the
     # node reads as one mask a + b; `mask` is then None until the rewrite computes that sum.
     mask_terms: tuple[gs.Tensor, gs.Tensor] | None = None
+    nan_to_zero: bool = False  # Where(IsNaN(p), 0, p) after the Softmax (transformer_forms.nan_to_zero_guard)
 
 
 def _perm(node: gs.Node | None) -> list[int] | None:
@@ -370,10 +383,13 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if axis not in (-1, 3):
         return None
     probs = softmax.outputs[0]
-    if not gu.is_private(graph, probs):
+    # Where(IsNaN(p), 0, p) between Softmax and the MatMul: transformers' guard for all-masked rows.
+    guard = nan_to_zero_guard(graph, probs)
+    weights = guard[1].outputs[0] if guard is not None else probs
+    if not gu.is_private(graph, weights):
         return None
-    pv = probs.outputs[0]
-    if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not probs:
+    pv = weights.outputs[0]
+    if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not weights:
         return None
     # Softmax input: ((scores * c) + mask) or (scores * c) or scores.
     logits = softmax.inputs[0]
@@ -447,8 +463,9 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     causal = None
     target = [qd[0], q.heads, qd[1], kd[1]]
     if mask is not None:
-        # The CUDA kernel has no causal mode: there the mask stays an input.
-        if ctx is None or ctx.target == "cpu":
+        # The CUDA kernel has no causal mode: there the mask stays an input. A guarded chain keeps
+        # its mask as an input too (the kernel's causal mode has no guard).
+        if (ctx is None or ctx.target == "cpu") and guard is None:
             causal = _causal_slice(graph, mask, q, k, shapes)
         if causal is None and not _mask_fits(mask, target, shapes, pinned):
             return None
@@ -456,8 +473,9 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         return None
     if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None):
         return None
-    chain = [qk] + list(reversed(chain_before)) + [softmax, pv, back, merge]
-    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms)
+    chain = [qk] + list(reversed(chain_before)) + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
+    m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms,
+              nan_to_zero=guard is not None)
     m.split = _packed_split(graph, m, shapes)
     if m.split is not None:
         folded = _qkv_bias(graph, m.split, shapes)
@@ -587,6 +605,8 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -
     }
     if bias is not None:
         attrs["has_bias"] = 1
+    if m.nan_to_zero:
+        attrs["nan_to_zero"] = 1
     if m.causal is not None:
         attrs["causal"] = 1
         attrs["causal_max_queries"], attrs["causal_max_keys"] = (int(x) for x in m.causal)
@@ -657,7 +677,8 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target == "cuda":
         from onnxfuse.cuda.attention_codegen import supported
 
-        matches = [m for m in matches if supported(m.q.width, m.v.width)]
+        # The generated kernel has no NaN-to-zero guard: those chains stay as they are there.
+        matches = [m for m in matches if supported(m.q.width, m.v.width) and not m.nan_to_zero]
     sums: dict = {}  # summed mask terms, one Add per pair (_summed_mask)
     for m in matches:
         rewrite(graph, m, ctx, sums)

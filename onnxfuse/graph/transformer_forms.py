@@ -19,6 +19,9 @@ which proves them with shape_values.ShapeEvaluator.
 """
 from __future__ import annotations
 
+import numpy as np
+
+from . import core as gu
 from .rules import ANY, Const, OpPattern, Var, op
 
 HEADS_PERM = [0, 2, 1, 3]
@@ -132,3 +135,30 @@ def seq_first_out_projection(bias: bool) -> OpPattern:
     merged = op.Reshape(op.Transpose(Var("heads"), perm=SEQ_FIRST_MERGE_PERM), Var("merge_target"), _name="merge")
     proj = op.MatMul(merged, Var("out_weight"))
     return op.Transpose(proj + Var("out_bias") if bias else proj, perm=SEQ_FIRST_PERM)
+
+
+def nan_to_zero_guard(graph, probs):
+    """The NaN-to-zero guard the exporters write after an attention's Softmax (transformers'
+    eager attention with a -inf padding or causal mask: a query row whose keys are all masked
+    gets probabilities 0 instead of Softmax's NaN): Where(IsNaN(p), 0, p) with p = `probs` read
+    by that IsNaN and that Where alone, the IsNaN's output by the Where alone, and 0 a float32
+    constant of one element, +0. Returns (IsNaN node, Where node), else None.
+
+    Shape-preserving: the Where's output has p's shape (its other operands are a same-shape mask
+    and a one-element constant), so the guarded probabilities replace p element for element."""
+    if not gu.is_private(graph, probs, readers=2):
+        return None
+    isnan = next((n for n in probs.outputs if gu.is_op(n, "IsNaN")), None)
+    where = next((n for n in probs.outputs if gu.is_op(n, "Where")), None)
+    if isnan is None or where is None or len(where.inputs) != 3:
+        return None
+    flag = isnan.outputs[0]
+    if not gu.is_private(graph, flag) or where.inputs[0] is not flag or where.inputs[2] is not probs:
+        return None
+    zero = gu.constant_value(where.inputs[1]) if gu.is_constant(where.inputs[1]) else None
+    if zero is None or zero.size != 1 or zero.dtype != np.float32 or zero.ndim > 4:
+        return None
+    z = zero.reshape(())
+    if z != 0.0 or np.signbit(z):
+        return None
+    return isnan, where
