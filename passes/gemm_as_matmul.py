@@ -14,8 +14,8 @@ gemm-as-matmul
                constant [K, N] (transB = 0) or [N, K] (transB = 1); transA = 0, alpha = 1; C
                absent, or a constant of N elements (rank <= 2, every dim but the last 1) with
                beta = 1; the restoring target proved (symbolically, as shape-plumbing evaluates
-               shape tensors) equal to x's leading dims followed by N, one entry -1 allowed
-               (Reshape infers it to be that dim).
+               shape tensors, on dims refined with shape_values.refined_dims) equal to x's
+               leading dims followed by N, one entry -1 allowed (Reshape infers it to be that dim).
                On --target cuda only without C (cuBLAS adds Gemm's bias in its epilogue).
     rewrite:   y = MatMul(x, W) (W transposed once, as a new constant, for transB = 1), plus
                Add(., C as [N]) when C is present; x merged trailing dims go through
@@ -33,7 +33,7 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts, rules
 from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
-from onnxfuse.graph.shape_values import ShapeEvaluator
+from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
 x, w, c = Var("x"), Var("w"), Var("c")
@@ -119,7 +119,9 @@ def gemm_as_matmul(graph: gs.Graph, ctx: Context) -> int:
     if not any(gu.is_op(n, "Gemm") for n in graph.nodes):
         return 0
     facts.refresh_shapes(graph)
-    shapes = facts.ShapeTable(graph)
+    # Refined with the facts inference misses (a Range's length, a folded expand target): the
+    # batch of an attention output whose scores got a mask built from them stays the batch.
+    shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
     outs = {t.name for t in graph.outputs}
     done = 0
     for node in list(graph.nodes):

@@ -127,3 +127,64 @@ def test_guards_that_are_not_nan_to_zero_or_are_read_elsewhere_are_left_alone(op
 def test_cuda_target_leaves_a_guarded_chain_alone():
     opt, n = optimize(guarded(), PASS, target="cuda", attention_cuda=True)
     assert n == 0 and not fused(opt)
+
+
+def expanded_padding_mask(batch_from="x"):
+    """guarded() with the mask built as transformers' helpers have the TorchScript exporter write
+    it (GPT-2, BERT): Where(Expand(pad, target), 0, -inf) from a bool padding input pad
+    [B, 1, 1, S], the expand target Where(is_minus_one, 1, [batch, -1, S, S]) with its Equal
+    folded to a constant, batch read from `batch_from`'s first dim ("x": the batch; "other":
+    another input's, which need not be it). The merge target is the constant [0, 0, D], so the
+    mask's dims must be proved."""
+    m = guarded(mask=("B", 1, "S", "S"), merge="const")
+    g = m.graph
+    inputs = [i for i in g.input if i.name != "mask"]  # computed below instead
+    g.ClearField("input")
+    g.input.extend(inputs)
+    g.input.append(helper.make_tensor_value_info("pad", onnx.TensorProto.BOOL, ["B", 1, 1, "S"]))
+    if batch_from == "other":
+        g.input.append(helper.make_tensor_value_info("other", onnx.TensorProto.FLOAT, ["M", 1]))
+    inits = {
+        "i0": np.array([0], np.int64), "i1": np.array([1], np.int64), "i2": np.array([2], np.int64),
+        "minus_one": np.array([-1], np.int64), "ones4": np.array([1, 1, 1, 1], np.int64),
+        "is_minus_one": np.array([False, True, False, False]), "mask_zero": np.array([0.0], np.float32),
+        "mask_fill": np.array([-np.inf], np.float32),
+    }
+    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in inits.items())
+    nodes = [
+        helper.make_node("Shape", [batch_from], ["batch_shape"], name="batch_shape"),
+        helper.make_node("Slice", ["batch_shape", "i0", "i1"], ["batch_dim"], name="batch_dim"),
+        helper.make_node("Shape", ["x"], ["x_shape"], name="x_shape"),
+        helper.make_node("Slice", ["x_shape", "i1", "i2"], ["seq_dim"], name="seq_dim"),
+        helper.make_node("Concat", ["batch_dim", "minus_one", "seq_dim", "seq_dim"], ["expand_dims"], axis=0,
+                         name="expand_dims"),
+        helper.make_node("Where", ["is_minus_one", "ones4", "expand_dims"], ["expand_target"], name="expand_target"),
+        helper.make_node("Expand", ["pad", "expand_target"], ["keep"], name="expand_mask"),
+        helper.make_node("Where", ["keep", "mask_zero", "mask_fill"], ["mask"], name="additive_mask"),
+    ]
+    for n in reversed(nodes):
+        g.node.insert(0, n)
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_guarded_attention_reads_a_mask_expanded_to_a_folded_target():
+    m = expanded_padding_mask()
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert attrs(node)["nan_to_zero"] == 1 and attrs(node)["has_mask"] == 1
+    rng = np.random.default_rng(3)
+    feed_list = []
+    for b, s in ((1, 1), (2, 6), (3, 13)):
+        feeds = {k: v for k, v in feeds_for(m, b, s).items() if k != "pad"}
+        pad = rng.random((b, 1, 1, s)) < 0.7
+        pad[0] = False  # batch 0: every key padded
+        feeds["pad"] = pad
+        feed_list.append(feeds)
+    check_runs_like_original(m, opt, feed_list)
+
+
+def test_mask_expanded_to_a_batch_read_elsewhere_is_left_alone():
+    opt, n = optimize(expanded_padding_mask(batch_from="other"), PASS)
+    assert n == 0 and not fused(opt)

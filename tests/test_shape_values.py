@@ -6,7 +6,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import facts
-from onnxfuse.graph.shape_values import ShapeEvaluator
+from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 
 
 def test_shape_values_follow_torchscripts_expand_target_idiom():
@@ -34,3 +34,50 @@ def test_shape_values_follow_torchscripts_expand_target_idiom():
     unknown = gs.Variable("unknown", np.int64)
     graph.nodes.append(gs.Node("Equal", inputs=[t["flat"], c("two_again", 2)], outputs=[unknown]))
     assert ShapeEvaluator(graph, facts.ShapeTable(graph)).value(unknown).elems[0] is None
+
+
+def test_where_on_a_folded_condition_selects_the_expand_target():
+    # fold-constants computes the idiom's Equal when the target's -1 entries are known: the
+    # condition is then a bool constant, which selects as the Equal would.
+    x = gs.Variable("x", np.float32, ["batch", "seq"])
+    shape, b, s, target = (gs.Variable(n, np.int64) for n in ("shape", "b", "s", "target"))
+    dims = gs.Variable("dims", np.int64)
+    c = lambda name, v, t=np.int64: gs.Constant(name, np.array(v, t))  # noqa: E731
+    nodes = [
+        gs.Node("Shape", inputs=[x], outputs=[shape]),
+        gs.Node("Slice", inputs=[shape, c("b0", [0]), c("b1", [1])], outputs=[b]),
+        gs.Node("Slice", inputs=[shape, c("s0", [1]), c("s1", [2])], outputs=[s]),
+        gs.Node("Concat", inputs=[b, c("minus_one", [-1]), s, s], outputs=[dims], attrs={"axis": 0}),
+        gs.Node("Where", inputs=[c("is_minus_one", [False, True, False, False], np.bool_), c("ones", [1, 1, 1, 1]), dims],
+                outputs=[target]),
+    ]
+    graph = gs.Graph(nodes=nodes, inputs=[x], outputs=[target], opset=17)
+    ev = ShapeEvaluator(graph, facts.ShapeTable(graph))
+    assert ev.value(target).elems == ((1, ("batch",)), (1, ()), (1, ("seq",)), (1, ("seq",)))
+
+
+def test_a_range_over_an_inferred_batch_keeps_that_batch_over_its_recorded_name():
+    # GPT-2's TorchScript mask: arange(batch) where batch is Shape(Reshape(ids, [-1, S]))[0], a
+    # dim inference names itself (unk__N). Inference gives the Range's length a name of its own;
+    # refined_dims proves it is that batch, and what reads the Range keeps it.
+    ids = gs.Variable("ids", np.int64, ["batch", "seq"])
+    c = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
+    t = {k: gs.Variable(k, np.int64) for k in ("ids_shape", "seq_dim", "flat_target", "flat", "flat_shape", "b", "rows",
+                                               "rows4", "doubled")}
+    nodes = [
+        gs.Node("Shape", inputs=[ids], outputs=[t["ids_shape"]]),
+        gs.Node("Slice", inputs=[t["ids_shape"], c("s0", [1]), c("s1", [2])], outputs=[t["seq_dim"]]),
+        gs.Node("Concat", inputs=[c("minus_one", [-1]), t["seq_dim"]], outputs=[t["flat_target"]], attrs={"axis": 0}),
+        gs.Node("Reshape", inputs=[ids, t["flat_target"]], outputs=[t["flat"]]),
+        gs.Node("Shape", inputs=[t["flat"]], outputs=[t["flat_shape"]]),
+        gs.Node("Gather", inputs=[t["flat_shape"], c("zero", 0)], outputs=[t["b"]], attrs={"axis": 0}),
+        gs.Node("Range", inputs=[c("start", 0), t["b"], c("step", 1)], outputs=[t["rows"]]),
+        gs.Node("Unsqueeze", inputs=[t["rows"], c("axes", [1, 2, 3])], outputs=[t["rows4"]]),
+        gs.Node("Add", inputs=[t["rows4"], t["rows4"]], outputs=[t["doubled"]]),
+    ]
+    graph = gs.Graph(nodes=nodes, inputs=[ids], outputs=[t["flat"], t["doubled"]], opset=17)
+    facts.refresh_shapes(graph)  # the graph records inference's names, the Range's length among them
+    batch = facts.ShapeTable(graph).dims(t["flat"])[0]
+    assert isinstance(batch, str) and facts.ShapeTable(graph).dims(t["rows"]) != [batch]
+    shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
+    assert shapes.dims(t["rows"]) == [batch] and shapes.dims(t["rows4"]) == [batch, 1, 1, 1]

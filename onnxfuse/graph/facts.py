@@ -44,6 +44,10 @@ class ShapeTable:
                  _forget: set[str] | None = None) -> None:
         self._types: dict[str, int] = {}
         self._inferred: dict[str, list] = _infer_dims(graph, self._types, _annotate, _forget) if infer else {}
+        # Tensors whose dims were given as facts (refined) or inferred again from them: there a
+        # made-up name of this table's inference, which may equal a name elsewhere (a Range's
+        # length is the batch dim it was given), goes over the made-up name the graph records.
+        self._refreshed: set[str] = set()
 
     def refined(self, graph: gs.Graph, hints: dict[str, list]) -> "ShapeTable":
         """A new table where the tensors in `hints` have the given dims (facts a pass derived that
@@ -64,7 +68,9 @@ class ShapeTable:
             annotate[n] = (self._types.get(n, 0), d)
         # What the graph records for tensors downstream of the hints is what inference knew
         # before them: left out, so that inference propagates the hints' dims.
-        return ShapeTable(graph, _annotate=annotate, _forget=downstream)
+        table = ShapeTable(graph, _annotate=annotate, _forget=downstream)
+        table._refreshed = self._refreshed | downstream | set(hints)
+        return table
 
     def dims(self, tensor: gs.Tensor) -> list[int | str | None] | None:
         own = gu.dims(tensor)
@@ -73,6 +79,8 @@ class ShapeTable:
             return list(inferred) if inferred is not None else None
         if inferred is None:
             return own
+        if tensor.name in self._refreshed:
+            return [_merge_dim(b, a) for a, b in zip(own, inferred)]
         return [_merge_dim(a, b) for a, b in zip(own, inferred)]
 
     def rank(self, tensor: gs.Tensor) -> int | None:

@@ -25,6 +25,10 @@ MAX_ELEMENTS = 64  # shape tensors are short; longer integer tensors are data, n
 
 
 _INT_TYPES = {np.dtype(np.int64), np.dtype(np.int32)}
+# A folded Equal of a shape value against constants (the TorchScript exporter's `-1` test in an
+# expand target, Where(Equal(s, -1), 1, s), once fold-constants has computed the Equal) is a
+# 1-D bool constant: read as 0/1, it is the condition Where selects with.
+_CONDITION_TYPES = _INT_TYPES | {np.dtype(np.bool_)}
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,7 @@ class ShapeEvaluator:
             return None  # a weight: its type and shape say so without reading its values
         v = gu.constant_value(tensor)
         if v is not None:
-            if v.dtype not in _INT_TYPES or v.ndim > 1 or v.size > MAX_ELEMENTS:
+            if v.dtype not in _CONDITION_TYPES or v.ndim > 1 or v.size > MAX_ELEMENTS:
                 return None
             return ShapeValue(v.ndim, tuple(_const(x) for x in v.reshape(-1)), v.dtype)
         node = gu.producer(tensor)
@@ -300,7 +304,7 @@ def _may_be_shape(tensor: gs.Constant) -> bool:
     """False when an initializer's recorded type or shape already rules out a shape value."""
     shape = tensor.shape
     return (
-        numpy_dtype(tensor.dtype) in _INT_TYPES
+        numpy_dtype(tensor.dtype) in _CONDITION_TYPES
         and shape is not None
         and len(shape) <= 1
         and (not shape or int(shape[0]) <= MAX_ELEMENTS)
