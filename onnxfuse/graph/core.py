@@ -91,6 +91,39 @@ def scalar(tensor: gs.Tensor | None) -> float | None:
     return float(v.reshape(-1)[0])
 
 
+# Ops whose output holds only elements of their first input: when every element of that input
+# is one value, so is every element of the output (indices assumed valid, as the model's own run
+# checks them).
+_ELEMENTS_OF_FIRST_INPUT = frozenset({
+    "Expand", "Gather", "GatherElements", "GatherND", "Reshape", "Squeeze", "Unsqueeze", "Slice",
+    "Tile", "Transpose", "Identity", "Flatten",
+})
+# Constants larger than this are not read to look for one repeated value.
+_UNIFORM_MAX_ELEMENTS = 1 << 16
+
+
+def uniform_value(tensor: gs.Tensor | None, depth: int = 8) -> float | int | None:
+    """The one value every element of `tensor` provably has: a non-empty constant whose elements
+    are all equal, or a view, broadcast or gather of one (Expand, Gather, Slice, Reshape, ...);
+    None when not proved. Token type ids that a model without them reads from a registered
+    all-zero buffer are such a tensor."""
+    if not is_present(tensor):
+        return None
+    if is_constant(tensor):
+        if isinstance(tensor, gs.Constant) and tensor.shape is not None \
+                and int(np.prod(tensor.shape)) > _UNIFORM_MAX_ELEMENTS:
+            return None
+        v = constant_value(tensor)
+        if v is None or v.size == 0 or v.size > _UNIFORM_MAX_ELEMENTS or v.dtype.kind not in "fiub":
+            return None
+        flat = v.reshape(-1)
+        return flat[0].item() if bool(np.all(flat == flat[0])) else None
+    node = producer(tensor)
+    if depth == 0 or node is None or not is_default_domain(node) or node.op not in _ELEMENTS_OF_FIRST_INPUT:
+        return None
+    return uniform_value(node.inputs[0], depth - 1)
+
+
 def clip_bounds(node: gs.Node) -> tuple[float, float] | None:
     """(min, max) of a Clip node, -inf/inf where absent; None when a bound is computed. Bounds
     are attributes before opset 11, inputs from then on."""

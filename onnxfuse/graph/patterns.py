@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .activations import TABLE
-from .rules import Const, OpPattern, Var, op
+from .rules import ANY, Const, OpPattern, Var, op
 
 # Unary elementwise ops an activation may be (equal attributes across members required).
 ACTIVATIONS = {a.op for a in TABLE} | {"Gelu", "Mish", "Erf", "Abs", "Neg", "Exp", "Log", "Sqrt"}
@@ -44,3 +44,20 @@ GELU_FORMS: tuple[tuple[str, OpPattern], ...] = (
     ("sigmoid", x * op.Sigmoid(x * c())),  # QuickGelu
     ("sigmoid", x * op.Sigmoid(x)),  # SiLU
 )
+
+
+# Embedding lookups: a Gather of rows of a table on axis 0.
+def _rows(axis) -> bool:
+    return axis is None or axis == 0
+
+
+table, ids = Var("table"), Var("ids")
+# The position embedding as Hugging Face's models write it: the table's rows at ids taken from a
+# registered `position_ids` buffer (an arange over the table's rows) by `[:, :seq]`.
+POSITION_LOOKUP = op.Gather(table, op.Slice(Var("positions"), ANY, ANY, ANY, ANY, _name="ids_slice"),
+                            axis=_rows, _name="lookup")
+# Any lookup; the rule's condition proves what the ids are (token type ids from an all-zero buffer).
+TABLE_LOOKUP = op.Gather(table, ids, axis=_rows, _name="lookup")
+# Elementwise ops that broadcast their two operands: a reader for which a lookup's result may
+# be replaced by a value of lower rank that broadcasts to the same result.
+BROADCASTING_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
