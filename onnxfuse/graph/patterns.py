@@ -61,3 +61,19 @@ TABLE_LOOKUP = op.Gather(table, ids, axis=_rows, _name="lookup")
 # Elementwise ops that broadcast their two operands: a reader for which a lookup's result may
 # be replaced by a value of lower rank that broadcasts to the same result.
 BROADCASTING_BINARY = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min"})
+
+
+# A GatherND whose index tuples are the output's own coordinates: component k an arange over
+# axis p_k of the output, broadcast by Expand and stacked on a new last axis (the dynamo
+# exporter's form of transformers' padding mask, `mask[batch_arange, None, None, kv_arange]`,
+# gathered for a 2-D mask). The rule's condition proves the aranges and the axes.
+def _last_axis(axis) -> bool:
+    return axis == -1
+
+
+def _grid_component(k: int) -> OpPattern:
+    return op.Unsqueeze(op.Expand(Var(f"arange{k}"), ANY, _name=f"grid{k}"), ANY, _name=f"stack{k}")
+
+
+INDEX_GRID_GATHER = op.GatherND(Var("data"), op.Concat(_grid_component(0), _grid_component(1), axis=_last_axis),
+                                batch_dims=lambda b: b in (None, 0), _name="gather")
