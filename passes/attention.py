@@ -99,38 +99,26 @@ one more pass over [B, S, 3*H*dh]: the Attention kernel adds it as it reads q, k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
+from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, broadcast_dims, head_split, keys_split, mask_fits,
+                                          merge_pins_rows, same_dim, scaled, transpose_perm)
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.graph.transformer_forms import nan_to_zero_guard
 from onnxfuse.pipeline import Context, Pass
 
-HEADS_PERM = [0, 2, 1, 3]  # [B, S, H, d] <-> [B, H, S, d]
-KEYS_PERM = [0, 2, 3, 1]  # [B, S, H, dh] -> [B, H, dh, S]
-LAST_TWO_PERM = [0, 1, 3, 2]
 # Longest key sequence (static or declared) for which the CPU kernel is applied: see _keys_pay_on_cpu.
 CPU_MAX_KEYS = 256
 CPU_MAX_CAUSAL_KEYS = 512  # in causal mode, which skips the masked half of the scores
 # A causal mask constant's entries above the diagonal must be at most this (or -inf) for the
 # kernel to skip those keys instead of adding them: see _causal_slice.
 CAUSAL_MASKED_MAX = -1e4
-
-
-@dataclass
-class Heads:
-    """x [B, S, H*d] -> Reshape [B, S, H, d] (-> Transpose ...): one operand's head split."""
-
-    source: gs.Tensor  # x
-    reshape: gs.Node
-    heads: int
-    width: int  # d
-    nodes: list = field(default_factory=list)  # Reshape first, then its Transposes
 
 
 @dataclass
@@ -150,144 +138,6 @@ class Match:
     # node reads as one mask a + b; `mask` is then None until the rewrite computes that sum.
     mask_terms: tuple[gs.Tensor, gs.Tensor] | None = None
     nan_to_zero: bool = False  # Where(IsNaN(p), 0, p) after the Softmax (transformer_forms.nan_to_zero_guard)
-
-
-def _perm(node: gs.Node | None) -> list[int] | None:
-    if not gu.is_op(node, "Transpose"):
-        return None
-    p = gu.attr(node, "perm")
-    return None if p is None else [int(x) for x in p]
-
-
-def _scale_constant(t: gs.Tensor) -> float | None:
-    """The value of a constant float tensor of one element and rank <= 4 (so multiplying by it
-    changes neither the values' layout nor the rank of a rank-4 operand)."""
-    if not gu.is_constant(t):
-        return None
-    v = gu.constant_value(t)
-    if v is None or v.size != 1 or v.ndim > 4 or v.dtype != np.float32:
-        return None
-    x = float(v.reshape(()))
-    return x if np.isfinite(x) else None
-
-
-def _scaled(graph: gs.Graph, t: gs.Tensor) -> tuple[gs.Tensor, float, gs.Node | None]:
-    """t = Mul(x, c) / Mul(c, x) / Div(x, c) with x private to it: (x, factor, node); else (t, 1, None)."""
-    node = gu.producer(t)
-    if gu.is_op(node, "Mul") and len(node.inputs) == 2:
-        for i in (0, 1):
-            c = _scale_constant(node.inputs[1 - i])
-            if c is not None and isinstance(node.inputs[i], gs.Variable):
-                return node.inputs[i], c, node
-    if gu.is_op(node, "Div") and len(node.inputs) == 2:
-        c = _scale_constant(node.inputs[1])
-        if c is not None and c != 0.0 and isinstance(node.inputs[0], gs.Variable):
-            return node.inputs[0], float(np.float64(1.0) / np.float64(c)), node
-    return t, 1.0, None
-
-
-def _same_dim(a, b) -> bool:
-    return a is not None and a == b
-
-
-def _head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: facts.ShapeTable) -> Heads | None:
-    """t = Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, [0|B, 0|S, H, d]))), every
-    intermediate private; x float32 [B, S, H*d] with H*d static."""
-    nodes = []
-    cur = t
-    for perm in reversed(perms):
-        node = gu.producer(cur)
-        if _perm(node) != perm or not gu.is_private(graph, node.inputs[0]):
-            return None
-        nodes.append(node)
-        cur = node.inputs[0]
-    reshape = gu.producer(cur)
-    if not gu.is_op(reshape, "Reshape") or len(reshape.inputs) != 2 or int(gu.attr(reshape, "allowzero", 0)) != 0:
-        return None
-    x = reshape.inputs[0]
-    target = gu.constant_ints(reshape.inputs[1])
-    xd = shapes.dims(x)
-    if target is None or len(target) != 4 or xd is None or len(xd) != 3 or not isinstance(xd[2], int):
-        return None
-    if x.dtype != np.float32:
-        return None
-    for i in (0, 1):
-        if target[i] != 0 and not (isinstance(xd[i], int) and target[i] == xd[i]):
-            return None
-    heads, width = target[2], target[3]
-    if heads == -1 and width > 0 and xd[2] % width == 0:
-        heads = xd[2] // width
-    elif width == -1 and heads > 0 and xd[2] % heads == 0:
-        width = xd[2] // heads
-    if heads <= 0 or width <= 0 or heads * width != xd[2]:
-        return None
-    nodes.append(reshape)
-    return Heads(x, reshape, heads, width, list(reversed(nodes)))
-
-
-def _keys(graph: gs.Graph, t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:
-    return _head_split(graph, t, [KEYS_PERM], shapes) or _head_split(graph, t, [HEADS_PERM, LAST_TWO_PERM], shapes)
-
-
-def _merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: facts.ShapeTable) -> bool | None:
-    """Whether the merge Reshape's target is [B, Sq, H*dv]: None when it is not provably
-    [0|B, 0|Sq, H*dv]; True when it also fixes B and Sq by value (not by copying them from the
-    attention output, which a broadcast mask could have grown); False otherwise."""
-    if not gu.is_op(merge, "Reshape") or len(merge.inputs) != 2 or int(gu.attr(merge, "allowzero", 0)) != 0:
-        return None
-    qd = shapes.dims(q.source)
-    target = gu.constant_ints(merge.inputs[1])
-    if target is not None:
-        if len(target) != 3 or target[2] not in (out_width, -1):
-            return None
-        pinned = True
-        for i in (0, 1):
-            if target[i] == 0:
-                pinned = False
-            elif not (isinstance(qd[i], int) and target[i] == qd[i]):
-                return None
-        return pinned
-    shape_node = gu.producer(merge.inputs[1])
-    if not gu.is_op(shape_node, "Shape") or "start" in shape_node.attrs or "end" in shape_node.attrs:
-        return None
-    sd = shapes.dims(shape_node.inputs[0])
-    if sd is None or len(sd) != 3 or sd[2] != out_width:
-        return None
-    return True if _same_dim(sd[0], qd[0]) and _same_dim(sd[1], qd[1]) else None
-
-
-def _broadcast_dims(a: list | None, b: list | None) -> list | None:
-    """The dims of a + b (ONNX multidirectional broadcasting) where provable: each pair of
-    aligned dims equal, or one of them 1; None otherwise."""
-    if a is None or b is None:
-        return None
-    n = max(len(a), len(b))
-    a, b = [1] * (n - len(a)) + list(a), [1] * (n - len(b)) + list(b)
-    out = []
-    for x, y in zip(a, b):
-        if x == 1:
-            out.append(y)
-        elif y == 1 or _same_dim(x, y):
-            out.append(x)
-        else:
-            return None
-    return out
-
-
-def _mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, pinned: bool) -> bool:
-    """Whether the additive mask (a tensor, or the pair of terms the node reads summed) is
-    float32 of rank <= 4 and provably broadcasts to `target` [B, H, Sq, Sk] without growing it."""
-    terms = mask if isinstance(mask, tuple) else (mask,)
-    if any(t.dtype != np.float32 for t in terms):
-        return False
-    md = shapes.dims(terms[0])
-    for t in terms[1:]:
-        md = _broadcast_dims(md, shapes.dims(t))
-    if md is None or len(md) > 4:
-        return False
-    if pinned:
-        return True
-    return all(m == 1 or _same_dim(m, t) for m, t in zip(md[::-1], target[::-1]))
 
 
 def _is_causal_constant(value: np.ndarray) -> bool:
@@ -353,7 +203,7 @@ def _masked_scores(graph: gs.Graph, add: gs.Node) -> tuple[gs.Tensor, gs.Tensor]
     """add = Add(s, mask) / Add(mask, s) with s private to it and computed by a MatMul, possibly
     through a scale (Mul / Div by a constant): (s, mask)."""
     for i in (0, 1):
-        inner, _, _ = _scaled(graph, add.inputs[i])
+        inner, _, _ = scaled(graph, add.inputs[i])
         if gu.is_op(gu.producer(inner), "MatMul") and gu.is_private(graph, add.inputs[i]):
             return add.inputs[i], add.inputs[1 - i]
     return None
@@ -418,7 +268,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         else:
             logits, mask = found
             chain_before.append(add)
-    scores, scale, scale_node = _scaled(graph, logits)
+    scores, scale, scale_node = scaled(graph, logits)
     if scale_node is not None:
         if not gu.is_private(graph, scores):
             return None
@@ -428,16 +278,16 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         return None
     if not gu.is_private(graph, softmax.inputs[0]):
         return None
-    q_in, q_scale, q_scale_node = _scaled(graph, qk.inputs[0])
+    q_in, q_scale, q_scale_node = scaled(graph, qk.inputs[0])
     if q_scale_node is not None and not gu.is_private(graph, qk.inputs[0]):
         return None
     # The TorchScript exporter writes a scale split as sqrt(s) on q and on kT: (q*c) @ (kT*c).
-    k_in, k_scale, k_scale_node = _scaled(graph, qk.inputs[1])
+    k_in, k_scale, k_scale_node = scaled(graph, qk.inputs[1])
     if k_scale_node is not None and not gu.is_private(graph, qk.inputs[1]):
         return None
-    q = _head_split(graph, q_in, [HEADS_PERM], shapes) if gu.is_private(graph, q_in) else None
-    k = _keys(graph, k_in, shapes) if gu.is_private(graph, k_in) else None
-    v = _head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if gu.is_private(graph, pv.inputs[1]) else None
+    q = head_split(graph, q_in, [HEADS_PERM], shapes) if gu.is_private(graph, q_in) else None
+    k = keys_split(graph, k_in, shapes) if gu.is_private(graph, k_in) else None
+    v = head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if gu.is_private(graph, pv.inputs[1]) else None
     if q is None or k is None or v is None or qk.inputs[0] is qk.inputs[1]:
         return None
     if not (q.heads == k.heads == v.heads and q.width == k.width):
@@ -450,15 +300,15 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         scale *= k_scale
     ctx_heads = pv.outputs[0]
     back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
-    if _perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
+    if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
         return None
     merge = back.outputs[0].outputs[0]
     out_width = v.heads * v.width
-    pinned = _merge_pins_rows(merge, q, out_width, shapes)
+    pinned = merge_pins_rows(merge, q, out_width, shapes)
     if pinned is None:
         return None
     qd, kd, vd = (shapes.dims(h.source) for h in (q, k, v))
-    if not pinned and not (_same_dim(qd[0], kd[0]) and _same_dim(kd[0], vd[0])):
+    if not pinned and not (same_dim(qd[0], kd[0]) and same_dim(kd[0], vd[0])):
         return None  # a batch broadcast between q, k and v would grow the output
     causal = None
     target = [qd[0], q.heads, qd[1], kd[1]]
@@ -467,9 +317,9 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         # its mask as an input too (the kernel's causal mode has no guard).
         if (ctx is None or ctx.target == "cpu") and guard is None:
             causal = _causal_slice(graph, mask, q, k, shapes)
-        if causal is None and not _mask_fits(mask, target, shapes, pinned):
+        if causal is None and not mask_fits(mask, target, shapes, pinned):
             return None
-    if mask_terms is not None and not _mask_fits(mask_terms, target, shapes, pinned):
+    if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
         return None
     if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None):
         return None
@@ -543,7 +393,7 @@ def _summed_mask(graph: gs.Graph, m: Match, sums: dict) -> None:
     inner = gu.producer(next(t for t in outer.inputs if t is not b))
     key = (id(a), id(b))
     if key not in sums:
-        dims = _broadcast_dims(gu.dims(a), gu.dims(b))
+        dims = broadcast_dims(gu.dims(a), gu.dims(b))
         total = gs.Variable(gu.unique_name(graph, f"{inner.name or 'attention'}_mask_sum"), dtype=np.float32, shape=dims)
         graph.nodes.append(gs.Node("Add", name=gu.unique_name(graph, f"{inner.name or 'attention'}_mask_sum_add"),
                                    inputs=[a, b], outputs=[total]))

@@ -1,0 +1,169 @@
+"""An attention block's operands as both torch.onnx exporters write them, matched by hand where
+the proof needs shapes: head splits (Reshape then Transposes), constant scales on q, k or the
+scores, the merge Reshape after the output, and additive masks that broadcast to the scores.
+
+fuse-attention (passes/attention.py) builds its match from these; the rule-engine patterns of
+the same pieces, for passes that need no shape proof, are in transformer_forms.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from . import core as gu
+from . import facts
+from .transformer_forms import HEADS_PERM  # [B, S, H, d] <-> [B, H, S, d]
+
+KEYS_PERM = [0, 2, 3, 1]  # [B, S, H, dh] -> [B, H, dh, S]
+LAST_TWO_PERM = [0, 1, 3, 2]
+
+
+@dataclass
+class Heads:
+    """x [B, S, H*d] -> Reshape [B, S, H, d] (-> Transpose ...): one operand's head split."""
+
+    source: gs.Tensor  # x
+    reshape: gs.Node
+    heads: int
+    width: int  # d
+    nodes: list = field(default_factory=list)  # Reshape first, then its Transposes
+
+
+def transpose_perm(node: gs.Node | None) -> list[int] | None:
+    if not gu.is_op(node, "Transpose"):
+        return None
+    p = gu.attr(node, "perm")
+    return None if p is None else [int(x) for x in p]
+
+
+def scale_constant(t: gs.Tensor) -> float | None:
+    """The value of a constant float tensor of one element and rank <= 4 (so multiplying by it
+    changes neither the values' layout nor the rank of a rank-4 operand)."""
+    if not gu.is_constant(t):
+        return None
+    v = gu.constant_value(t)
+    if v is None or v.size != 1 or v.ndim > 4 or v.dtype != np.float32:
+        return None
+    x = float(v.reshape(()))
+    return x if np.isfinite(x) else None
+
+
+def scaled(graph: gs.Graph, t: gs.Tensor) -> tuple[gs.Tensor, float, gs.Node | None]:
+    """t = Mul(x, c) / Mul(c, x) / Div(x, c) with x private to it: (x, factor, node); else (t, 1, None)."""
+    node = gu.producer(t)
+    if gu.is_op(node, "Mul") and len(node.inputs) == 2:
+        for i in (0, 1):
+            c = scale_constant(node.inputs[1 - i])
+            if c is not None and isinstance(node.inputs[i], gs.Variable):
+                return node.inputs[i], c, node
+    if gu.is_op(node, "Div") and len(node.inputs) == 2:
+        c = scale_constant(node.inputs[1])
+        if c is not None and c != 0.0 and isinstance(node.inputs[0], gs.Variable):
+            return node.inputs[0], float(np.float64(1.0) / np.float64(c)), node
+    return t, 1.0, None
+
+
+def same_dim(a, b) -> bool:
+    return a is not None and a == b
+
+
+def head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: facts.ShapeTable) -> Heads | None:
+    """t = Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, [0|B, 0|S, H, d]))), every
+    intermediate private; x float32 [B, S, H*d] with H*d static."""
+    nodes = []
+    cur = t
+    for perm in reversed(perms):
+        node = gu.producer(cur)
+        if transpose_perm(node) != perm or not gu.is_private(graph, node.inputs[0]):
+            return None
+        nodes.append(node)
+        cur = node.inputs[0]
+    reshape = gu.producer(cur)
+    if not gu.is_op(reshape, "Reshape") or len(reshape.inputs) != 2 or int(gu.attr(reshape, "allowzero", 0)) != 0:
+        return None
+    x = reshape.inputs[0]
+    target = gu.constant_ints(reshape.inputs[1])
+    xd = shapes.dims(x)
+    if target is None or len(target) != 4 or xd is None or len(xd) != 3 or not isinstance(xd[2], int):
+        return None
+    if x.dtype != np.float32:
+        return None
+    for i in (0, 1):
+        if target[i] != 0 and not (isinstance(xd[i], int) and target[i] == xd[i]):
+            return None
+    heads, width = target[2], target[3]
+    if heads == -1 and width > 0 and xd[2] % width == 0:
+        heads = xd[2] // width
+    elif width == -1 and heads > 0 and xd[2] % heads == 0:
+        width = xd[2] // heads
+    if heads <= 0 or width <= 0 or heads * width != xd[2]:
+        return None
+    nodes.append(reshape)
+    return Heads(x, reshape, heads, width, list(reversed(nodes)))
+
+
+def keys_split(graph: gs.Graph, t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:
+    return head_split(graph, t, [KEYS_PERM], shapes) or head_split(graph, t, [HEADS_PERM, LAST_TWO_PERM], shapes)
+
+
+def merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: facts.ShapeTable) -> bool | None:
+    """Whether the merge Reshape's target is [B, Sq, H*dv]: None when it is not provably
+    [0|B, 0|Sq, H*dv]; True when it also fixes B and Sq by value (not by copying them from the
+    attention output, which a broadcast mask could have grown); False otherwise."""
+    if not gu.is_op(merge, "Reshape") or len(merge.inputs) != 2 or int(gu.attr(merge, "allowzero", 0)) != 0:
+        return None
+    qd = shapes.dims(q.source)
+    target = gu.constant_ints(merge.inputs[1])
+    if target is not None:
+        if len(target) != 3 or target[2] not in (out_width, -1):
+            return None
+        pinned = True
+        for i in (0, 1):
+            if target[i] == 0:
+                pinned = False
+            elif not (isinstance(qd[i], int) and target[i] == qd[i]):
+                return None
+        return pinned
+    shape_node = gu.producer(merge.inputs[1])
+    if not gu.is_op(shape_node, "Shape") or "start" in shape_node.attrs or "end" in shape_node.attrs:
+        return None
+    sd = shapes.dims(shape_node.inputs[0])
+    if sd is None or len(sd) != 3 or sd[2] != out_width:
+        return None
+    return True if same_dim(sd[0], qd[0]) and same_dim(sd[1], qd[1]) else None
+
+
+def broadcast_dims(a: list | None, b: list | None) -> list | None:
+    """The dims of a + b (ONNX multidirectional broadcasting) where provable: each pair of
+    aligned dims equal, or one of them 1; None otherwise."""
+    if a is None or b is None:
+        return None
+    n = max(len(a), len(b))
+    a, b = [1] * (n - len(a)) + list(a), [1] * (n - len(b)) + list(b)
+    out = []
+    for x, y in zip(a, b):
+        if x == 1:
+            out.append(y)
+        elif y == 1 or same_dim(x, y):
+            out.append(x)
+        else:
+            return None
+    return out
+
+
+def mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, pinned: bool) -> bool:
+    """Whether the additive mask (a tensor, or the pair of terms the node reads summed) is
+    float32 of rank <= 4 and provably broadcasts to `target` [B, H, Sq, Sk] without growing it."""
+    terms = mask if isinstance(mask, tuple) else (mask,)
+    if any(t.dtype != np.float32 for t in terms):
+        return False
+    md = shapes.dims(terms[0])
+    for t in terms[1:]:
+        md = broadcast_dims(md, shapes.dims(t))
+    if md is None or len(md) > 4:
+        return False
+    if pinned:
+        return True
+    return all(m == 1 or same_dim(m, t) for m, t in zip(md[::-1], target[::-1]))
