@@ -268,7 +268,12 @@ class _Scratch:
 
     def open(self) -> None:
         if self.file is not None:
-            return
+            if os.path.isdir(self.directory):
+                return
+            # removed under us by the signal cleanup (outfiles): a later run in this process
+            # starts a new file rather than write to the unlinked one
+            self.file.close()
+            self.file, self.offset = None, 0
         self.directory = outfiles.temporary_directory("onnxfuse-weights-")
         self.path = os.path.join(self.directory, "weights.bin")
         self.file = open(self.path, "wb")
