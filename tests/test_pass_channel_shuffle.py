@@ -78,8 +78,8 @@ def feeds(model, n=2, fill=None):
     return out
 
 
-def run(model, x, with_library):
-    return make_session(model, with_library=with_library, threads=1).run(None, x)
+def run(model, x, with_library, threads=1):
+    return make_session(model, with_library=with_library, threads=threads).run(None, x)
 
 
 def assert_bitwise_equal(got, want):
@@ -104,13 +104,15 @@ def test_concat_shuffle_and_cut_become_one_node_whose_kernel_and_fallback_are_ex
     assert_bitwise_equal(run(out, x, with_library=False), want)  # the fallback function, no library
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("groups", [3, 4])
-def test_more_groups_and_batch_of_several_images_are_exact(groups):
+def test_more_groups_and_batch_of_several_images_are_exact(groups, threads):
+    # 3 images of 24 channels: 72 planes, copied in blocks spread over the intra-op threads
     m = shuffle_unit(c=24, hw=5, groups=groups, concat=2, cut="split")
     out, count = optimize(m)
     assert count == 1
     x = feeds(m, n=3)
-    assert_bitwise_equal(run(out, x, with_library=True), run(m, x, with_library=False))
+    assert_bitwise_equal(run(out, x, with_library=True, threads=threads), run(m, x, with_library=False))
 
 
 def test_special_values_and_nan_payloads_move_bit_for_bit():
