@@ -30,7 +30,9 @@ fuse-attention
                merge Reshape's target [0 or B, 0 or Sq, H*dv] as a constant or the Shape of a
                tensor whose dims are provably [B, Sq, H*dv]; Softmax on the last axis (opset >=
                13); the mask of rank <= 4, each dim provably 1 or equal to its axis of
-               [B, H, Sq, Sk], or, when the merge target pins [B, Sq], any dims (a mask that
+               [B, H, Sq, Sk] (a slice to that axis's length, min(S, C), counts as equal: the
+               original's Add fails where it differs, and so does the kernel's broadcast
+               check), or, when the merge target pins [B, Sq], any dims (a mask that
                broadcast the scores up would make that Reshape fail in the original as well;
                two terms: their broadcast, each pair of dims equal or one of them 1, and dims
                read from a table refined with the facts inference misses: Range lengths,

@@ -314,6 +314,31 @@ def test_cuda_target_keeps_the_causal_mask_an_input():
     assert n == 1 and attrs(node)["has_mask"] == 1 and "causal" not in attrs(node)
 
 
+def test_mask_sliced_to_the_sequence_fuses_as_an_input_under_a_merge_that_copies_batch_and_seq():
+    # The merge target [0, 0, H*dv] (what shape-plumbing makes of the exporter's Shape -> Gather
+    # -> Concat) copies B and Sq from the attention output, so the mask must provably not grow
+    # the scores: its slice to the sequence is [1, 1, min(S, 16), min(S, 16)], which is S where
+    # the original's Add succeeds. The CUDA kernel has no causal mode (gpt_stack's blocks on cuda).
+    m = attention_model(mask=None, causal=dict(size=16), merge="const")
+    opt, n = optimize(m, PASS, target="cuda", attention_cuda=True)
+    [node] = fused(opt)
+    assert n == 1 and attrs(node)["has_mask"] == 1 and "causal" not in attrs(node)
+    # On the CPU a table that is not causal stays a mask input there too, and runs like the
+    # original; beyond the table, both fail.
+    table = np.triu(np.full((16, 16), -1e3, np.float32), 1)[None, None]
+    m = attention_model(mask=None, causal=dict(table=table), merge="const")
+    opt, n = optimize(m, PASS)
+    [node] = fused(opt)
+    assert n == 1 and attrs(node)["has_mask"] == 1 and "causal" not in attrs(node)
+    check_runs_like_original(m, opt, [feeds_for(m, 2, 9), feeds_for(m, 1, 16), feeds_for(m, 1, 1)])
+    feeds = feeds_for(m, 1, 17)
+    with pytest.raises(Exception):
+        runtime.make_session(m, threads=1).run(None, feeds)
+    for with_library in (True, False):
+        with pytest.raises(Exception):
+            runtime.make_session(opt, threads=1, with_library=with_library).run(None, feeds)
+
+
 def test_cuda_compile_leaves_a_causal_node_to_its_fallback():
     import onnx_graphsurgeon as gs
 

@@ -254,15 +254,15 @@ def test_equal_shape_values_of_different_tensors_are_computed_once():
 
 
 def test_broadcast_facts_hold_for_every_size():
-    from onnxfuse.graph.shape_values import _broadcast_dim, _min_name
+    from onnxfuse.graph.shape_values import _min_name, broadcast_dim
 
-    assert _broadcast_dim("seq", _min_name("seq", 64)) == "seq"
-    assert _broadcast_dim(_min_name("seq", 64), "seq") == "seq"
-    assert _broadcast_dim("batch", 1) == "batch"
+    assert broadcast_dim("seq", _min_name("seq", 64)) == "seq"
+    assert broadcast_dim(_min_name("seq", 64), "seq") == "seq"
+    assert broadcast_dim("batch", 1) == "batch"
     # Different names may broadcast either way (one of them may be 1): nothing is claimed.
-    assert _broadcast_dim("seq", _min_name("other", 64)) is None
-    assert _broadcast_dim("seq", "batch") is None
-    assert _broadcast_dim("seq", None) is None
+    assert broadcast_dim("seq", _min_name("other", 64)) is None
+    assert broadcast_dim("seq", "batch") is None
+    assert broadcast_dim("seq", None) is None
     # The claim itself, by brute force: broadcast(s, min(s, D)) == s wherever it is defined.
     for d in (1, 3, 64):
         for s_ in range(0, 70):

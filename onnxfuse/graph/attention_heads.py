@@ -14,6 +14,7 @@ import onnx_graphsurgeon as gs
 
 from . import core as gu
 from . import facts
+from .shape_values import broadcast_dim
 from .transformer_forms import HEADS_PERM  # [B, S, H, d] <-> [B, H, S, d]
 
 KEYS_PERM = [0, 2, 3, 1]  # [B, S, H, dh] -> [B, H, dh, S]
@@ -166,4 +167,8 @@ def mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, p
         return False
     if pinned:
         return True
-    return all(m == 1 or same_dim(m, t) for m, t in zip(md[::-1], target[::-1]))
+    # A dim that broadcasts with its target axis to that axis in every run where the original's
+    # Add succeeds never grows the scores: 1, the same dim, or the slice of a causal constant to
+    # the sequence, min(S, C), against S (where S > C the original fails, and so does the
+    # kernel's broadcast check).
+    return all(m == 1 or (t is not None and broadcast_dim(m, t) == t) for m, t in zip(md[::-1], target[::-1]))

@@ -323,7 +323,7 @@ def _min_name(sym: str, bound: int) -> str:
     return f"{_MIN}({sym},{bound})"
 
 
-def _broadcast_dim(a, b):
+def broadcast_dim(a, b):
     """The broadcast of two dims when it is the same in every valid run, else None."""
     if a == b and a is not None:
         return a
@@ -373,7 +373,7 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
             to, x = _dims_of_value(ev.value(node.inputs[1])), dims(node.inputs[0])
             if to is not None and x is not None:
                 rank = max(len(to), len(x))
-                new = [_broadcast_dim(a, b) if a is not None and b is not None else None
+                new = [broadcast_dim(a, b) if a is not None and b is not None else None
                        for a, b in zip([1] * (rank - len(x)) + list(x), [1] * (rank - len(to)) + list(to))]
         elif node.op in _BROADCAST_OPS and len(node.outputs) == 1:
             ins = [dims(t) for t in node.inputs]
@@ -384,7 +384,7 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
                 for column in zip(*padded):
                     r = column[0]
                     for c in column[1:]:
-                        r = _broadcast_dim(r, c) if r is not None else None
+                        r = broadcast_dim(r, c) if r is not None else None
                     new.append(r)
         if new is None:
             continue
