@@ -35,23 +35,28 @@ generator takes the packed form as it is).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts, rules
 from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.rules import Rule
 from onnxfuse.graph.shape_values import ShapeEvaluator, element_count, reshaped_dims
-from onnxfuse.graph.transformer_forms import (SEQ_FIRST_PERM, seq_first_heads, seq_first_keys_transposed,
-                                              seq_first_out_projection, seq_first_pieces)
+from onnxfuse.graph.transformer_forms import (seq_first_heads, seq_first_keys_transposed, seq_first_out_projection,
+                                              seq_first_pieces)
 from onnxfuse.pipeline import Context, Pass
 
 PIECES = ("q", "k", "v")
-_IN = (seq_first_pieces(bias=True), seq_first_pieces(bias=False))
-_OUT = (seq_first_out_projection(bias=True), seq_first_out_projection(bias=False))
-# Per piece: [B, H, S, dh] (written by Transpose(0, 2, 1, 3) once batch-first) or the keys as
-# [B, H, dh, S] (Transpose(0, 2, 3, 1)).
-_HEADS = {p: ((seq_first_heads(p), [0, 2, 1, 3]), (seq_first_keys_transposed(p), [0, 2, 3, 1])) for p in PIECES}
+# Per piece: [B, H, S, dh] or the keys as [B, H, dh, S], in this order of preference; and the
+# Transpose that writes each once batch-first.
+_HEADS = {p: (Rule(f"{p}-heads", seq_first_heads(p)), Rule(f"{p}-keys-transposed", seq_first_keys_transposed(p)))
+          for p in PIECES}
+_BATCH_FIRST_PERMS = ([0, 2, 1, 3], [0, 2, 3, 1])
+# The longest chain from a piece to its heads (Reshape, Transpose, Transpose, Reshape).
+_HEADS_DEPTH = 4
 
 
 def _last_axis_bias(t: gs.Tensor, width: int) -> bool:
@@ -93,29 +98,7 @@ def _piece_index(node: gs.Node) -> int | None:
     return i if 0 <= i < 3 else None
 
 
-def _chain_end(t: gs.Tensor, ops: tuple[str, ...]) -> gs.Node | None:
-    """The last node of a chain of single readers of `ops` starting at t's reader."""
-    node = None
-    for op_type in ops:
-        node = gu.single_consumer(t)
-        if not gu.is_op(node, op_type) or len(node.outputs) != 1:
-            return None
-        t = node.outputs[0]
-    return node
-
-
-def _first(patterns, root: gs.Node, outs: set, bind: dict | None = None) -> rules.Match | None:
-    for p in patterns:
-        m = rules.match(p, root, outs, bind)
-        if m is not None:
-            return m
-    return None
-
-
-def _input_side(graph: gs.Graph, squeeze: gs.Node, ev: ShapeEvaluator, outs: set) -> bool:
-    m = _first(_IN, squeeze, outs)
-    if m is None:
-        return False
+def _input_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
     in_bias = m.bindings.get("in_bias")
     x = m["x"]
     xd = ev.dim_symbols(x)
@@ -140,14 +123,11 @@ def _input_side(graph: gs.Graph, squeeze: gs.Node, ev: ShapeEvaluator, outs: set
     for g, i in zip(gathers, order):
         piece = g.outputs[0]
         name = PIECES[i]
-        for (pattern, perm), ops in zip(_HEADS[name], (("Reshape", "Transpose", "Reshape"),
-                                                      ("Reshape", "Transpose", "Transpose", "Reshape"))):
-            end = _chain_end(piece, ops)
-            hm = rules.match(pattern, end, outs, bind={name: piece}) if end is not None else None
-            if hm is not None:
-                break
-        if hm is None or gu.is_graph_output(graph, piece):
+        found = rules.match_after(_HEADS[name], graph, piece, name, depth=_HEADS_DEPTH)
+        if found is None or not gu.is_private(graph, piece):
             return False
+        rule, hm = found
+        perm = _BATCH_FIRST_PERMS[_HEADS[name].index(rule)]
         flat = _ints(hm[f"{name}_flat_target"])
         if flat is None or len(flat) != 3 or flat[2] <= 0 or width % flat[2]:
             return False
@@ -191,10 +171,7 @@ def _input_side(graph: gs.Graph, squeeze: gs.Node, ev: ShapeEvaluator, outs: set
     return True
 
 
-def _output_side(graph: gs.Graph, node: gs.Node, ev: ShapeEvaluator, outs: set) -> bool:
-    m = _first(_OUT, node, outs)
-    if m is None:
-        return False
+def _output_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
     out_bias = m.bindings.get("out_bias")
     heads = m["heads"]
     hd = ev.dim_symbols(heads)
@@ -230,20 +207,20 @@ def _output_side(graph: gs.Graph, node: gs.Node, ev: ShapeEvaluator, outs: set) 
     return True
 
 
+def _rules(ev: ShapeEvaluator) -> list[Rule]:
+    """The two sides, each with and without its bias (a zero bias the export left out has no Add;
+    the patterns exclude each other), rewritten where the shape proof holds."""
+    return [Rule(f"{side}{'/bias' if bias else ''}", pattern(bias), rewrite=partial(rewrite, ev))
+            for side, pattern, rewrite in (("batch-first-input", seq_first_pieces, _input_side),
+                                           ("batch-first-output", seq_first_out_projection, _output_side))
+            for bias in (True, False)]
+
+
 def attention_batch_first(graph: gs.Graph, ctx: Context) -> int:
     if not any(gu.is_op(n, "Squeeze") for n in graph.nodes) or graph.opset < 13:
         return 0
     refresh_shapes(graph)
-    ev = ShapeEvaluator(graph, facts.ShapeTable(graph))
-    outs = {t.name for t in graph.outputs}
-    count = 0
-    for node in list(graph.nodes):
-        if not node.outputs:  # taken by an earlier rewrite
-            continue
-        if gu.is_op(node, "Squeeze"):
-            count += _input_side(graph, node, ev, outs)
-        elif gu.is_op(node, "Transpose") and [int(p) for p in gu.attr(node, "perm", [])] == SEQ_FIRST_PERM:
-            count += _output_side(graph, node, ev, outs)
+    count = rules.apply(graph, _rules(ShapeEvaluator(graph, facts.ShapeTable(graph))))
     if count:
         gu.toposort(graph)
     return count
