@@ -54,8 +54,8 @@ from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
 PATTERNS = tuple(((exporter, form), gqa_attention(exporter, form)) for exporter, form in GQA_FORMS)
-ROTARY = {name: rotary(name) for name in ("qh", "kh")}
-HEADS = {name: heads(name) for name in ("q", "k", "v")}
+ROTARY = {name: rules.Rule(f"rotary/{name}", rotary(name)) for name in ("qh", "kh")}
+HEADS = {name: rules.Rule(f"heads/{name}", heads(name)) for name in ("q", "k", "v")}
 
 
 @dataclass
@@ -212,16 +212,19 @@ def _freqs(t: gs.Tensor, fn: str, width: int, shapes: facts.ShapeTable) -> gs.Te
     return f
 
 
+def _read_within(graph: gs.Graph, t: gs.Tensor, nodes) -> bool:
+    """t is no graph output and each of its readers is one of `nodes` or a Shape (the
+    exporter's run-time shape arithmetic for the match's own Reshapes, which goes with them)."""
+    return not gu.is_graph_output(graph, t) and all(any(r is n for n in nodes) or gu.is_op(r, "Shape")
+                                                    for r in t.outputs)
+
+
 def _rotated(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, name: str, width: int, outs, attention: rules.Match):
     """The rotary match of `t` on head-split x, t read by the attention (or a Shape) only."""
-    if gu.is_graph_output(graph, t) or not all(attention.holds(r) or gu.is_op(r, "Shape") for r in t.outputs):
+    found = rules.match_at([ROTARY[name]], graph, t, outs) if _read_within(graph, t, attention.nodes) else None
+    if found is None:
         return None
-    node = gu.producer(t)
-    if node is None:
-        return None
-    m = rules.match(ROTARY[name], node, outs)
-    if m is None:
-        return None
+    m = found[1]
     if not _slice_half(ev, m[f"{name}_hi"], width, True) or not _slice_half(ev, m[f"{name}_lo"], width, False):
         return None
     return m
@@ -229,15 +232,8 @@ def _rotated(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, name: str, width
 
 def _split(graph: gs.Graph, t: gs.Tensor, name: str, outs, allowed) -> rules.Match | None:
     """t = heads(name); every reader of t is in `allowed` or a Shape (shape arithmetic only)."""
-    node = gu.producer(t)
-    if node is None:
-        return None
-    m = rules.match(HEADS[name], node, outs)
-    if m is None:
-        return None
-    if not all(any(r is a for a in allowed) or gu.is_op(r, "Shape") for r in t.outputs) or gu.is_graph_output(graph, t):
-        return None
-    return m
+    found = rules.match_at([HEADS[name]], graph, t, outs) if _read_within(graph, t, allowed) else None
+    return None if found is None else found[1]
 
 
 def _mask_fits(ev: ShapeEvaluator, mask: gs.Tensor, b, s) -> bool:
@@ -269,16 +265,10 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
         if not gu.is_op(isnan, "IsNaN") or isnan.inputs[0] is not sm or not gu.is_private(graph, m["isnan"]):
             return None
         extra.append(isnan)
-    # Intermediates are read inside the match only, or by a Shape (the exporter's run-time shape
-    # arithmetic for the match's own Reshapes, which goes with them).
+    # Intermediates are read inside the match only, or by a Shape.
     held = list(m.nodes) + extra
-    for n in held:
-        if n is m.root:
-            continue
-        for t in n.outputs:
-            if gu.is_graph_output(graph, t) or not all(any(r is h for h in held) or gu.is_op(r, "Shape")
-                                                       for r in t.outputs):
-                return None
+    if not all(_read_within(graph, t, held) for n in held if n is not m.root for t in n.outputs):
+        return None
     qr, kr, vh = m["qr"], m["kr"], m["vh"]
     # Head widths: from v's split (the rotary is checked against it).
     vs = _split(graph, vh, "v", outs, [m["vh_unsqueeze"]])

@@ -115,6 +115,17 @@ def test_match_after_starts_from_a_given_tensor():
     assert found is not None and found[1].root.op == "Div"
 
 
+def test_match_at_reads_back_from_the_tensor_a_chain_computes():
+    g = graph_of(hard_swish_nodes(), CONSTS)
+    y = next(n for n in g.nodes if n.op == "Div").outputs[0]
+    clipped = next(n for n in g.nodes if n.op == "Clip").outputs[0]
+    rule = Rule("hardswish", HARD_SWISH)
+    found = rules.match_at([rule], g, y)
+    assert found is not None and found[0] is rule and found[1].output is y
+    assert rules.match_at([rule], g, clipped) is None  # computed by a Clip: no Div root
+    assert rules.match_at([rule], g, g.inputs[0]) is None  # a graph input: no producer
+
+
 def test_apply_is_the_pass_loop():
     nodes = [helper.make_node("Identity", ["x"], ["i1"]), helper.make_node("Identity", ["i1"], ["i2"]),
              helper.make_node("Relu", ["i2"], ["y"])]

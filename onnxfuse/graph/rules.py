@@ -282,6 +282,16 @@ def first_match(rules: Sequence[Rule], graph: gs.Graph, root: gs.Node, graph_out
     return None
 
 
+def match_at(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor,
+             graph_outputs: set[str] | None = None) -> tuple[Rule, Match] | None:
+    """The first of `rules` rooted at the node that computes `tensor` (its first output), with
+    its match: a chain read back from a value the caller already holds."""
+    node = gu.producer(tensor)
+    if node is None or node.outputs[0] is not tensor:
+        return None
+    return first_match(rules, graph, node, graph_outputs)
+
+
 def match_after(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor, var: str,
                 depth: int = 2) -> tuple[Rule, Match] | None:
     """The first of `rules` matching with Var `var` bound to `tensor`, rooted at a node at most
