@@ -245,6 +245,25 @@ def test_bf16_load_and_store_round_to_nearest_even_like_the_reference(tmp_path):
 
 
 @needs_cxx
+def test_host_kernels_remove_their_temporary_directory_after_loading_and_after_a_failed_compile(tmp_path, monkeypatch):
+    import tempfile
+
+    from onnxfuse.cuda.hostsim import HostKernels
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes its directory
+    prog = Program.parse("in x0 f32\nt0 = neg x0\nout t0 f32\n")
+    kernel = codegen.generate(prog, 1)
+    host = HostKernels([kernel])
+    assert list(tmp_path.iterdir()) == []
+    (got,) = host.run(prog, kernel, [np.arange(4, dtype=np.float32)], [np.float32])  # loaded, its file gone
+    np.testing.assert_array_equal(got, -np.arange(4, dtype=np.float32))
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    with pytest.raises(RuntimeError, match="host compile failed"):
+        HostKernels([kernel])
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_cxx
 def test_vector_mode_runs_with_a_tail_and_scalar_inputs(tmp_path):
     from onnxfuse.cuda.hostsim import HostKernels
 

@@ -48,19 +48,25 @@ class HostKernels:
     """A shared library of generated kernels compiled for the host CPU."""
 
     def __init__(self, kernels: Sequence[Kernel], workdir: str | None = None):
+        """Compile in `workdir` (kept), or in a temporary directory removed once the library is
+        loaded or the compile failed: a loaded library stays mapped without its file."""
         self.kernels = {k.entry: k for k in kernels}
         src = _SHIM + "".join(k.source for k in self.kernels.values())
         digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-        self._dir = workdir or tempfile.mkdtemp(prefix="onnxfuse-hostsim-")
-        cc = Path(self._dir) / f"kernels_{digest}.cc"
-        so = Path(self._dir) / f"kernels_{digest}.so"
-        cc.write_text(src)
-        cxx = os.environ.get("CXX", "g++")
-        cmd = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
-        self.lib = ctypes.CDLL(str(so))
+        build = workdir or tempfile.mkdtemp(prefix="onnxfuse-hostsim-")
+        try:
+            cc = Path(build) / f"kernels_{digest}.cc"
+            so = Path(build) / f"kernels_{digest}.so"
+            cc.write_text(src)
+            cxx = os.environ.get("CXX", "g++")
+            cmd = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
+            self.lib = ctypes.CDLL(str(so))
+        finally:
+            if workdir is None:
+                shutil.rmtree(build, ignore_errors=True)
 
     def run(self, prog: Program, kernel: Kernel, arrays: Sequence[np.ndarray], out_dtypes: Sequence[np.dtype],
             mode: int | None = None) -> list[np.ndarray]:
