@@ -32,6 +32,7 @@
 
 #include "kernel_util.h"
 #include "numeric.h"
+#include "pointwise_cpu.h"
 #include "registry.h"
 
 namespace onnxfuse {
@@ -39,49 +40,58 @@ namespace {
 
 constexpr char kSqueezeExciteName[] = "SqueezeExcite";
 
-enum class Act { None, Relu, Sigmoid, Tanh, HardSigmoid, HardSwish, Silu, LeakyRelu, Clip };
+// An activation of the block as expression-program instructions (pointwise_plan.h), so that it
+// has the one meaning the Pointwise kernel gives it: none; one unary instruction of the same
+// name (relu, sigmoid, tanh, hardsigmoid, hardswish, leakyrelu, clip); or silu, x * sigmoid(x),
+// which the program (like onnxruntime) computes as a Sigmoid and a Mul.
+struct Activation {
+  enum class Kind { None, Unary, Silu } kind = Kind::None;
+  Instr ins{};  // the unary instruction; sigmoid for silu
+};
 
-bool parse_act(const std::string& name, Act* act) {
-  static const struct {
-    const char* name;
-    Act act;
-  } table[] = {{"none", Act::None},           {"relu", Act::Relu},           {"sigmoid", Act::Sigmoid},
-               {"tanh", Act::Tanh},           {"hardsigmoid", Act::HardSigmoid}, {"hardswish", Act::HardSwish},
-               {"silu", Act::Silu},           {"leakyrelu", Act::LeakyRelu}, {"clip", Act::Clip}};
-  for (const auto& e : table) {
-    if (name == e.name) {
-      *act = e.act;
-      return true;
-    }
+// The activation `name` with its parameters alpha and beta (HardSigmoid's alpha and beta,
+// LeakyRelu's alpha, Clip's bounds; an op reads as many as it takes): false with *error for a
+// name that is no unary program op.
+bool parse_activation(const std::string& name, float alpha, float beta, Activation* out, std::string* error) {
+  if (name == "none") {
+    out->kind = Activation::Kind::None;
+    return true;
   }
-  return false;
+  const bool silu = name == "silu";
+  const std::string op = silu ? "sigmoid" : name;
+  int nparams = -1;
+  for (int i = 0; i < op_count(); ++i)
+    if (op == op_info(static_cast<Op>(i)).name) nparams = op_info(static_cast<Op>(i)).nparams;
+  // Parsed with placeholder parameters, which the attributes' values then replace exactly.
+  static const char* const kPlaceholders[] = {"", "[0]", "[0,0]"};
+  if (nparams < 0 || nparams > 2) {
+    *error = "no such activation";
+    return false;
+  }
+  if (!parse_unary_f32(op + kPlaceholders[nparams], &out->ins, error)) return false;
+  out->ins.params[0] = alpha;
+  out->ins.params[1] = beta;
+  out->kind = silu ? Activation::Kind::Silu : Activation::Kind::Unary;
+  return true;
 }
 
-// x < lo ? lo : x > hi ? hi : x, as onnxruntime's Clip, HardSigmoid and HardSwish: NaN passes.
-inline float clamp_nan(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+// y = x * sigmoid(x) for n values (y and x apart), as a Sigmoid and a Mul.
+void silu(const Instr& sigmoid, ApplyUnaryFn apply, const float* x, float* y, int64_t n) {
+  std::memcpy(y, x, static_cast<size_t>(n) * sizeof(float));
+  apply(sigmoid, y, n);
+  for (int64_t j = 0; j < n; ++j) y[j] *= x[j];
+}
 
-// One activation, as onnxruntime computes its op (the Pointwise kernel's cases, pointwise_exec.inc):
-// HardSigmoid and HardSwish round the product before adding; x < 0 gives +0 for Relu, -0 and NaN
-// pass.
-inline float apply(Act act, float a, float b, float x) {
-  switch (act) {
-    case Act::None: return x;
-    case Act::Relu: return x < 0.0f ? 0.0f : x;
-    case Act::Sigmoid: return num::sigmoid_f32(x);
-    case Act::Tanh: return num::tanh_f32(x);
-    case Act::HardSigmoid: {
-      volatile float prod = a * x;  // rounded before the addition, never contracted into an FMA
-      return clamp_nan(prod + b, 0.0f, 1.0f);
-    }
-    case Act::HardSwish: {
-      volatile float prod = x * (1.0f / 6.0f);
-      return x * clamp_nan(prod + 0.5f, 0.0f, 1.0f);
-    }
-    case Act::Silu: return x * num::sigmoid_f32(x);
-    case Act::LeakyRelu: return x < 0.0f ? a * x : x;
-    case Act::Clip: return clamp_nan(x, a, b);
+// v = act(v) for n values in place; scratch holds n floats (silu's input).
+void activate(const Activation& act, ApplyUnaryFn apply, float* v, float* scratch, int64_t n) {
+  switch (act.kind) {
+    case Activation::Kind::None: return;
+    case Activation::Kind::Unary: apply(act.ins, v, n); return;
+    case Activation::Kind::Silu:
+      std::memcpy(scratch, v, static_cast<size_t>(n) * sizeof(float));
+      silu(act.ins, apply, scratch, v, n);
+      return;
   }
-  return x;
 }
 
 struct SqueezeExciteKernel {
@@ -89,8 +99,8 @@ struct SqueezeExciteKernel {
   std::string node_name;
   std::string where;  // "onnxfuse SqueezeExcite node '<name>': ", built once
   bool avx2 = false;
-  Act input_act = Act::None, hidden_act = Act::None, gate_act = Act::Sigmoid;
-  float hidden_alpha = 0, hidden_beta = 0, gate_alpha = 0, gate_beta = 0;
+  Activation input_act, hidden_act, gate_act;
+  ApplyUnaryFn apply = nullptr;
 };
 
 const std::string& where(const SqueezeExciteKernel* k) { return k->where; }
@@ -115,36 +125,22 @@ ONNXFUSE_INLINE void squeeze_channel(Job* job, int64_t i) {
   const int64_t hw = job->hw;
   const float* x = job->x + i * hw;
   float* y = job->y + i * hw;
+  const SqueezeExciteKernel* k = job->k;
+  if (k->input_act.kind == Activation::Kind::Silu) {  // stored in Y, the values the block scales
+    silu(k->input_act.ins, k->apply, x, y, hw);
+    x = y;
+  }
   if (hw < kLanes) {  // a late layer's few values: one sum, no lanes to fold
     float sum = 0.0f;
-    for (int64_t j = 0; j < hw; ++j) {
-      const float v = job->k->input_act == Act::Silu ? x[j] * num::sigmoid_f32(x[j]) : x[j];
-      if (job->k->input_act == Act::Silu) y[j] = v;
-      sum += v;
-    }
+    for (int64_t j = 0; j < hw; ++j) sum += x[j];
     job->means[i] = sum / static_cast<float>(hw);
     return;
   }
   float acc[kLanes] = {};
   const int64_t whole = hw - hw % kLanes;
-  if (job->k->input_act == Act::Silu) {
-    for (int64_t j0 = 0; j0 < whole; j0 += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float v = x[j0 + l] * num::sigmoid_f32(x[j0 + l]);
-        y[j0 + l] = v;
-        acc[l] += v;
-      }
-    }
-    for (int64_t j = whole; j < hw; ++j) {
-      const float v = x[j] * num::sigmoid_f32(x[j]);
-      y[j] = v;
-      acc[j - whole] += v;
-    }
-  } else {
-    for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
-      for (int l = 0; l < kLanes; ++l) acc[l] += x[j0 + l];
-    for (int64_t j = whole; j < hw; ++j) acc[j - whole] += x[j];
-  }
+  for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[j0 + l];
+  for (int64_t j = whole; j < hw; ++j) acc[j - whole] += x[j];
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
   job->means[i] = acc[0] / static_cast<float>(hw);
@@ -179,21 +175,25 @@ void matvec(const float* w, int64_t ld, const float* v, int64_t n, int64_t rows,
   }
 }
 
+// hidden: R floats, then max(R, C) of scratch for the activations.
 template <void (*Matvec)(const float*, int64_t, const float*, int64_t, int64_t, float*)>
 ONNXFUSE_INLINE void excite_image_body(Job* job, int64_t n, float* hidden) {
   const SqueezeExciteKernel* k = job->k;
   const int64_t C = job->c, R = job->r;
+  float* scratch = hidden + R;
   Matvec(job->w1, C, job->means + n * C, C, R, hidden);
-  for (int64_t r = 0; r < R; ++r) hidden[r] = apply(k->hidden_act, k->hidden_alpha, k->hidden_beta, hidden[r] + job->b1[r]);
+  for (int64_t r = 0; r < R; ++r) hidden[r] += job->b1[r];
+  activate(k->hidden_act, k->apply, hidden, scratch, R);
   float* g = job->gates + n * C;
   Matvec(job->w2, R, hidden, R, C, g);
-  for (int64_t c = 0; c < C; ++c) g[c] = apply(k->gate_act, k->gate_alpha, k->gate_beta, g[c] + job->b2[c]);
+  for (int64_t c = 0; c < C; ++c) g[c] += job->b2[c];
+  activate(k->gate_act, k->apply, g, scratch, C);
 }
 
 ONNXFUSE_INLINE void excite_channel(Job* job, int64_t i) {
   const int64_t hw = job->hw;
   const float g = job->gates[i];
-  const float* src = (job->k->input_act == Act::None ? job->x : job->y) + static_cast<int64_t>(i) * hw;
+  const float* src = (job->k->input_act.kind == Activation::Kind::None ? job->x : job->y) + static_cast<int64_t>(i) * hw;
   float* y = job->y + static_cast<int64_t>(i) * hw;
   for (int64_t j = 0; j < hw; ++j) y[j] = src[j] * g;
 }
@@ -304,22 +304,24 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     kernel->where = where;
     const struct {
       const char* attr;
-      Act* act;
-    } acts[] = {{"input_activation", &kernel->input_act},
-                {"hidden_activation", &kernel->hidden_act},
-                {"gate_activation", &kernel->gate_act}};
+      const char* alpha;  // the attributes of its parameters (none for the input activation)
+      const char* beta;
+      Activation* act;
+    } acts[] = {{"input_activation", nullptr, nullptr, &kernel->input_act},
+                {"hidden_activation", "hidden_alpha", "hidden_beta", &kernel->hidden_act},
+                {"gate_activation", "gate_alpha", "gate_beta", &kernel->gate_act}};
     for (const auto& a : acts) {
-      std::string act_name;
+      std::string act_name, error;
       if (OrtStatus* st = read_string(api, info, a.attr, &act_name))
         return with_context(api, st, where + "attribute '" + a.attr + "': ");
-      if (!parse_act(act_name, a.act) || (a.act == &kernel->input_act && *a.act != Act::None && *a.act != Act::Silu))
+      const float alpha = a.alpha ? read_float(api, info, a.alpha, 0.0f) : 0.0f;
+      const float beta = a.beta ? read_float(api, info, a.beta, 0.0f) : 0.0f;
+      if (!parse_activation(act_name, alpha, beta, a.act, &error) ||
+          (a.act == &kernel->input_act && act_name != "none" && act_name != "silu"))
         return api.CreateStatus(ORT_INVALID_ARGUMENT,
                                 (where + "unknown " + a.attr + " '" + act_name + "'").c_str());
     }
-    kernel->hidden_alpha = read_float(api, info, "hidden_alpha", 0.0f);
-    kernel->hidden_beta = read_float(api, info, "hidden_beta", 0.0f);
-    kernel->gate_alpha = read_float(api, info, "gate_alpha", 0.0f);
-    kernel->gate_beta = read_float(api, info, "gate_beta", 0.0f);
+    kernel->apply = select_apply_unary_f32();
     kernel->avx2 = use_avx2_fma();
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
@@ -379,7 +381,7 @@ OrtStatus* run(SqueezeExciteKernel* k, OrtKernelContext* ctx) {
     scratch.resize(static_cast<size_t>(2 * channels));
     job.means = scratch.data();
     job.gates = scratch.data() + channels;
-    hidden.resize(static_cast<size_t>(job.r));
+    hidden.resize(static_cast<size_t>(job.r + std::max(job.r, job.c)));
 #if defined(__x86_64__)
     const Loops& loops = k->avx2 ? kAvx2Loops : kBaseLoops;
 #else
