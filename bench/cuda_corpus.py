@@ -172,15 +172,9 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
             lines.append(f"| {op} | {n} | {', '.join(where[op])} | {'yes' if has else 'no'} |")
         if not used:
             lines.append("| (none) | 0 | - | - |")
-    index64 = {r.entry for r in all_records if r.op == "Pointwise" and r.ptxas and r.ptxas.spill_stores}
-    if index64:
-        lines += [
-            "",
-            f"Spills: {len(index64)} Pointwise kernels of one input report 16 bytes of spill stores and loads. They "
-            "are the registers saved around the subroutine ptxas calls for 64-bit integer division, which only the "
-            "strided path for more than 2**32 elements uses (with that loop removed from such a kernel's source, "
-            "ptxas reports no spill): tensors of 4 Gi elements or fewer never run it.",
-        ]
+    spilled = sorted({r.entry for r in all_records if r.ptxas and (r.ptxas.spill_stores or r.ptxas.spill_loads)})
+    if spilled:
+        lines += ["", f"Kernels with spills: {', '.join(spilled)}."]
     if bad:
         lines += ["", "## Nodes without a usable kernel", ""]
         lines += [f"- {r.node} ({r.op}, {r.form}): {r.problem}" for r in bad]
