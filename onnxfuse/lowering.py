@@ -168,9 +168,9 @@ def lower_node(
     emit = prog.emit
     a = args[0] if args else None
     half = in_types[0] == TensorProto.FLOAT16 if in_types else False
-    if half and op in ("PRelu", "LeakyRelu") and 16 <= opset <= 18:
-        # onnxruntime's float16 kernels of these opsets give +0 where a negative x times the
-        # slope is -0 (slope 0): the same here; a -0 x itself stays -0 there too.
+    if (half or in_types[0] == TensorProto.DOUBLE) and op in ("PRelu", "LeakyRelu") and 16 <= opset <= 18:
+        # onnxruntime's float16 and double kernels of these opsets give +0 where a negative x
+        # times the slope is -0 (slope 0): the same here; a -0 x itself stays -0 there too.
         t = emit("prelu", a, args[1]) if op == "PRelu" else \
             emit("leakyrelu", a, params=[_attr_float(attrs, "alpha", 0.01)])
         return [emit("where", emit("lt", a, 0.0), emit("add", t, 0.0), t)]
@@ -194,6 +194,10 @@ def lower_node(
                         for k, d in PARAM_UNARY["Selu"][1])
         neg = emit("mul", emit("sub", emit("mul", emit("exp", a), alpha), alpha), gamma)
         return [emit("where", emit("lt", a, 0.0), neg, emit("mul", a, gamma))]
+    if op == "Softplus" and opset == 18 and in_types[0] in (TensorProto.FLOAT16, TensorProto.DOUBLE):
+        # As Selu: the function body, log(e^x + 1), which is inf where e^x overflows (x > 709.8
+        # in double; float16's body runs in float32, x > 88.7) and +0 where e^x + 1 rounds to 1.
+        return [emit("log", emit("add", emit("exp", a), 1.0))]
     if op in UNARY:
         return [emit(UNARY[op], a)]
     if op in PARAM_UNARY:

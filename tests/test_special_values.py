@@ -38,7 +38,7 @@ ORT_SELF_INCONSISTENT = {"Max", "Min"}
 # onnxruntime's float16 kernels of opset 18 that compute in float16 or round otherwise: Softplus
 # overflows to inf at 65504 (its opset-20 kernel gives 65504), HardSwish rounds subnormal results
 # differently. Not matched: the Pointwise program computes in float32 whatever the opset.
-KNOWN_OPSET_DIFFERENCES = {("float16", 18): ("Softplus", "HardSwish")}
+KNOWN_OPSET_DIFFERENCES = {("float16", 18): ("HardSwish",)}
 # ... and its float16 Relu of opset 18 gives +0 or -0 for -0 depending on the tensor's length
 # (+0 for 16 elements, -0 for 19 or 95): either is accepted there.
 ORT_ZERO_SIGN_BY_LENGTH = {("Relu", "float16", 18)}
@@ -235,10 +235,18 @@ def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, o
     _check_bit_for_bit(case, dt, opset, monkeypatch)
 
 
-# onnxruntime has no double Selu kernel: an opset-18 model runs its function body, whose -0 is -0
-# and whose alpha * e^x - alpha is +0 where e^x rounds to 1 (the lowering follows it there).
-@pytest.mark.parametrize("case,dt,opset", [(("Selu", {}, 1, True), np.float64, 18)], ids=["Selu-float64-opset18"])
-def test_selu_matches_onnxruntimes_function_body_bit_for_bit_on_special_values(case, dt, opset, monkeypatch):
+# onnxruntime has no double Selu or Softplus kernel: an opset-18 model runs their function bodies
+# (Selu's -0 is -0, its alpha * e^x - alpha is +0 where e^x rounds to 1; Softplus, log(e^x + 1),
+# overflows), and its double PRelu and LeakyRelu of opsets 16-18 give +0 for x * 0 with x < 0.
+# (Attributes are float32: LeakyRelu's alpha is one float32 holds exactly, so that the test's
+# double program and onnxruntime's attribute hold the same slope.)
+DOUBLE_OPSET_18 = [c for c in CASES if c[0] in ("Selu", "Softplus", "PRelu")] + [
+    ("LeakyRelu", {"alpha": 0.125}, 1, False), ("LeakyRelu", {"alpha": 0.0}, 1, False)]
+
+
+@pytest.mark.parametrize("case", DOUBLE_OPSET_18, ids=_case_id)
+def test_double_function_bodies_of_opset_18_match_bit_for_bit_on_special_values(case, monkeypatch):
+    dt, opset = np.float64, 18
     _check_bit_for_bit(case, dt, opset, monkeypatch)
 
 
