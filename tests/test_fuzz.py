@@ -263,10 +263,18 @@ def test_a_float16_value_onnxruntime_leaves_unrounded_is_judged_node_by_node():
                                                                          TensorProto.FLOAT16)
 
 
-@pytest.mark.parametrize("seed", [1241, 6581])
+@pytest.mark.parametrize("seed", [1241, 6581, 29838])
 def test_seeds_of_onnxruntimes_shape_and_rounding_choices_are_explained(seed):
     outcome = fuzz.run_case(seed)
     assert outcome.status == "tie", outcome.message
+
+
+@pytest.mark.parametrize("seed", [33858, 35220, 43999])
+def test_seeds_of_float16_selu_and_rounding_before_a_jump_match_exactly(seed):
+    """Opset-18 float16 Selu of -0 (33858, 43999) and Sign of a float16 product that underflows
+    (35220): bench/results/fuzz.md."""
+    outcome = fuzz.run_case(seed)
+    assert outcome.status == "ok", outcome.message
 
 
 def test_a_zero_from_onnxruntimes_tanh_of_a_subnormal_is_explained_only_there():
