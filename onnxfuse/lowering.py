@@ -138,6 +138,21 @@ def _attr_float(attrs: dict, name: str, default: float) -> float:
     return float(v)
 
 
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_NP_FLOAT = {TensorProto.FLOAT16: np.float16, TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64}
+# Operators with a jump: an operand a rounding away from it may land on its other side.
+JUMP_OPS = frozenset({"Floor", "Ceil", "Round", "Sign", "Equal", "Less", "LessOrEqual", "Greater",
+                      "GreaterOrEqual"})
+
+
+def _rounded(prog: Program, value, elem_type: int | None):
+    """`value` rounded to its half-precision type where it was computed in the program (program
+    inputs and literals are exact already)."""
+    if elem_type in _HALF and isinstance(value, str) and not value.startswith("x"):
+        return prog.emit("cast", value, params=[program_dtype(elem_type)])
+    return value
+
+
 def lower_node(
     prog: Program,
     op: str,
@@ -153,15 +168,36 @@ def lower_node(
     emit = prog.emit
     a = args[0] if args else None
     half = in_types[0] == TensorProto.FLOAT16 if in_types else False
-    if half and op in ("PRelu", "LeakyRelu") and 16 <= opset <= 18:
-        # onnxruntime's float16 kernels of these opsets give +0 where a negative x times the
-        # slope is -0 (slope 0): the same here; a -0 x itself stays -0 there too.
+    if (half or in_types[0] == TensorProto.DOUBLE) and op in ("PRelu", "LeakyRelu") and 16 <= opset <= 18:
+        # onnxruntime's float16 and double kernels of these opsets give +0 where a negative x
+        # times the slope is -0 (slope 0): the same here; a -0 x itself stays -0 there too.
         t = emit("prelu", a, args[1]) if op == "PRelu" else \
             emit("leakyrelu", a, params=[_attr_float(attrs, "alpha", 0.01)])
         return [emit("where", emit("lt", a, 0.0), emit("add", t, 0.0), t)]
-    if op == "Sign" and in_types[0] in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+    if op in JUMP_OPS and in_types[0] in _HALF:
+        # A computed half-precision value is held unrounded in float32; rounding moves it across
+        # the jump of these operators (a product of 1.1e-8 is 0 in float16, and Sign(0) is 0,
+        # seed 35220 of the fuzzer): round their float operands to their own type first.
+        args = [_rounded(prog, x, t) for x, t in zip(args, in_types)]
+        a = args[0]
+    if op == "Sign" and in_types[0] in _HALF:
         # onnxruntime's half-precision Sign gives 0 for NaN (its float and double Sign give NaN).
         return [emit("where", emit("isnan", a), 0.0, emit("sign", a))]
+    if op == "Selu" and opset == 18 and in_types[0] in (TensorProto.FLOAT16, TensorProto.DOUBLE):
+        # onnxruntime has no float16 or double Selu kernel: in an opset-18 model it runs the
+        # operator's function body, Where(X < 0, gamma * (alpha * e^X - alpha), gamma * X), so
+        # -0 gives -0 (its float kernel, and float16 ones of other opsets: +0).
+        # Its steps as the body has them (alpha * e^x - alpha is +0 where e^x rounds to 1), with
+        # alpha and gamma in X's type (CastLike); in float16 they run in float32 and round once
+        # (onnxruntime drops the Cast pairs between its float32 stand-ins), as here.
+        alpha, gamma = (float(np.asarray(_attr_float(attrs, k, d), _NP_FLOAT[in_types[0]]))
+                        for k, d in PARAM_UNARY["Selu"][1])
+        neg = emit("mul", emit("sub", emit("mul", emit("exp", a), alpha), alpha), gamma)
+        return [emit("where", emit("lt", a, 0.0), neg, emit("mul", a, gamma))]
+    if op == "Softplus" and opset == 18 and in_types[0] in (TensorProto.FLOAT16, TensorProto.DOUBLE):
+        # As Selu: the function body, log(e^x + 1), which is inf where e^x overflows (x > 709.8
+        # in double; float16's body runs in float32, x > 88.7) and +0 where e^x + 1 rounds to 1.
+        return [emit("log", emit("add", emit("exp", a), 1.0))]
     if op in UNARY:
         return [emit(UNARY[op], a)]
     if op in PARAM_UNARY:
@@ -204,6 +240,8 @@ def lower_node(
             if src != "bool" and isinstance(a, str) and not a.startswith("x"):
                 return [emit("cast", a, params=[src])]
             return [a]
+        if dst == "bool":
+            a = _rounded(prog, a, in_types[0])  # nonzero is a jump too (see JUMP_OPS)
         return [emit("cast", a, params=[dst])]
     if op == "Clip":
         if opset < 11:

@@ -38,7 +38,7 @@ ORT_SELF_INCONSISTENT = {"Max", "Min"}
 # onnxruntime's float16 kernels of opset 18 that compute in float16 or round otherwise: Softplus
 # overflows to inf at 65504 (its opset-20 kernel gives 65504), HardSwish rounds subnormal results
 # differently. Not matched: the Pointwise program computes in float32 whatever the opset.
-KNOWN_OPSET_DIFFERENCES = {("float16", 18): ("Softplus", "HardSwish", "Selu")}
+KNOWN_OPSET_DIFFERENCES = {("float16", 18): ("HardSwish",)}
 # ... and its float16 Relu of opset 18 gives +0 or -0 for -0 depending on the tensor's length
 # (+0 for 16 elements, -0 for 19 or 95): either is accepted there.
 ORT_ZERO_SIGN_BY_LENGTH = {("Relu", "float16", 18)}
@@ -232,6 +232,25 @@ OPSETS = {np.float16: (17, 18, 20)}
                          ids=lambda v: np.dtype(v).name if isinstance(v, type) else f"opset{v}")
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_pointwise_matches_onnxruntime_bit_for_bit_on_special_values(case, dt, opset, monkeypatch):
+    _check_bit_for_bit(case, dt, opset, monkeypatch)
+
+
+# onnxruntime has no double Selu or Softplus kernel: an opset-18 model runs their function bodies
+# (Selu's -0 is -0, its alpha * e^x - alpha is +0 where e^x rounds to 1; Softplus, log(e^x + 1),
+# overflows), and its double PRelu and LeakyRelu of opsets 16-18 give +0 for x * 0 with x < 0.
+# (Attributes are float32: LeakyRelu's alpha is one float32 holds exactly, so that the test's
+# double program and onnxruntime's attribute hold the same slope.)
+DOUBLE_OPSET_18 = [c for c in CASES if c[0] in ("Selu", "Softplus", "PRelu")] + [
+    ("LeakyRelu", {"alpha": 0.125}, 1, False), ("LeakyRelu", {"alpha": 0.0}, 1, False)]
+
+
+@pytest.mark.parametrize("case", DOUBLE_OPSET_18, ids=_case_id)
+def test_double_function_bodies_of_opset_18_match_bit_for_bit_on_special_values(case, monkeypatch):
+    dt, opset = np.float64, 18
+    _check_bit_for_bit(case, dt, opset, monkeypatch)
+
+
+def _check_bit_for_bit(case, dt, opset, monkeypatch):
     op, attrs, arity, approximated = case
     if op in KNOWN_OPSET_DIFFERENCES.get((np.dtype(dt).name, opset), ()):
         pytest.skip(f"onnxruntime's {np.dtype(dt).name} {op} of opset {opset}: see KNOWN_OPSET_DIFFERENCES")
@@ -289,3 +308,38 @@ def test_reciprocal_of_relu_of_negated_zero_is_minus_infinity():
         text = f"in x0 {program_dtype(ELEM[dt])}\nt0 = neg x0\nt1 = relu t0\nt2 = recip t1\nout t2 {program_dtype(ELEM[dt])}\n"
         got = _run(pointwise_model(text, dt, 1, "Relu"), {"in0": np.zeros(19, dt)}, True)
         assert np.all(np.isneginf(got)), (np.dtype(dt).name, got)
+
+
+@pytest.mark.parametrize("dt", [np.float16, np.float64], ids=["float16", "float64"])
+def test_selu_of_opset_18_keeps_minus_zero_as_onnxruntime(dt):
+    """seeds 33858 and 43999 of the fuzzer: onnxruntime runs the float16 and double Selu of an
+    opset-18 model as Where(X < 0, ..., gamma * X), so Selu(-0) is -0 there (+0 at other opsets,
+    where its float kernel runs)."""
+    for opset, minus in ((18, True), (17, False)):
+        if dt == np.float64 and opset != 18:
+            continue  # no double Selu outside the opset-18 function body
+        x = np.array([-0.0, 0.0, -1e-20, 2.5], dt)
+        want = _run(plain_model("Selu", {}, dt, 1, opset), {"in0": x}, False)
+        got = _run(pointwise_model(program_text("Selu", {}, dt, 1, True, opset), dt, 1, "Selu"), {"in0": x}, True)
+        assert np.signbit(want[0]) == minus and not np.signbit(want[1])
+        assert (_bits(got[:3]) == _bits(want[:3])).all(), (opset, got, want)
+
+
+def test_sign_of_a_float16_product_that_underflows_is_zero():
+    """seed 35220 of the fuzzer: in float16 the product 1.07e-4 * 1.07e-4 = 1.1e-8 is 0, and
+    onnxruntime's Sign of it is 0; the program, computing in float32, rounds Sign's operand to
+    float16 first."""
+    prog = Program()
+    x = prog.add_input("f16")
+    (sq,) = lower_node(prog, "Mul", {}, 17, [x, x], [TensorProto.FLOAT16] * 2, [TensorProto.FLOAT16])
+    (s,) = lower_node(prog, "Sign", {}, 17, [sq], [TensorProto.FLOAT16], [TensorProto.FLOAT16])
+    prog.add_output(s, "f16")
+    feeds = {"in0": np.array([-1.072e-4, 1e-3, -0.0, 3.0], np.float16)}
+    got = _run(pointwise_model(prog.to_text(), np.float16, 1, "Sign"), feeds, True)
+    plain = helper.make_graph([helper.make_node("Mul", ["in0", "in0"], ["m"]), helper.make_node("Sign", ["m"], ["out0"])],
+                              "plain", [helper.make_tensor_value_info("in0", TensorProto.FLOAT16, None)],
+                              [helper.make_tensor_value_info("out0", TensorProto.FLOAT16, None)])
+    model = helper.make_model(plain, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    want = _run(model, feeds, False)
+    assert want[0] == 0 and (_bits(got) == _bits(want)).all(), (got, want)
