@@ -19,7 +19,7 @@ from onnxfuse.graph.index import GraphIndex
 from onnxfuse.graph.patterns import VIEW_OPS
 from onnxfuse.graph.slices import UNREACHABLE_END, read_slice
 from onnxfuse.lowering import NO_OPS, SUPPORTED_OPS, LoweringError, literal_value, lower_node, lowerable, program_dtype
-from onnxfuse.program import Program, SliceSpec, apply_view, resolve_slice
+from onnxfuse.program import OPS, Program, SliceSpec, apply_view, resolve_slice
 
 
 def _same_dim(a, b) -> bool:
@@ -224,16 +224,23 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
     would then both compute that output and receive it as an input."""
     forced: set[tuple] = set()
     no_view: set[int] = set()
+    round_narrow = False
     while True:
-        lowered, grows, stored = _lower_region_once(a, members, forced, no_view)
+        lowered, grows, stored = _lower_region_once(a, members, forced, no_view, round_narrow)
         if not grows and not stored:
-            return lowered
+            if round_narrow or lowered.program.compute_dtype != "f64" or not lowered.program.instrs:
+                return lowered
+            # A region that also computes in float64 holds its float32 (float16) values in
+            # double: each result is rounded to its own type, as onnxruntime stores it, or
+            # x + x would not overflow where onnxruntime's does (fuzz seeds 28404, 28493).
+            round_narrow = True
+            continue
         forced |= grows
         no_view |= stored
 
 
 def _lower_region_once(
-    a: Analysis, members: dict[int, gs.Node], forced: set[tuple], no_view: set[int]
+    a: Analysis, members: dict[int, gs.Node], forced: set[tuple], no_view: set[int], round_narrow: bool = False
 ) -> tuple[Lowered | None, set[tuple], set[int]]:
     outputs: list[gs.Variable] = []
     for n in sorted(members.values(), key=lambda n: a.index[id(n)]):
@@ -324,10 +331,12 @@ def _lower_region_once(
                 for inp in p.inputs:
                     args.append(operand(inp, map_view(view, t, inp)) if gu.is_present(inp) else None)
                 ins = [x if gu.is_present(x) else None for x in p.inputs]
+                out_types = [elem_type(x) if gu.is_present(x) else None for x in p.outputs]
+                narrow = program_dtype(out_types[0]) if round_narrow and p.op != "Cast" else None
                 outs = lower_node(
-                    prog, p.op, dict(p.attrs), a.opset, args,
-                    [elem_type(x) if x is not None else None for x in ins],
-                    [elem_type(x) if gu.is_present(x) else None for x in p.outputs],
+                    _RoundingEmitter(prog, narrow) if narrow in ("f32", "f16", "bf16") else prog,
+                    p.op, dict(p.attrs), a.opset, args,
+                    [elem_type(x) if x is not None else None for x in ins], out_types,
                 )
                 for o, v in zip(p.outputs, outs):
                     if gu.is_present(o):
@@ -382,6 +391,25 @@ def _lower_region_once(
     # A Constant node whose value is a node input is read through that input instead.
     body_constants = [n for n in constant_nodes.values() if n.outputs[0].name not in given]
     return Lowered(prog, inputs, outputs, list(views_read.values()), body_constants), set(), set()
+
+
+# Program ops whose result of rounded operands is representable in their type already.
+_EXACT_ON_ROUNDED = frozenset({"neg", "abs", "max", "min", "where", "relu", "floor", "ceil", "round", "sign", "clip"})
+
+
+class _RoundingEmitter:
+    """Emits into `program` with every arithmetic result rounded to `dtype` (a node's own float
+    type, narrower than the region's float64 compute type), as onnxruntime's kernel of that
+    type rounds each step: a partial sum of Sum or Mean included."""
+
+    def __init__(self, program: Program, dtype: str):
+        self.program, self.dtype = program, dtype
+
+    def emit(self, op: str, *args, params=()) -> str:
+        value = self.program.emit(op, *args, params=params)
+        if op == "cast" or op in _EXACT_ON_ROUNDED or OPS[op].result != "same":
+            return value
+        return self.program.emit("cast", value, params=[self.dtype])
 
 
 def _creates_cycle(a: Analysis, members: dict[int, gs.Node], region_of: dict[int, Region]) -> bool:
