@@ -157,6 +157,14 @@ ONNXFUSE_INLINE void tanh_n(V* x) {
     ONNXFUSE_EACH q[i] = _mm256_fmadd_ps(q[i], z[i], splat(num::kTanhQ[k]));
   }
   ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_div_ps(_mm256_mul_ps(xc[i], p[i]), q[i]));
+  // Below num::kTanhTiny, onnxruntime's value (see num::tanh_f32): rare, so only when a lane is.
+  ONNXFUSE_EACH {
+    const V tiny = _mm256_cmp_ps(xc[i], splat(num::kTanhTiny), _CMP_LT_OQ);
+    if (_mm256_movemask_ps(tiny)) {
+      const V small = _mm256_div_ps(_mm256_mul_ps(xc[i], splat(num::kOrtTanhP0)), splat(num::kOrtTanhQ0));
+      p[i] = _mm256_blendv_ps(p[i], small, tiny);
+    }
+  }
   ONNXFUSE_EACH x[i] = _mm256_or_ps(p[i], _mm256_and_ps(x[i], sign));
 }
 

@@ -73,6 +73,18 @@ def _erf(x):
     return np.vectorize(erf, otypes=[x.dtype])(x) if x.size else x.copy()
 
 
+# onnxruntime's float32 Tanh below 2^-100, where x^2 underflows: (x * P(0)) / Q(0) of its
+# rational, each step rounded (kernels/numeric.h, kTanhTiny).
+_TANH_TINY, _ORT_TANH_P0, _ORT_TANH_Q0 = np.float32(2.0 ** -100), np.float32(0.0048935246), np.float32(0.004893525)
+
+
+def _tanh(x):
+    y = np.tanh(x)
+    if x.dtype == np.float32:
+        y = np.where(np.abs(x) < _TANH_TINY, (x * _ORT_TANH_P0) / _ORT_TANH_Q0, y)
+    return y
+
+
 def _sigmoid(x):
     with np.errstate(over="ignore"):
         return 1 / (1 + np.exp(-x))
@@ -118,7 +130,7 @@ _OPS: list[OpDef] = [
     _u("exp", np.exp),
     _u("log", np.log),
     _u("erf", _erf),
-    _u("tanh", np.tanh),
+    _u("tanh", _tanh),
     _u("sigmoid", _sigmoid),
     _u("relu", lambda a: np.where(a < 0, np.zeros_like(a), a)),  # as ORT: -0 and NaN stay, -inf -> +0
     _u("softplus", _softplus),
