@@ -158,6 +158,7 @@ ONNXFUSE_INLINE void tanh_n(V* x) {
   }
   ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_div_ps(_mm256_mul_ps(xc[i], p[i]), q[i]));
   // Below num::kTanhTiny, onnxruntime's value (see num::tanh_f32): rare, so only when a lane is.
+  // Rounding is odd, so computing it at |x| and giving the sign back is the same.
   ONNXFUSE_EACH {
     const V tiny = _mm256_cmp_ps(xc[i], splat(num::kTanhTiny), _CMP_LT_OQ);
     if (_mm256_movemask_ps(tiny)) {

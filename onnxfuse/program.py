@@ -73,9 +73,9 @@ def _erf(x):
     return np.vectorize(erf, otypes=[x.dtype])(x) if x.size else x.copy()
 
 
-# onnxruntime's float32 Tanh below 2^-100, where x^2 underflows: (x * P(0)) / Q(0) of its
-# rational, each step rounded (kernels/numeric.h, kTanhTiny).
-_TANH_TINY, _ORT_TANH_P0, _ORT_TANH_Q0 = np.float32(2.0 ** -100), np.float32(0.0048935246), np.float32(0.004893525)
+# onnxruntime's float32 Tanh below 2^-12: (x * P(0)) / Q(0) of its rational, each step rounded
+# (kernels/numeric.h, kTanhTiny).
+_TANH_TINY, _ORT_TANH_P0, _ORT_TANH_Q0 = np.float32(2.0 ** -12), np.float32(0.0048935246), np.float32(0.004893525)
 
 
 def _tanh(x):

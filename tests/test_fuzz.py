@@ -285,34 +285,3 @@ def test_seeds_of_float16_selu_and_rounding_before_a_jump_match_exactly(seed):
     (35220): bench/results/fuzz.md."""
     outcome = fuzz.run_case(seed)
     assert outcome.status == "ok", outcome.message
-
-
-def test_a_zero_from_onnxruntimes_tanh_of_a_subnormal_is_explained_only_there():
-    """seed 29838: onnxruntime's float32 Tanh gives -0 for -1e-45, whose correctly rounded tanh
-    is -1e-45 itself, so PRelu(t, t) is -0 there and +0 with the exact tanh (ours). The original
-    with each Tanh exact on tiny inputs explains that position; a +0 where the Tanh's input is -0
-    itself (tanh(-0) = -0, PRelu(-0, -0) = -0 in both) stays a failure."""
-    model = _model([helper.make_node("Tanh", ["x"], ["t"]), helper.make_node("PRelu", ["t", "t"], ["y"])],
-                   [_f32("x", 4)], [_f32("y", 4)])
-    tiny = -np.finfo(np.float32).smallest_subnormal
-    feeds = {"x": np.array([tiny, -0.0, -0.5, 3e-5], np.float32)}
-    ref = fuzz._run(model, feeds, with_library=False, level="disable")
-    assert ref["y"][0] == 0 and np.signbit(ref["y"][0]) and np.signbit(ref["y"][1])  # onnxruntime: -0, -0
-    exact = {"y": ref["y"].copy()}
-    exact["y"][0] = 0.0
-    assert fuzz.compare(ref, exact) is not None
-    assert fuzz.unexplained(model, feeds, ref, exact, TensorProto.FLOAT) is None
-    wrong = {"y": exact["y"].copy()}
-    wrong["y"][1] = 0.0
-    assert "deterministic difference at 1 position" in fuzz.unexplained(model, feeds, ref, wrong, TensorProto.FLOAT)
-
-
-def test_the_variant_with_an_exact_tanh_on_tiny_inputs_computes_the_same_elsewhere():
-    model = _model([helper.make_node("Tanh", ["x"], ["y"])], [_f32("x", 6)], [_f32("y", 6)])
-    x = np.array([-0.0, 0.0, 2.0 ** -12, -0.7, np.nan, 1e-40], np.float32)
-    plain = fuzz._run(model, {"x": x}, with_library=False, level="disable")["y"]
-    exact = fuzz._run(fuzz.check._tanh_exact_on_tiny_inputs(model), {"x": x}, with_library=False,
-                      level="disable")["y"]
-    same = plain.view(np.uint32) == exact.view(np.uint32)
-    assert same[:4].all() and np.isnan(exact[4]), (plain, exact)  # -0 stays -0, the rest is Tanh's
-    assert exact[5] == np.float32(1e-40)  # the correctly rounded tanh of a subnormal: itself
