@@ -10,7 +10,8 @@ fold-linear-scale
                the last axis (linear.row_bias); s a constant of W's dtype that, carried back
                through the Transpose onto the MatMul's output axes, varies along the last
                axis only (N or 1 there, 1 elsewhere) and broadcasts to no wider a shape than
-               the Mul's other operand (the output shape is unchanged).
+               the Mul's other operand (the output shape is unchanged); every scale finite
+               and nonzero, and no scaled weight or bias overflowing the type.
     rewrite:   MatMul(x, W * s), b * s; the Mul goes and the node before it writes its output.
                Products are taken in float64 and rounded once to W's dtype.
 Why: onnxruntime folds constants only where every input of a node is constant; a Mul of a
@@ -86,7 +87,9 @@ def _fold(graph: gs.Graph, m: Match) -> bool:
         perm = gu.attr(perm_node, "perm")
         perm = list(perm) if perm is not None else list(range(out_rank))[::-1]
     vector = channel_scale(scale, out_rank, perm, width)
-    if vector is None:
+    # A zero or non-finite scale does not commute with the sum: (x W) * 0 keeps the sign of each
+    # x W (and NaN for an infinite one), x (W * 0) is +0; (x W) * inf is not x (W * inf).
+    if vector is None or not (np.all(np.isfinite(vector)) and np.all(vector != 0)):
         return False
     bias = None
     if "b" in m.bindings:
@@ -99,12 +102,19 @@ def _fold(graph: gs.Graph, m: Match) -> bool:
         if bias is None:
             return False
     hi = vector.astype(np.float64)
+    with np.errstate(over="ignore"):
+        scaled_weight = (weight.astype(np.float64) * hi).astype(weight.dtype)
+        scaled_bias = None if bias is None else (bias.astype(np.float64) * hi).astype(weight.dtype)
+    # A product that overflows the type would turn finite outputs into infinities.
+    if not np.all(np.isfinite(scaled_weight) | ~np.isfinite(weight)) or (
+            scaled_bias is not None and not np.all(np.isfinite(scaled_bias) | ~np.isfinite(bias))):
+        return False
     base = m["matmul"].name or "matmul"
-    m["matmul"].inputs[1] = gu.make_constant(graph, f"{base}_W_scaled", (weight.astype(np.float64) * hi).astype(weight.dtype))
+    m["matmul"].inputs[1] = gu.make_constant(graph, f"{base}_W_scaled", scaled_weight)
     if bias is not None:
         add = m["bias"]
         index = 0 if add.inputs[0] is m["b"] else 1
-        add.inputs[index] = gu.make_constant(graph, f"{base}_B_scaled", (bias.astype(np.float64) * hi).astype(weight.dtype))
+        add.inputs[index] = gu.make_constant(graph, f"{base}_B_scaled", scaled_bias)
     # The node before the Mul writes the Mul's output: readers and graph outputs keep the name.
     before = m.nodes[-2]
     result = scale_node.outputs[0]

@@ -130,6 +130,21 @@ def test_layer_scale_without_permute_or_bias_folds_too():
                                make_session(model, level="disable").run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [0.0, np.inf, np.nan, 3e38], ids=["zero", "inf", "nan", "overflowing"])
+def test_a_zero_infinite_or_overflowing_scale_is_not_folded(bad):
+    """(x W) * 0 keeps each product's sign (and NaN where x W is infinite) where x (W * 0) is +0;
+    an infinite scale or one whose product with W overflows does not commute with the sum."""
+    from small_models import float_model
+
+    w = np.full((4, 6), 2.0, np.float32)
+    s = np.ones(6, np.float32)
+    s[2] = bad
+    model = float_model("scaled", [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Mul", ["mm", "s"], ["y"])],
+                        {"x": [3, 4]}, {"y": [3, 6]}, [numpy_helper.from_array(w, "w"), numpy_helper.from_array(s, "s")])
+    out, matches = _optimize(model, ["fold-linear-scale"])
+    assert matches["fold-linear-scale"] == 0 and "Mul" in _ops(out)
+
+
 @pytest.mark.parametrize("gamma_shape", [(1, SIDE, 1), (C, SIDE, 1)], ids=["along-height", "channel-and-height"])
 def test_scale_along_another_axis_is_not_folded(gamma_shape):
     """A scale that varies along an axis other than the projection's output channels is no
