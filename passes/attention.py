@@ -22,8 +22,8 @@ fuse-attention
                TorchScript exports: a row whose keys a -inf mask hides entirely gets
                probabilities 0, not NaN) is part of the match when P is read by its IsNaN and
                Where alone and the fill is a +0 constant of one element
-               (transformer_forms.nan_to_zero_guard): the node gets nan_to_zero = 1 (cpu only;
-               such a chain is left alone on cuda, and its mask is never read as causal).
+               (transformer_forms.nan_to_zero_guard): the node gets nan_to_zero = 1 (both
+               kernels implement it; its mask is never read as causal).
     condition: float32 throughout; every scale a finite constant scalar (Div by c, c != 0, is a
                scale of 1/c); the head Reshapes' targets constant, [0 or B, 0 or S, H, dh] with
                H*dh (H*dv) the static last dim of q, k (v), one H for all three, and the
@@ -529,8 +529,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target == "cuda":
         from onnxfuse.cuda.attention_codegen import supported
 
-        # The generated kernel has no NaN-to-zero guard: those chains stay as they are there.
-        matches = [m for m in matches if supported(m.q.width, m.v.width) and not m.nan_to_zero]
+        matches = [m for m in matches if supported(m.q.width, m.v.width)]
     sums: dict = {}  # summed mask terms, one Add per pair (_summed_mask)
     for m in matches:
         rewrite(graph, m, ctx, sums)

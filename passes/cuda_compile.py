@@ -59,6 +59,7 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
     packed = bool(int(node.attrs.get("qkv_packed", 0)))
     has_mask = bool(int(node.attrs.get("has_mask", 0)))
     has_bias = bool(int(node.attrs.get("has_bias", 0)))
+    nan_to_zero = bool(int(node.attrs.get("nan_to_zero", 0)))
     if heads < 1 or not node.inputs:
         return None
     if int(node.attrs.get("causal", 0)):
@@ -85,7 +86,7 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
     if has_bias and not packed:
         return None
     return attention_codegen.AttentionSpec(heads, dh, dv, float(node.attrs.get("scale", 1.0)), packed, has_mask,
-                                           has_bias)
+                                           has_bias, nan_to_zero)
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:

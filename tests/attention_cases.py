@@ -25,6 +25,7 @@ class Case:
     scale: float = 0.125
     bias: bool = False  # packed only: the projection's bias [3*H*dh] (has_bias)
     causal: int = 0  # N > 0: no mask input; the top-left [Sq, Sk] of triu(-1e9, 1) [N, N] (causal = 1)
+    nan_to_zero: bool = False  # Where(IsNaN(p), 0, p) after the Softmax (the node's nan_to_zero = 1)
 
     @property
     def has_mask(self) -> bool:
@@ -55,7 +56,8 @@ class Case:
         mask = feeds.get("mask")
         if self.causal:
             mask = np.triu(np.full((self.sq, self.sk), -np.inf), 1)
-        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, mask is not None, self.bias)
+        spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, mask is not None, self.bias,
+                             self.nan_to_zero)
         if self.packed:
             return reference(spec, feeds["qkv"], mask=mask, bias=feeds.get("bias"))
         return reference(spec, feeds["q"], feeds["k"], feeds["v"], mask)
@@ -111,9 +113,17 @@ def reference_nodes(c: Case) -> tuple[list[onnx.NodeProto], list[str]]:
     if c.has_mask:
         nodes.append(helper.make_node("Add", ["scaled", "mask"], ["masked"]))
         logits = "masked"
+    nodes.append(helper.make_node("Softmax", [logits], ["probs"], axis=-1))
+    weights = "probs"
+    if c.nan_to_zero:  # transformers' eager attention (BERT's and GPT-2's TorchScript exports)
+        nodes += [
+            helper.make_node("Constant", [], ["nan_fill"], value=numpy_helper.from_array(np.array([0.0], np.float32), "nan_fill")),
+            helper.make_node("IsNaN", ["probs"], ["probs_nan"]),
+            helper.make_node("Where", ["probs_nan", "nan_fill", "probs"], ["weights"]),
+        ]
+        weights = "weights"
     nodes += [
-        helper.make_node("Softmax", [logits], ["probs"], axis=-1),
-        helper.make_node("MatMul", ["probs", "vh"], ["ctx"]),
+        helper.make_node("MatMul", [weights, "vh"], ["ctx"]),
         helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
         helper.make_node("Reshape", ["ctx_t", "merged"], ["out"]),
     ]
@@ -156,6 +166,7 @@ def fused_model(c: Case) -> onnx.ModelProto:
     node = helper.make_node("Attention", inputs, ["out"], name="attention", domain="onnxfuse",
                             num_heads=c.heads, scale=float(c.scale), has_mask=int(c.has_mask),
                             qkv_packed=int(c.packed), **({"has_bias": 1} if c.bias else {}),
+                            **({"nan_to_zero": 1} if c.nan_to_zero else {}),
                             **({"causal": 1, "causal_max_queries": c.causal, "causal_max_keys": c.causal}
                                if c.causal else {}))
     node.overload = "Attention_0"
@@ -193,8 +204,33 @@ CAUSAL_CASES = [
 ]
 
 
+# nan_to_zero (both kernels): BERT's TorchScript block (packed qkv, bias, padding mask [B, 1, 1, S]),
+# GPT-2's (causal + padding mask [B, 1, S, S] as a mask input), separate q, k, v with Sk over
+# several key tiles, odd head sizes.
+NAN_TO_ZERO_CASES = [
+    Case(2, 32, 32, 3, 11, 11, packed=True, mask_shape=(3, 1, 1, 11), bias=True, nan_to_zero=True),
+    Case(4, 32, 32, 2, 32, 32, packed=True, mask_shape=(2, 1, 32, 32), bias=True, nan_to_zero=True),
+    Case(2, 64, 48, 3, 9, 70, mask_shape=(3, 1, 9, 70), nan_to_zero=True),
+    Case(3, 20, 7, 2, 5, 33, mask_shape=(2, 3, 5, 33), nan_to_zero=True),
+]
+
+
+def padding_masked(c: Case, feeds: dict, seed: int = 0) -> dict:
+    """feeds with a 0 / -inf mask: about 30 % of the keys masked at random, every key of batch 0
+    masked (its rows' probabilities are NaN: the guard makes them 0), and in the other batches
+    query row 1's every key masked too (a fully masked row next to rows that are not)."""
+    rng = np.random.default_rng(seed)
+    mask = np.where(rng.random(c.mask_shape) < 0.3, -np.inf, 0.0).astype(np.float32)
+    mask[..., 0] = 0.0
+    mask[0] = -np.inf
+    if c.mask_shape[-2] > 1:
+        mask[..., 1, :] = -np.inf
+    return {**feeds, "mask": mask}
+
+
 def case_id(c: Case) -> str:
     mask = "nomask" if c.mask_shape is None else "mask" + "x".join(map(str, c.mask_shape)) if c.mask_shape else "mask0d"
     if c.causal:
         mask = f"causal{c.causal}"
-    return f"{'packed' if c.packed else 'qkv'}{'-bias' if c.bias else ''}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"
+    guard = "-nan_to_zero" if c.nan_to_zero else ""
+    return f"{'packed' if c.packed else 'qkv'}{'-bias' if c.bias else ''}{guard}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from attention_cases import CASES, Case, case_id, fused_model
+from attention_cases import CASES, NAN_TO_ZERO_CASES, Case, case_id, fused_model, padding_masked, plain_model
 
 from onnxfuse.cuda import attention_codegen as ac
 from onnxfuse.cuda import attention_model as am
@@ -18,7 +18,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA
 
 
 def spec_of(c: Case) -> AttentionSpec:
-    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask, c.bias)
+    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask, c.bias, c.nan_to_zero)
 
 
 def run_model(c: Case, feeds: dict) -> np.ndarray:
@@ -78,6 +78,85 @@ def test_kernel_model_gives_nan_for_a_fully_blocked_row_like_softmax():
     assert np.isnan(got[0, 1]).all()
     assert not np.isnan(got[0, [0, 2]]).any()
     assert_matches(got[0, [0, 2]], c.reference(feeds)[0, [0, 2]], "other rows")
+
+
+def onnxruntime_outputs(model: onnx.ModelProto, feeds: dict, with_library: bool = False) -> np.ndarray:
+    """The model's output in onnxruntime (CPU provider); without the library an onnxfuse node runs
+    its fallback function, the standard-op subgraph it stands for."""
+    from onnxfuse.runtime import make_session
+
+    return make_session(model, threads=1, with_library=with_library).run(None, feeds)[0]
+
+
+def assert_same_special_values(got, want, what):
+    """NaN where want is NaN, and the elements equal to 0 in want bit for bit (+0, not -0)."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=what)
+    zero = want == 0
+    np.testing.assert_array_equal(got[zero], want[zero], err_msg=what)
+    np.testing.assert_array_equal(np.signbit(got[zero]), np.signbit(want[zero]), err_msg=what)
+
+
+@pytest.mark.parametrize("case", NAN_TO_ZERO_CASES, ids=case_id)
+def test_kernel_model_with_nan_to_zero_gives_fully_masked_rows_zero_like_the_fallback_function(case):
+    feeds = padding_masked(case, case.feeds(seed=11), seed=11)
+    got = run_model(case, feeds)
+    fallback = onnxruntime_outputs(fused_model(case), feeds)  # Where(IsNaN(p), 0, p) in standard ops
+    assert np.array_equal(fallback, onnxruntime_outputs(plain_model(case), feeds), equal_nan=True)
+    assert np.all(fallback[0] == 0) and not np.isnan(fallback).any()
+    assert_same_special_values(got, fallback, "fully masked rows")
+    np.testing.assert_allclose(got, fallback, rtol=1e-5, atol=1e-5)
+    assert_matches(got, case.reference(feeds), "against the direct attention")
+    # Without the guard the same rows are NaN, as Softmax makes them.
+    unguarded = Case(**{**case.__dict__, "nan_to_zero": False})
+    nan_rows = np.isnan(run_model(unguarded, feeds))
+    np.testing.assert_array_equal(nan_rows, np.isnan(onnxruntime_outputs(plain_model(unguarded), feeds)))
+    assert nan_rows[0].all()
+    np.testing.assert_array_equal(nan_rows.any(axis=-1), (fallback == 0).all(axis=-1))
+
+
+@pytest.mark.parametrize("special", [np.inf, -np.inf, np.nan], ids=["inf", "-inf", "nan"])
+def test_kernel_model_with_nan_to_zero_spreads_a_non_finite_value_of_v_like_the_fallback_function(special):
+    # 0 * inf is NaN in the original's MatMul: a fully masked row is NaN in the columns where v
+    # holds an infinite or NaN value, +0 elsewhere. With the bias folded, v's bias is in it too.
+    case = NAN_TO_ZERO_CASES[0]
+    feeds = padding_masked(case, case.feeds(seed=12), seed=12)
+    d = case.heads * case.dh
+    feeds["qkv"][0, 4, 2 * d + 5] = special  # batch 0 (every key masked), value column 5 (head 0)
+    feeds["bias"][2 * d + d - 1] = special if special != -np.inf else np.inf  # the last head's last value column
+    want = onnxruntime_outputs(fused_model(case), feeds)
+    got = run_model(case, feeds)
+    assert np.isnan(want[0, :, 5]).all() and np.isnan(want[..., d - 1]).all()
+    assert_same_special_values(got, want, "non-finite values under a fully masked row")
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_model_gives_nan_for_a_nan_score_in_a_tile_whose_other_scores_are_minus_inf():
+    # fmaxf drops NaN: the tile's maximum is -inf, yet the NaN score must make the row NaN (Softmax's
+    # row is NaN), also when later tiles hold finite scores; with nan_to_zero the row is then 0.
+    for guard in (False, True):
+        c = Case(1, 32, 32, 1, 3, 70, mask_shape=(3, 70), nan_to_zero=guard)
+        feeds = c.feeds(seed=13)
+        mask = np.zeros((3, 70), np.float32)
+        mask[1, :32] = -np.inf
+        mask[1, 7] = np.nan
+        feeds["mask"] = mask
+        got = run_model(c, feeds)
+        want = onnxruntime_outputs(fused_model(c), feeds)
+        assert np.isnan(want[0, 1]).all() != guard
+        assert_same_special_values(got, want, f"nan_to_zero={guard}")
+        np.testing.assert_allclose(got[0, [0, 2]], want[0, [0, 2]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", NAN_TO_ZERO_CASES, ids=case_id)
+def test_cpu_kernel_and_kernel_model_agree_on_nan_to_zero_rows(case):
+    # The CPU kernel (kernels/attention_cpu.cc) implements nan_to_zero too: both kernels give the
+    # fully masked rows +0 and the others the same probabilities.
+    feeds = padding_masked(case, case.feeds(seed=14), seed=14)
+    cpu = onnxruntime_outputs(fused_model(case), feeds, with_library=True)
+    got = run_model(case, feeds)
+    assert_same_special_values(got, cpu, "CPU kernel")
+    np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_model_with_no_keys_writes_zeros_like_an_empty_matmul():
@@ -163,8 +242,9 @@ def test_entry_is_deterministic_and_names_the_specialisation():
     assert k1.source.count('extern "C" __global__') == 1
     others = [AttentionSpec(4, 32, 32, 0.25, True, True), AttentionSpec(4, 32, 32, 0.125, False, True),
               AttentionSpec(4, 32, 32, 0.125, True, False), AttentionSpec(2, 32, 32, 0.125, True, True),
-              AttentionSpec(4, 64, 64, 0.125, True, True), AttentionSpec(4, 32, 32, 0.125, True, True, True)]
-    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 7
+              AttentionSpec(4, 64, 64, 0.125, True, True), AttentionSpec(4, 32, 32, 0.125, True, True, True),
+              AttentionSpec(4, 32, 32, 0.125, True, True, nan_to_zero=True)]
+    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 8
     assert "__int_as_float(0x3e000000)" in k1.source  # the scale, bit-exact
 
 
@@ -190,7 +270,7 @@ def test_launch_rule_covers_every_query_row():
 # ---------------------------------------------------------------- nvcc / ptxas ----------------------
 
 
-SPECS = sorted({spec_of(c) for c in CASES} | {AttentionSpec(2, 256, 256, 0.0625, False, True),
+SPECS = sorted({spec_of(c) for c in CASES + NAN_TO_ZERO_CASES} | {AttentionSpec(2, 256, 256, 0.0625, False, True),
                                               AttentionSpec(3, 7, 5, 1.0, False, True),
                                               AttentionSpec(12, 64, 64, 0.125, True, True),
                                               AttentionSpec(12, 64, 64, 0.125, True, True, True)}, key=str)
@@ -260,6 +340,19 @@ def test_cuda_compile_pass_gives_no_kernel_to_an_attention_node_with_an_attribut
     assert attention_spec(node) == spec_of(CASES[4])
     node.attrs["kv_num_heads"] = 2  # grouped heads: a form the generator does not know
     assert attention_spec(node) is None
+
+
+def test_cuda_compile_pass_gives_a_nan_to_zero_node_the_kernel_with_the_guard():
+    from onnxfuse.passes.cuda_compile import attention_spec
+
+    import onnx_graphsurgeon as gs
+
+    case = NAN_TO_ZERO_CASES[0]
+    (node,) = gs.import_onnx(fused_model(case)).nodes
+    spec = attention_spec(node)
+    assert spec == spec_of(case) and spec.nan_to_zero
+    source = ac.generate(spec).source
+    assert "NAN_TO_ZERO = 1" in source and "NAN_TO_ZERO = 0" in ac.generate(spec_of(CASES[10])).source
 
 
 @needs_nvcc

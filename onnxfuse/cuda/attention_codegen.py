@@ -32,8 +32,16 @@ Design (simple on purpose; every B, Sq, Sk works):
   p = exp(score - m_new), l = l*corr + sum(p), acc *= corr, acc += sum_j p_j * vs[j][col]
   (p_j broadcast with __shfl_sync), m = m_new. Lane c of the warp owns output columns
   c, c+32, ... (DVL = ceil(dv/32) accumulators).
+  A tile holding a NaN score is not skipped even when its maximum is -inf (fmaxf drops NaN):
+  its corr and p are NaN, so l and acc become NaN and stay NaN, as Softmax's row is NaN then.
 * out = acc / l. With Sk = 0 the output is 0 (what MatMul with an empty reduction gives); a row
   whose every score is -inf gives 0/0 = NaN, as Softmax of such a row does.
+* nan_to_zero (NAN_TO_ZERO, the node attribute: Where(IsNaN(p), 0, p) before the MatMul with v):
+  a row whose probabilities are NaN, which is exactly a row with l not > 0 (l = 0: every score
+  -inf; l NaN: a NaN or +inf score; otherwise l >= 1), is written as the original computes it
+  with probabilities 0: out[col] = sum_t 0 * v[t, col] (v with its bias), summed from +0, so +0,
+  or NaN where that column of v holds an infinite or NaN value. Such rows (all keys masked by
+  -inf: padding) are rare, so the warp reads v from global memory for them (INDEX["zero_row"]).
 
 The index arithmetic is written once, in INDEX below, as expressions that are valid C and are
 also evaluated by the numpy model of the kernel (onnxfuse/cuda/attention_model.py), which runs the
@@ -72,6 +80,7 @@ class AttentionSpec:
     packed: bool = False
     has_mask: bool = False
     has_bias: bool = False
+    nan_to_zero: bool = False  # the node's nan_to_zero: a row of NaN probabilities weighs v by 0
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.dh < 1 or self.dv < 1:
@@ -99,6 +108,7 @@ class AttentionSpec:
             "QROW": qrow, "KROW": qrow, "VROW": 3 * d if self.packed else self.heads * self.dv,
             "QOFF": 0, "KOFF": d if self.packed else 0, "VOFF": 2 * d if self.packed else 0,
             "HAS_MASK": int(self.has_mask), "HAS_BIAS": int(self.has_bias),
+            "NAN_TO_ZERO": int(self.nan_to_zero),
         }
 
 
@@ -115,7 +125,7 @@ def shared_bytes(dh: int, dv: int, tile: int) -> int:
 # among them only to be refused: the kernel has no causal mode). A node with any other attribute
 # (a form added to the op's contract later) gets no kernel until the generator learns it, so that
 # a CUDA session never runs a kernel that ignores part of the node's semantics.
-NODE_ATTRIBUTES = frozenset({"num_heads", "scale", "has_mask", "qkv_packed", "has_bias", "causal",
+NODE_ATTRIBUTES = frozenset({"num_heads", "scale", "has_mask", "qkv_packed", "has_bias", "nan_to_zero", "causal",
                              "causal_max_queries", "causal_max_keys"})
 
 
@@ -155,6 +165,8 @@ INDEX = {
     "mask": [("m_src", "b * ms0 + h * ms1 + s * ms2 + (t0 + lane) * ms3")],
     # output column col of the warp's row
     "store": [("o_dst", "(b * sq + s) * (H * DV) + h * DV + col")],
+    # nan_to_zero: column col of value row t, read from global memory for a row of NaN probabilities
+    "zero_row": [("z_src", "(b * sk + t) * VROW + VOFF + h * DV + col"), ("zb_src", "VOFF + h * DV + col")],
 }
 
 _INDEX_MACROS = """#define DIV(a, b) ((a) / (b))
@@ -193,7 +205,7 @@ class Kernel:
 
 def entry_name(spec: AttentionSpec) -> str:
     key = (f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed}"
-           f" {spec.has_mask} {spec.has_bias}")
+           f" {spec.has_mask} {spec.has_bias}" + (" nan_to_zero" if spec.nan_to_zero else ""))
     return "onnxfuse_attn_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -276,7 +288,9 @@ def generate(spec: AttentionSpec) -> Kernel:
         "#pragma unroll",
         "      for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
         "      const float m_new = fmaxf(m, tile_max);",
-        "      if (m_new != -INFINITY) {  // else every score so far is -inf: nothing to add yet",
+        "      // Skipped only when every score so far is -inf: fmaxf drops NaN, and a NaN score must",
+        "      // make the row NaN (m_new uniform in the warp, so every lane takes part in the vote).",
+        "      if (m_new != -INFINITY || __any_sync(FULL, isnan(score))) {",
         "        const float corr = expf(m - m_new);",
         "        const float p = expf(score - m_new);",
         "        float p_sum = p;",
@@ -305,7 +319,17 @@ def generate(spec: AttentionSpec) -> Kernel:
     ]
     L += _c_lines("store", "      ")
     L += [
-        "      a.out[o_dst] = sk > 0 ? acc[c] / l : 0.0f;",
+        "      float o = sk > 0 ? acc[c] / l : 0.0f;",
+        "      if (NAN_TO_ZERO && sk > 0 && !(l > 0.0f)) {  // the row's probabilities are NaN: 0 * v",
+        "        o = 0.0f;",
+        "        for (long long t = 0; t < sk; ++t) {",
+    ]
+    L += _c_lines("zero_row", "          ")
+    L += [
+        "          o += 0.0f * (HAS_BIAS ? a.v[z_src] + a.bias[zb_src] : a.v[z_src]);",
+        "        }",
+        "      }",
+        "      a.out[o_dst] = o;",
         "    }",
         "  }",
         "}",

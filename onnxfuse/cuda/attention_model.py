@@ -116,8 +116,8 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
                     finite = score[~np.isnan(score)]
                     tile_max = finite.max() if finite.size else F(np.nan)  # fmaxf ignores NaN
                     m_new = F(np.fmax(m, tile_max))
-                    if m_new == -np.inf:
-                        continue
+                    if m_new == -np.inf and not np.isnan(score).any():
+                        continue  # a NaN score is not skipped: it makes l and acc NaN
                     corr = F(np.exp(m - m_new))
                     p = np.exp(score - m_new).astype(F)
                     l = F(l * corr + p.sum(dtype=F))
@@ -131,13 +131,21 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
                 if not env["row_ok"]:
                     continue
                 st = _eval("store", {**env, "col": cols[col_ok]})
-                out[st["o_dst"]] = (acc[col_ok] / l).astype(F) if sk > 0 else F(0)
+                row = (acc[col_ok] / l).astype(F) if sk > 0 else np.zeros(int(col_ok.sum()), F)
+                if spec.nan_to_zero and sk > 0 and not l > 0:  # NaN probabilities: sum_t 0 * v[t]
+                    row = np.zeros_like(row)
+                    for t in range(sk):
+                        ze = _eval("zero_row", {**env, "t": t, "col": cols[col_ok]})
+                        ok = np.ones(row.shape, bool)
+                        row = (row + F(0) * biased(_gather(vf, ze["z_src"], ok), ze["zb_src"], ok)).astype(F)
+                out[st["o_dst"]] = row
     return out.reshape(batch, sq, spec.heads * spec.dv)
 
 
 def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
     """Direct attention in float64: softmax(scale * q.k^T + mask) . v per head (packed qkv: plus
-    the bias on its columns first)."""
+    the bias on its columns first; nan_to_zero: NaN probabilities read as 0, as Where(IsNaN(p), 0, p)
+    gives them)."""
     q = np.asarray(q, np.float64)
     d = spec.heads * spec.dh
     if spec.has_bias:
@@ -158,4 +166,6 @@ def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> n
     with np.errstate(invalid="ignore"):
         e = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = e / e.sum(axis=-1, keepdims=True)
+        if spec.nan_to_zero:
+            probs = np.where(np.isnan(probs), 0.0, probs)
     return (probs @ vh).transpose(0, 2, 1, 3).reshape(batch, sq, h * spec.dv)

@@ -110,6 +110,8 @@ def attention_form(a: dict, n_inputs: int) -> str:
         parts.append("+mask")
     if int(a.get("causal", 0)):
         parts.append("causal")
+    if int(a.get("nan_to_zero", 0)):
+        parts.append("nan_to_zero")
     scale = float(a.get("scale", 1.0))
     parts.append(f"scale={scale:.4g}")
     return " ".join(parts)
