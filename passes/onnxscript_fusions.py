@@ -22,6 +22,14 @@ onnxscript-fusions
                function: onnxruntime ships their kernels, so the output needs onnxruntime
                wherever the stage wrote one (the README says which ops). The passes after it
                fuse what remains (pointwise regions, views) and read contrib ops as opaque nodes.
+    cuda:      with the pass option attention_cuda only, and only the attention groups (after
+               prepare): MultiHeadAttention and Attention, which onnxruntime's CUDA provider runs
+               in float32 (onnxfuse/cuda/audit.py, CUDA_CONTRIB_FLOAT32). The grouped-query rules
+               are left out there: GroupQueryAttention's CUDA kernel takes float16 and bfloat16
+               only, so a float32 LLaMA-style decoder keeps its attention chain on cuda. The
+               normalization, rotary, GELU and MatMul groups stay cpu-only (their kernels were
+               chosen against the CPU provider's). Which groups pay is still decided by the CPU
+               provider's executed graph: no session on a GPU is opened while optimizing.
 
 Why: onnxscript's rules already know the forms real exports take (README "How it works";
 figures per model in bench/results/onnxscript_fusions.md); onnxruntime's contrib kernels for
@@ -253,14 +261,19 @@ def _constant_rotary_caches(m) -> int:
     return count
 
 
-def _groups():
+# The groups the stage runs on --target cuda (with attention_cuda): prepare and the attention rules.
+CUDA_GROUPS = ("prepare", "attention", "attention, TorchScript forms")
+
+
+def _groups(target: str = "cpu"):
     """onnxscript's transformer fusions (the steps of ort_fusions.optimize_for_ort, in its
     order) as groups that each leave a model onnxruntime can load: a group's intermediate ops
     (the SDPA function the attention rules build on) are inlined again by the optimizer that
     closes it. Each group lists variants, tried in order: onnxscript 0.7's MultiHeadAttention
     rules (mha1/mha2) write a Gemm reading a 3-D tensor on the dynamo export of GPT-2, which
     onnxruntime refuses; without them the attention is still written as MultiHeadAttention by
-    sdpa_via_mha. Returns None when onnxscript is not installed."""
+    sdpa_via_mha. On cuda, the groups of CUDA_GROUPS alone, without the grouped-query rules.
+    Returns None when onnxscript is not installed."""
     try:
         import onnx_ir.passes.common as common_passes
         from onnxscript import optimizer
@@ -315,7 +328,9 @@ def _groups():
     def ort_rules(m):
         return pattern.RewriteRuleSet(ORT_PATTERN_REWRITE_RULES).apply_to_model(m)
 
-    return [
+    # GroupQueryAttention's CUDA kernel takes float16 / bfloat16 only: no such rule on cuda.
+    gqa_rules = (gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa) if target == "cpu" else ()
+    groups = [
         ("prepare", [prepare]),
         # No residual + normalization rules: onnxruntime's SkipLayerNormalization CPU kernel takes
         # 2-4x the time of the pointwise pass's region plus LayerNormalization
@@ -324,34 +339,33 @@ def _groups():
         ("rotary", [steps(rotary_embedding.fuse_rotary_embedding, cos_sin_cache.fuse_cos_sin_cache,
                           _constant_rotary_caches, cse, rotary_embedding.fuse_partial_rotary_embedding)]),
         ("attention", [
-            _nan_rows_kept(steps(sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa, mha.fuse_mha1,
+            _nan_rows_kept(steps(sdpa_step, *gqa_rules, mha.fuse_mha1,
                                  mha.fuse_mha2, mha_scale.fuse_mha_scale, mha_bias.fuse_mha_bias,
                                  attention.fuse_attention, sdpa_via_mha.replace_sdpa_by_mha)),
-            _nan_rows_kept(steps(sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
-                                 sdpa_via_mha.replace_sdpa_by_mha)),
+            _nan_rows_kept(steps(sdpa_step, *gqa_rules, sdpa_via_mha.replace_sdpa_by_mha)),
             _nan_rows_kept(steps(sdpa_step, sdpa_via_mha.replace_sdpa_by_mha)),
         ]),
         # The TorchScript exporter's constants and views in the form the rules know, then the rules again.
         ("attention, TorchScript forms", [
-            _nan_rows_kept(steps(_torchscript_forms, sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
+            _nan_rows_kept(steps(_torchscript_forms, sdpa_step, *gqa_rules,
                                  mha.fuse_mha1, mha.fuse_mha2, mha_scale.fuse_mha_scale, mha_bias.fuse_mha_bias,
                                  attention.fuse_attention, sdpa_via_mha.replace_sdpa_by_mha)),
-            _nan_rows_kept(steps(_torchscript_forms, sdpa_step, gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa,
-                                 sdpa_via_mha.replace_sdpa_by_mha)),
+            _nan_rows_kept(steps(_torchscript_forms, sdpa_step, *gqa_rules, sdpa_via_mha.replace_sdpa_by_mha)),
         ]),
         ("gelu", [steps(gelu.fuse_gelu, bias_gelu.fuse_bias_gelu)]),
         ("matmul", [ort_rules]),
     ]
+    return groups if target == "cpu" else [g for g in groups if g[0] in CUDA_GROUPS]
 
 
-def _ort_fused(model: onnx.ModelProto, executed_graph) -> tuple[onnx.ModelProto, int, list[str]] | None:
+def _ort_fused(model: onnx.ModelProto, executed_graph, target: str = "cpu") -> tuple[onnx.ModelProto, int, list[str]] | None:
     """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
     kept), or None when onnxscript is missing. A group is kept when onnxruntime loads its result
     and executes fewer nodes for it than for the model before it (the prepare group: no more);
     a group that fails or does not pay is undone, and the next starts from the model before it."""
     import onnx_ir as ir
 
-    groups = _groups()
+    groups = _groups(target)
     if groups is None:
         return None
     best = model
@@ -409,7 +423,7 @@ def _attention_softmax(node: gs.Node) -> bool:
     return False
 
 
-def _may_match(graph: gs.Graph) -> bool:
+def _may_match(graph: gs.Graph, target: str = "cpu") -> bool:
     """Whether the graph holds a form the stage's rules rewrite: attention (a Softmax of
     MatMul scores), a normalization (LayerNormalization, or ReduceMean with Sqrt), a GELU (Erf,
     or Tanh with Pow), a rotary embedding (Neg, Concat and Slice). A graph without (a CNN, an
@@ -418,17 +432,27 @@ def _may_match(graph: gs.Graph) -> bool:
     ops = {n.op for n in nodes}
     if not ops & {"MatMul", "Gemm"}:
         return False
-    return ("LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops or {"Tanh", "Pow"} <= ops
-            or {"Neg", "Concat", "Slice"} <= ops or any(n.op == "Softmax" and _attention_softmax(n) for n in nodes))
+    attention = any(n.op == "Softmax" and _attention_softmax(n) for n in nodes)
+    if target != "cpu":
+        return attention  # the attention groups alone run there
+    return attention or ("LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops or {"Tanh", "Pow"} <= ops
+            or {"Neg", "Concat", "Slice"} <= ops)
 
 
 def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
     if not ctx.options.onnxscript_fusions or ctx.executed_graph is None:
         return 0
-    if not _may_match(graph):
+    if ctx.target == "cuda":
+        if not ctx.options.attention_cuda:
+            return 0  # the attention groups are the stage's only part on cuda: opt-in as fuse-attention is
+        if any("cuda_cubin" in n.attrs for n in graph.nodes):
+            # A later round (or an optimized model): the stage ran before cuda-compile stored these
+            # kernels, and onnx_ir would read their bytes as text.
+            return 0
+    if not _may_match(graph, ctx.target):
         return 0
     before = _as_model(graph)
-    fused = _ort_fused(before, ctx.executed_graph)
+    fused = _ort_fused(before, ctx.executed_graph, ctx.target)
     if fused is None:
         return 0
     after, rewrites, kept = fused
@@ -443,5 +467,5 @@ PASS = Pass(
     150,
     "onnxscript's optimizer + ort_fusions (contrib ops: attention, rotary, skip/RMS norm, GELU) where onnxruntime then runs fewer kernels",
     onnxscript_fusions,
-    targets=("cpu",),
+    targets=("cpu", "cuda"),
 )

@@ -22,6 +22,26 @@ needs_ptxas = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("p
 # (ConvBiasAct GEMM kernels with residual and Relu epilogues). The rest of the corpus compiles
 # one kernel per convolution shape and takes minutes without the kernel cache: marked slow.
 FAST = ("lstm_ts", "bert_dynamo", "resnet18_ts")
+# With attention_cuda also BERT's TorchScript export: the generated Attention kernel with the
+# NaN-to-zero guard (bert_dynamo's attention is onnxruntime's Attention there).
+FAST_ATTENTION = ("bert_ts",)
+
+# What each corpus transformer's attention is on cuda with attention_cuda: onnxfuse.Attention (the
+# generated kernel), or onnxruntime's Attention / MultiHeadAttention from the onnxscript-fusions
+# stage's attention groups (CUDA kernels of onnxruntime's own). None: the attention stays its
+# chain, Softmax included. llama_ts: the CPU target writes GroupQueryAttention, whose CUDA kernel
+# takes float16 and bfloat16 only, and onnxscript's MultiHeadAttention rules do not match the
+# TorchScript export's form.
+ATTENTION_ON_CUDA = {
+    "bert_ts": "onnxfuse.Attention", "bert_dynamo": "com.microsoft.Attention",
+    "gpt2_ts": "onnxfuse.Attention", "gpt2_dynamo": "com.microsoft.MultiHeadAttention",
+    "llama_ts": None, "llama_dynamo": "com.microsoft.MultiHeadAttention",
+    "t5_encoder_ts": "onnxfuse.Attention", "t5_encoder_dynamo": "onnxfuse.Attention",
+    "whisper_encoder_ts": "onnxfuse.Attention", "whisper_encoder_dynamo": "com.microsoft.MultiHeadAttention",
+    "vit_ts": "onnxfuse.Attention", "vit_dynamo": "onnxfuse.Attention",
+}
+ATTENTION_OPS = {"onnxfuse.Attention", "com.microsoft.Attention", "com.microsoft.MultiHeadAttention",
+                 "com.microsoft.GroupQueryAttention"}
 
 MAX_REGISTERS = 255  # per thread on sm_90
 MAX_STATIC_SHARED = 48 * 1024  # bytes of static shared memory per block
@@ -38,7 +58,9 @@ def _corpus_params():
         marks = () if m.name in FAST else (pytest.mark.slow,)
         params.append(pytest.param(m.name, {}, marks=marks, id=m.name))
         if m.family == "transformer":
-            params.append(pytest.param(m.name, {"attention_cuda": True}, marks=marks, id=f"{m.name}-attention_cuda"))
+            fast = m.name in FAST or m.name in FAST_ATTENTION
+            params.append(pytest.param(m.name, {"attention_cuda": True}, marks=() if fast else (pytest.mark.slow,),
+                                       id=f"{m.name}-attention_cuda"))
     return params
 
 
@@ -65,6 +87,22 @@ def test_every_fused_node_of_corpus_model_has_a_kernel_ptxas_accepts_for_sm90(na
     assert [(r.node, r.problem) for r in records if not r.ok] == []
     _check_resources(records)
     assert audit.foreign_ops_without_cuda_kernel(model) == []
+    if options.get("attention_cuda"):
+        _check_attention_fused(name, model)
+
+
+def _check_attention_fused(name: str, model: onnx.ModelProto) -> None:
+    """Each attention of the model is one node of the op ATTENTION_ON_CUDA names (no Softmax is
+    left), or, where it names None, every attention keeps its Softmax and none becomes an op
+    without a float32 CUDA kernel."""
+    ops = [f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in model.graph.node]
+    fused = [op for op in ops if op in ATTENTION_OPS]
+    want = ATTENTION_ON_CUDA[name]
+    if want is None:
+        assert fused == [] and "Softmax" in ops
+        return
+    assert "Softmax" not in ops
+    assert fused and set(fused) == {want}
 
 
 @needs_ptxas

@@ -85,7 +85,7 @@ def test_a_group_whose_result_onnxruntime_refuses_is_undone(monkeypatch):
         m.graph.insert_before(node, bad)
         return 1
 
-    monkeypatch.setattr(onnxscript_fusions, "_groups", lambda: [("broken", [broken])])
+    monkeypatch.setattr(onnxscript_fusions, "_groups", lambda target="cpu": [("broken", [broken])])
     m = encoder_block(mask=False)
     out, n = optimize(m, ["onnxscript-fusions"])
     assert n == 0
@@ -93,7 +93,7 @@ def test_a_group_whose_result_onnxruntime_refuses_is_undone(monkeypatch):
 
 
 def test_only_the_passes_after_the_stage_without_onnxscript(monkeypatch):
-    monkeypatch.setattr(onnxscript_fusions, "_groups", lambda: None)
+    monkeypatch.setattr(onnxscript_fusions, "_groups", lambda target="cpu": None)
     m = encoder_block(mask=True)
     out, n = optimize(m, ["onnxscript-fusions"])
     assert n == 0 and not contrib_ops(out)
@@ -201,3 +201,63 @@ def test_rotary_caches_that_are_not_rotate_half_stay_written_out():
     assert "RotaryEmbedding" not in contrib_ops(out)
     rng = np.random.default_rng(0)
     assert_same(m, out, [{"x": rng.standard_normal((2, 8, 16)).astype(np.float32)}])
+
+
+# ---------------------------------------------------------------- --target cuda ------------------
+
+
+@pytest.mark.parametrize("torchscript", [False, True], ids=["dynamo_form", "torchscript_form"])
+def test_on_cuda_the_stage_writes_contrib_attention_only_with_attention_cuda(torchscript):
+    m = encoder_block(mask=True, torchscript=torchscript)
+    out, n = optimize(m, ["onnxscript-fusions"], target="cuda")
+    assert n == 0 and not contrib_ops(out)  # opt-in, as fuse-attention is on cuda
+    out, n = optimize(m, ["onnxscript-fusions"], target="cuda", attention_cuda=True)
+    ops = contrib_ops(out)
+    assert n > 0 and ("MultiHeadAttention" in ops or "Attention" in ops)
+    # The attention groups alone: every contrib op written has a float32 CUDA kernel.
+    from onnxfuse.cuda.audit import foreign_ops_without_cuda_kernel
+
+    assert set(ops) <= {"MultiHeadAttention", "Attention"} and foreign_ops_without_cuda_kernel(out) == []
+    assert not any(x.op_type == "Softmax" for x in out.graph.node)
+    assert_same(m, out, [block_feeds(m, 0, masked_rows=True), block_feeds(m, 1)])
+
+
+def test_on_cuda_the_stage_leaves_rotary_and_normalization_forms_alone():
+    m = rotary_block()
+    out, n = optimize(m, ["onnxscript-fusions"], target="cuda", attention_cuda=True)
+    assert n == 0 and not contrib_ops(out)
+
+
+def test_on_cuda_grouped_query_attention_is_never_written():
+    # GroupQueryAttention's CUDA kernel takes float16 and bfloat16 only (on the CPU fuse-gqa writes
+    # it, a cpu-only pass): the float32 LLaMA-style decoder of the corpus gets MultiHeadAttention
+    # over its repeated key/value heads on cuda instead.
+    from onnxfuse import zoo
+    from onnxfuse.cuda.audit import foreign_ops_without_cuda_kernel
+
+    from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
+
+    def stage(target):
+        ctx = Context(target=target, options=PassOptions(attention_cuda=True))
+        out, stats = run_passes(zoo.get("llama_dynamo").load(), select_passes(["onnxscript-fusions"], target), ctx)
+        return out, stats[0].matches
+
+    out, n = stage("cuda")
+    assert n > 0 and contrib_ops(out) == ["MultiHeadAttention"] * 2
+    assert foreign_ops_without_cuda_kernel(out) == []
+
+
+def test_on_cuda_an_optimized_model_with_stored_kernels_skips_the_stage():
+    import onnx_graphsurgeon as gs
+
+    from onnxfuse.pipeline import Context, PassOptions
+
+    m = encoder_block(mask=True)
+    graph = gs.import_onnx(m)
+    graph.nodes[0].attrs["cuda_cubin"] = b"\x7fELF\xff"  # what cuda-compile stores, not text
+    asked = []
+    ctx = Context(target="cuda", options=PassOptions(attention_cuda=True),
+                  executed_graph=lambda model: asked.append(model) or model)
+    assert onnxscript_fusions.onnxscript_fusions(graph, ctx) == 0 and not asked
+    del graph.nodes[0].attrs["cuda_cubin"]  # the same graph before cuda-compile: the stage runs
+    assert onnxscript_fusions.onnxscript_fusions(graph, ctx) > 0 and asked
