@@ -9,7 +9,9 @@ domains that onnxruntime's CUDA provider has no float32 kernel for (they would r
 Then every form a fused op takes over the corpus (what its generator specialises on), and the
 onnxruntime contrib ops the CPU pipeline writes for the corpus, with the CUDA provider's support.
 The transformer models run a second time with the opt-in CUDA attention fusion (pass option
-attention_cuda). Exit status 1 when a fused node has no kernel ptxas accepts.
+attention_cuda), with the attention ops each then holds: onnxfuse.Attention (the generated kernel),
+onnxruntime's MultiHeadAttention or Attention (the onnxscript-fusions stage's attention groups,
+CUDA kernels of onnxruntime's own), or the Softmax of an attention left unfused. Exit status 1 when a fused node has no kernel ptxas accepts.
 """
 from __future__ import annotations
 
@@ -35,12 +37,26 @@ def _family(name: str) -> str:
     return zoo.get(name).family or "?"
 
 
-def _cuda_run(name: str, arch: str, options: dict) -> tuple[list[audit.NodeKernel], list[str], float]:
+# The ops an attention ends up as (or its Softmax when it stays unfused), as the table names them.
+ATTENTION_OPS = {("onnxfuse", "Attention"): "onnxfuse.Attention",
+                 ("com.microsoft", "MultiHeadAttention"): "MultiHeadAttention",
+                 ("com.microsoft", "Attention"): "com.microsoft.Attention",
+                 ("com.microsoft", "GroupQueryAttention"): "GroupQueryAttention",
+                 ("", "Softmax"): "Softmax (unfused)"}
+
+
+def attention_ops(model) -> Counter:
+    return Counter(ATTENTION_OPS[(n.domain, n.op_type)] for n in model.graph.node
+                   if (n.domain, n.op_type) in ATTENTION_OPS)
+
+
+def _cuda_run(name: str, arch: str, options: dict) -> tuple[list[audit.NodeKernel], list[str], float, Counter]:
     t0 = time.perf_counter()
     result = api.optimize(f"zoo:{name}", target="cuda", arch=arch, verify_outputs=False, count_kernels=False,
                           options=options)
     records = audit.audit(result.model, arch)
-    return records, audit.foreign_ops_without_cuda_kernel(result.model), time.perf_counter() - t0
+    return (records, audit.foreign_ops_without_cuda_kernel(result.model), time.perf_counter() - t0,
+            attention_ops(result.model))
 
 
 def _cpu_contrib_ops(name: str) -> Counter:
@@ -86,9 +102,9 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
             harness.log(f"{name}: cpu")
             contrib[name] = _cpu_contrib_ops(name)
 
-    all_records = [r for recs, _, _ in [*per_model.values(), *attention_runs.values()] for r in recs]
+    all_records = [r for recs, *_ in [*per_model.values(), *attention_runs.values()] for r in recs]
     bad = [r for r in all_records if not r.ok]
-    foreign = sorted({f for _, fs, _ in [*per_model.values(), *attention_runs.values()] for f in fs})
+    foreign = sorted({f for _, fs, *_ in [*per_model.values(), *attention_runs.values()] for f in fs})
     entries = {r.entry for r in all_records if r.entry}
     spilling = {r.entry for r in all_records if r.ptxas and (r.ptxas.spill_stores or r.ptxas.spill_loads)}
     nvcc = find_nvcc()
@@ -111,7 +127,7 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
                              ("Pointwise regs/spill/smem", "l"), ("ConvBiasAct regs/spill/smem", "l"),
                              ("other domains without CUDA kernel", "l"), ("seconds", "r")]),
     ]
-    for name, (recs, fs, secs) in per_model.items():
+    for name, (recs, fs, secs, _) in per_model.items():
         lines.append(f"{_row_start(name, recs)} {_worst(recs, 'Pointwise')} | {_worst(recs, 'ConvBiasAct')} | "
                      f"{', '.join(fs) or '-'} | {secs:.0f} |")
     if attention_runs:
@@ -119,13 +135,19 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
             "",
             "## Transformers with the opt-in CUDA attention fusion (pass option attention_cuda)",
             "",
+            "attention ops: what each attention of the model is on cuda (onnxfuse.Attention: the generated kernel; "
+            "MultiHeadAttention, com.microsoft.Attention: onnxruntime's CUDA kernels, written by the "
+            "onnxscript-fusions stage's attention groups; Softmax (unfused): an attention left as its chain).",
+            "",
             *harness.table_head([("model", "l"), ("fused ops emitted", "l"), ("kernels", "r"), ("no kernel", "r"),
-                                 ("Attention regs/spill/smem", "l")]),
+                                 ("Attention regs/spill/smem", "l"), ("attention ops", "l"),
+                                 ("other domains without CUDA kernel", "l")]),
         ]
-        for name, (recs, _, _) in attention_runs.items():
-            lines.append(f"{_row_start(name, recs)} {_worst(recs, 'Attention')} |")
+        for name, (recs, fs, _, attn) in attention_runs.items():
+            shown = ", ".join(f"{op} {n}" for op, n in sorted(attn.items())) or "-"
+            lines.append(f"{_row_start(name, recs)} {_worst(recs, 'Attention')} | {shown} | {', '.join(fs) or '-'} |")
     forms: dict[tuple[str, str], list] = defaultdict(list)
-    for name, (recs, _, _) in [*per_model.items(), *attention_runs.items()]:
+    for name, (recs, *_) in [*per_model.items(), *attention_runs.items()]:
         for r in recs:
             forms[(r.op, r.form)].append((name, r))
     lines += [
@@ -160,8 +182,9 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
             "",
             "## Contrib ops of the CPU pipeline (--target cpu) and onnxruntime's CUDA provider",
             "",
-            "The cuda pipeline runs neither onnxscript-fusions nor fold-contrib-bias (cpu-only passes), so it writes "
-            "none of these. CUDA kernel: float32 support listed for CUDAExecutionProvider in onnxruntime's "
+            "The default cuda pipeline runs neither onnxscript-fusions nor fold-contrib-bias, so it writes none of "
+            "these; with attention_cuda it runs the stage's attention groups alone (MultiHeadAttention and "
+            "Attention, no GroupQueryAttention: its CUDA kernel takes float16 and bfloat16 only). CUDA kernel: float32 support listed for CUDAExecutionProvider in onnxruntime's "
             "docs/OperatorKernels.md (onnxfuse/cuda/audit.py, CUDA_CONTRIB_FLOAT32).",
             "",
             *harness.table_head([("op", "l"), ("nodes", "r"), ("models", "l"), ("CUDA float32 kernel", "l")]),
