@@ -124,9 +124,15 @@ def test_guards_that_are_not_nan_to_zero_or_are_read_elsewhere_are_left_alone(op
     assert n == 0 and not fused(opt)
 
 
-def test_cuda_target_leaves_a_guarded_chain_alone():
-    opt, n = optimize(guarded(), PASS, target="cuda", attention_cuda=True)
+def test_cuda_target_fuses_a_guarded_chain_with_the_guard():
+    # The generated CUDA kernel implements nan_to_zero (tests/test_cuda_attention.py): the chain
+    # fuses on cuda as on the CPU; without attention_cuda nothing does there.
+    m = guarded()
+    opt, n = optimize(m, PASS, target="cuda")
     assert n == 0 and not fused(opt)
+    opt, n = optimize(m, PASS, target="cuda", attention_cuda=True)
+    assert n == 1 and attrs(fused(opt)[0])["nan_to_zero"] == 1
+    check_runs_like_original(m, opt, [padded_feeds(m, 2, 6)])
 
 
 def expanded_padding_mask(batch_from="x"):
