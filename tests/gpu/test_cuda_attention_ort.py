@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from attention_cases import CASES, Case, case_id, fused_model, plain_model
+from attention_cases import CASES, NAN_TO_ZERO_CASES, Case, case_id, fused_model, padding_masked, plain_model
 from gpu_helpers import arch, cuda_ort, cuda_session, device_arch, runner  # noqa: F401  (fixtures)
 from test_cuda_ort import _graph_run, assert_close, feeds_for, profiled_node_providers
 
@@ -65,6 +65,21 @@ def test_generated_kernel_alone_matches_its_numpy_model_and_direct_attention(run
         model = am.run(spec, feeds["q"], feeds["k"], feeds["v"], feeds.get("mask"))
     assert_attention_close(got, model, "vs the numpy model of the kernel")
     assert_attention_close(got, case.reference(feeds), "vs float64 numpy")
+
+
+@pytest.mark.parametrize("case", NAN_TO_ZERO_CASES, ids=case_id)
+def test_nan_to_zero_node_on_cuda_gives_fully_masked_rows_zero_like_its_fallback(cuda_ort, case):
+    from onnxfuse.runtime import make_session
+
+    model = compiled(fused_model(case))
+    feeds = padding_masked(case, case.feeds(seed=15), seed=15)
+    got = cuda_session(cuda_ort, model, with_library=True).run(None, feeds)[0]
+    fallback = make_session(plain_model(case), with_library=False).run(None, feeds)[0]
+    assert np.all(fallback[0] == 0) and not np.isnan(got).any()
+    zero = fallback == 0
+    np.testing.assert_array_equal(got[zero], 0.0)
+    assert not np.signbit(got[zero]).any()  # +0, as the original's MatMul sums 0 * v from +0
+    assert_attention_close(got, fallback, "vs the standard ops on the CPU provider")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
