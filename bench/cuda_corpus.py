@@ -11,7 +11,8 @@ onnxruntime contrib ops the CPU pipeline writes for the corpus, with the CUDA pr
 The transformer models run a second time with the opt-in CUDA attention fusion (pass option
 attention_cuda), with the attention ops each then holds: onnxfuse.Attention (the generated kernel),
 onnxruntime's MultiHeadAttention or Attention (the onnxscript-fusions stage's attention groups,
-CUDA kernels of onnxruntime's own), or the Softmax of an attention left unfused. Exit status 1 when a fused node has no kernel ptxas accepts.
+CUDA kernels of onnxruntime's own), or the Softmax of an attention left unfused. Exit status 1
+when a fused node has no kernel ptxas accepts.
 """
 from __future__ import annotations
 
@@ -184,8 +185,8 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
             "",
             "The default cuda pipeline runs neither onnxscript-fusions nor fold-contrib-bias, so it writes none of "
             "these; with attention_cuda it runs the stage's attention groups alone (MultiHeadAttention and "
-            "Attention, no GroupQueryAttention: its CUDA kernel takes float16 and bfloat16 only). CUDA kernel: float32 support listed for CUDAExecutionProvider in onnxruntime's "
-            "docs/OperatorKernels.md (onnxfuse/cuda/audit.py, CUDA_CONTRIB_FLOAT32).",
+            "Attention, no GroupQueryAttention: its CUDA kernel takes float16 and bfloat16 only). CUDA kernel: "
+            "float32 support listed for CUDAExecutionProvider in onnxruntime's docs/OperatorKernels.md (onnxfuse/cuda/audit.py, CUDA_CONTRIB_FLOAT32).",
             "",
             *harness.table_head([("op", "l"), ("nodes", "r"), ("models", "l"), ("CUDA float32 kernel", "l")]),
         ]

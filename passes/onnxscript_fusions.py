@@ -358,7 +358,8 @@ def _groups(target: str = "cpu"):
     return groups if target == "cpu" else [g for g in groups if g[0] in CUDA_GROUPS]
 
 
-def _ort_fused(model: onnx.ModelProto, executed_graph, target: str = "cpu") -> tuple[onnx.ModelProto, int, list[str]] | None:
+def _ort_fused(model: onnx.ModelProto, executed_graph,
+               target: str = "cpu") -> tuple[onnx.ModelProto, int, list[str]] | None:
     """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
     kept), or None when onnxscript is missing. A group is kept when onnxruntime loads its result
     and executes fewer nodes for it than for the model before it (the prepare group: no more);
@@ -435,8 +436,8 @@ def _may_match(graph: gs.Graph, target: str = "cpu") -> bool:
     attention = any(n.op == "Softmax" and _attention_softmax(n) for n in nodes)
     if target != "cpu":
         return attention  # the attention groups alone run there
-    return attention or ("LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops or {"Tanh", "Pow"} <= ops
-            or {"Neg", "Concat", "Slice"} <= ops)
+    return (attention or "LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops
+            or {"Tanh", "Pow"} <= ops or {"Neg", "Concat", "Slice"} <= ops)
 
 
 def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:

@@ -117,7 +117,8 @@ def reference_nodes(c: Case) -> tuple[list[onnx.NodeProto], list[str]]:
     weights = "probs"
     if c.nan_to_zero:  # transformers' eager attention (BERT's and GPT-2's TorchScript exports)
         nodes += [
-            helper.make_node("Constant", [], ["nan_fill"], value=numpy_helper.from_array(np.array([0.0], np.float32), "nan_fill")),
+            helper.make_node("Constant", [], ["nan_fill"],
+                             value=numpy_helper.from_array(np.array([0.0], np.float32), "nan_fill")),
             helper.make_node("IsNaN", ["probs"], ["probs_nan"]),
             helper.make_node("Where", ["probs_nan", "nan_fill", "probs"], ["weights"]),
         ]
