@@ -100,3 +100,60 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     raw = np.empty(n * dtype.itemsize + align, np.uint8)
     start = (-raw.__array_interface__["data"][0]) % align
     return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
+_GRID_SHIM = r"""// Host stand-ins for the CUDA launch environment: a grid run block by block, thread by thread.
+#include <cuda_runtime.h>
+#define __launch_bounds__(...)
+struct onnxfuse_host_idx { unsigned int x, y, z; };
+static onnxfuse_host_idx blockIdx, threadIdx, blockDim, gridDim;
+"""
+
+
+class GridSim:
+    """Generated kernels without shared memory or barriers, compiled for the host and run over a
+    whole grid: every (block, thread) calls the entry once, in order. Each thread of such a kernel
+    works alone, so the sequential run computes what the device computes, with the kernel's own
+    index arithmetic, guards and vector accesses. `kernels` have `entry` and `source`, and the
+    source declares the argument struct `ENTRY_args`."""
+
+    def __init__(self, kernels: Sequence, workdir: str | None = None):
+        unique = {k.entry: k for k in kernels}
+        launchers = "".join(
+            f'\nextern "C" void {e}_grid(const {e}_args* a, unsigned gx, unsigned gy, unsigned bx) {{\n'
+            "  gridDim = {gx, gy, 1}; blockDim = {bx, 1, 1};\n"
+            "  for (unsigned y = 0; y < gy; ++y)\n"
+            "    for (unsigned x = 0; x < gx; ++x)\n"
+            "      for (unsigned t = 0; t < bx; ++t) {\n"
+            f"        blockIdx = {{x, y, 0}}; threadIdx = {{t, 0, 0}}; {e}(*a);\n"
+            "      }\n"
+            "}\n" for e in unique)
+        src = _GRID_SHIM + "".join(k.source for k in unique.values()) + launchers
+        digest = hashlib.sha256(src.encode()).hexdigest()[:16]
+        self._dir = workdir or tempfile.mkdtemp(prefix="onnxfuse-gridsim-")
+        cc = Path(self._dir) / f"grid_{digest}.cc"
+        so = Path(self._dir) / f"grid_{digest}.so"
+        cc.write_text(src)
+        cxx = os.environ.get("CXX", "g++")
+        cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
+        self.lib = ctypes.CDLL(str(so))
+
+    def launch(self, entry: str, args: bytes, grid: tuple[int, int], threads: int) -> None:
+        """Run the grid (grid.x, grid.y) of `threads`-thread blocks with the packed argument struct."""
+        buf = ctypes.create_string_buffer(args, len(args))
+        fn = getattr(self.lib, f"{entry}_grid")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+        fn.restype = None
+        fn(ctypes.cast(buf, ctypes.c_void_p), grid[0], grid[1], threads)
+
+
+def aligned_empty(shape, dtype, align: int = 64, offset: int = 0) -> np.ndarray:
+    """An uninitialised array whose data starts `offset` bytes past an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    raw = np.empty(n * dtype.itemsize + align + offset, np.uint8)
+    start = (-raw.__array_interface__["data"][0]) % align + offset
+    return raw[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
