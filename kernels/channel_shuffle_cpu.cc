@@ -26,8 +26,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kChannelShuffleName[] = "ChannelShuffle";
-
 struct ChannelShuffleKernel {
   OrtApiRef api;
   std::string where;  // "onnxfuse ChannelShuffle node '<name>': "
@@ -151,10 +149,10 @@ OrtStatus* run(ChannelShuffleKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs X_1.. and outputs Y_1..: variadic float32 tensors, at least one of each.
-const OrtCustomOp kChannelShuffleOp =
-    variadic_op<kChannelShuffleName, kCpuProvider, ChannelShuffleKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 1>(
+const OrtCustomOp kCpuChannelShuffleOp =
+    variadic_op<kChannelShuffleOp, kCpuProvider, ChannelShuffleKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 1>(
         create_kernel, compute_entry<ChannelShuffleKernel, run>);
-ONNXFUSE_REGISTER_OP(kChannelShuffleOp);
+ONNXFUSE_REGISTER_OP(kCpuChannelShuffleOp);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -124,6 +124,7 @@ inline bool use_avx2_fma() {
 inline constexpr char kCpuProvider[] = "CPUExecutionProvider";
 inline constexpr char kCudaProvider[] = "CUDAExecutionProvider";
 inline constexpr char kAttentionOp[] = "Attention";
+inline constexpr char kChannelShuffleOp[] = "ChannelShuffle";
 
 using CreateKernelFn = decltype(OrtCustomOp::CreateKernelV2);
 using ComputeKernelFn = decltype(OrtCustomOp::KernelComputeV2);

@@ -61,7 +61,7 @@ def get_library_path() -> str:
 # kernel compiled and stored with the node (--target cuda); a node without one must run its
 # fallback function instead. On the CPU provider, op types the library does not implement fall
 # back to their functions by themselves.
-CUDA_KERNELS = frozenset({"Pointwise", "ConvBiasAct", "Attention"})
+CUDA_KERNELS = frozenset({"Pointwise", "ConvBiasAct", "Attention", "ChannelShuffle"})
 
 
 def needs_library(model: onnx.ModelProto, provider: str = "cpu") -> bool:
