@@ -1,7 +1,8 @@
 """cuda-compile: the compiled CUDA kernel of every fused node, stored with the node (--target cuda).
 
     match:     onnxfuse.Pointwise nodes; onnxfuse.Attention nodes whose head sizes are known
-               (onnxfuse/cuda/attention_codegen.py); other onnxfuse nodes that carry a generated
+               (onnxfuse/cuda/attention_codegen.py); onnxfuse.ChannelShuffle nodes whose inputs'
+               channel counts are known (onnxfuse/cuda/shuffle_codegen.py); other onnxfuse nodes that carry a generated
                kernel (cuda_source + cuda_entry) but no cubin
     condition: --target cuda; runs after every fusion pass (order 900); an Attention node gets a
                kernel only when every attribute it carries is one the generator implements
@@ -12,7 +13,8 @@
                  cuda_cubin  the cubin's bytes
                  cuda_ptx    PTX for the matching virtual architecture (portable fallback)
                and, for Pointwise, the launch constants cuda_rank, cuda_vec, cuda_block; for
-               Attention cuda_abi, cuda_block, cuda_rows, cuda_dh, cuda_dv.
+               Attention cuda_abi, cuda_block, cuda_rows, cuda_dh, cuda_dv; for ChannelShuffle
+               cuda_abi, cuda_block, cuda_channels.
                The CPU kernel ignores them. Identical programs share one compile (cached in
                memory and under ~/.cache/onnxfuse/cuda).
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import facts
-from onnxfuse.cuda import attention_codegen, codegen
+from onnxfuse.cuda import attention_codegen, codegen, shuffle_codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse import fused
 from onnxfuse.fused import DOMAIN
@@ -89,12 +91,28 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
                                            has_bias, nan_to_zero)
 
 
+def shuffle_spec(node: gs.Node, shapes: facts.ShapeTable) -> shuffle_codegen.ShuffleSpec | None:
+    """The kernel an onnxfuse.ChannelShuffle node needs, or None when an input's channel count is
+    not known statically or the counts do not divide into the node's groups and outputs."""
+    channels = []
+    for t in node.inputs:
+        dims = shapes.dims(t)
+        if dims is None or len(dims) != 4 or not isinstance(dims[1], int) or isinstance(dims[1], bool) or dims[1] < 1:
+            return None
+        channels.append(dims[1])
+    groups = int(node.attrs.get("groups", 0))
+    total = sum(channels)
+    if not channels or groups < 1 or not node.outputs or total % groups or total % len(node.outputs):
+        return None
+    return shuffle_codegen.ShuffleSpec(tuple(channels), groups, len(node.outputs))
+
+
 def run(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target != "cuda":
         return 0
     arch = ctx.arch or DEFAULT_ARCH
     jobs: list[tuple[gs.Node, str, str, dict]] = []
-    shapes = None  # built for the first Attention node: shape inference costs time
+    shapes = None  # built for the first Attention or ChannelShuffle node: shape inference costs time
     for node in graph.nodes:
         if node.domain != DOMAIN:
             continue
@@ -109,6 +127,14 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             if spec is None:
                 continue  # no kernel: the CUDA kernel reports it when a session runs the node
             kernel = attention_codegen.generate(spec)
+            jobs.append((node, kernel.source, kernel.entry, kernel.attrs()))
+        elif node.op == "ChannelShuffle":
+            if shapes is None:
+                shapes = facts.ShapeTable(graph)
+            spec = shuffle_spec(node, shapes)
+            if spec is None:
+                continue  # no kernel: the CUDA kernel reports it when a session runs the node
+            kernel = shuffle_codegen.generate(spec)
             jobs.append((node, kernel.source, kernel.entry, kernel.attrs()))
         elif "cuda_source" in node.attrs and "cuda_entry" in node.attrs and "cuda_cubin" not in node.attrs:
             jobs.append((node, str(node.attrs["cuda_source"]), str(node.attrs["cuda_entry"]), {}))

@@ -125,6 +125,9 @@ def node_form(node: onnx.NodeProto) -> str:
         return conv_form(a)
     if node.op_type == "Attention":
         return attention_form(a, len(node.input))
+    if node.op_type == "ChannelShuffle":
+        channels = _text(a.get("cuda_channels", "")) or "?"
+        return f"g={int(a.get('groups', 0))}, channels {channels.replace(',', '+')}, {len(node.output)} out"
     if node.op_type == "StackedMLP":
         return f"activations {_text(a.get('activations', ''))}"
     return f"{len(node.input)} in, {len(node.output)} out"
