@@ -1,5 +1,5 @@
 """channel-shuffle: ShuffleNet's Concat -> channel shuffle -> Split as one onnxfuse.ChannelShuffle
-node (CPU).
+node (CPU and CUDA).
 
 match
     pieces(Reshape(Transpose(Reshape(cat, [N, g, C/g, H, W]), perm 0 2 1 3 4), [N, C, H, W]))
@@ -16,8 +16,9 @@ match
 condition
     float32 [N, C, H, W] with C static and g dividing it; both Reshape targets constant and
     meaning exactly those shapes (0 copies of N, H and W, one -1 beside positive dims, or the
-    static values); the intermediates read inside the block only; --target cpu only (the kernel
-    is a CPU kernel, kernels/channel_shuffle_cpu.cc).
+    static values); the intermediates read inside the block only. --target cpu runs the node on
+    kernels/channel_shuffle_cpu.cc; --target cuda on the plane-copy kernel cuda-compile generates
+    for it (onnxfuse/cuda/shuffle_codegen.py, launched by kernels/cuda_channel_shuffle.cc).
 rewrite
     one onnxfuse.ChannelShuffle node through ctx.fuse, its fallback function the exact block.
 
@@ -26,7 +27,8 @@ Reshape, Transpose, Reshape and Split, five kernels and three copies of the acti
 ShuffleNetV2 unit (its NCHWc layout takes none of them). The fused node is one kernel and one
 copy. Where the Concat read two NCHWc convolutions (a downsampling unit), onnxruntime concatenated
 in the blocked layout and reordered once; the fused node needs each input reordered, one kernel
-more, still three fewer.
+more, still three fewer. onnxruntime's CUDA provider runs the same five ops as five nodes
+(Concat, Transpose and Split each copying the activations); the fused node is one kernel.
 """
 from __future__ import annotations
 
@@ -204,7 +206,7 @@ def match_block(graph: gs.Graph, root: gs.Node, outs: set[str], shapes: facts.Sh
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target != "cpu":
+    if ctx.target not in ("cpu", "cuda"):
         return 0
     outs = {t.name for t in graph.outputs}
     shapes: facts.ShapeTable | None = None
@@ -230,7 +232,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
 PASS = Pass(
     name="channel-shuffle",
     order=340,
-    summary="Concat -> channel shuffle (Reshape, Transpose, Reshape) -> Split -> onnxfuse.ChannelShuffle (cpu)",
+    summary="Concat -> channel shuffle (Reshape, Transpose, Reshape) -> Split -> onnxfuse.ChannelShuffle",
     run=run,
-    targets=("cpu",),
+    targets=("cpu", "cuda"),
 )
