@@ -156,7 +156,8 @@ def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
         "## Forms of the fused ops",
         "",
         "Pointwise: instructions, inputs (those read through a Slice/Split view), outputs, dtypes. ConvBiasAct: "
-        "kernel kind, window, stride, groups, epilogue. Registers and spills: the largest over the form's kernels.",
+        "kernel kind, window, stride, groups, epilogue. ChannelShuffle: groups, the inputs' channels, outputs. "
+        "Registers and spills: the largest over the form's kernels.",
         "",
         *harness.table_head([("op", "l"), ("form", "l"), ("nodes", "r"), ("models", "l"), ("kernel", "l"),
                              ("regs", "r"), ("spill st/ld", "l"), ("smem B", "r")]),
