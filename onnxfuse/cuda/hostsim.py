@@ -44,6 +44,26 @@ def cuda_include_dir() -> str:
     raise FileNotFoundError("CUDA headers (cuda_fp16.h) not found: set CUDA_HOME")
 
 
+def _host_library(src: str, stem: str, opt: str, workdir: str | None) -> ctypes.CDLL:
+    """`src` compiled as a host shared library and loaded: in `workdir` (kept), or in a temporary
+    directory removed once the library is loaded or the compile failed (a loaded library stays
+    mapped without its file)."""
+    build = workdir or tempfile.mkdtemp(prefix="onnxfuse-hostsim-")
+    try:
+        cc = Path(build) / f"{stem}.cc"
+        so = Path(build) / f"{stem}.so"
+        cc.write_text(src)
+        cxx = os.environ.get("CXX", "g++")
+        cmd = [cxx, "-std=c++17", opt, "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
+        return ctypes.CDLL(str(so))
+    finally:
+        if workdir is None:
+            shutil.rmtree(build, ignore_errors=True)
+
+
 class HostKernels:
     """A shared library of generated kernels compiled for the host CPU."""
 
@@ -53,20 +73,7 @@ class HostKernels:
         self.kernels = {k.entry: k for k in kernels}
         src = _SHIM + "".join(k.source for k in self.kernels.values())
         digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-        build = workdir or tempfile.mkdtemp(prefix="onnxfuse-hostsim-")
-        try:
-            cc = Path(build) / f"kernels_{digest}.cc"
-            so = Path(build) / f"kernels_{digest}.so"
-            cc.write_text(src)
-            cxx = os.environ.get("CXX", "g++")
-            cmd = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
-            self.lib = ctypes.CDLL(str(so))
-        finally:
-            if workdir is None:
-                shutil.rmtree(build, ignore_errors=True)
+        self.lib = _host_library(src, f"kernels_{digest}", "-O0", workdir)
 
     def run(self, prog: Program, kernel: Kernel, arrays: Sequence[np.ndarray], out_dtypes: Sequence[np.dtype],
             mode: int | None = None) -> list[np.ndarray]:
@@ -130,16 +137,7 @@ class GridSim:
             "}\n" for e in unique)
         src = _GRID_SHIM + "".join(k.source for k in unique.values()) + launchers
         digest = hashlib.sha256(src.encode()).hexdigest()[:16]
-        self._dir = workdir or tempfile.mkdtemp(prefix="onnxfuse-gridsim-")
-        cc = Path(self._dir) / f"grid_{digest}.cc"
-        so = Path(self._dir) / f"grid_{digest}.so"
-        cc.write_text(src)
-        cxx = os.environ.get("CXX", "g++")
-        cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", f"-I{cuda_include_dir()}", str(cc), "-o", str(so)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise RuntimeError(f"host compile failed: {' '.join(cmd)}\n{out.stderr[-4000:]}")
-        self.lib = ctypes.CDLL(str(so))
+        self.lib = _host_library(src, f"grid_{digest}", "-O1", workdir)
 
     def launch(self, entry: str, args: bytes, grid: tuple[int, int], threads: int) -> None:
         """Run the grid (grid.x, grid.y) of `threads`-thread blocks with the packed argument struct."""
