@@ -107,12 +107,20 @@ def shuffle_spec(node: gs.Node, shapes: facts.ShapeTable) -> shuffle_codegen.Shu
     return shuffle_codegen.ShuffleSpec(tuple(channels), groups, len(node.outputs))
 
 
+# Fused ops whose kernel is generated from a spec read off the node and the graph's shapes:
+# (the spec, None when the node cannot get a kernel; the generator).
+SPEC_KERNELS = {
+    "Attention": (attention_spec, attention_codegen.generate),
+    "ChannelShuffle": (shuffle_spec, shuffle_codegen.generate),
+}
+
+
 def run(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target != "cuda":
         return 0
     arch = ctx.arch or DEFAULT_ARCH
     jobs: list[tuple[gs.Node, str, str, dict]] = []
-    shapes = None  # built for the first Attention or ChannelShuffle node: shape inference costs time
+    shapes = None  # built for the first node of SPEC_KERNELS: shape inference costs time
     for node in graph.nodes:
         if node.domain != DOMAIN:
             continue
@@ -120,21 +128,14 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             kernel = codegen.generate(Program.parse(node.attrs["program"]), iteration_rank(node))
             launch = {"cuda_rank": kernel.rank, "cuda_vec": kernel.vec, "cuda_block": kernel.block}
             jobs.append((node, kernel.source, kernel.entry, launch))
-        elif node.op == "Attention":
+        elif node.op in SPEC_KERNELS:
             if shapes is None:
                 shapes = facts.ShapeTable(graph)
-            spec = attention_spec(node, shapes)
+            spec_of, generate = SPEC_KERNELS[node.op]
+            spec = spec_of(node, shapes)
             if spec is None:
                 continue  # no kernel: the CUDA kernel reports it when a session runs the node
-            kernel = attention_codegen.generate(spec)
-            jobs.append((node, kernel.source, kernel.entry, kernel.attrs()))
-        elif node.op == "ChannelShuffle":
-            if shapes is None:
-                shapes = facts.ShapeTable(graph)
-            spec = shuffle_spec(node, shapes)
-            if spec is None:
-                continue  # no kernel: the CUDA kernel reports it when a session runs the node
-            kernel = shuffle_codegen.generate(spec)
+            kernel = generate(spec)
             jobs.append((node, kernel.source, kernel.entry, kernel.attrs()))
         elif "cuda_source" in node.attrs and "cuda_entry" in node.attrs and "cuda_cubin" not in node.attrs:
             jobs.append((node, str(node.attrs["cuda_source"]), str(node.attrs["cuda_entry"]), {}))
