@@ -224,23 +224,27 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
     would then both compute that output and receive it as an input."""
     forced: set[tuple] = set()
     no_view: set[int] = set()
-    round_narrow = False
+    round_narrow: frozenset[str] = frozenset()
     while True:
         lowered, grows, stored = _lower_region_once(a, members, forced, no_view, round_narrow)
         if not grows and not stored:
-            if round_narrow or lowered.program.compute_dtype != "f64" or not lowered.program.instrs:
+            narrower = NARROWER_THAN.get(lowered.program.compute_dtype, frozenset())
+            if round_narrow or not lowered.program.instrs or not narrower & _value_types(lowered.program):
                 return lowered
-            # A region that also computes in float64 holds its float32 (float16) values in
-            # double: each result is rounded to its own type, as onnxruntime stores it, or
-            # x + x would not overflow where onnxruntime's does (fuzz seeds 28404, 28493).
-            round_narrow = True
+            # A region computing in float64 holds its float32 (float16) values in double, one
+            # computing in float32 its float16 values in float: each result is rounded to its
+            # own type, as the operator's definition (and onnxruntime, node by node) stores it,
+            # or x + x would not overflow where onnxruntime's does (fuzz seeds 28404, 28493),
+            # and Equal(erf(x) - y, z) would compare unrounded values (seed 12802).
+            round_narrow = narrower
             continue
         forced |= grows
         no_view |= stored
 
 
 def _lower_region_once(
-    a: Analysis, members: dict[int, gs.Node], forced: set[tuple], no_view: set[int], round_narrow: bool = False
+    a: Analysis, members: dict[int, gs.Node], forced: set[tuple], no_view: set[int],
+    round_narrow: frozenset[str] = frozenset(),
 ) -> tuple[Lowered | None, set[tuple], set[int]]:
     outputs: list[gs.Variable] = []
     for n in sorted(members.values(), key=lambda n: a.index[id(n)]):
@@ -332,9 +336,9 @@ def _lower_region_once(
                     args.append(operand(inp, map_view(view, t, inp)) if gu.is_present(inp) else None)
                 ins = [x if gu.is_present(x) else None for x in p.inputs]
                 out_types = [elem_type(x) if gu.is_present(x) else None for x in p.outputs]
-                narrow = program_dtype(out_types[0]) if round_narrow and p.op != "Cast" else None
+                narrow = program_dtype(out_types[0]) if round_narrow and p.op != "Cast" and out_types[0] else None
                 outs = lower_node(
-                    _RoundingEmitter(prog, narrow) if narrow in ("f32", "f16", "bf16") else prog,
+                    _RoundingEmitter(prog, narrow) if narrow in round_narrow else prog,
                     p.op, dict(p.attrs), a.opset, args,
                     [elem_type(x) if x is not None else None for x in ins], out_types,
                 )
@@ -391,6 +395,16 @@ def _lower_region_once(
     # A Constant node whose value is a node input is read through that input instead.
     body_constants = [n for n in constant_nodes.values() if n.outputs[0].name not in given]
     return Lowered(prog, inputs, outputs, list(views_read.values()), body_constants), set(), set()
+
+
+# The float types a region's compute type holds without rounding (lower_region).
+NARROWER_THAN = {"f64": frozenset({"f32", "f16", "bf16"}), "f32": frozenset({"f16", "bf16"})}
+
+
+def _value_types(program: Program) -> set[str]:
+    """The program dtypes of its inputs, outputs and casts."""
+    return ({i.dtype for i in program.inputs} | {o.dtype for o in program.outputs}
+            | {str(i.params[0]) for i in program.instrs if i.op == "cast"})
 
 
 # Program ops whose result of rounded operands is representable in their type already.
