@@ -2,8 +2,9 @@
 
     match:     onnxfuse.Pointwise nodes; onnxfuse.Attention nodes whose head sizes are known
                (onnxfuse/cuda/attention_codegen.py); onnxfuse.ChannelShuffle nodes whose inputs'
-               channel counts are known (onnxfuse/cuda/shuffle_codegen.py); other onnxfuse nodes that carry a generated
-               kernel (cuda_source + cuda_entry) but no cubin
+               channel counts are known (onnxfuse/cuda/shuffle_codegen.py); onnxfuse.SqueezeExcite
+               nodes whose weight shapes are known (onnxfuse/cuda/squeeze_excite_codegen.py); other
+               onnxfuse nodes that carry a generated kernel (cuda_source + cuda_entry) but no cubin
     condition: --target cuda; runs after every fusion pass (order 900); an Attention node gets a
                kernel only when every attribute it carries is one the generator implements
                (attention_codegen.NODE_ATTRIBUTES) and it is not in the CPU-only causal mode
@@ -14,7 +15,8 @@
                  cuda_ptx    PTX for the matching virtual architecture (portable fallback)
                and, for Pointwise, the launch constants cuda_rank, cuda_vec, cuda_block; for
                Attention cuda_abi, cuda_block, cuda_rows, cuda_dh, cuda_dv; for ChannelShuffle
-               cuda_abi, cuda_block, cuda_channels.
+               cuda_abi, cuda_block, cuda_channels; for SqueezeExcite cuda_abi, cuda_block, cuda_c,
+               cuda_r.
                The CPU kernel ignores them. Identical programs share one compile (cached in
                memory and under ~/.cache/onnxfuse/cuda).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import facts
-from onnxfuse.cuda import attention_codegen, codegen, shuffle_codegen
+from onnxfuse.cuda import attention_codegen, codegen, shuffle_codegen, squeeze_excite_codegen
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse import fused
 from onnxfuse.fused import DOMAIN
@@ -112,6 +114,7 @@ def shuffle_spec(node: gs.Node, shapes: facts.ShapeTable) -> shuffle_codegen.Shu
 SPEC_KERNELS = {
     "Attention": (attention_spec, attention_codegen.generate),
     "ChannelShuffle": (shuffle_spec, shuffle_codegen.generate),
+    "SqueezeExcite": (squeeze_excite_codegen.spec_of_node, squeeze_excite_codegen.generate),
 }
 
 

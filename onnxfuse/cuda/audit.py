@@ -117,6 +117,19 @@ def attention_form(a: dict, n_inputs: int) -> str:
     return " ".join(parts)
 
 
+def squeeze_excite_form(a: dict) -> str:
+    """A SqueezeExcite block: channels C and R (when cuda-compile stored them) and its
+    activations, with their parameters where they have any."""
+    parts = [f"C={int(a['cuda_c'])} R={int(a['cuda_r'])}"] if "cuda_c" in a and "cuda_r" in a else []
+    if _text(a.get("input_activation", "none")) != "none":
+        parts.append(f"input {_text(a['input_activation'])}")
+    for which in ("hidden", "gate"):
+        act = _text(a.get(f"{which}_activation", "none"))
+        params = [float(a.get(f"{which}_{p}", 0.0)) for p in ("alpha", "beta")]
+        parts.append(f"{which} {act}" + (f"({params[0]:.4g}, {params[1]:.4g})" if any(params) else ""))
+    return " ".join(parts)
+
+
 def node_form(node: onnx.NodeProto) -> str:
     a = _attrs(node)
     if node.op_type == "Pointwise" and "program" in a:
@@ -128,6 +141,8 @@ def node_form(node: onnx.NodeProto) -> str:
     if node.op_type == "ChannelShuffle":
         channels = _text(a.get("cuda_channels", "")) or "?"
         return f"g={int(a.get('groups', 0))}, channels {channels.replace(',', '+')}, {len(node.output)} out"
+    if node.op_type == "SqueezeExcite":
+        return squeeze_excite_form(a)
     if node.op_type == "StackedMLP":
         return f"activations {_text(a.get('activations', ''))}"
     return f"{len(node.input)} in, {len(node.output)} out"

@@ -272,12 +272,13 @@ def generate(spec: SqueezeExciteSpec) -> Kernel:
     return Kernel(entry, "\n".join(L), spec)
 
 
-def spec_of_node(node) -> SqueezeExciteSpec | None:
+def spec_of_node(node, shapes=None) -> SqueezeExciteSpec | None:
     """The kernel an onnxfuse.SqueezeExcite node (onnx_graphsurgeon) needs, or None when its
-    weights' shapes are unknown or its channels do not fit the kernel."""
+    weights' shapes are unknown (from W1's recorded shape, or `shapes`, a facts.ShapeTable, when
+    given) or its channels do not fit the kernel."""
     if len(node.inputs) != 5:
         return None
-    shape = node.inputs[1].shape
+    shape = shapes.dims(node.inputs[1]) if shapes is not None else node.inputs[1].shape
     if not shape or len(shape) < 2 or not all(isinstance(d, int) for d in shape[:2]):
         return None
     r, c = int(shape[0]), int(shape[1])
