@@ -1,4 +1,4 @@
-"""squeeze-excite: a squeeze-and-excitation block -> one onnxfuse.SqueezeExcite node (CPU).
+"""squeeze-excite: a squeeze-and-excitation block -> one onnxfuse.SqueezeExcite node.
 
 match
     x * gate(Conv2(hidden(Conv1(mean(x)))))
@@ -16,15 +16,22 @@ match
     of the hidden activation's input.
 condition
     the intermediates are read inside the block only (the rule engine's private matches);
-    --target cpu only: the kernel is a CPU kernel (kernels/squeeze_excite_cpu.cc).
+    --target cpu (kernels/squeeze_excite_cpu.cc) or cuda (the kernel cuda-compile generates,
+    onnxfuse/cuda/squeeze_excite_codegen.py, launched by kernels/cuda_squeeze_excite.cc).
 rewrite
     one onnxfuse.SqueezeExcite node through ctx.fuse, its fallback function the exact block.
+order
+    310: after fold-batchnorm and fold-linear-scale (the Convs' weights are final), before
+    conv-bias-act (320), which on cuda would otherwise take the block's 1x1 Convs and their
+    activations (and the SiLU before it) into ConvBiasAct nodes of their own.
 
 Why it pays (measured, bench/results/squeeze_excite.md): onnxruntime runs the block as the pool,
 two convolutions on a 1x1 image, their activations and a broadcast Mul, which its NCHWc layout
 cannot run blocked, so the gate and x are reordered out of the blocked layout and the product
 reordered back in: 7-9 kernels per block (EfficientNet-B0 16 blocks, MobileNetV3-small 9). The
 fused node runs as one kernel between the two reorders onnxruntime already makes for the Mul.
+On cuda there are no NCHWc reorders, but onnxruntime's CUDA provider still runs the block as 5-6
+kernels (pool, two Convs, their activations, Mul); the fused node is one launch.
 """
 from __future__ import annotations
 
@@ -190,8 +197,6 @@ def _input_silu(graph: gs.Graph, xt: gs.Tensor, block: list[gs.Node], outs: set[
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target != "cpu":
-        return 0
     outs = {t.name for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     shapes: facts.ShapeTable | None = None
@@ -226,8 +231,8 @@ def run(graph: gs.Graph, ctx: Context) -> int:
 
 PASS = Pass(
     name="squeeze-excite",
-    order=330,
-    summary="squeeze-and-excitation blocks (pool, two 1x1 Convs, activations, Mul) -> onnxfuse.SqueezeExcite (cpu)",
+    order=310,
+    summary="squeeze-and-excitation blocks (pool, two 1x1 Convs, activations, Mul) -> onnxfuse.SqueezeExcite",
     run=run,
-    targets=("cpu",),
+    targets=("cpu", "cuda"),
 )

@@ -132,19 +132,31 @@ def test_silu_read_by_the_block_alone_goes_into_the_node():
     assert_matches_onnxruntime(m, out, RNG.standard_normal((2, 16, 5, 5)).astype(np.float32) * 3)
 
 
-@pytest.mark.parametrize("case", ["hidden_read_outside", "gate_read_outside", "strided_conv", "cuda_target"])
+@pytest.mark.parametrize("case", ["hidden_read_outside", "gate_read_outside", "strided_conv"])
 def test_blocks_it_cannot_take_are_left_alone(case):
     b = Block()
     if case == "hidden_read_outside":
         m = b.model(extra_reader="h")
     elif case == "gate_read_outside":
         m = b.model(extra_reader="g")
-    elif case == "strided_conv":
-        m = b.model(conv_attrs={"strides": [2, 2]})
     else:
-        m = b.model()
-    out, count = optimize(m, target="cuda" if case == "cuda_target" else "cpu")
+        m = b.model(conv_attrs={"strides": [2, 2]})
+    out, count = optimize(m)
     assert count == 0 and "SqueezeExcite" not in ops(out)
+
+
+def test_block_fuses_on_the_cuda_target_before_conv_bias_act_takes_its_convolutions():
+    # On cuda conv-bias-act (order 320) would make the 1x1 Convs and their activations
+    # ConvBiasAct nodes; squeeze-excite runs first and takes the whole block, the SiLU before it too.
+    m = Block().model(hidden="silu", gate="hardsigmoid", input_silu=True)
+    passes = select_passes(None, "cuda")
+    names = [p.name for p in passes]
+    assert names.index("squeeze-excite") < names.index("conv-bias-act")
+    ctx = Context(target="cuda", options=PassOptions.from_mapping({}))
+    work = onnx.ModelProto()
+    work.CopyFrom(m)
+    out, _ = run_passes(work, [p for p in passes if p.name in ("squeeze-excite", "conv-bias-act")], ctx)
+    assert ops(out) == ["SqueezeExcite"]
 
 
 def test_reduce_mean_over_other_axes_is_not_the_pool():
