@@ -9,7 +9,8 @@ match
     hidden    Relu, Sigmoid, Tanh, HardSigmoid, HardSwish, LeakyRelu, Clip or SiLU (h * Sigmoid(h))
     gate      Sigmoid or HardSigmoid
     x         float32 [N, C, H, W]; when x is SiLU(y) read by the block alone (EfficientNet: the
-              depthwise convolution's activation), the SiLU goes in too and the node reads y.
+              depthwise convolution's activation), the SiLU goes in too and the node reads y
+              (--target cpu only: on cuda conv-bias-act takes it into the convolution's epilogue).
 
     Each form is a rule on the shared pattern layer (onnxfuse/graph/rules.py): the block from
     its gate convolution up, rooted at the Mul, and Conv1 with its mean, matched at the producer
@@ -141,8 +142,10 @@ def _mean_over_hw(m: Match) -> bool:
             and int(mean.attrs.get("keepdims", 1)) == 1)
 
 
-def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.ShapeTable) -> tuple[list[gs.Node], dict] | None:
-    """The squeeze-and-excitation block rooted at `mul`: (nodes, node inputs and attributes)."""
+def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.ShapeTable,
+                take_input_silu: bool = True) -> tuple[list[gs.Node], dict] | None:
+    """The squeeze-and-excitation block rooted at `mul`: (nodes, node inputs and attributes),
+    with the SiLU before it when `take_input_silu` and only the block reads x."""
     for rule, hidden, gate in BLOCK_RULES:
         m = rule.match(graph, mul, outs)
         if m is None:
@@ -176,7 +179,7 @@ def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.Sha
                  "hidden_activation": hidden[0], "hidden_alpha": float(hp[0]), "hidden_beta": float(hp[1]),
                  "gate_activation": gate[0], "gate_alpha": float(gp[0]), "gate_beta": float(gp[1])}
         source = xt
-        silu = _input_silu(graph, xt, nodes, outs)
+        silu = _input_silu(graph, xt, nodes, outs) if take_input_silu else None
         if silu is not None:
             nodes = silu.nodes + nodes
             source = silu["y"]
@@ -206,7 +209,9 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             continue
         if shapes is None:  # shape inference only for graphs with a Mul to try
             shapes = facts.ShapeTable(graph)
-        found = match_block(graph, mul, outs, shapes)
+        # On cuda the SiLU stays the epilogue of the convolution before it (conv-bias-act's
+        # depthwise kernel), so the block's kernel reads x once per pass instead of computing it twice.
+        found = match_block(graph, mul, outs, shapes, take_input_silu=ctx.target != "cuda")
         if found is None:
             continue
         nodes, spec = found

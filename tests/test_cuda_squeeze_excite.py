@@ -180,7 +180,7 @@ def _optimize_cuda(model: onnx.ModelProto) -> onnx.ModelProto:
 
 @needs_nvcc
 def test_cuda_compile_pass_stores_the_kernel_and_launch_constants():
-    out = _optimize_cuda(Block(c=16, r=4).model(hidden="silu", gate="hardsigmoid", input_silu=True))
+    out = _optimize_cuda(Block(c=16, r=4).model(hidden="silu", gate="hardsigmoid"))
     (node,) = [n for n in out.graph.node if n.op_type == "SqueezeExcite"]
     a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
     assert a["cuda_entry"].decode().startswith("onnxfuse_se_") and a["cuda_cubin"][:4] == b"\x7fELF"
@@ -188,7 +188,7 @@ def test_cuda_compile_pass_stores_the_kernel_and_launch_constants():
     from onnxfuse.cuda import audit
 
     (rec,) = audit.audit(out, "sm_90")
-    assert rec.ok and rec.form == "C=16 R=4 input silu hidden silu gate hardsigmoid(0.1667, 0.5)"
+    assert rec.ok and rec.form == "C=16 R=4 hidden silu gate hardsigmoid(0.1667, 0.5)"
 
 
 @needs_nvcc

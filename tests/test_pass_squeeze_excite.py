@@ -147,8 +147,8 @@ def test_blocks_it_cannot_take_are_left_alone(case):
 
 def test_block_fuses_on_the_cuda_target_before_conv_bias_act_takes_its_convolutions():
     # On cuda conv-bias-act (order 320) would make the 1x1 Convs and their activations
-    # ConvBiasAct nodes; squeeze-excite runs first and takes the whole block, the SiLU before it too.
-    m = Block().model(hidden="silu", gate="hardsigmoid", input_silu=True)
+    # ConvBiasAct nodes; squeeze-excite runs first and takes the whole block.
+    m = Block().model(hidden="silu", gate="hardsigmoid")
     passes = select_passes(None, "cuda")
     names = [p.name for p in passes]
     assert names.index("squeeze-excite") < names.index("conv-bias-act")
@@ -157,6 +157,14 @@ def test_block_fuses_on_the_cuda_target_before_conv_bias_act_takes_its_convoluti
     work.CopyFrom(m)
     out, _ = run_passes(work, [p for p in passes if p.name in ("squeeze-excite", "conv-bias-act")], ctx)
     assert ops(out) == ["SqueezeExcite"]
+
+
+def test_silu_before_the_block_stays_outside_on_the_cuda_target():
+    # There it is the epilogue of the convolution before it (conv-bias-act's depthwise kernel).
+    out, count = optimize(Block().model(hidden="silu", input_silu=True), target="cuda")
+    assert count == 1 and sorted(ops(out)) == ["Mul", "Sigmoid", "SqueezeExcite"]
+    node = next(n for n in out.graph.node if n.op_type == "SqueezeExcite")
+    assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "input_activation")) == b"none"
 
 
 def test_reduce_mean_over_other_axes_is_not_the_pool():
