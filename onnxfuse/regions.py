@@ -232,8 +232,8 @@ def lower_region(a: Analysis, members: dict[int, gs.Node]) -> Lowered:
             if round_narrow or not lowered.program.instrs or not narrower & _value_types(lowered.program):
                 return lowered
             # A region computing in float64 holds its float32 (float16) values in double, one
-            # computing in float32 its float16 values in float: each result is rounded to its
-            # own type, as the operator's definition (and onnxruntime, node by node) stores it,
+            # computing in float32 its float16 values in float: each node's result is rounded to
+            # its own type, as the operator's definition (and onnxruntime, node by node) stores it,
             # or x + x would not overflow where onnxruntime's does (fuzz seeds 28404, 28493),
             # and Equal(erf(x) - y, z) would compare unrounded values (seed 12802).
             round_narrow = narrower
@@ -337,11 +337,18 @@ def _lower_region_once(
                 ins = [x if gu.is_present(x) else None for x in p.inputs]
                 out_types = [elem_type(x) if gu.is_present(x) else None for x in p.outputs]
                 narrow = program_dtype(out_types[0]) if round_narrow and p.op != "Cast" and out_types[0] else None
+                # float32 kernels (in a float64 region) round each step, their partial sums too;
+                # float16 ones compute in float and round what they store (the node's outputs).
+                stepwise = narrow in round_narrow and narrow == "f32"
                 outs = lower_node(
-                    _RoundingEmitter(prog, narrow) if narrow in round_narrow else prog,
+                    _RoundingEmitter(prog, narrow) if stepwise else prog,
                     p.op, dict(p.attrs), a.opset, args,
                     [elem_type(x) if x is not None else None for x in ins], out_types,
                 )
+                if narrow in round_narrow and not stepwise:
+                    outs = [prog.emit("cast", v, params=[narrow])
+                            if isinstance(v, str) and t is not None and program_dtype(t) == narrow else v
+                            for v, t in zip(outs, out_types)]
                 for o, v in zip(p.outputs, outs):
                     if gu.is_present(o):
                         memo[(o.name, view)] = v

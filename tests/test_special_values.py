@@ -453,3 +453,25 @@ def test_float16_steps_of_a_region_computing_in_float_are_rounded_each():
     assert d.view(np.uint16) == 14158  # one float16 ulp below b: the steps rounded, they differ
     got = runtime.make_session(opt, threads=1, with_library=True, level="disable").run(None, feeds)[0]
     assert (_bits(got) == _bits(feeds["x"])).all(), got
+
+
+def test_float16_leaky_relu_rounds_its_output_not_its_inner_steps():
+    """A float16 node computed in float rounds what it stores, once: LeakyRelu of the smallest
+    negative subnormal gives -0 (the product rounds to -0), and a second LeakyRelu keeps it, as
+    in onnxruntime. Rounding the inner product before the lowering's own "+ 0" step gave +0
+    (fuzz seeds 12323, 15646)."""
+    from onnxfuse.fuzz import optimize_model
+
+    h = TensorProto.FLOAT16
+    nodes = [helper.make_node("LeakyRelu", ["x"], ["t"], alpha=0.49384218),
+             helper.make_node("LeakyRelu", ["t"], ["y"], alpha=0.1651976)]
+    model = helper.make_model(helper.make_graph(nodes, "half_leaky", [helper.make_tensor_value_info("x", h, [16])],
+                                                [helper.make_tensor_value_info("y", h, [16])]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    opt = optimize_model(model)
+    assert any(n.domain == "onnxfuse" for n in opt.graph.node)
+    x = np.array([-6e-8, 6e-8, -0.0, 0.0, -1.2e-7, 1e-4, np.inf, -np.inf] * 2, np.float16)
+    want = _run(model, {"x": x}, False)
+    got = runtime.make_session(opt, threads=1, with_library=True, level="disable").run(None, {"x": x})[0]
+    assert np.signbit(want[0]) and (_bits(got) == _bits(want)).all(), (got, want)
