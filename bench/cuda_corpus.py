@@ -88,17 +88,20 @@ def _worst(records: list[audit.NodeKernel], op: str) -> str:
 @click.option("--models", callback=harness.csv(), default=None, help="comma-separated corpus models (default: all)")
 @click.option("--no-cpu-contrib", is_flag=True, help="skip the CPU pipeline runs that list its contrib ops")
 @click.option("--out", default=None, help="write the report here")
+@click.option("--opt-in", "opt_in", multiple=True,
+              help="a boolean pass option set in every run (repeatable), e.g. squeeze_excite_cuda")
 def cli(args: SimpleNamespace, stamp: harness.RunStamp) -> int:
     names = args.models or corpus_names()
+    base = {name: True for name in args.opt_in}
     per_model = {}
     attention_runs = {}
     contrib = {}
     for name in names:
         harness.log(f"{name}: cuda")
-        per_model[name] = _cuda_run(name, args.arch, {})
+        per_model[name] = _cuda_run(name, args.arch, base)
         if _family(name) == "transformer":
             harness.log(f"{name}: cuda, attention_cuda")
-            attention_runs[name] = _cuda_run(name, args.arch, {"attention_cuda": True})
+            attention_runs[name] = _cuda_run(name, args.arch, {**base, "attention_cuda": True})
         if not args.no_cpu_contrib:
             harness.log(f"{name}: cpu")
             contrib[name] = _cpu_contrib_ops(name)

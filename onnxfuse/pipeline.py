@@ -100,6 +100,7 @@ class PassOptions:
     conv_tensor_cores: bool = False  # offer the 3xTF32 tensor-core GEMM (sm_80+)
     stacked_mlp: str = "pays"  # "pays": where StackedMLP beats onnxruntime; "always"
     attention_cuda: bool = False  # fuse attention on --target cuda (opt-in until timed on a GPU)
+    squeeze_excite_cuda: bool = False  # squeeze-excite on --target cuda (opt-in until timed on a GPU)
     onnxscript_fusions: bool = True  # False: the onnxscript-fusions stage leaves the graph alone
 
     def pointwise_fusion_runs(self) -> bool:

@@ -200,6 +200,11 @@ def _input_silu(graph: gs.Graph, xt: gs.Tensor, block: list[gs.Node], outs: set[
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
+    # The CUDA kernel (onnxfuse/cuda/squeeze_excite_codegen.py: one block per image) has passed
+    # ptxas and a numpy model of its arithmetic, not yet a GPU: at batch 1 a large first layer
+    # could run slower than onnxruntime's kernels. Until it is timed, the rewrite is opt-in there.
+    if ctx.target == "cuda" and not ctx.options.squeeze_excite_cuda:
+        return 0
     outs = {t.name for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     shapes: facts.ShapeTable | None = None

@@ -74,8 +74,11 @@ class Block:
         return model
 
 
-def optimize(model, target="cpu"):
-    ctx = Context(target=target, options=PassOptions.from_mapping({}))
+def optimize(model, target="cpu", **options):
+    # On cuda the rewrite is opt-in (squeeze_excite_cuda) until its kernel is timed on a GPU.
+    if target == "cuda":
+        options.setdefault("squeeze_excite_cuda", True)
+    ctx = Context(target=target, options=PassOptions.from_mapping(options))
     work = onnx.ModelProto()
     work.CopyFrom(model)
     out, stats = run_passes(work, select_passes(["squeeze-excite"], target), ctx)
@@ -152,11 +155,17 @@ def test_block_fuses_on_the_cuda_target_before_conv_bias_act_takes_its_convoluti
     passes = select_passes(None, "cuda")
     names = [p.name for p in passes]
     assert names.index("squeeze-excite") < names.index("conv-bias-act")
-    ctx = Context(target="cuda", options=PassOptions.from_mapping({}))
+    ctx = Context(target="cuda", options=PassOptions.from_mapping({"squeeze_excite_cuda": True}))
     work = onnx.ModelProto()
     work.CopyFrom(m)
     out, _ = run_passes(work, [p for p in passes if p.name in ("squeeze-excite", "conv-bias-act")], ctx)
     assert ops(out) == ["SqueezeExcite"]
+
+
+def test_block_is_left_alone_on_the_cuda_target_without_the_opt_in():
+    # The CUDA kernel is not yet timed on a GPU: without squeeze_excite_cuda the block stays.
+    out, count = optimize(Block().model(hidden="relu", gate="hardsigmoid"), target="cuda", squeeze_excite_cuda=False)
+    assert count == 0 and "SqueezeExcite" not in ops(out)
 
 
 def test_silu_before_the_block_stays_outside_on_the_cuda_target():
