@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention_codegen import INDEX, AttentionSpec
+from .kernel_model import guarded_load
 
 F = np.float32
 
@@ -22,18 +23,6 @@ def _eval(table: str, env: dict) -> dict:
     for name, expr in INDEX[table]:
         env[name] = eval(expr, scope, env)  # noqa: S307 (our own expressions)
     return env
-
-
-def _gather(buf: np.ndarray, index, ok) -> np.ndarray:
-    """buf[index] where ok, else 0 (the kernel's guarded load; no index is read where not ok)."""
-    index = np.asarray(index, np.int64)
-    ok = np.asarray(ok, bool)
-    out = np.zeros(index.shape, F)
-    read = index[ok]
-    if read.size and (read.min() < 0 or read.max() >= buf.size):
-        raise IndexError(f"the kernel would read element {int(read.max())} of a {buf.size}-element buffer")
-    out[ok] = buf[read]
-    return out
 
 
 def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int]) -> list[int]:
@@ -74,7 +63,7 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
     def biased(values, index, ok):  # the kernel's load, plus bias[index] where HAS_BIAS
         if bf is None:
             return values
-        return np.where(ok, (values + _gather(bf, index, ok)).astype(F), values)
+        return np.where(ok, (values + guarded_load(bf, index, ok)).astype(F), values)
     grid = batch * spec.heads * (-(-sq // c["ROWS"]))
     lanes = np.arange(32)
     env0 = {**c, "sq": sq, "sk": sk, "ms0": ms[0], "ms1": ms[1], "ms2": ms[2], "ms3": ms[3]}
@@ -89,17 +78,17 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
                 env["d"] = np.arange(c["DH"])
                 _eval("q_load", env)
                 q_ok = np.full(c["DH"], env["row_ok"])
-                qs = biased(_gather(qf, env["q_src"], q_ok), env["qb_src"], q_ok)
+                qs = biased(guarded_load(qf, env["q_src"], q_ok), env["qb_src"], q_ok)
                 warps.append((env, qs, F(-np.inf), F(0), np.zeros((32, c["DVL"]), F)))
             for t0 in range(0, sk, tile):
                 e = np.arange(tile * c["DH"])
                 ke = _eval("k_load", {**warps[0][0], "e": e, "t0": t0})
                 ks = np.zeros(tile * c["KS"], F)
-                ks[ke["k_dst"]] = biased(_gather(kf, ke["k_src"], ke["k_ok"]), ke["kb_src"], ke["k_ok"])
+                ks[ke["k_dst"]] = biased(guarded_load(kf, ke["k_src"], ke["k_ok"]), ke["kb_src"], ke["k_ok"])
                 e = np.arange(tile * dv)
                 ve = _eval("v_load", {**warps[0][0], "e": e, "t0": t0})
                 vs = np.zeros(tile * dv, F)
-                vs[ve["v_dst"]] = biased(_gather(vf, ve["v_src"], ve["v_ok"]), ve["vb_src"], ve["v_ok"])
+                vs[ve["v_dst"]] = biased(guarded_load(vf, ve["v_src"], ve["v_ok"]), ve["vb_src"], ve["v_ok"])
                 n_valid = min(sk - t0, tile)
                 for w, (env, qs, m, l, acc) in enumerate(warps):
                     if not env["row_ok"]:
@@ -112,7 +101,7 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
                     score = np.where(valid, dot * F(spec.scale), F(-np.inf)).astype(F)
                     if spec.has_mask:
                         me = _eval("mask", {**env, "t0": t0, "lane": lanes})
-                        score = np.where(valid, score + _gather(mf, me["m_src"], valid), score).astype(F)
+                        score = np.where(valid, score + guarded_load(mf, me["m_src"], valid), score).astype(F)
                     finite = score[~np.isnan(score)]
                     tile_max = finite.max() if finite.size else F(np.nan)  # fmaxf ignores NaN
                     m_new = F(np.fmax(m, tile_max))
@@ -137,7 +126,7 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
                     for t in range(sk):
                         ze = _eval("zero_row", {**env, "t": t, "col": cols[col_ok]})
                         ok = np.ones(row.shape, bool)
-                        row = (row + F(0) * biased(_gather(vf, ze["z_src"], ok), ze["zb_src"], ok)).astype(F)
+                        row = (row + F(0) * biased(guarded_load(vf, ze["z_src"], ok), ze["zb_src"], ok)).astype(F)
                 out[st["o_dst"]] = row
     return out.reshape(batch, sq, spec.heads * spec.dv)
 

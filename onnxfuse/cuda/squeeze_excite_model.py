@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .squeeze_excite_codegen import INDEX, SqueezeExciteSpec, activation_program
+from .kernel_model import guarded_load
 
 F = np.float32
 LANES = 32
@@ -22,17 +23,6 @@ def _eval(table: str, env: dict) -> dict:
     for name, expr in INDEX[table]:
         env[name] = eval(expr, scope, env)  # noqa: S307 (our own expressions)
     return env
-
-
-def _gather(buf: np.ndarray, index, ok) -> np.ndarray:
-    """buf[index] where ok, else 0 (the kernel reads nothing where not ok)."""
-    index, ok = np.broadcast_arrays(np.asarray(index, np.int64), np.asarray(ok, bool))
-    out = np.zeros(index.shape, F)
-    read = index[ok]
-    if read.size and (read.min() < 0 or read.max() >= buf.size):
-        raise IndexError(f"the kernel would read element {int(read.max())} of a {buf.size}-element buffer")
-    out[ok] = buf[read]
-    return out
 
 
 def _lane_sums(values: np.ndarray) -> np.ndarray:
@@ -73,7 +63,7 @@ def run(spec: SqueezeExciteSpec, x, w1, b1, w2, b2) -> np.ndarray:
         j = (np.arange(_steps(hw))[:, None] * LANES + lane)[None]
         sq = _eval("squeeze", {**env, "c": np.arange(C)[:, None, None], "j": j})
         ok = np.broadcast_to(j < hw, (C, *j.shape[1:]))
-        a = act_in.evaluate(_gather(xf, sq["x_src"], ok))[0]
+        a = act_in.evaluate(guarded_load(xf, sq["x_src"], ok))[0]
         with np.errstate(all="ignore"):
             means = (_lane_sums(np.where(ok, a, F(0))) / F(hw)).astype(F)
         # 2. hidden: rows r, k = lane + 32 * step over C
@@ -81,18 +71,18 @@ def run(spec: SqueezeExciteSpec, x, w1, b1, w2, b2) -> np.ndarray:
         hd = _eval("hidden", {**env, "r": np.arange(R)[:, None, None], "k": k})
         okc = np.broadcast_to(k < C, (R, *k.shape[1:]))
         with np.errstate(all="ignore"):
-            prods = (_gather(w1f, hd["w1_src"], okc) * _gather(means, k, okc)).astype(F)
+            prods = (guarded_load(w1f, hd["w1_src"], okc) * guarded_load(means, k, okc)).astype(F)
             hidden = act_h.evaluate((_lane_sums(np.where(okc, prods, F(0))) + b1f).astype(F))[0]
         # 3. gates: rows c, k over R
         k = (np.arange(_steps(R))[:, None] * LANES + lane)[None]
         gt = _eval("gate", {**env, "c": np.arange(C)[:, None, None], "k": k})
         okr = np.broadcast_to(k < R, (C, *k.shape[1:]))
         with np.errstate(all="ignore"):
-            prods = (_gather(w2f, gt["w2_src"], okr) * _gather(hidden, k, okr)).astype(F)
+            prods = (guarded_load(w2f, gt["w2_src"], okr) * guarded_load(hidden, k, okr)).astype(F)
             gates = act_g.evaluate((_lane_sums(np.where(okr, prods, F(0))) + b2f).astype(F))[0]
         # 4. excite over the image's flat elements
         e = np.arange(C * hw, dtype=np.int64)
         ex = _eval("store", _eval("excite", {**env, "e": e}))
         with np.errstate(all="ignore"):
-            y[ex["e_dst"]] = (act_in.evaluate(_gather(xf, ex["e_dst"], True))[0] * gates[ex["ec"]]).astype(F)
+            y[ex["e_dst"]] = (act_in.evaluate(guarded_load(xf, ex["e_dst"], True))[0] * gates[ex["ec"]]).astype(F)
     return y.reshape(x.shape)
