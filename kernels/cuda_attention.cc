@@ -45,13 +45,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     const char* names[] = {"num_heads", "cuda_dh", "cuda_dv", "cuda_rows", "cuda_block", "cuda_abi"};
     int64_t v[6];
     cuda::KernelImage image;
-    std::string error;
-    if (!cuda::read_launch(api, info, names, 6, &image, v, &error))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
-    if (v[5] != kAbiVersion)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(v[5]) +
-                                                     " is not this library's " + std::to_string(kAbiVersion) +
-                                                     " (optimize the model again)").c_str());
+    if (OrtStatus* status = cuda::read_checked_launch(api, info, names, 6, kAbiVersion, &image, v, where))
+      return status;
     if (v[4] != 32 * v[3] || v[4] > 1024)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "cuda_block is not 32 * cuda_rows").c_str());
     int64_t packed = 0, has_mask = 0, has_bias = 0, causal = 0;

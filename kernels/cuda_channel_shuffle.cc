@@ -64,13 +64,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     const char* names[] = {"groups", "cuda_block", "cuda_abi"};
     int64_t v[3];
     cuda::KernelImage image;
-    std::string error;
-    if (!cuda::read_launch(api, info, names, 3, &image, v, &error))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
-    if (v[2] != kAbiVersion)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(v[2]) +
-                                                     " is not this library's " + std::to_string(kAbiVersion) +
-                                                     " (optimize the model again)").c_str());
+    if (OrtStatus* status = cuda::read_checked_launch(api, info, names, 3, kAbiVersion, &image, v, where))
+      return status;
     if (v[1] > 1024 || v[1] % 32 != 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "invalid attribute cuda_block").c_str());
     std::string text;

@@ -163,6 +163,19 @@ bool read_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* co
   return true;
 }
 
+OrtStatus* read_checked_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* const* names,
+                               size_t count, int64_t abi, KernelImage* image, int64_t* values,
+                               const std::string& where) {
+  std::string error;
+  if (!read_launch(api, info, names, count, image, values, &error))
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
+  if (values[count - 1] != abi)
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(values[count - 1]) +
+                                                   " is not this library's " + std::to_string(abi) +
+                                                   " (optimize the model again)").c_str());
+  return nullptr;
+}
+
 bool read_stored_kernel(const OrtApiRef& api, const OrtKernelInfo* info, KernelImage* image, std::string* error) {
   if (!string_attr(api, info, "cuda_entry", &image->entry) || image->entry.empty()) {
     *error = "no compiled CUDA kernel is stored with the node (attribute cuda_entry); optimize the model with "

@@ -45,6 +45,13 @@ bool read_stored_kernel(const OrtApiRef& api, const OrtKernelInfo* info, KernelI
 bool read_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* const* names, size_t count,
                  KernelImage* image, int64_t* values, std::string* error);
 
+// read_launch for a node whose last launch constant (names[count - 1]) is cuda_abi: nullptr, or an
+// invalid-argument status prefixed by `where` when an attribute is missing or the stored kernel's
+// ABI is not `abi`, this library's (the model then has to be optimized again).
+OrtStatus* read_checked_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* const* names,
+                               size_t count, int64_t abi, KernelImage* image, int64_t* values,
+                               const std::string& where);
+
 // A string attribute, binary-safe (cubins hold NUL bytes). false when the node lacks it.
 bool string_attr(const OrtApiRef& api, const OrtKernelInfo* info, const char* name, std::string* out);
 // An int attribute. false when the node lacks it.

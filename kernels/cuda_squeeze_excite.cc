@@ -37,13 +37,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     const char* names[] = {"cuda_block", "cuda_c", "cuda_r", "cuda_abi"};
     int64_t v[4];
     cuda::KernelImage image;
-    std::string error;
-    if (!cuda::read_launch(api, info, names, 4, &image, v, &error))
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + error).c_str());
-    if (v[3] != kAbiVersion)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(v[3]) +
-                                                     " is not this library's " + std::to_string(kAbiVersion) +
-                                                     " (optimize the model again)").c_str());
+    if (OrtStatus* status = cuda::read_checked_launch(api, info, names, 4, kAbiVersion, &image, v, where))
+      return status;
     if (v[0] > 1024 || v[0] % 32 != 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "invalid attribute cuda_block").c_str());
     size_t n_in = 0;
