@@ -164,16 +164,11 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
                        mask_strides[1],
                        mask_strides[2],
                        mask_strides[3]};
-  void* stream = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
   cuda::Dim3 grid, block;
   grid.x = static_cast<unsigned int>(batch * H * row_blocks);
   block.x = static_cast<unsigned int>(k->threads);
   void* params[] = {words};
-  std::string error;
-  if (!k->kernel.launch(static_cast<cuda::CUstream>(stream), grid, block, 0, params, &error))
-    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-  return nullptr;
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
 }
 
 // The schema every registration of onnxfuse.Attention shares (the CPU kernel's in

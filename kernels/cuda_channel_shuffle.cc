@@ -157,13 +157,8 @@ OrtStatus* run(CudaChannelShuffleKernel* k, OrtKernelContext* ctx) {
   grid.x = static_cast<unsigned int>(n * total);
   grid.y = static_cast<unsigned int>((vecs + span - 1) / span);
   block.x = static_cast<unsigned int>(threads);
-  void* stream = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
   void* params[] = {words.data()};
-  std::string error;
-  if (!k->kernel.launch(static_cast<cuda::CUstream>(stream), grid, block, 0, params, &error))
-    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-  return nullptr;
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
 }
 
 // The schema of the CPU registration (channel_shuffle_cpu.cc): variadic float32 inputs and

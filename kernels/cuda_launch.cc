@@ -1,5 +1,7 @@
 #include "cuda_launch.h"
 
+#include "kernel_util.h"
+
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -173,6 +175,16 @@ OrtStatus* read_checked_launch(const OrtApiRef& api, const OrtKernelInfo* info, 
     return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(values[count - 1]) +
                                                    " is not this library's " + std::to_string(abi) +
                                                    " (optimize the model again)").c_str());
+  return nullptr;
+}
+
+OrtStatus* launch_on_ort_stream(const OrtApiRef& api, OrtKernelContext* ctx, StoredKernel& kernel, Dim3 grid,
+                                Dim3 block, void** params, const std::string& where) {
+  void* stream = nullptr;
+  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+  std::string error;
+  if (!kernel.launch(static_cast<CUstream>(stream), grid, block, 0, params, &error))
+    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
   return nullptr;
 }
 

@@ -92,5 +92,10 @@ class StoredKernel {
   unsigned int shared_set_ = 48 * 1024;  // dynamic shared memory the function allows
 };
 
+// Launches `kernel` on onnxruntime's compute stream of `ctx`, no dynamic shared memory: nullptr,
+// or the failed status prefixed by `where`.
+OrtStatus* launch_on_ort_stream(const OrtApiRef& api, OrtKernelContext* ctx, StoredKernel& kernel, Dim3 grid,
+                                Dim3 block, void** params, const std::string& where);
+
 }  // namespace cuda
 }  // namespace onnxfuse

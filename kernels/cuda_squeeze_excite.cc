@@ -86,16 +86,11 @@ OrtStatus* run(CudaSqueezeExciteKernel* k, OrtKernelContext* ctx) {
   words[5] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(y));
   words[6] = batch;
   words[7] = hw;
-  void* stream = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
   cuda::Dim3 grid, block;
   grid.x = static_cast<unsigned int>(batch);
   block.x = static_cast<unsigned int>(k->threads);
   void* params[] = {words};
-  std::string error;
-  if (!k->kernel.launch(static_cast<cuda::CUstream>(stream), grid, block, 0, params, &error))
-    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-  return nullptr;
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
 }
 
 // The schema of the CPU kernel's registration (squeeze_excite_cpu.cc): five float32 inputs, one
