@@ -25,6 +25,17 @@ def _eval(table: str, env: dict) -> dict:
     return env
 
 
+def _warp_rows(table: str, row: str, rows: int, width: int, weight_src: str, env: dict, lane, w, vec, bias, act):
+    """act(W vec + bias), a warp per row as the kernel's phases 2 and 3 compute it: lane + 32 * step
+    walks the `width` columns, each lane sums its products in step order, then the butterfly."""
+    k = (np.arange(_steps(width))[:, None] * LANES + lane)[None]
+    ix = _eval(table, {**env, row: np.arange(rows)[:, None, None], "k": k})
+    ok = np.broadcast_to(k < width, (rows, *k.shape[1:]))
+    with np.errstate(all="ignore"):
+        prods = (guarded_load(w, ix[weight_src], ok) * guarded_load(vec, k, ok)).astype(F)
+        return act.evaluate((_lane_sums(np.where(ok, prods, F(0))) + bias).astype(F))[0]
+
+
 def _lane_sums(values: np.ndarray) -> np.ndarray:
     """values [rows, steps, 32] (zeros where a lane has nothing): each lane's sum from +0 in step
     order, then the butterfly (__shfl_xor_sync, offsets 16..1); lane 0's result per row. A +0
@@ -66,20 +77,9 @@ def run(spec: SqueezeExciteSpec, x, w1, b1, w2, b2) -> np.ndarray:
         a = act_in.evaluate(guarded_load(xf, sq["x_src"], ok))[0]
         with np.errstate(all="ignore"):
             means = (_lane_sums(np.where(ok, a, F(0))) / F(hw)).astype(F)
-        # 2. hidden: rows r, k = lane + 32 * step over C
-        k = (np.arange(_steps(C))[:, None] * LANES + lane)[None]
-        hd = _eval("hidden", {**env, "r": np.arange(R)[:, None, None], "k": k})
-        okc = np.broadcast_to(k < C, (R, *k.shape[1:]))
-        with np.errstate(all="ignore"):
-            prods = (guarded_load(w1f, hd["w1_src"], okc) * guarded_load(means, k, okc)).astype(F)
-            hidden = act_h.evaluate((_lane_sums(np.where(okc, prods, F(0))) + b1f).astype(F))[0]
-        # 3. gates: rows c, k over R
-        k = (np.arange(_steps(R))[:, None] * LANES + lane)[None]
-        gt = _eval("gate", {**env, "c": np.arange(C)[:, None, None], "k": k})
-        okr = np.broadcast_to(k < R, (C, *k.shape[1:]))
-        with np.errstate(all="ignore"):
-            prods = (guarded_load(w2f, gt["w2_src"], okr) * guarded_load(hidden, k, okr)).astype(F)
-            gates = act_g.evaluate((_lane_sums(np.where(okr, prods, F(0))) + b2f).astype(F))[0]
+        # 2. hidden: rows r over R, k = lane + 32 * step over C; 3. gates: rows c over C, k over R
+        hidden = _warp_rows("hidden", "r", R, C, "w1_src", env, lane, w1f, means, b1f, act_h)
+        gates = _warp_rows("gate", "c", C, R, "w2_src", env, lane, w2f, hidden, b2f, act_g)
         # 4. excite over the image's flat elements
         e = np.arange(C * hw, dtype=np.int64)
         ex = _eval("store", _eval("excite", {**env, "e": e}))
