@@ -142,6 +142,18 @@ class Context:
     # that fold constants. None: nothing is folded.
     evaluate: Callable[[onnx.ModelProto], list] | None = _evaluate
 
+    # The pass now running (run_passes sets it), and why each candidate of each pass did not
+    # match: pass name -> node name -> reason, as of that pass's last run. Read by `--explain`.
+    current_pass: str | None = None
+    rejections: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def reject(self, node: gs.Node, reason: str) -> None:
+        """Record why `node` (a candidate root) was not rewritten by the running pass. Returns
+        None, so that a matcher can `return ctx.reject(node, "...")`."""
+        if self.current_pass is not None:
+            self.rejections.setdefault(self.current_pass, {})[node.name] = reason
+        return None
+
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function."""
         return make_fused_node(graph, self.registry, op_type, nodes, inputs, outputs, attrs)
@@ -289,7 +301,10 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context,
                 on_pass(p.name, round_)
             before = len(graph.nodes)
             t0 = time.perf_counter()
+            ctx.current_pass = p.name
+            ctx.rejections.pop(p.name, None)  # the reasons of this pass's last run stand
             matches = int(p.run(graph, ctx) or 0)
+            ctx.current_pass = None
             if matches:
                 toposort(cleanup(graph))
             if ctx.weights_on_disk:
