@@ -154,14 +154,35 @@ def test_big_models_are_saved_with_external_data_next_to_them(tmp_path):
     assert out[1] == pytest.approx(np.arange(4096).sum())
 
 
-def test_passes_command_lists_every_pass_with_its_targets(cli):
+def _table_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    """A wrapped rich table (SIMPLE_HEAD) read back: its header cells and, per row, each column's
+    text with the wrapped lines joined. A row starts where the first column has text."""
+    lines = text.splitlines()
+    header, rule, body = lines[0], lines[1], lines[2:]
+    assert set(rule) == {"─"}, rule
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[max(0, i - 2):i] == "  ")]
+    rows: list[list[str]] = []
+    for line in body:
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [len(line) + 1])]
+        if cells[0]:
+            rows.append(cells)
+        else:
+            rows[-1] = [f"{old} {new}".strip() for old, new in zip(rows[-1], cells)]
+    return [header[a:b].strip() for a, b in zip(starts, starts[1:] + [len(header) + 1])], rows
+
+
+def test_passes_command_lists_every_pass_with_its_targets_within_the_terminal(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "90")
     result = cli("passes")
     assert result.exit_code == 0
-    lines = result.stdout.splitlines()
+    assert max(len(line) for line in result.stdout.splitlines()) <= 90
+    header, rows = _table_rows(result.stdout)
+    assert header == ["pass", "targets", "runs", "what it does"]
     passes = pipeline.all_passes()
-    assert len(lines) == len(passes)
-    for line, p in zip(lines, passes):
-        assert line.startswith(p.name) and f"[{','.join(p.targets)}]" in line and p.summary in line
+    assert [r[0] for r in rows] == [p.name for p in passes]
+    for (name, targets, runs, summary), p in zip(rows, passes):
+        assert targets == ",".join(p.targets) and runs == ("default" if p.default else "opt-in")
+        assert summary == " ".join(p.summary.split()), (summary, p.summary)
     listed = json.loads(cli("passes", "--json").stdout)
     assert [p["name"] for p in listed] == [p.name for p in passes]
 
@@ -174,7 +195,7 @@ def test_passes_option_runs_only_the_named_passes(chain_path, tmp_path, cli):
     assert json.loads(result.stdout)["passes_run"] == names
 
 
-def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli):
+def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli, monkeypatch):
     from onnxfuse import zoo
 
     result = cli("zoo", "--json")
@@ -183,8 +204,14 @@ def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli):
     assert [m["name"] for m in listed] == [m.name for m in zoo.list_models()]
     assert all(m["inputs"] and m["description"] for m in listed)
     assert "char_rnn" in [m["name"] for m in listed]
+    monkeypatch.setenv("COLUMNS", "100")
     text = cli("zoo").stdout
-    assert "char_rnn" in text and "inputs:" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    header, rows = _table_rows(text)
+    assert header == ["model (zoo:NAME)", "description", "inputs"]
+    assert [r[0] for r in rows] == [m["name"] for m in listed]
+    # input shapes in brackets are shown as they are (not read as markup)
+    assert rows[0][2].replace(" ", "") == "".join(listed[0]["inputs"]).replace(" ", "")
 
 
 def test_zoo_model_as_input(tmp_path, cli):
