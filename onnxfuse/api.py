@@ -210,12 +210,11 @@ def optimize(
 
 
 def model_bytes(model: onnx.ModelProto) -> int:
-    """The model's size as files: its serialized message plus the bytes of the tensors it holds
-    by reference (external data, read from a `.data` file or spilled to scratch), which are
-    written to OUT or OUT.data with it. ByteSize() alone counts a reference as a few bytes."""
-    from .weights import referenced_bytes
+    """The model's size as files: its serialized message with the tensors it holds by
+    reference (external data, read from a `.data` file or spilled to scratch) counted inline."""
+    from .weights import inline_size
 
-    return model.ByteSize() + referenced_bytes(model)
+    return inline_size(model)
 
 
 # Without verification, kernels are counted only for models of at most this many bytes of

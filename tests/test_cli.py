@@ -303,3 +303,39 @@ def test_model_with_external_data_is_optimized(tmp_path, cli):
     assert json.loads(result.stdout)["verification"]["ok"]
     saved = onnx.load(str(out))  # small: written self-contained
     assert not any(t.external_data for t in saved.graph.initializer)
+
+
+def test_model_size_counts_external_data_before_and_after(tmp_path, cli):
+    """A model whose weights are in a .data file (torch's dynamo exporter writes such): the size
+    line and bytes_before/bytes_after are the files' sizes, weights included, not the few bytes
+    the .onnx file holds for each reference."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])
+    weights = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}") for i in range(4)]
+    nodes, last = [], "x"
+    for i in range(4):
+        nodes += [helper.make_node("MatMul", [last, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        last = f"r{i}"
+    nodes.append(helper.make_node("Sigmoid", [last], ["y"]))
+    model = helper.make_model(helper.make_graph(nodes, "mlp", [x], [y], weights),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    convert_model_to_external_data(model, all_tensors_to_one_file=True, location="mlp.onnx.data", size_threshold=0)
+    source = tmp_path / "mlp.onnx"
+    onnx.save(model, str(source))
+    files_before = source.stat().st_size + (tmp_path / "mlp.onnx.data").stat().st_size
+    assert files_before > 4 * 64 * 64 * 4 > 10 * source.stat().st_size  # the weights are in the .data file
+
+    out = tmp_path / "out" / "mlp.opt.onnx"
+    out.parent.mkdir()
+    summary = json.loads(cli("optimize", source, out, "--json").stdout)
+    files_after = sum(Path(p).stat().st_size for p in summary["files_written"])
+    # the message's own bytes for each reference (location, offset, length) differ from raw_data's
+    assert abs(summary["bytes_before"] - files_before) <= 48 * len(weights), (summary["bytes_before"], files_before)
+    assert abs(summary["bytes_after"] - files_after) <= 48 * len(weights), (summary["bytes_after"], files_after)
+    text = cli("optimize", source, out).stdout
+    size_line = next(line for line in text.splitlines() if line.startswith("model size"))
+    assert size_line.split()[2:] == [f"{files_before / 1024:.1f}", "KiB", f"{files_after / 1024:.1f}", "KiB"], size_line
