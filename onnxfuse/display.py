@@ -266,13 +266,23 @@ def profile_text(reports, result, top: int) -> str:
     ops.sort(key=lambda k: (-max(r.kernels.time_us_by_op_type.get(k, 0.0) for r in reports),
                             -max(r.kernels.by_op_type.get(k, 0) for r in reports)))
 
+    spread = any(r.kernels.share_range_by_op_type for r in reports)
+
     def cell(r, kinds) -> str:
         count = sum(r.kernels.by_op_type.get(k, 0) for k in kinds)
         share = sum(r.kernels.time_us_by_op_type.get(k, 0.0) for k in kinds) / (r.kernels.kernel_time_us or 1.0)
-        return f"{count} ({100 * share:.0f}%)" if count else "0"
+        if not count:
+            return "0"
+        ranges = [r.kernels.share_range_by_op_type.get(k) for k in kinds]
+        if spread and len(kinds) == 1 and ranges[0]:
+            low, high = ranges[0]
+            return f"{count} ({100 * share:.0f}%, {100 * low:.0f}-{100 * high:.0f}%)"
+        return f"{count} ({100 * share:.0f}%)"
 
     if top and ops:
-        rows.append(("kernels (share of kernel time) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
+        runs = max(r.kernels.timed_runs for r in reports)
+        what = (f"share of kernel time, lowest-highest of {runs} runs" if spread else "share of kernel time")
+        rows.append((f"kernels ({what}) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
         for k in ops[:top]:
             row(f"  {k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
@@ -283,7 +293,20 @@ def profile_text(reports, result, top: int) -> str:
     lines = [header]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    lines += PROFILE_NOTES
     return "\n".join(lines)
+
+
+# What the figures of `onnxfuse profile` are (also in docs/cli.md).
+PROFILE_NOTES = [
+    "",
+    "kernels: executed per inference after onnxruntime's own optimizations, from its profiler.",
+    "activations read / written: the sizes of each kernel's non-constant inputs / its outputs, summed over the",
+    "  kernels, as the profiler reports them: a fused op reading slices of one tensor through views (an LSTM",
+    "  step's four gates) counts the whole tensor once per view, so fusing can raise 'read' while traffic falls.",
+    "kernel time: the profiler's per-kernel durations (it adds a little to each kernel, so small kernels",
+    "  read long): for the shares by op type, not for latency. Latency: median of the timed runs, profiler off.",
+]
 
 
 def print_info(r: dict) -> None:
