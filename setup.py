@@ -13,6 +13,7 @@ import re
 
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
+from setuptools.command.install_lib import install_lib
 
 
 class BuildPy(build_py):
@@ -23,6 +24,15 @@ class BuildPy(build_py):
     def byte_compile(self, files):
         if self.compile or self.optimize:
             super().byte_compile(files)
+
+
+class InstallLib(install_lib):
+    """The same for the wheel's install_lib step (bdist_wheel turns compiling off)."""
+
+    def byte_compile(self, files):
+        if self.compile or self.optimize:
+            return super().byte_compile(files)
+        return []
 
 with open("onnxfuse/version.py", encoding="utf-8") as f:
     VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
@@ -40,4 +50,4 @@ native = Extension(
     extra_link_args=["-ldl", "-lpthread", "-s"],
 )
 
-setup(ext_modules=[native], cmdclass={"build_py": BuildPy})
+setup(ext_modules=[native], cmdclass={"build_py": BuildPy, "install_lib": InstallLib})
