@@ -20,7 +20,7 @@ onnxscript-fusions
                onnxscript, a rule that fails), are left alone.
     rewrite:   the graph is replaced by the stage's result. Contrib ops carry no fallback
                function: onnxruntime ships their kernels, so the output needs onnxruntime
-               wherever the stage wrote one (the README says which ops). The passes after it
+               wherever the stage wrote one (docs/internals.md says which ops). The passes after it
                fuse what remains (pointwise regions, views) and read contrib ops as opaque nodes.
     cuda:      with the pass option attention_cuda only, and only the attention groups (after
                prepare): MultiHeadAttention and Attention, which onnxruntime's CUDA provider runs
@@ -31,7 +31,7 @@ onnxscript-fusions
                chosen against the CPU provider's). Which groups pay is still decided by the CPU
                provider's executed graph: no session on a GPU is opened while optimizing.
 
-Why: onnxscript's rules already know the forms real exports take (README "How it works";
+Why: onnxscript's rules already know the forms real exports take (docs/internals.md "How it works";
 figures per model in bench/results/onnxscript_fusions.md); onnxruntime's contrib kernels for
 attention, rotary embeddings and residual + normalization run each as one kernel on the CPU.
 The stage is a dependency rather than a copy of those rules, and onnxfuse's own passes run
