@@ -43,13 +43,14 @@ def fused_ops(model: onnx.ModelProto) -> dict[str, int]:
     return dict(Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN).most_common())
 
 
-def unmatched(ctx: Context, model: onnx.ModelProto) -> dict[str, dict[str, str]]:
-    """Why each pass left the candidates it rejected, pass -> node -> reason, for the nodes still
-    in the optimized model (a candidate another pass took is no longer of interest)."""
+def unmatched(ctx: Context, model: onnx.ModelProto) -> dict[str, dict[str, list[str]]]:
+    """Why each pass left the candidates it rejected, pass -> node -> its reasons (the first
+    round's first), for the nodes still in the optimized model (a candidate another pass took is
+    no longer of interest)."""
     left = {n.name for n in model.graph.node}
     out = {}
     for pass_name, reasons in ctx.rejections.items():
-        kept = {node: why for node, why in reasons.items() if node in left}
+        kept = {node: list(why) for node, why in reasons.items() if node in left}
         if kept:
             out[pass_name] = kept
     return out

@@ -373,5 +373,5 @@ def explain_text(s: dict, pass_names: list[str]) -> str:
             continue
         lines.append(f"{name}: {len(reasons)} candidate(s) left" + (":" if reasons else ""))
         for node, why in sorted(reasons.items()):
-            lines.append(f"  {node}: {why}")
+            lines.append(f"  {node}: {why[0]}" + "".join(f"; in a later round: {w}" for w in why[1:]))
     return "\n".join(lines)

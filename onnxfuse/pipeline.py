@@ -145,9 +145,11 @@ class Context:
     evaluate: Callable[[onnx.ModelProto], list] | None = _evaluate
 
     # The pass now running (run_passes sets it), and why each candidate of each pass did not
-    # match: pass name -> node name -> reason, as of that pass's last run. Read by `--explain`.
+    # match: pass name -> node name -> its reasons, one per round that gave a new one (a later
+    # round meets the graph other passes changed: its reason alone can hide the first one).
+    # Read by `--explain`.
     current_pass: str | None = None
-    rejections: dict[str, dict[str, str]] = field(default_factory=dict)
+    rejections: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.target = as_target(self.target, self.arch)
@@ -157,7 +159,9 @@ class Context:
         """Record why `node` (a candidate root) was not rewritten by the running pass. Returns
         None, so that a matcher can `return ctx.reject(node, "...")`."""
         if self.current_pass is not None:
-            self.rejections.setdefault(self.current_pass, {})[node.name] = reason
+            reasons = self.rejections.setdefault(self.current_pass, {}).setdefault(node.name, [])
+            if reason not in reasons:
+                reasons.append(reason)
         return None
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
@@ -308,7 +312,6 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context,
             before = len(graph.nodes)
             t0 = time.perf_counter()
             ctx.current_pass = p.name
-            ctx.rejections.pop(p.name, None)  # the reasons of this pass's last run stand
             matches = int(p.run(graph, ctx) or 0)
             ctx.current_pass = None
             if matches:

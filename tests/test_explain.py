@@ -16,14 +16,14 @@ def test_a_softmax_over_another_axis_is_left_with_its_reason():
     result = optimize(attention_model(softmax_axis=1), dims={"B": 1, "S": 4})
     assert result.summary["softmax_left"] == 1
     reasons = result.summary["unmatched"]["fuse-attention"]
-    assert list(reasons.values()) == ["Softmax over axis 1, not the last axis of [B, H, Sq, Sk]"]
+    assert list(reasons.values()) == [["Softmax over axis 1, not the last axis of [B, H, Sq, Sk]"]]
 
 
 def test_keys_beyond_the_cpu_bound_are_left_with_the_measured_bound_as_reason():
     # fuse-attention alone: onnxruntime's MultiHeadAttention (the onnxscript stage) takes it otherwise
     result = optimize(attention_model(), passes=["fuse-attention"], dims={"B": 1, "S": 1024})
     assert result.summary["softmax_left"] == 1
-    (why,) = result.summary["unmatched"]["fuse-attention"].values()
+    ((why,),) = result.summary["unmatched"]["fuse-attention"].values()
     assert "key length" in why and "256 keys" in why
 
 
