@@ -112,3 +112,36 @@ def test_target_cuda_without_nvcc_is_exit_2_before_any_work(chain_path, tmp_path
     done = subprocess.run([sys.executable, "-m", "onnxfuse", "optimize", str(chain_path), str(out), "--target", "cuda",
                            "--passes", "pointwise", "--no-verify"], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
+
+
+def _chain_summary() -> dict:
+    import onnxfuse
+    from conftest import pointwise_chain_model
+
+    result = onnxfuse.optimize(pointwise_chain_model(), dims={"batch": 2})
+    return {**result.summary, "output": "out.onnx"}
+
+
+def test_verified_only_where_the_comparison_could_fail():
+    from onnxfuse.display import optimize_text
+
+    summary = _chain_summary()
+    assert summary["fused_ops"] and summary["verification"]["provider"] == "cpu"
+    text = optimize_text(summary)
+    assert "\n  verified   1 output(s) of the whole model match" in text
+    assert "fused ops  onnxfuse.Pointwise x1" in text  # named as in the op table
+
+    # --target cuda checked on the CPU provider: the CUDA kernels never ran
+    cuda = optimize_text({**summary, "target": "cuda"})
+    assert "verified" not in cuda.replace("not verified", "")
+    assert "\n  checked    1 output(s) of the whole model match" in cuda
+    assert "the CUDA kernels compiled into the model did not run and are not verified" in cuda
+    on_gpu = {**summary, "target": "cuda", "verification": {**summary["verification"], "provider": "cuda"}}
+    assert "\n  verified   " in optimize_text(on_gpu)
+
+    # outputs the same whatever the input, with nothing before them to compare
+    dependence = {"constant_outputs": ["y"], "compared": [], "runs": [], "ok": True,
+                  "note": "no tensor before them changes with the input"}
+    constant = optimize_text({**summary, "verification": {**summary["verification"], "input_dependence": dependence}})
+    assert "\n  checked    1 output(s)" in constant and "shows little: no tensor before them" in constant
+    assert "not verified" in constant
