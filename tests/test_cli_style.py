@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -99,14 +100,20 @@ def test_target_cuda_without_nvcc_is_exit_2_before_any_work(chain_path, tmp_path
     if any((Path(d) / "nvcc").exists() for d in env["PATH"].split(os.pathsep)):
         pytest.skip("nvcc is in /usr/bin or /bin here: cannot hide it")
     for model in (chain_path, tmp_path / "missing.onnx"):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "onnxfuse", "optimize", str(model), str(out), "--target", "cuda"],
                               capture_output=True, text=True, timeout=60, env=env)
         seconds = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2, done.stderr
         assert len(lines) == 1 and "nvcc not found" in lines[0] and "--target cuda" in lines[0], lines
-        assert seconds < 3.0, seconds
+        # No work done: the process's own CPU time (about 0.3 s: Python, click) is what it costs;
+        # wall time is that on an idle machine (0.7 s), several times more on a loaded one.
+        assert cpu < 1.5, cpu
+        assert seconds < 15, seconds
         assert out.read_bytes() == SENTINEL
     # Without cuda-compile in --passes nothing needs the compiler.
     done = subprocess.run([sys.executable, "-m", "onnxfuse", "optimize", str(chain_path), str(out), "--target", "cuda",
