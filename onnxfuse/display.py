@@ -283,8 +283,9 @@ def profile_text(reports, result, top: int) -> str:
         runs = max(r.kernels.timed_runs for r in reports)
         what = (f"share of kernel time, lowest-highest of {runs} runs" if spread else "share of kernel time")
         rows.append((f"kernels ({what}) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
+        fused = frozenset().union(*(r.fused_op_types for r in reports))
         for k in ops[:top]:
-            row(f"  {k}", [cell(r, [k]) for r in reports])
+            row(f"  {'onnxfuse.' + k if k in fused else k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
             row(f"  ({len(ops) - top} more op types)", [cell(r, ops[top:]) for r in reports])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -152,3 +152,12 @@ def test_verified_only_where_the_comparison_could_fail():
     constant = optimize_text({**summary, "verification": {**summary["verification"], "input_dependence": dependence}})
     assert "\n  checked    1 output(s)" in constant and "shows little: no tensor before them" in constant
     assert "not verified" in constant
+
+
+def test_fused_ops_have_one_name_in_optimize_and_profile(chain_path, tmp_path, cli):
+    out = tmp_path / "chain.opt.onnx"
+    text = cli("optimize", chain_path, out).stdout
+    assert re.search(r"^onnxfuse\.Pointwise\s+0\s+1$", text, re.M) and "fused ops  onnxfuse.Pointwise x1" in text
+    profile = cli("profile", out, "--runs", "1", "--profile-runs", "2").stdout
+    assert re.search(r"^  onnxfuse\.Pointwise\s+1 \(", profile, re.M), profile
+    assert not re.search(r"^  Pointwise\b", profile, re.M)
