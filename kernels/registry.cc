@@ -109,6 +109,19 @@ std::string json_text(const std::string& s) {
   return out + "\"";
 }
 
+// The ops this build registers, as a JSON list of [op type, execution provider] pairs: what
+// tests hold against onnxfuse.ops' table, so that the Python side and the kernels cannot disagree.
+std::string registered_ops_json() {
+  size_t count = 0;
+  const OrtCustomOp* const* ops = registered_ops(&count);
+  std::string out = "[";
+  for (size_t i = 0; i < count; ++i) {
+    if (i) out += ", ";
+    out += "[" + json_text(ops[i]->GetName(ops[i])) + ", " + json_text(ops[i]->GetExecutionProviderType(ops[i])) + "]";
+  }
+  return out + "]";
+}
+
 }  // namespace
 
 }  // namespace onnxfuse
@@ -137,7 +150,7 @@ extern "C" __attribute__((visibility("default"))) const char* OnnxfuseLibraryInf
 #else
            json_text("unknown") +
 #endif
-           ", \"kernels\": " + std::to_string(count) +
+           ", \"kernels\": " + std::to_string(count) + ", \"ops\": " + registered_ops_json() +
            ", \"avx2_fma_kernels\": " + (avx2_built ? "true" : "false") +
            ", \"avx2_fma_used\": " + (use_avx2_fma() ? "true" : "false") +
            ", \"cuda_kernels\": true, \"cuda_driver_found\": " + (driver_found ? "true" : "false") +

@@ -43,6 +43,18 @@ def fused_ops(model: onnx.ModelProto) -> dict[str, int]:
     return dict(Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN).most_common())
 
 
+def unmatched(ctx: Context, model: onnx.ModelProto) -> dict[str, dict[str, str]]:
+    """Why each pass left the candidates it rejected, pass -> node -> reason, for the nodes still
+    in the optimized model (a candidate another pass took is no longer of interest)."""
+    left = {n.name for n in model.graph.node}
+    out = {}
+    for pass_name, reasons in ctx.rejections.items():
+        kept = {node: why for node, why in reasons.items() if node in left}
+        if kept:
+            out[pass_name] = kept
+    return out
+
+
 def op_types(model: onnx.ModelProto) -> dict[str, int]:
     """Nodes of the main graph by op type, most frequent first; ops of a domain other than the
     default one are named domain.op_type."""
@@ -187,6 +199,8 @@ def optimize(
         "bytes_before": model_bytes(original),
         "bytes_after": model_bytes(optimized),
         "fused_ops": fused_ops(optimized),
+        "softmax_left": sum(1 for n in optimized.graph.node if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")),
+        "unmatched": unmatched(ctx, optimized),
         "kernels_before": kernels_before.kernels_per_inference if kernels_before else None,
         "kernels_after": kernels_after.kernels_per_inference if kernels_after else None,
         "kernels_by_op_before": kernels_before.by_op_type if kernels_before else None,

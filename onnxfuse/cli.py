@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from .display import (StageProgress, input_text, optimize_text, passes_table, print_info, print_op_table, print_wrapped,
-                      profile_text, zoo_table)
+from .display import (StageProgress, explain_text, input_text, optimize_text, passes_table, print_info, print_op_table,
+                      print_wrapped, profile_text, zoo_table)
 from .errors import InputError
 from .outfiles import OutputError, Terminated, remove_temporaries_on_signals
 
@@ -229,10 +229,13 @@ def main():
 @threads_option
 @click.option("--report", "report_path", default=None, metavar="FILE.json",
               help="Write per-pass statistics and the summary to FILE.json.")
+@click.option("--explain", "explain", multiple=True, metavar="PASS",
+              help="Say why PASS left each candidate still in the model (e.g. each Softmax fuse-attention did "
+                   "not fuse); repeatable.")
 @json_option
 @debug_option
 def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_check, verify_mode, dims, seed, threads,
-             report_path, as_json):
+             report_path, explain, as_json):
     """Optimize model IN (a path or zoo:NAME) and write OUT.
 
     OUT is written only when verification passes (or with --no-verify), and atomically:
@@ -244,6 +247,13 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
         raise click.BadParameter("--tune applies to --target cuda only", param_hint="--tune")
     if arch is not None and not (arch.startswith("sm_") and arch[3:].isdigit()):
         raise click.BadParameter(f"'{arch}': expected sm_NN, e.g. sm_90", param_hint="--arch")
+    if explain:
+        from .pipeline import all_passes
+
+        known = {p.name for p in all_passes()}
+        for name in explain:
+            if name not in known:
+                raise click.BadParameter(f"unknown pass '{name}' (`onnxfuse passes` lists them)", param_hint="--explain")
     if target == "cuda" and (pass_names is None or "cuda-compile" in pass_names):
         _check_cuda_compiler()
     if not _debug:
@@ -291,6 +301,8 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
         click.echo(header)
         print_op_table(summary)
         click.echo(rest)
+        if explain:
+            click.echo(explain_text(summary, list(explain)))
 
 
 def _check_cuda_compiler() -> None:

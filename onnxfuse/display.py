@@ -179,6 +179,8 @@ def optimize_text(s: dict) -> str:
     # named as in the op table (and in the model): domain.op_type
     fused = ", ".join(f"onnxfuse.{k} x{v}" for k, v in s["fused_ops"].items()) or "none"
     lines.append(f"  fused ops  {fused}")
+    if s.get("softmax_left"):
+        lines.append(f"  attention  {s['softmax_left']} Softmax left unfused (`--explain fuse-attention` says why)")
     if s["kernels_before"] is not None:
         after = s["kernels_after"] if s["kernels_after"] is not None else "n/a"
         lib = ""
@@ -362,3 +364,17 @@ def input_text(value, dims: dict) -> str:
         else:
             shape.append("?")
     return f"{value.name} {elem}[{', '.join(shape)}]"
+
+
+def explain_text(s: dict, pass_names: list[str]) -> str:
+    """Why each named pass left the candidates still in the model (optimize --explain)."""
+    lines = []
+    for name in pass_names:
+        reasons = s.get("unmatched", {}).get(name, {})
+        if name not in s.get("passes_run", []):
+            lines.append(f"{name}: not run")
+            continue
+        lines.append(f"{name}: {len(reasons)} candidate(s) left" + (":" if reasons else ""))
+        for node, why in sorted(reasons.items()):
+            lines.append(f"  {node}: {why}")
+    return "\n".join(lines)

@@ -332,14 +332,3 @@ def literal_value(value: np.ndarray | None) -> float | None:
         return None
     return float(first)
 
-
-def lower_single(op: str, attrs: dict, opset: int, in_types: Sequence[int | None], out_types: Sequence[int]) -> Program:
-    """The program of one node whose every input is a program input (used by tests and tools)."""
-    prog = Program()
-    args = [prog.add_input(program_dtype(t)) if t is not None else None for t in in_types]
-    outs = lower_node(prog, op, attrs, opset, args, in_types, out_types)
-    for v, t in zip(outs, out_types):
-        if v is not None:
-            prog.add_output(v, program_dtype(t))
-    return prog
-

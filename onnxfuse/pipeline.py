@@ -17,9 +17,10 @@ from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
 from .graph.core import cleanup, constants_as_initializers, export_model, toposort
 from .modelfields import keep_model_fields
+from .target import NAMES as TARGETS
+from .target import Target, as_target
 from .weights import attach_graph, release_graph
 
-TARGETS = ("cpu", "cuda")
 
 
 @dataclass
@@ -124,8 +125,9 @@ class PassOptions:
 class Context:
     """What a pass may read and use besides the graph."""
 
-    target: str = "cpu"
-    arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90"
+    # What the model will run on; a name ("cpu", "cuda") and `arch` are taken as Target(name, arch).
+    target: Target | str = "cpu"
+    arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90" (target.arch)
     registry: FusedRegistry = field(default_factory=FusedRegistry)
     options: PassOptions = field(default_factory=PassOptions)
     # Set by conv-bias-act when --tune found no GPU to time on (the heuristic tiles are used).
@@ -141,6 +143,22 @@ class Context:
     # The outputs of a model without inputs as onnxruntime's kernels compute them, for passes
     # that fold constants. None: nothing is folded.
     evaluate: Callable[[onnx.ModelProto], list] | None = _evaluate
+
+    # The pass now running (run_passes sets it), and why each candidate of each pass did not
+    # match: pass name -> node name -> reason, as of that pass's last run. Read by `--explain`.
+    current_pass: str | None = None
+    rejections: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.target = as_target(self.target, self.arch)
+        self.arch = self.target.arch
+
+    def reject(self, node: gs.Node, reason: str) -> None:
+        """Record why `node` (a candidate root) was not rewritten by the running pass. Returns
+        None, so that a matcher can `return ctx.reject(node, "...")`."""
+        if self.current_pass is not None:
+            self.rejections.setdefault(self.current_pass, {})[node.name] = reason
+        return None
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function."""
@@ -289,7 +307,10 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[Pass], ctx: Context,
                 on_pass(p.name, round_)
             before = len(graph.nodes)
             t0 = time.perf_counter()
+            ctx.current_pass = p.name
+            ctx.rejections.pop(p.name, None)  # the reasons of this pass's last run stand
             matches = int(p.run(graph, ctx) or 0)
+            ctx.current_pass = None
             if matches:
                 toposort(cleanup(graph))
             if ctx.weights_on_disk:

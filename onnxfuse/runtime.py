@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
+from . import ops
 from .fused import DOMAIN
 from .modelio import InputError
 from .records import attributes
@@ -57,11 +58,11 @@ def get_library_path() -> str:
     return library_path()
 
 
-# Fused op types the library registers for the CUDA provider. Their CUDA kernel launches the
-# kernel compiled and stored with the node (--target cuda); a node without one must run its
-# fallback function instead. On the CPU provider, op types the library does not implement fall
-# back to their functions by themselves.
-CUDA_KERNELS = frozenset({"Pointwise", "ConvBiasAct", "Attention", "ChannelShuffle"})
+# Fused op types the library registers for the CUDA provider (onnxfuse.ops' table). Their CUDA
+# kernel launches the kernel compiled and stored with the node (--target cuda); a node without one
+# must run its fallback function instead. On the CPU provider, op types the library does not
+# implement fall back to their functions by themselves.
+CUDA_KERNELS = ops.CUDA_KERNELS
 
 
 def needs_library(model: onnx.ModelProto, provider: str = "cpu") -> bool:

@@ -228,21 +228,28 @@ def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: b
     return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
 
 
+def _no(ctx: Context | None, softmax: gs.Node, reason: str) -> None:
+    """No match at `softmax`, and why (optimize --explain fuse-attention)."""
+    return None if ctx is None else ctx.reject(softmax, reason)
+
+
 def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Context | None = None) -> Match | None:
-    if not gu.is_op(softmax, "Softmax") or graph.opset < 13:
+    if not gu.is_op(softmax, "Softmax"):
         return None
+    if graph.opset < 13:
+        return _no(ctx, softmax, f"opset {graph.opset}: Softmax before opset 13 normalizes over flattened axes")
     axis = int(gu.attr(softmax, "axis", -1))
     if axis not in (-1, 3):
-        return None
+        return _no(ctx, softmax, f"Softmax over axis {axis}, not the last axis of [B, H, Sq, Sk]")
     probs = softmax.outputs[0]
     # Where(IsNaN(p), 0, p) between Softmax and the MatMul: transformers' guard for all-masked rows.
     guard = nan_to_zero_guard(graph, probs)
     weights = guard[1].outputs[0] if guard is not None else probs
     if not gu.is_private(graph, weights):
-        return None
+        return _no(ctx, softmax, "the probabilities are read by more than one node or are a graph output")
     pv = weights.outputs[0]
     if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not weights:
-        return None
+        return _no(ctx, softmax, f"the probabilities are read by {pv.op}, not as the left operand of MatMul(P, V)")
     # Softmax input: ((scores * c) + mask) or (scores * c) or scores.
     logits = softmax.inputs[0]
     chain_before: list[gs.Node] = []
@@ -266,34 +273,42 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
                     chain_before += [add, inner_add]
                     break
             if mask_terms is None:
-                return None
+                return _no(ctx, softmax, "the Softmax input is an Add, but neither operand is a (scaled) MatMul"
+                                         " of q and k read by it alone, nor (scores + a) + b")
         else:
             logits, mask = found
             chain_before.append(add)
     scores, scale, scale_node = scaled(graph, logits)
     if scale_node is not None:
         if not gu.is_private(graph, scores):
-            return None
+            return _no(ctx, softmax, "the scores before the scale are read outside the attention chain")
         chain_before.append(scale_node)
     qk = gu.producer(scores)
-    if not gu.is_op(qk, "MatMul") or not gu.is_private(graph, scores):
-        return None
-    if not gu.is_private(graph, softmax.inputs[0]):
-        return None
+    if not gu.is_op(qk, "MatMul"):
+        return _no(ctx, softmax, f"the scores come from {qk.op if qk is not None else 'a graph input'},"
+                                 " not MatMul(Q, K^T) (through at most a constant scale and additive terms)")
+    if not gu.is_private(graph, scores) or not gu.is_private(graph, softmax.inputs[0]):
+        return _no(ctx, softmax, "the scores are read outside the attention chain")
     q_in, q_scale, q_scale_node = scaled(graph, qk.inputs[0])
     if q_scale_node is not None and not gu.is_private(graph, qk.inputs[0]):
-        return None
+        return _no(ctx, softmax, "the scaled q is read outside the attention chain")
     # The TorchScript exporter writes a scale split as sqrt(s) on q and on kT: (q*c) @ (kT*c).
     k_in, k_scale, k_scale_node = scaled(graph, qk.inputs[1])
     if k_scale_node is not None and not gu.is_private(graph, qk.inputs[1]):
-        return None
+        return _no(ctx, softmax, "the scaled k is read outside the attention chain")
     q = head_split(graph, q_in, [HEADS_PERM], shapes) if gu.is_private(graph, q_in) else None
     k = keys_split(graph, k_in, shapes) if gu.is_private(graph, k_in) else None
     v = head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if gu.is_private(graph, pv.inputs[1]) else None
-    if q is None or k is None or v is None or qk.inputs[0] is qk.inputs[1]:
-        return None
+    for name, heads in (("q", q), ("k", k), ("v", v)):
+        if heads is None:
+            return _no(ctx, softmax, f"{name} is not a head split this pass proves: a Reshape [B, S, H, dh] with a"
+                                     f" constant target, then Transpose to [B, H, S, dh]"
+                                     f"{' (k: [B, H, dh, S])' if name == 'k' else ''}, read by the chain alone")
+    if qk.inputs[0] is qk.inputs[1]:
+        return _no(ctx, softmax, "q and k are the same tensor")
     if not (q.heads == k.heads == v.heads and q.width == k.width):
-        return None
+        return _no(ctx, softmax, f"head counts q {q.heads}, k {k.heads}, v {v.heads} differ (repeat_kv is"
+                                 f" fuse-gqa's form) or q and k widths differ ({q.width}, {k.width})")
     if q_scale_node is not None:
         q.nodes.append(q_scale_node)
         scale *= q_scale
@@ -303,28 +318,31 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     ctx_heads = pv.outputs[0]
     back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
     if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
-        return None
+        return _no(ctx, softmax, "the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
     merge = back.outputs[0].outputs[0]
     out_width = v.heads * v.width
     pinned = merge_pins_rows(merge, q, out_width, shapes)
     if pinned is None:
-        return None
+        return _no(ctx, softmax, f"the merge Reshape's target is not provably [B, Sq, {out_width}]")
     qd, kd, vd = (shapes.dims(h.source) for h in (q, k, v))
     if not pinned and not (same_dim(qd[0], kd[0]) and same_dim(kd[0], vd[0])):
-        return None  # a batch broadcast between q, k and v would grow the output
+        # a batch broadcast between q, k and v would grow the output
+        return _no(ctx, softmax, f"batch dims of q, k, v not provably equal ({qd[0]}, {kd[0]}, {vd[0]})")
     causal = None
     target = [qd[0], q.heads, qd[1], kd[1]]
     if mask is not None:
         # The CUDA kernel has no causal mode: there the mask stays an input. A guarded chain keeps
         # its mask as an input too (the kernel's causal mode has no guard).
-        if (ctx is None or ctx.target == "cpu") and guard is None:
+        if (ctx is None or ctx.target.attention_causal_mode) and guard is None:
             causal = _causal_slice(graph, mask, q, k, shapes)
         if causal is None and not mask_fits(mask, target, shapes, pinned):
-            return None
+            return _no(ctx, softmax, f"the additive term's dims are not provably 1 or those of the scores {target}")
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
-        return None
-    if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None):
-        return None
+        return _no(ctx, softmax, f"the two additive terms' dims are not provably 1 or those of the scores {target}")
+    if (ctx is not None and not ctx.target.attention_measured_faster_always
+            and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None)):
+        return _no(ctx, softmax, "the key length is above what the CPU kernel is measured faster at"
+                                 f" ({CPU_MAX_CAUSAL_KEYS if causal is not None else CPU_MAX_KEYS} keys)")
     chain = [qk] + list(reversed(chain_before)) + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
     m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms,
               nan_to_zero=guard is not None)
@@ -517,7 +535,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # On --target cuda the generated kernel (onnxfuse/cuda/attention_codegen.py) has been checked
     # with nvcc/ptxas and a numpy model of its indexing, but not yet timed or run on a GPU: until
     # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
-    if ctx.target == "cuda" and not ctx.options.attention_cuda:
+    if not ctx.target.measured and not ctx.options.attention_cuda:
         return 0
     if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
         return 0
@@ -526,7 +544,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # sequence (T5) must be proved [.., Sq, Sk] to be the node's mask input.
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
     matches = [m for m in (match(graph, n, shapes, ctx) for n in list(graph.nodes)) if m is not None]
-    if ctx.target == "cuda":
+    if ctx.target.compiles_kernels:
         from onnxfuse.cuda.attention_codegen import supported
 
         matches = [m for m in matches if supported(m.q.width, m.v.width)]

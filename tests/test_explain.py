@@ -1,0 +1,55 @@
+"""`optimize --explain PASS`: why a pass left each candidate still in the model."""
+from __future__ import annotations
+
+import json
+
+import onnx
+from click.testing import CliRunner
+
+from onnxfuse.api import optimize
+from onnxfuse.cli import main
+
+from attention_models import attention_model
+
+
+def test_a_softmax_over_another_axis_is_left_with_its_reason():
+    result = optimize(attention_model(softmax_axis=1), dims={"B": 1, "S": 4})
+    assert result.summary["softmax_left"] == 1
+    reasons = result.summary["unmatched"]["fuse-attention"]
+    assert list(reasons.values()) == ["Softmax over axis 1, not the last axis of [B, H, Sq, Sk]"]
+
+
+def test_keys_beyond_the_cpu_bound_are_left_with_the_measured_bound_as_reason():
+    # fuse-attention alone: onnxruntime's MultiHeadAttention (the onnxscript stage) takes it otherwise
+    result = optimize(attention_model(), passes=["fuse-attention"], dims={"B": 1, "S": 1024})
+    assert result.summary["softmax_left"] == 1
+    (why,) = result.summary["unmatched"]["fuse-attention"].values()
+    assert "key length" in why and "256 keys" in why
+
+
+def test_a_fused_attention_leaves_no_softmax_and_no_reason():
+    result = optimize(attention_model(), dims={"B": 1, "S": 8})
+    assert result.summary["softmax_left"] == 0
+    assert "fuse-attention" not in result.summary["unmatched"]
+
+
+def test_cli_explain_prints_each_left_candidate_and_json_carries_them(tmp_path):
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(attention_model(softmax_axis=1), src)
+    runner = CliRunner()
+    done = runner.invoke(main, ["optimize", str(src), str(out), "--dim", "B=1", "--dim", "S=4",
+                                "--explain", "fuse-attention"])
+    assert done.exit_code == 0, done.output
+    assert "1 Softmax left unfused" in done.output
+    assert "fuse-attention: 1 candidate(s) left:" in done.output
+    assert "Softmax over axis 1" in done.output
+    done = runner.invoke(main, ["optimize", str(src), str(out), "--dim", "B=1", "--dim", "S=4", "--json"])
+    summary = json.loads(done.output)
+    assert summary["softmax_left"] == 1 and "fuse-attention" in summary["unmatched"]
+
+
+def test_cli_explain_refuses_an_unknown_pass(tmp_path):
+    src = tmp_path / "m.onnx"
+    onnx.save(attention_model(), src)
+    done = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--explain", "no-such-pass"])
+    assert done.exit_code == 2 and "unknown pass 'no-such-pass'" in done.output
