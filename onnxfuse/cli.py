@@ -15,7 +15,7 @@ import click
 
 from .display import (StageProgress, explain_text, input_text, optimize_text, passes_table, print_info, print_op_table,
                       print_wrapped, profile_text, zoo_table)
-from .modelio import InputError
+from .errors import InputError
 from .outfiles import OutputError, Terminated, remove_temporaries_on_signals
 
 EXIT_OK = 0
@@ -199,8 +199,9 @@ def main():
         except RuntimeInstallError as e:
             raise InstallationError(str(e)) from None
     # onnxruntime and graphsurgeon log warnings to the terminal; the CLI's contract is one line
-    # per error, so they are silenced unless --debug.
-    if not _debug:
+    # per error, so they are silenced unless --debug. optimize does it itself, after the checks
+    # it makes before any work (importing onnxruntime to silence it takes a while).
+    if not _debug and click.get_current_context().invoked_subcommand != "optimize":
         quiet_libraries()
 
 
@@ -240,10 +241,6 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     OUT is written only when verification passes (or with --no-verify), and atomically:
     an existing OUT is never left half-written.
     """
-    from . import api
-    from .modelsave import check_writable, save_model, write_text_atomic
-    from .verify import VerificationError
-
     if arch is not None and target != "cuda":
         raise click.BadParameter("--arch applies to --target cuda only", param_hint="--arch")
     if tune and target != "cuda":
@@ -259,6 +256,14 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
                 raise click.BadParameter(f"unknown pass '{name}' (`onnxfuse passes` lists them)", param_hint="--explain")
     if target == "cuda" and (pass_names is None or "cuda-compile" in pass_names):
         _check_cuda_compiler()
+    if not _debug:
+        from .environment import quiet_libraries
+
+        quiet_libraries()
+    from . import api
+    from .modelsave import check_writable, save_model, write_text_atomic
+    from .verify import VerificationError
+
     check_writable(dest)
     if report_path:
         check_writable(report_path, "report")

@@ -285,11 +285,14 @@ def profile_text(reports, result, top: int) -> str:
         runs = max(r.kernels.timed_runs for r in reports)
         what = (f"share of kernel time, lowest-highest of {runs} runs" if spread else "share of kernel time")
         rows.append((f"kernels ({what}) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
+        fused = frozenset().union(*(r.fused_op_types for r in reports))
         for k in ops[:top]:
-            row(f"  {k}", [cell(r, [k]) for r in reports])
+            row(f"  {'onnxfuse.' + k if k in fused else k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
             row(f"  ({len(ops) - top} more op types)", [cell(r, ops[top:]) for r in reports])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    # a section line (text in the first cell only) does not widen the table
+    table_rows = [r for r in rows if any(r[1:])]
+    widths = [max(len(r[i]) for r in table_rows) for i in range(len(rows[0]))]
     header = (f"onnxruntime {result['provider'].upper()}, ORT level {result['ort_level']}, threads"
               f" {result['threads'] or 'default'}, dims {dims_text(result['dims'])}")
     lines = [header]
@@ -303,11 +306,11 @@ def profile_text(reports, result, top: int) -> str:
 PROFILE_NOTES = [
     "",
     "kernels: executed per inference after onnxruntime's own optimizations, from its profiler.",
-    "activations read / written: the sizes of each kernel's non-constant inputs / its outputs, summed over the",
-    "  kernels, as the profiler reports them: a fused op reading slices of one tensor through views (an LSTM",
-    "  step's four gates) counts the whole tensor once per view, so fusing can raise 'read' while traffic falls.",
-    "kernel time: the profiler's per-kernel durations (it adds a little to each kernel, so small kernels",
-    "  read long): for the shares by op type, not for latency. Latency: median of the timed runs, profiler off.",
+    "activations read / written: sizes of each kernel's non-constant inputs / its outputs, summed over",
+    "  the kernels as the profiler reports them: a fused op reading slices of one tensor through views",
+    "  (an LSTM step's four gates) counts the whole tensor once per view, so fusing can raise 'read'.",
+    "kernel time: the profiler's per-kernel durations (it adds a little to each kernel, so small",
+    "  kernels read long): for the shares by op type, not latency. Latency: timed runs, profiler off.",
 ]
 
 

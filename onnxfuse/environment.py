@@ -16,8 +16,8 @@ import os
 import re
 from dataclasses import dataclass
 
-import onnx
-from onnx import helper
+# onnx is imported where it is used: the command line calls check_onnxruntime() before
+# every command, and an error found before any work is told without loading onnx.
 
 ONNXRUNTIME_WHEELS = ("onnxruntime", "onnxruntime-gpu")
 CHOOSE_HINT = "pip install 'onnxfuse[cpu]' (or 'onnxfuse[gpu]' for CUDA)"
@@ -108,6 +108,9 @@ def library_info(path: str) -> dict:
 
 def probe_model(ir_version: int, opset: int) -> bytes:
     """A one-Relu model of `ir_version` and ai.onnx `opset`, serialized: what the probes load."""
+    import onnx
+    from onnx import helper
+
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"])],
         "probe",
@@ -149,12 +152,16 @@ def _highest_accepted(low: int, high: int, accepts) -> int:
 def ort_max_ir_version() -> int:
     """The newest ONNX IR version the installed onnxruntime loads (probed once: tables by
     version go stale, a probe does not)."""
+    import onnx
+
     return _highest_accepted(7, max(onnx.IR_VERSION, 7) + 4, lambda ir: _ort_accepts(ir, 9))
 
 
 @functools.lru_cache(maxsize=None)
 def ort_max_opset() -> int:
     """The newest ai.onnx opset the installed onnxruntime runs (probed once)."""
+    import onnx
+
     ir = ort_max_ir_version()
     return _highest_accepted(7, onnx.defs.onnx_opset_version() + 4, lambda v: _ort_accepts(ir, v))
 

@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 from .environment import ort_max_opset
+from .errors import InputError
 
 # Protobuf cannot serialize one message of 2 GiB or more; bigger models keep their large
 # tensors in a data file next to the model.
@@ -24,8 +25,8 @@ PROTOBUF_LIMIT = 2**31 - 1
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
-class InputError(Exception):
-    """Bad input (a model file, an option value): the message is one line for the user."""
+# InputError lives in errors.py (imported by the command line before anything heavy) and is
+# re-exported here, where the rest of the package takes it from.
 
 
 @dataclass

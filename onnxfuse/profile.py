@@ -50,6 +50,9 @@ class ModelReport:
     label: str
     kernels: KernelProfile
     latency: Latency | None = None
+    # op types of the model's onnxfuse nodes: the profiler names kernels by op type alone, the
+    # display names these as the model and the optimize summary do (onnxfuse.Pointwise)
+    fused_op_types: frozenset = frozenset()
 
     def as_dict(self) -> dict:
         return {"model": self.label, **self.kernels.as_dict(), "latency": self.latency.as_dict() if self.latency else None}
@@ -160,7 +163,9 @@ def profile_models(
     for label, model in models:
         feeds = _feeds(model, dims, seed, label)
         _, prof = profiled_run(model, feeds, provider, threads, level, runs=profile_runs)
-        reports.append(ModelReport(label, prof))
+        fused = frozenset(n.op_type for n in model.graph.node if n.domain == "onnxfuse") \
+            if isinstance(model, onnx.ModelProto) else frozenset()
+        reports.append(ModelReport(label, prof, fused_op_types=fused))
         sess, _ = open_session(model, provider, threads, level)
         timed.append((sess, feeds))
     if runs > 0:

@@ -18,8 +18,9 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 # the ones below). Modules not listed (graph layer, program, passes...) are checked for circles
 # only.
 LAYERS = [
-    {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.target", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize", "onnxfuse.modelsave",  # io
-     "onnxfuse.modelfields", "onnxfuse.weights", "onnxfuse.outfiles", "onnxfuse.records",
+    {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.target", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize",
+     "onnxfuse.modelsave", "onnxfuse.modelfields", "onnxfuse.errors", "onnxfuse.weights", "onnxfuse.outfiles",
+     "onnxfuse.records",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
      "onnxfuse.zoo"},
