@@ -25,8 +25,9 @@ from pathlib import Path
 _PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
 # A temporary name is ".NAME.<8 random characters>.tmp": this many characters longer than NAME.
 _TEMP_EXTRA = len(".") + 8 + len(".tmp")
-# Suffixes appended to OUT's name for files written next to it (the external data file).
-_SIDE_SUFFIXES = (".data",)
+# Suffixes appended to OUT's name for files written next to it (the external data file,
+# ".<16 hex digits of its digest>.data": modelsave.data_file_name).
+_SIDE_SUFFIXES = ("." + "0" * 16 + ".data",)
 
 _live: set[str] = set()
 _live_directories: set[str] = set()
@@ -155,13 +156,31 @@ def release(tmp: str) -> None:
     _live.discard(tmp)
 
 
+def publish(tmp: str, final: str | os.PathLike, keep_temporary: bool = False, also_release=()) -> None:
+    """Rename the temporary file `tmp` to `final` and forget it, with no signal handled in
+    between. keep_temporary: `final` stays one of the run's temporary files (removed on a
+    signal) until a later publish names it in `also_release`, which releases those paths the
+    moment `final` is in place."""
+    with _signals_wait():
+        os.replace(tmp, final)
+        if keep_temporary:
+            _live.add(str(final))
+        release(tmp)
+        for path in also_release:
+            release(str(path))
+
+
 def remove(tmp: str) -> None:
     """Remove a temporary file (if it is still there) and forget it."""
     try:
         os.unlink(tmp)
     except OSError:
         pass
-    _live.discard(tmp)
+    release(tmp)
+
+
+def is_live(path: str | os.PathLike) -> bool:
+    return str(path) in _live
 
 
 def live_temporaries() -> list[str]:
