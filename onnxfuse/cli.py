@@ -12,7 +12,8 @@ import time
 
 import click
 
-from .display import StageProgress, explain_text, input_text, optimize_text, print_info, print_op_table, profile_text
+from .display import (StageProgress, explain_text, input_text, optimize_text, print_info, print_op_table, profile_text,
+                      terminal_text)
 from .modelio import InputError
 from .outfiles import OutputError, Terminated, remove_temporaries_on_signals
 
@@ -58,7 +59,7 @@ debug_option = click.option(
 
 
 def _fail(code: int, message: str) -> None:
-    click.echo(f"onnxfuse: {message}", err=True)
+    click.echo(terminal_text(f"onnxfuse: {message}"), err=True)
     sys.exit(code)
 
 
@@ -423,8 +424,8 @@ def list_zoo(as_json):
         return
     width = max((len(e["name"]) for e in entries), default=0)
     for e in entries:
-        click.echo(f"{e['name'].ljust(width)}  {e['description']}")
-        click.echo(f"{''.ljust(width)}  inputs: {', '.join(e['inputs'])}")
+        click.echo(terminal_text(f"{e['name'].ljust(width)}  {e['description']}"))
+        click.echo(terminal_text(f"{''.ljust(width)}  inputs: {', '.join(e['inputs'])}"))
 
 
 @main.command("info")

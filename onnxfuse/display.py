@@ -2,7 +2,49 @@
 zoo's inputs, and the progress spinner. Text only; the commands themselves are in cli.py."""
 from __future__ import annotations
 
+import unicodedata
+
 import click
+
+# Characters never printed as they are: controls (escape sequences, newlines, carriage returns),
+# format characters (bidirectional overrides, zero-width joiners), line and paragraph
+# separators, and surrogates (undecodable bytes).
+_UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[ch]
+    code = ord(ch)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def terminal_text(text) -> str:
+    """`text` as it is safe to show on a terminal: every control character, escape sequence,
+    line break, bidirectional override and other invisible format character is shown escaped
+    (ESC as \\x1b, a newline as \\n), so a name taken from a model can neither drive the
+    terminal nor start a line of its own. Every human-readable line onnxfuse prints goes
+    through it; JSON output has its own escaping."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNSAFE_CATEGORIES else ch for ch in text)
+
+
+def terminal_lines(lines) -> str:
+    """Lines joined by newlines, each made safe with terminal_text (a line break inside one is
+    shown escaped)."""
+    return "\n".join(terminal_text(line) for line in lines)
+
+
+def cell(text):
+    """A rich table cell: `text` made safe, and taken literally (no markup, no emoji codes)."""
+    from rich.text import Text
+
+    return Text(terminal_text(text))
 
 
 def human_bytes(n: int | None) -> str:
@@ -49,7 +91,7 @@ class StageProgress:
         self.status.start()
 
     def stage(self, text: str) -> None:
-        self.text = text
+        self.text = terminal_text(text)
         if self.status is not None:
             self.status.update(text)
 
@@ -93,7 +135,7 @@ def print_op_table(s: dict) -> None:
     table.add_column("optimized", justify="right")
     for k in ops:
         b, a = before.get(k, 0), after.get(k, 0)
-        table.add_row(k, str(b), str(a), style=None if a == b else "bold")
+        table.add_row(cell(k), str(b), str(a), style=None if a == b else "bold")
     table.add_section()
     table.add_row("model size", human_bytes(s.get("bytes_before")), human_bytes(s.get("bytes_after")))
     print_rich(table)
@@ -164,7 +206,7 @@ def optimize_text(s: dict) -> str:
     sec = s["seconds"]
     lines.append(f"  time       {sec['total']:.2f} s (load {sec['load']:.2f}, passes {sec['passes']:.2f},"
                  f" verify {sec['verify']:.2f}, save {sec.get('save', 0):.2f})")
-    return "\n".join(lines)
+    return terminal_lines(lines)
 
 
 def profile_text(reports, result, top: int) -> str:
@@ -209,13 +251,14 @@ def profile_text(reports, result, top: int) -> str:
             row(f"  {k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
             row(f"  ({len(ops) - top} more op types)", [cell(r, ops[top:]) for r in reports])
+    rows = [tuple(terminal_text(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     header = (f"onnxruntime {result['provider'].upper()}, ORT level {result['ort_level']}, threads"
               f" {result['threads'] or 'default'}, dims {dims_text(result['dims'])}")
     lines = [header]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    return "\n".join(lines)
+    return terminal_lines(lines)
 
 
 def print_info(r: dict) -> None:
@@ -227,23 +270,23 @@ def print_info(r: dict) -> None:
     table = Table(box=box.SIMPLE, show_header=False, pad_edge=False, show_edge=False)
     table.add_column(style="bold")
     table.add_column(overflow="fold")
-    table.add_row("onnxfuse", f"{r['onnxfuse']} (op set {r['opset']})")
-    table.add_row("python", f"{r['python']} on {r['platform']}")
+    table.add_row("onnxfuse", cell(f"{r['onnxfuse']} (op set {r['opset']})"))
+    table.add_row("python", cell(f"{r['python']} on {r['platform']}"))
     for name in ("onnx", "onnx-graphsurgeon", "numpy"):
-        table.add_row(name, r[name] or "not installed")
-    table.add_row("onnxruntime", rt["problem"] or f"{rt['version']}: {', '.join(rt['wheels']) or 'no wheel metadata'}")
+        table.add_row(name, cell(r[name] or "not installed"))
+    table.add_row("onnxruntime", cell(rt["problem"] or f"{rt['version']}: {', '.join(rt['wheels']) or 'no wheel metadata'}"))
     if rt["providers"]:
-        table.add_row("providers", ", ".join(rt["providers"]))
+        table.add_row("providers", cell(", ".join(rt["providers"])))
     if lib["problem"]:
-        table.add_row("library", lib["problem"])
+        table.add_row("library", cell(lib["problem"]))
     else:
-        table.add_row("library", lib["path"])
-        table.add_row("library build", f"onnxfuse {lib['version']}, op set {lib['opset']}, {lib['kernels']} kernels,"
-                                       f" onnxruntime C API {lib['ort_api_version']}+, {lib['compiler']}")
-        table.add_row("AVX2 + FMA", f"kernels built: {yes_no[lib['avx2_fma_kernels']]}; used on this CPU:"
-                                    f" {yes_no[lib['avx2_fma_used']]}")
+        table.add_row("library", cell(lib["path"]))
+        table.add_row("library build", cell(f"onnxfuse {lib['version']}, op set {lib['opset']}, {lib['kernels']}"
+                                            f" kernels, onnxruntime C API {lib['ort_api_version']}+, {lib['compiler']}"))
+        table.add_row("AVX2 + FMA", cell(f"kernels built: {yes_no[lib['avx2_fma_kernels']]}; used on this CPU:"
+                                         f" {yes_no[lib['avx2_fma_used']]}"))
         driver = "found" if lib["cuda_driver_found"] else f"not found ({lib['cuda_driver_error']})"
-        table.add_row("CUDA", f"kernels built: {yes_no[lib['cuda_kernels']]}; CUDA driver {driver}")
+        table.add_row("CUDA", cell(f"kernels built: {yes_no[lib['cuda_kernels']]}; CUDA driver {driver}"))
     print_rich(table)
 
 
@@ -277,4 +320,4 @@ def explain_text(s: dict, pass_names: list[str]) -> str:
         lines.append(f"{name}: {len(reasons)} candidate(s) left" + (":" if reasons else ""))
         for node, why in sorted(reasons.items()):
             lines.append(f"  {node}: {why}")
-    return "\n".join(lines)
+    return terminal_lines(lines)
