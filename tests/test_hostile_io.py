@@ -372,3 +372,89 @@ def test_a_model_function_in_onnxfuse_domain_is_refused_not_shadowed(cli, tmp_pa
     assert cli("optimize", src, once).exit_code == 0
     assert any(f.domain == "onnxfuse" for f in onnx.load(str(once)).functions)
     assert cli("optimize", once, twice).exit_code == 0
+
+
+# --------------------------------------------------------------------------- out of memory, crashes, SIGHUP
+
+# `onnxfuse optimize` as the command runs (supervised: the work in a child process), stopped
+# inside the write of OUT (its bytes are being synced); there it waits for a signal (ACTION
+# "wait") or dies by one of its own (ACTION a signal name), optionally under an address-space
+# limit (LIMIT bytes, 0: none).
+_STOP_IN_WRITE = textwrap.dedent("""
+    import os, resource, signal, sys, time
+    from pathlib import Path
+    from onnxfuse import modelsave
+    from onnxfuse.cli import main
+    ready, action, limit = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    if limit:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    def stop(fd):
+        ready.write_text(str(os.getpid()))
+        if action == "wait":
+            time.sleep(60)
+        else:
+            os.kill(os.getpid(), getattr(signal, action))
+    modelsave.os.fsync = stop
+    sys.argv = ["onnxfuse"] + sys.argv[4:]
+    main()
+""")
+
+
+def _stopped_in_write(chain_path, out, ready, action, limit=0):
+    return subprocess.Popen([sys.executable, "-c", _STOP_IN_WRITE, str(ready), action, str(limit), "optimize",
+                             str(chain_path), str(out), "--no-verify"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _temporaries(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_sighup_removes_the_temporary_files_and_exits_129(chain_path, tmp_path, sentinel_out):
+    ready = tmp_path / "ready"
+    proc = _stopped_in_write(chain_path, sentinel_out, ready, "wait")
+    deadline = time.time() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the run never reached the write"
+        time.sleep(0.05)
+    assert _temporaries(tmp_path), "the write had no temporary file to remove"
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 129, (out, err)
+    assert _lines(err) == ["onnxfuse: hung up"]
+    assert _temporaries(tmp_path) == [] and sentinel_out.read_bytes() == SENTINEL
+
+
+@pytest.mark.parametrize("action,limit,code,words", [
+    ("SIGSEGV", 64 << 30, 2, "onnxfuse: error: out of memory: the run crashed (segmentation fault) with an"
+                             " address-space limit of 65536 MiB (ulimit -v)"),
+    ("SIGSEGV", 0, 3, "onnxfuse: internal error: the run crashed (segmentation fault)"),
+    ("SIGBUS", 0, 3, "onnxfuse: internal error: the run crashed (bus error)"),
+    ("SIGKILL", 0, 137, "onnxfuse: error: killed (SIGKILL): the kernel's out-of-memory killer"),
+])
+def test_a_run_that_dies_of_a_signal_ends_in_one_line_and_leaves_no_temporary_file(chain_path, tmp_path,
+                                                                                   sentinel_out, action, limit,
+                                                                                   code, words):
+    """protobuf dereferences a failed allocation when an address-space limit runs out (SIGSEGV),
+    the out-of-memory killer sends SIGKILL: neither can be caught inside the process."""
+    proc = _stopped_in_write(chain_path, sentinel_out, tmp_path / "ready", action, limit)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, (out, err)
+    (line,) = _lines(err)
+    assert line.startswith(words), line
+    assert _temporaries(tmp_path) == [] and sentinel_out.read_bytes() == SENTINEL
+
+
+def test_running_out_of_memory_is_one_line_and_exit_2(cli, chain_path, sentinel_out, monkeypatch):
+    from onnxfuse import api
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError("Unable to allocate 192. MiB for an array with shape (4096, 12288) and data type float32")
+
+    monkeypatch.setattr(api, "optimize", exhausted)
+    result = cli("optimize", chain_path, sentinel_out)
+    assert result.exit_code == 2
+    (line,) = stderr_lines(result)
+    assert line.startswith("onnxfuse: error: out of memory") and "internal error" not in line and "debug" not in line
+    assert sentinel_out.read_bytes() == SENTINEL

@@ -20,7 +20,7 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 LAYERS = [
     {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize", "onnxfuse.modelsave",  # io
      "onnxfuse.modelfields", "onnxfuse.weights", "onnxfuse.outfiles", "onnxfuse.records",
-     "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles"},  # ort
+     "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
      "onnxfuse.zoo"},
     {"onnxfuse.api", "onnxfuse.cli", "onnxfuse.display"},
