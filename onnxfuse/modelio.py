@@ -181,19 +181,69 @@ def parse_model(data: bytes, label: str) -> onnx.ModelProto:
     # version, an opset and a graph with outputs.
     if model.ir_version <= 0 or not model.opset_import or not model.HasField("graph") or not model.graph.output:
         raise InputError(f"{label}: not an ONNX model (protobuf parsed, but it has no graph, opset or IR version)")
-    where = _undecodable_text(model)
+    where = None if _all_text(model) else _undecodable_text(model)
     if where:
         raise InputError(f"{label}: {where} is not UTF-8 text (ONNX strings are UTF-8)")
     return model
 
 
-def _undecodable_text(message, path: str = "model") -> str | None:
+def _joined(*groups) -> bool:
+    """Whether every item of the groups of strings is text: protobuf hands a string field that
+    is not valid UTF-8 over as bytes, which str.join refuses (at C speed)."""
+    try:
+        for group in groups:
+            "".join(group)
+    except TypeError:
+        return False
+    return True
+
+
+def _values_text(values) -> bool:
+    tensors = [v.type.tensor_type for v in values if v.type.HasField("tensor_type")]
+    if len(tensors) < len(values) and any(_undecodable_text(v.type) is not None for v in values
+                                          if not v.type.HasField("tensor_type")):
+        return False
+    dims = [d for t in tensors for d in t.shape.dim]
+    return _joined([x for v in values for x in (v.name, v.doc_string, v.type.denotation)],
+                   [d.dim_param for d in dims], [d.denotation for d in dims])
+
+
+def _nodes_text(nodes) -> bool:
+    if not _joined([x for n in nodes for x in (n.name, n.op_type, n.domain, n.doc_string, n.overload)],
+                   [x for n in nodes for x in n.input], [x for n in nodes for x in n.output]):
+        return False
+    return not any(_undecodable_text(a) is not None for n in nodes if n.attribute for a in n.attribute)
+
+
+def _all_text(model: onnx.ModelProto) -> bool:
+    """Whether every string field of the model is valid UTF-8: a fast pass over the parts that
+    grow with the model (nodes, value infos, function bodies), the generic walk for the rest;
+    _undecodable_text then says where the first bad one is."""
+    g = model.graph
+    if not (_nodes_text(g.node) and _values_text(g.input) and _values_text(g.output) and _values_text(g.value_info)):
+        return False
+    for f in model.functions:
+        if not (_nodes_text(f.node) and _values_text(f.value_info)
+                and _joined((f.name, f.domain, f.doc_string, f.overload), f.input, f.output, f.attribute)):
+            return False
+        if any(_undecodable_text(m) is not None for m in (*f.attribute_proto, *f.opset_import, *f.metadata_props)):
+            return False
+    if _undecodable_text(model, skip=("graph", "functions")) is not None:
+        return False
+    if _undecodable_text(g, skip=("node", "input", "output", "value_info")) is not None:
+        return False
+    return True
+
+
+def _undecodable_text(message, path: str = "model", skip=()) -> str | None:
     """Where the first string field of `message` (or of a message in it) that is not valid
     UTF-8 is, as a field path; None when every one is. protobuf hands such a field over as
     bytes, which names, shapes and messages downstream are not made for."""
     from google.protobuf.descriptor import FieldDescriptor
 
     for field, value in message.ListFields():
+        if field.name in skip:
+            continue
         if field.type == FieldDescriptor.TYPE_STRING:
             values = value if field.is_repeated else [value]
             for i, v in enumerate(values):
