@@ -33,11 +33,15 @@ Exit status:
      (or does not run); OUT is left untouched
   2  bad input, usage or environment: unreadable or invalid model, unknown
      pass, bad option, OUT or --report not writable (checked before any
-     work), a failed write (disk full, I/O error); OUT is left untouched
+     work), a failed write (disk full, I/O error), out of memory; OUT is
+     left untouched
   3  internal error or broken installation (e.g. the custom-op library does
-     not load); rerun with --debug (or ONNXFUSE_DEBUG=1) for a traceback
+     not load or is truncated); rerun with --debug (or ONNXFUSE_DEBUG=1)
+     for a traceback
   129, 130, 143  hung up (SIGHUP), interrupted (SIGINT) or terminated
      (SIGTERM); temporary files are removed and OUT is left untouched
+  137  killed (SIGKILL, e.g. by the out-of-memory killer); temporary files
+     are removed and OUT is left untouched
 """
 
 def _debug_from_env() -> bool:
@@ -105,8 +109,8 @@ class OnnxfuseGroup(click.Group):
         except MemoryError:
             limit = supervise.memory_limit()
             _fail(EXIT_BAD_INPUT, "error: out of memory" + (f" (this process may use {supervise.limit_text(limit)} of"
-                                                           " address space: ulimit -v)" if limit else "")
-                  + "; run it on a machine with more memory, or raise the limit")
+                                                           " address space: ulimit -v); raise the limit, or"
+                                                           if limit else ";") + " run it on a machine with more memory")
         except Exception as e:
             from .runtime import LibraryError
 

@@ -103,7 +103,7 @@ def run_supervised() -> None:
     limit = memory_limit()
     if limit is not None:
         _say(f"error: out of memory: the run crashed ({what}) with an address-space limit of {limit_text(limit)}"
-             " (ulimit -v); raise the limit or run on a machine with more memory")
+             " (ulimit -v); raise the limit, or run it on a machine with more memory")
         os._exit(EXIT_BAD_INPUT)
     _say(f"internal error: the run crashed ({what})")
     os._exit(EXIT_INTERNAL)
