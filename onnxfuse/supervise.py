@@ -63,13 +63,17 @@ def run_supervised() -> None:
         journal = ""
     sys.stdout.flush()
     sys.stderr.flush()
+    passed_on = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    # Held from before the fork until the parent passes them on: none is lost or kills the
+    # parent alone in between.
+    signal.pthread_sigmask(signal.SIG_BLOCK, passed_on)
     pid = os.fork()
     if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, passed_on)
         os.environ[SUPERVISED_ENV] = "1"
         if journal:
             os.environ[JOURNAL_ENV] = journal
         return
-    forward = {}
 
     def pass_on(signum, frame):
         try:
@@ -77,9 +81,10 @@ def run_supervised() -> None:
         except ProcessLookupError:
             pass
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in passed_on:
         if signal.getsignal(signum) is not signal.SIG_IGN:
-            forward[signum] = signal.signal(signum, pass_on)
+            signal.signal(signum, pass_on)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, passed_on)
     while True:
         try:
             _, status = os.waitpid(pid, 0)
