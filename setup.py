@@ -12,6 +12,27 @@ import glob
 import re
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.install_lib import install_lib
+
+
+class BuildPy(build_py):
+    """build_py that byte-compiles only when asked (--compile, --optimize). A wheel needs no
+    .pyc, and the stock command prints "byte-compiling is disabled" wherever
+    PYTHONDONTWRITEBYTECODE is set, a warning about nothing."""
+
+    def byte_compile(self, files):
+        if self.compile or self.optimize:
+            super().byte_compile(files)
+
+
+class InstallLib(install_lib):
+    """The same for the wheel's install_lib step (bdist_wheel turns compiling off)."""
+
+    def byte_compile(self, files):
+        if self.compile or self.optimize:
+            return super().byte_compile(files)
+        return []
 
 with open("onnxfuse/version.py", encoding="utf-8") as f:
     VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
@@ -29,4 +50,4 @@ native = Extension(
     extra_link_args=["-ldl", "-lpthread", "-s"],
 )
 
-setup(ext_modules=[native])
+setup(ext_modules=[native], cmdclass={"build_py": BuildPy, "install_lib": InstallLib})

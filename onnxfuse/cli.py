@@ -1,4 +1,4 @@
-"""The `onnxfuse` command line: optimize, profile, passes, zoo.
+"""The `onnxfuse` command line: optimize, profile, passes, zoo, info, fuzz.
 
 Every failure is one line on stderr, `onnxfuse: error: ...`, and a documented exit status;
 a traceback only with --debug or ONNXFUSE_DEBUG=1.
@@ -9,11 +9,12 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import click
 
-from .display import (StageProgress, explain_text, input_text, optimize_text, print_info, print_op_table, profile_text,
-                      terminal_text)
+from .display import (StageProgress, explain_text, input_text, optimize_text, passes_table, print_info, print_op_table,
+                      print_wrapped, profile_text, terminal_text, zoo_table)
 from .modelio import InputError
 from . import supervise
 from .outfiles import OutputError, Terminated, remove_temporaries_on_signals
@@ -32,9 +33,9 @@ Exit status:
   1  verification failed: the optimized model does not match the original
      (or does not run); OUT is left untouched
   2  bad input, usage or environment: unreadable or invalid model, unknown
-     pass, bad option, OUT or --report not writable (checked before any
-     work), a failed write (disk full, I/O error), out of memory; OUT is
-     left untouched
+     pass, bad option, OUT or --report not writable, --target cuda
+     without nvcc (these three checked before any work), a failed write
+     (disk full, I/O error), out of memory; OUT is left untouched
   3  internal error or broken installation (e.g. the custom-op library does
      not load or is truncated); rerun with --debug (or ONNXFUSE_DEBUG=1)
      for a traceback
@@ -43,6 +44,22 @@ Exit status:
   137  killed (SIGKILL, e.g. by the out-of-memory killer); temporary files
      are removed and OUT is left untouched
 """
+
+FUZZ_EXIT_HELP = """\b
+Exit status:
+  0  every case passed (differences excused position by position included)
+  1  a case failed
+  2  bad option
+"""
+
+
+LISTING_EXIT_HELP = """\b
+Exit status:
+  0  success
+  2  bad option
+  3  broken installation (onnxruntime or the custom-op library)
+"""
+
 
 def _debug_from_env() -> bool:
     return os.environ.get("ONNXFUSE_DEBUG", "") not in ("", "0")
@@ -184,13 +201,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 def main():
     """Fuse launch-bound op chains of ONNX models into single kernels.
 
-    \b
-    onnxfuse optimize IN OUT     optimize a model (IN may be zoo:NAME), verify it, save it
-    onnxfuse profile MODEL [B]   kernels per inference, bytes moved, latency (side by side)
-    onnxfuse passes              the passes of the pipeline
-    onnxfuse zoo                 the bundled models
-    onnxfuse info                versions, the custom-op library and its build
-    onnxfuse fuzz [--cases N]    check this installation on random graphs
+    Every command takes --help and --debug. A model argument may be a file or zoo:NAME (see
+    'onnxfuse zoo'); 'python -m onnxfuse' is the same program.
     """
     from .environment import RuntimeInstallError, check_onnxruntime, quiet_libraries
 
@@ -259,6 +271,8 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
         for name in explain:
             if name not in known:
                 raise click.BadParameter(f"unknown pass '{name}' (`onnxfuse passes` lists them)", param_hint="--explain")
+    if target == "cuda" and (pass_names is None or "cuda-compile" in pass_names):
+        _check_cuda_compiler()
     check_writable(dest)
     if report_path:
         check_writable(report_path, "report")
@@ -300,6 +314,17 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
             click.echo(explain_text(summary, list(explain)))
 
 
+def _check_cuda_compiler() -> None:
+    """--target cuda compiles every fused node's kernel with nvcc (pycuda calls nvcc too): a
+    machine without it is an environment problem, told before the model is even read (exit 2)."""
+    from .cuda.compile import CompileError, find_nvcc
+
+    try:
+        find_nvcc()
+    except CompileError as e:
+        raise InputError(str(e)) from None
+
+
 def _saved_ir(model) -> int:
     from .modelsave import output_ir_version
 
@@ -309,7 +334,8 @@ def _saved_ir(model) -> int:
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("model_a", metavar="MODEL")
 @click.argument("model_b", metavar="[MODEL2]", required=False)
-@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="onnxruntime execution provider (cuda: exit 2 when onnxruntime cannot use a GPU).")
 @threads_option
 @click.option("--runs", type=click.IntRange(min=0), default=100, show_default=True,
               help="Timed runs per model (0: no timing).")
@@ -326,7 +352,7 @@ def _saved_ir(model) -> int:
 @json_option
 @debug_option
 def profile(model_a, model_b, provider, threads, runs, warmup, profile_runs, level, dims, seed, top, as_json):
-    """Kernels per inference, bytes moved and latency of MODEL in onnxruntime.
+    """Measure kernels per inference, bytes moved and latency of MODEL.
 
     Kernels are counted from onnxruntime's profiler (after its own optimizations at
     --ort-level), which also gives each op type's share of the kernel time (the profiler's
@@ -383,12 +409,17 @@ def _run_or_input_error(fn, loaded):
         raise
 
 
-@main.command("passes")
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None, help="Only passes for this target.")
+@main.command("passes", epilog=LISTING_EXIT_HELP)
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None,
+              help="List only the passes of this target (default: all).")
 @json_option
 @debug_option
 def list_passes(target, as_json):
-    """The passes, in pipeline order: name, targets, default or opt-in, what it does."""
+    """List the passes in pipeline order.
+
+    One row per pass: its name (for --passes), its targets, whether the default pipeline
+    runs it or it is opt-in, and what it does.
+    """
     from .pipeline import all_passes
 
     passes = [p for p in all_passes() if target is None or target in p.targets]
@@ -399,17 +430,18 @@ def list_passes(target, as_json):
     if not passes:
         click.echo("no passes installed")
         return
-    width = max(len(p.name) for p in passes)
-    for p in passes:
-        flag = "" if p.default else " (opt-in)"
-        click.echo(f"{p.name.ljust(width)}  [{','.join(p.targets)}]{flag}  {p.summary}")
+    print_wrapped(passes_table(passes))
 
 
-@main.command("zoo")
+@main.command("zoo", epilog=LISTING_EXIT_HELP)
 @json_option
 @debug_option
 def list_zoo(as_json):
-    """The bundled models (use them as zoo:NAME): name, description, inputs."""
+    """List the bundled models.
+
+    One row per model: its name (use it as zoo:NAME wherever a model is read), what it is,
+    and its inputs; symbolic dimensions are shown with their default values.
+    """
     import onnx
 
     try:
@@ -437,19 +469,16 @@ def list_zoo(as_json):
     if as_json:
         click.echo(json.dumps(entries, indent=2))
         return
-    width = max((len(e["name"]) for e in entries), default=0)
-    for e in entries:
-        click.echo(terminal_text(f"{e['name'].ljust(width)}  {e['description']}"))
-        click.echo(terminal_text(f"{''.ljust(width)}  inputs: {', '.join(e['inputs'])}"))
+    print_wrapped(zoo_table(entries))
 
 
-@main.command("info")
+@main.command("info", epilog=LISTING_EXIT_HELP)
 @json_option
 @debug_option
 def info(as_json):
-    """Versions, the onnxruntime in use, the custom-op library's path and what it was built with.
+    """Show versions, the onnxruntime in use and the custom-op library.
 
-    The library path is the one to register with onnxruntime in an application
+    Prints the library's path and what it was built with. The library path is the one to register with onnxruntime in an application
     (SessionOptions.register_custom_ops_library; Python: onnxfuse.get_library_path()).
     """
     import platform
@@ -499,14 +528,31 @@ def info(as_json):
     print_info(report)
 
 
-@main.command("fuzz", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
-                                        "help_option_names": []})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def fuzz_command(args):
-    """Check this installation against its onnxruntime on random graphs (see --help)."""
-    from .fuzz import main as fuzz_main
+@main.command("fuzz", epilog=FUZZ_EXIT_HELP)
+@click.option("--cases", type=click.IntRange(min=0), default=1000, show_default=True, help="Number of cases.")
+@click.option("--seed", type=int, default=0, show_default=True, help="First seed; case i uses seed + i.")
+@click.option("--one", type=int, default=None, metavar="SEED",
+              help="Run the case of this seed alone: print its model and the outcome (a traceback on error).")
+@click.option("--save", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="Write each failing case's original model to DIR.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="FILE.json", help="Write the summary (counts, failures, seconds) to FILE.json.")
+@click.option("--idempotence/--no-idempotence", default=True, show_default=True,
+              help="Also optimize each optimized model again and require no change.")
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes (each case runs on one thread).")
+@debug_option
+def fuzz_command(cases, seed, one, save, json_path, idempotence, jobs):
+    """Check this installation on random graphs against its onnxruntime.
 
-    sys.exit(fuzz_main(list(args), prog="onnxfuse fuzz"))
+    Each case is a seeded random graph (half with special values at a few input positions),
+    optimized and compared with the original in onnxruntime, with and without the onnxfuse
+    library. A failing case is reproduced by its seed with --one SEED.
+    """
+    from .fuzz.run import run_fuzz
+
+    sys.exit(run_fuzz(cases=cases, seed=seed, one=one, save=save, json_path=json_path, idempotence=idempotence,
+                      jobs=jobs))
 
 
 if __name__ == "__main__":

@@ -40,13 +40,6 @@ def terminal_lines(lines) -> str:
     return "\n".join(terminal_text(line) for line in lines)
 
 
-def cell(text):
-    """A rich table cell: `text` made safe, and taken literally (no markup, no emoji codes)."""
-    from rich.text import Text
-
-    return Text(terminal_text(text))
-
-
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
@@ -119,6 +112,69 @@ def print_rich(renderable) -> None:
     click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
+def terminal_width() -> int:
+    """Columns to lay a wrapping table out in: the terminal's, $COLUMNS, else 100 (pipes, logs)."""
+    import shutil
+
+    return max(40, shutil.get_terminal_size((100, 24)).columns)
+
+
+def print_wrapped(table) -> None:
+    """Print a rich table that wraps its long cells to fit the terminal (`passes`, `zoo`);
+    without colour off a terminal, trailing padding dropped."""
+    from rich.console import Console
+
+    console = Console(highlight=False, width=terminal_width(), color_system=None if not _stdout_is_tty() else "auto")
+    with console.capture() as captured:
+        console.print(table)
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+def _stdout_is_tty() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
+def _plain(text: str):
+    """A table cell shown as it is, made safe with terminal_text: rich would read `[batch=2]`
+    in it as markup."""
+    from rich.text import Text
+
+    return Text(terminal_text(text))
+
+
+def passes_table(passes) -> "object":
+    """`onnxfuse passes`: name, targets, default or opt-in, what the pass does (wrapped)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("pass", no_wrap=True)
+    table.add_column("targets", no_wrap=True)
+    table.add_column("runs", no_wrap=True)
+    table.add_column("what it does", overflow="fold")
+    for p in passes:
+        table.add_row(*map(_plain, (p.name, ",".join(p.targets), "default" if p.default else "opt-in", p.summary)))
+    return table
+
+
+def zoo_table(entries: list[dict]) -> "object":
+    """`onnxfuse zoo`: name, description and inputs of each bundled model (wrapped)."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    table.add_column("model (zoo:NAME)", no_wrap=True)
+    table.add_column("description", overflow="fold", ratio=3)
+    table.add_column("inputs", overflow="fold", ratio=2)
+    for e in entries:
+        inputs = Text("\n".join(terminal_text(i) for i in e["inputs"]))  # one input a line
+        table.add_row(_plain(e["name"]), _plain(e["description"]), inputs)
+    return table
+
+
 def print_op_table(s: dict) -> None:
     """Nodes by op type before and after, and the model size, as a table (onnxsim's and
     onnxslim's summary): op types whose count changed first, by how many nodes went."""
@@ -135,7 +191,7 @@ def print_op_table(s: dict) -> None:
     table.add_column("optimized", justify="right")
     for k in ops:
         b, a = before.get(k, 0), after.get(k, 0)
-        table.add_row(cell(k), str(b), str(a), style=None if a == b else "bold")
+        table.add_row(_plain(k), str(b), str(a), style=None if a == b else "bold")
     table.add_section()
     table.add_row("model size", human_bytes(s.get("bytes_before")), human_bytes(s.get("bytes_after")))
     print_rich(table)
@@ -158,7 +214,8 @@ def regions_text(v: dict) -> str:
 def optimize_text(s: dict) -> str:
     lines = [f"{s['input']} -> {s['output']} (target {s['target']}{', ' + s['arch'] if s.get('arch') else ''})"]
     lines.append(f"  nodes      {s['nodes_before']} -> {s['nodes_after']}")
-    fused = ", ".join(f"{k} x{v}" for k, v in s["fused_ops"].items()) or "none"
+    # named as in the op table (and in the model): domain.op_type
+    fused = ", ".join(f"onnxfuse.{k} x{v}" for k, v in s["fused_ops"].items()) or "none"
     lines.append(f"  fused ops  {fused}")
     if s.get("softmax_left"):
         lines.append(f"  attention  {s['softmax_left']} Softmax left unfused (`--explain fuse-attention` says why)")
@@ -182,10 +239,19 @@ def optimize_text(s: dict) -> str:
         if any(r["run"].startswith("fallback") for r in v["runs"]):
             extra = "; fallback functions match too"
         dependence = v.get("input_dependence")
+        # "verified" only where the comparison could have failed: not over outputs that are the
+        # same whatever the input with nothing before them compared, and not for --target cuda
+        # checked on the CPU provider, where the CUDA kernels written into the model never ran.
+        cuda_unrun = s.get("target") == "cuda" and v.get("provider", "cpu") != "cuda" and bool(s["fused_ops"])
+        informative = not (dependence and not dependence["compared"]) and not cuda_unrun
+        label = "verified" if informative else "checked "
+        if cuda_unrun:
+            extra += ("; on the CPU provider only (no usable GPU here): the CUDA kernels compiled into the model"
+                      " did not run and are not verified")
         if dependence:
             constant = ", ".join(f"'{n}'" for n in dependence["constant_outputs"])
-            lines.append(f"  verified   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']}, dims"
-                         f" {dims_text(v['dims'])}){extra}")
+            lines.append(f"  {label}   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']},"
+                         f" dims {dims_text(v['dims'])}){extra}")
             if dependence["compared"]:
                 stand_in = dependence["runs"][0]["outputs"][0]
                 lines.append(f"  note       output(s) {constant} are the same whatever the input, so matching them"
@@ -195,9 +261,9 @@ def optimize_text(s: dict) -> str:
                              f" {v['max_rel']:.3g}")
             else:
                 lines.append(f"  note       output(s) {constant} are the same whatever the input, so matching them"
-                             f" shows little: {dependence['note']}")
+                             f" shows little: {dependence['note']}; not verified")
         else:
-            lines.append(f"  verified   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']}, dims"
+            lines.append(f"  {label}   {outputs} output(s) of the whole model match on random inputs (seed {v['seed']}, dims"
                          f" {dims_text(v['dims'])}): max abs error {v['max_abs']:.3g}"
                          f" ({v.get('norm_rel', 0.0):.2g} of its output's largest value),"
                          f" max rel error {v['max_rel']:.3g}{extra}")
@@ -240,13 +306,23 @@ def profile_text(reports, result, top: int) -> str:
     ops.sort(key=lambda k: (-max(r.kernels.time_us_by_op_type.get(k, 0.0) for r in reports),
                             -max(r.kernels.by_op_type.get(k, 0) for r in reports)))
 
+    spread = any(r.kernels.share_range_by_op_type for r in reports)
+
     def cell(r, kinds) -> str:
         count = sum(r.kernels.by_op_type.get(k, 0) for k in kinds)
         share = sum(r.kernels.time_us_by_op_type.get(k, 0.0) for k in kinds) / (r.kernels.kernel_time_us or 1.0)
-        return f"{count} ({100 * share:.0f}%)" if count else "0"
+        if not count:
+            return "0"
+        ranges = [r.kernels.share_range_by_op_type.get(k) for k in kinds]
+        if spread and len(kinds) == 1 and ranges[0]:
+            low, high = ranges[0]
+            return f"{count} ({100 * share:.0f}%, {100 * low:.0f}-{100 * high:.0f}%)"
+        return f"{count} ({100 * share:.0f}%)"
 
     if top and ops:
-        rows.append(("kernels (share of kernel time) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
+        runs = max(r.kernels.timed_runs for r in reports)
+        what = (f"share of kernel time, lowest-highest of {runs} runs" if spread else "share of kernel time")
+        rows.append((f"kernels ({what}) by op type",) + ("",) * (len(reports) + (1 if two else 0)))
         for k in ops[:top]:
             row(f"  {k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
@@ -258,7 +334,19 @@ def profile_text(reports, result, top: int) -> str:
     lines = [header]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    return terminal_lines(lines)
+    return terminal_lines(lines + PROFILE_NOTES)
+
+
+# What the figures of `onnxfuse profile` are (also in docs/cli.md).
+PROFILE_NOTES = [
+    "",
+    "kernels: executed per inference after onnxruntime's own optimizations, from its profiler.",
+    "activations read / written: the sizes of each kernel's non-constant inputs / its outputs, summed over the",
+    "  kernels, as the profiler reports them: a fused op reading slices of one tensor through views (an LSTM",
+    "  step's four gates) counts the whole tensor once per view, so fusing can raise 'read' while traffic falls.",
+    "kernel time: the profiler's per-kernel durations (it adds a little to each kernel, so small kernels",
+    "  read long): for the shares by op type, not for latency. Latency: median of the timed runs, profiler off.",
+]
 
 
 def print_info(r: dict) -> None:
@@ -270,23 +358,27 @@ def print_info(r: dict) -> None:
     table = Table(box=box.SIMPLE, show_header=False, pad_edge=False, show_edge=False)
     table.add_column(style="bold")
     table.add_column(overflow="fold")
-    table.add_row("onnxfuse", cell(f"{r['onnxfuse']} (op set {r['opset']})"))
-    table.add_row("python", cell(f"{r['python']} on {r['platform']}"))
+
+    def row(name: str, value: str) -> None:
+        table.add_row(name, _plain(value))
+
+    row("onnxfuse", f"{r['onnxfuse']} (op set {r['opset']})")
+    row("python", f"{r['python']} on {r['platform']}")
     for name in ("onnx", "onnx-graphsurgeon", "numpy"):
-        table.add_row(name, cell(r[name] or "not installed"))
-    table.add_row("onnxruntime", cell(rt["problem"] or f"{rt['version']}: {', '.join(rt['wheels']) or 'no wheel metadata'}"))
+        row(name, r[name] or "not installed")
+    row("onnxruntime", rt["problem"] or f"{rt['version']}: {', '.join(rt['wheels']) or 'no wheel metadata'}")
     if rt["providers"]:
-        table.add_row("providers", cell(", ".join(rt["providers"])))
+        row("providers", ", ".join(rt["providers"]))
     if lib["problem"]:
-        table.add_row("library", cell(lib["problem"]))
+        row("library", lib["problem"])
     else:
-        table.add_row("library", cell(lib["path"]))
-        table.add_row("library build", cell(f"onnxfuse {lib['version']}, op set {lib['opset']}, {lib['kernels']}"
-                                            f" kernels, onnxruntime C API {lib['ort_api_version']}+, {lib['compiler']}"))
-        table.add_row("AVX2 + FMA", cell(f"kernels built: {yes_no[lib['avx2_fma_kernels']]}; used on this CPU:"
-                                         f" {yes_no[lib['avx2_fma_used']]}"))
+        row("library", lib["path"])
+        row("library build", f"onnxfuse {lib['version']}, op set {lib['opset']}, {lib['kernels']} kernels,"
+                                       f" onnxruntime C API {lib['ort_api_version']}+, {lib['compiler']}")
+        row("AVX2 + FMA", f"kernels built: {yes_no[lib['avx2_fma_kernels']]}; used on this CPU:"
+                                    f" {yes_no[lib['avx2_fma_used']]}")
         driver = "found" if lib["cuda_driver_found"] else f"not found ({lib['cuda_driver_error']})"
-        table.add_row("CUDA", cell(f"kernels built: {yes_no[lib['cuda_kernels']]}; CUDA driver {driver}"))
+        row("CUDA", f"kernels built: {yes_no[lib['cuda_kernels']]}; CUDA driver {driver}")
     print_rich(table)
 
 

@@ -17,9 +17,10 @@ from . import runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
 from .graph.core import cleanup, constants_as_initializers, export_model, toposort
 from .modelfields import keep_model_fields
+from .target import NAMES as TARGETS
+from .target import Target, as_target
 from .weights import attach_graph, release_graph
 
-TARGETS = ("cpu", "cuda")
 
 
 @dataclass
@@ -124,8 +125,9 @@ class PassOptions:
 class Context:
     """What a pass may read and use besides the graph."""
 
-    target: str = "cpu"
-    arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90"
+    # What the model will run on; a name ("cpu", "cuda") and `arch` are taken as Target(name, arch).
+    target: Target | str = "cpu"
+    arch: str | None = None  # CUDA architecture for --target cuda, e.g. "sm_90" (target.arch)
     registry: FusedRegistry = field(default_factory=FusedRegistry)
     options: PassOptions = field(default_factory=PassOptions)
     # Set by conv-bias-act when --tune found no GPU to time on (the heuristic tiles are used).
@@ -146,6 +148,10 @@ class Context:
     # match: pass name -> node name -> reason, as of that pass's last run. Read by `--explain`.
     current_pass: str | None = None
     rejections: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.target = as_target(self.target, self.arch)
+        self.arch = self.target.arch
 
     def reject(self, node: gs.Node, reason: str) -> None:
         """Record why `node` (a candidate root) was not rewritten by the running pass. Returns

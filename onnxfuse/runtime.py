@@ -282,6 +282,9 @@ class KernelProfile:
     # Timings differ from run to run, so they take no part in comparing two profiles.
     time_us_by_op_type: dict[str, float] = field(default_factory=dict, compare=False)
     timed_runs: int = field(default=0, compare=False)
+    # Each op type's share of the kernel time in the timed run where it was lowest and highest
+    # (fractions; only when two or more runs were timed): how much the shares move between runs.
+    share_range_by_op_type: dict[str, tuple[float, float]] = field(default_factory=dict, compare=False)
 
     @property
     def kernel_time_us(self) -> float:
@@ -289,6 +292,7 @@ class KernelProfile:
 
     def as_dict(self) -> dict:
         return attributes(self, "kernels_per_inference by_op_type time_us_by_op_type kernel_time_us timed_runs"
+                                " share_range_by_op_type"
                                 " by_provider activation_bytes_read parameter_bytes_read bytes_written"
                                 " library_loaded provider", ort_level=self.level)
 
@@ -425,6 +429,7 @@ def summarize_events(events: Sequence[dict], runs: int, library_loaded: bool, pr
         if after_ts is None or e.get("ts", 0) >= after_ts:
             time_by_op[e.get("args", {}).get("op_name", "?")] += float(e.get("dur", 0))
     by_provider = Counter(e.get("args", {}).get("provider", "?") for e in kernels)
+    share_range = _share_range(kernels, run_events[1:]) if len(run_events) > 2 else {}
     act = par = out = 0
     known = True
     for e in kernels:
@@ -457,7 +462,23 @@ def summarize_events(events: Sequence[dict], runs: int, library_loaded: bool, pr
         level=level,
         time_us_by_op_type={k: v / timed_runs for k, v in time_by_op.most_common()},
         timed_runs=timed_runs,
+        share_range_by_op_type=share_range,
     )
+
+
+def _share_range(kernels: Sequence[dict], runs: Sequence[dict]) -> dict[str, tuple[float, float]]:
+    """Lowest and highest share of each op type in the kernel time of one run, over `runs`."""
+    import bisect
+
+    starts = [r.get("ts", 0) for r in runs]
+    per_run: list[Counter] = [Counter() for _ in runs]
+    for e in kernels:
+        i = bisect.bisect_right(starts, e.get("ts", 0)) - 1
+        if i >= 0 and e.get("ts", 0) <= starts[i] + runs[i].get("dur", 0):
+            per_run[i][e.get("args", {}).get("op_name", "?")] += float(e.get("dur", 0))
+    ops = {k for c in per_run for k in c}
+    shares = {k: [c.get(k, 0.0) / (sum(c.values()) or 1.0) for c in per_run] for k in ops}
+    return {k: (min(v), max(v)) for k, v in shares.items()}
 
 
 def profiled_run(

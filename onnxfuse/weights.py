@@ -160,6 +160,29 @@ def referenced_bytes(model: onnx.ModelProto) -> int:
     return sum(r.length for r in (region_of(t) for t in all_tensors(model)) if r is not None)
 
 
+def _varint_size(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def inline_size(model: onnx.ModelProto) -> int:
+    """Bytes of `model` serialized with every tensor it holds by reference inline (raw_data):
+    its size as files, weights included (ByteSize() alone counts a reference as its location,
+    offset and length entries)."""
+    total = model.ByteSize()
+    for t in all_tensors(model):
+        region = region_of(t)
+        if region is None:
+            continue
+        bare = onnx.TensorProto()
+        bare.CopyFrom(t)
+        del bare.external_data[:]
+        bare.ClearField("data_location")
+        inline = bare.ByteSize() + 1 + _varint_size(region.length) + region.length
+        held = t.ByteSize()
+        total += (inline + _varint_size(inline)) - (held + _varint_size(held))
+    return total
+
+
 def has_references(model: onnx.ModelProto) -> bool:
     return any(region_of(t) is not None for t in all_tensors(model))
 

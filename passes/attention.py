@@ -333,13 +333,14 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if mask is not None:
         # The CUDA kernel has no causal mode: there the mask stays an input. A guarded chain keeps
         # its mask as an input too (the kernel's causal mode has no guard).
-        if (ctx is None or ctx.target == "cpu") and guard is None:
+        if (ctx is None or ctx.target.attention_causal_mode) and guard is None:
             causal = _causal_slice(graph, mask, q, k, shapes)
         if causal is None and not mask_fits(mask, target, shapes, pinned):
             return _no(ctx, softmax, f"the additive term's dims are not provably 1 or those of the scores {target}")
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
         return _no(ctx, softmax, f"the two additive terms' dims are not provably 1 or those of the scores {target}")
-    if ctx is not None and ctx.target == "cpu" and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None):
+    if (ctx is not None and not ctx.target.attention_measured_faster_always
+            and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None)):
         return _no(ctx, softmax, "the key length is above what the CPU kernel is measured faster at"
                                  f" ({CPU_MAX_CAUSAL_KEYS if causal is not None else CPU_MAX_KEYS} keys)")
     chain = [qk] + list(reversed(chain_before)) + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
@@ -534,7 +535,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # On --target cuda the generated kernel (onnxfuse/cuda/attention_codegen.py) has been checked
     # with nvcc/ptxas and a numpy model of its indexing, but not yet timed or run on a GPU: until
     # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
-    if ctx.target == "cuda" and not ctx.options.attention_cuda:
+    if not ctx.target.measured and not ctx.options.attention_cuda:
         return 0
     if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
         return 0
@@ -543,7 +544,7 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
     # sequence (T5) must be proved [.., Sq, Sk] to be the node's mask input.
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
     matches = [m for m in (match(graph, n, shapes, ctx) for n in list(graph.nodes)) if m is not None]
-    if ctx.target == "cuda":
+    if ctx.target.compiles_kernels:
         from onnxfuse.cuda.attention_codegen import supported
 
         matches = [m for m in matches if supported(m.q.width, m.v.width)]

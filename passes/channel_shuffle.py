@@ -206,7 +206,7 @@ def match_block(graph: gs.Graph, root: gs.Node, outs: set[str], shapes: facts.Sh
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target not in ("cpu", "cuda"):
+    if not ctx.target.has_kernel("ChannelShuffle"):
         return 0
     outs = {t.name for t in graph.outputs}
     shapes: facts.ShapeTable | None = None

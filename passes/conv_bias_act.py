@@ -233,8 +233,8 @@ def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
     # Split-K over clusters (option conv_split_k) and the 3xTF32 tensor-core GEMM (option
     # conv_tensor_cores) are opt-in until the per-layer GPU table shows where they beat cuDNN;
     # --tune (which times the candidates on the GPU) may pick them anyway.
-    clusters = ctx.options.conv_split_k and clusters_supported(ctx.arch)
-    tensor_cores = ctx.options.conv_tensor_cores and tensor_cores_supported(ctx.arch)
+    clusters = ctx.options.conv_split_k and clusters_supported(ctx.target.arch)
+    tensor_cores = ctx.options.conv_tensor_cores and tensor_cores_supported(ctx.target.arch)
     tile = tile or heuristic_tile(m.shape, clusters=clusters, tensor_cores=tensor_cores)
     return generate(m.shape, m.epilogue, tile)
 
@@ -269,7 +269,7 @@ def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.N
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target != "cuda":
+    if not ctx.target.has_kernel("ConvBiasAct"):
         return 0
     shapes = facts.ShapeTable(graph)
     # "pays" (default): only layers where our kernel is expected to win; "always": every match

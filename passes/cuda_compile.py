@@ -119,9 +119,9 @@ SPEC_KERNELS = {
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target != "cuda":
+    if not ctx.target.compiles_kernels:
         return 0
-    arch = ctx.arch or DEFAULT_ARCH
+    arch = ctx.target.arch or DEFAULT_ARCH
     jobs: list[tuple[gs.Node, str, str, dict]] = []
     shapes = None  # built for the first node of SPEC_KERNELS: shape inference costs time
     for node in graph.nodes:

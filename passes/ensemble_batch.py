@@ -97,7 +97,7 @@ def _pays(ctx: Context, x: gs.Tensor, layers: list[Layer]) -> bool:
     linear = [l for l in layers if l.kind == "linear"]
     if len(linear) < 2:
         return False
-    if ctx.target == "cuda":
+    if ctx.target.launch_bound:
         return True
     batch = gu.dims(x)[0]
     if not isinstance(batch, int) or batch > CPU_MAX_BATCH:
@@ -264,7 +264,7 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
             layers = _branches(graph, x, members)
             if len([l for l in layers if l.kind == "linear"]) < 2:
                 continue
-            fused_acts = _stacked_mlp_activations(layers) if ctx.target == "cpu" else None
+            fused_acts = _stacked_mlp_activations(layers) if ctx.target.has_kernel("StackedMLP") else None
             if fused_acts is not None and (ctx.options.stacked_mlp == "always" or _stacked_mlp_pays(x, ctx)):
                 _rewrite(graph, x, layers, ctx, fused_acts)
                 rewrites += 1

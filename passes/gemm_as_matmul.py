@@ -128,7 +128,7 @@ def gemm_as_matmul(graph: gs.Graph, ctx: Context) -> int:
         if not gu.is_op(node, "Reshape") or not node.outputs:
             continue
         for pattern, with_bias in ((FLAT_GEMM, False), (FLAT_GEMM_BIAS, True)):
-            if with_bias and ctx.target != "cpu":
+            if with_bias and ctx.target.gemm_bias_in_epilogue:
                 continue
             m = rules.match(pattern, node, outs)
             if m is None:

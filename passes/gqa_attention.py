@@ -474,7 +474,7 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: _Shared) -> None:
 
 
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target != "cpu" or not any(gu.is_op(n, "Expand") for n in graph.nodes):
+    if not ctx.target.float32_group_query_attention or not any(gu.is_op(n, "Expand") for n in graph.nodes):
         return 0
     if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
         return 0

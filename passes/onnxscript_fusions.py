@@ -20,7 +20,7 @@ onnxscript-fusions
                onnxscript, a rule that fails), are left alone.
     rewrite:   the graph is replaced by the stage's result. Contrib ops carry no fallback
                function: onnxruntime ships their kernels, so the output needs onnxruntime
-               wherever the stage wrote one (the README says which ops). The passes after it
+               wherever the stage wrote one (docs/internals.md says which ops). The passes after it
                fuse what remains (pointwise regions, views) and read contrib ops as opaque nodes.
     cuda:      with the pass option attention_cuda only, and only the attention groups (after
                prepare): MultiHeadAttention and Attention, which onnxruntime's CUDA provider runs
@@ -31,7 +31,7 @@ onnxscript-fusions
                chosen against the CPU provider's). Which groups pay is still decided by the CPU
                provider's executed graph: no session on a GPU is opened while optimizing.
 
-Why: onnxscript's rules already know the forms real exports take (README "How it works";
+Why: onnxscript's rules already know the forms real exports take (docs/internals.md "How it works";
 figures per model in bench/results/onnxscript_fusions.md); onnxruntime's contrib kernels for
 attention, rotary embeddings and residual + normalization run each as one kernel on the CPU.
 The stage is a dependency rather than a copy of those rules, and onnxfuse's own passes run
@@ -45,6 +45,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.pipeline import Context, Pass
+from onnxfuse.target import CPU, Target
 
 CONTRIB_DOMAIN = "com.microsoft"
 
@@ -265,7 +266,7 @@ def _constant_rotary_caches(m) -> int:
 CUDA_GROUPS = ("prepare", "attention", "attention, TorchScript forms")
 
 
-def _groups(target: str = "cpu"):
+def _groups(target: Target = CPU):
     """onnxscript's transformer fusions (the steps of ort_fusions.optimize_for_ort, in its
     order) as groups that each leave a model onnxruntime can load: a group's intermediate ops
     (the SDPA function the attention rules build on) are inlined again by the optimizer that
@@ -329,7 +330,7 @@ def _groups(target: str = "cpu"):
         return pattern.RewriteRuleSet(ORT_PATTERN_REWRITE_RULES).apply_to_model(m)
 
     # GroupQueryAttention's CUDA kernel takes float16 / bfloat16 only: no such rule on cuda.
-    gqa_rules = (gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa) if target == "cpu" else ()
+    gqa_rules = (gqa.fuse_gqa, gqa_packed_qkv.fuse_qkv_gqa) if target.float32_group_query_attention else ()
     groups = [
         ("prepare", [prepare]),
         # No residual + normalization rules: onnxruntime's SkipLayerNormalization CPU kernel takes
@@ -355,11 +356,11 @@ def _groups(target: str = "cpu"):
         ("gelu", [steps(gelu.fuse_gelu, bias_gelu.fuse_bias_gelu)]),
         ("matmul", [ort_rules]),
     ]
-    return groups if target == "cpu" else [g for g in groups if g[0] in CUDA_GROUPS]
+    return groups if target.measured else [g for g in groups if g[0] in CUDA_GROUPS]
 
 
 def _ort_fused(model: onnx.ModelProto, executed_graph,
-               target: str = "cpu") -> tuple[onnx.ModelProto, int, list[str]] | None:
+               target: Target = CPU) -> tuple[onnx.ModelProto, int, list[str]] | None:
     """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
     kept), or None when onnxscript is missing. A group is kept when onnxruntime loads its result
     and executes fewer nodes for it than for the model before it (the prepare group: no more);
@@ -424,7 +425,7 @@ def _attention_softmax(node: gs.Node) -> bool:
     return False
 
 
-def _may_match(graph: gs.Graph, target: str = "cpu") -> bool:
+def _may_match(graph: gs.Graph, target: Target = CPU) -> bool:
     """Whether the graph holds a form the stage's rules rewrite: attention (a Softmax of
     MatMul scores), a normalization (LayerNormalization, or ReduceMean with Sqrt), a GELU (Erf,
     or Tanh with Pow), a rotary embedding (Neg, Concat and Slice). A graph without (a CNN, an
@@ -434,7 +435,7 @@ def _may_match(graph: gs.Graph, target: str = "cpu") -> bool:
     if not ops & {"MatMul", "Gemm"}:
         return False
     attention = any(n.op == "Softmax" and _attention_softmax(n) for n in nodes)
-    if target != "cpu":
+    if not target.measured:
         return attention  # the attention groups alone run there
     return (attention or "LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops
             or {"Tanh", "Pow"} <= ops or {"Neg", "Concat", "Slice"} <= ops)
@@ -443,13 +444,12 @@ def _may_match(graph: gs.Graph, target: str = "cpu") -> bool:
 def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
     if not ctx.options.onnxscript_fusions or ctx.executed_graph is None:
         return 0
-    if ctx.target == "cuda":
-        if not ctx.options.attention_cuda:
-            return 0  # the attention groups are the stage's only part on cuda: opt-in as fuse-attention is
-        if any("cuda_cubin" in n.attrs for n in graph.nodes):
-            # A later round (or an optimized model): the stage ran before cuda-compile stored these
-            # kernels, and onnx_ir would read their bytes as text.
-            return 0
+    if not ctx.target.measured and not ctx.options.attention_cuda:
+        return 0  # the attention groups are the stage's only part on cuda: opt-in as fuse-attention is
+    if ctx.target.compiles_kernels and any("cuda_cubin" in n.attrs for n in graph.nodes):
+        # A later round (or an optimized model): the stage ran before cuda-compile stored these
+        # kernels, and onnx_ir would read their bytes as text.
+        return 0
     if not _may_match(graph, ctx.target):
         return 0
     before = _as_model(graph)

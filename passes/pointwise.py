@@ -111,8 +111,8 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     refresh_shapes(graph)
     gu.toposort(graph)
     index = GraphIndex(graph)
-    reserved = reserved_for_runtime(index, ctx.target, ctx.executed_graph)
-    a = Analysis(graph, reserved, preempted_from_runtime(index, ctx.target))
+    reserved = reserved_for_runtime(index, ctx.target.name, ctx.executed_graph)
+    a = Analysis(graph, reserved, preempted_from_runtime(index, ctx.target.name))
     regions = build_regions(a)
     # Decide which regions pay; a region whose only work is one op pays when a Slice/Split
     # it reads disappears, which needs every reader of that Slice/Split fused.

@@ -45,8 +45,8 @@ from onnxfuse.graph import facts, rules
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.rules import Rule
 from onnxfuse.graph.shape_values import ShapeEvaluator, element_count, reshaped_dims
-from onnxfuse.graph.transformer_forms import (seq_first_heads, seq_first_keys_transposed, seq_first_out_projection,
-                                              seq_first_pieces)
+from onnxfuse.graph.transformer_forms import (seq_first_heads, seq_first_keys_transposed, seq_first_out_gemm,
+                                              seq_first_out_projection, seq_first_pieces)
 from onnxfuse.pipeline import Context, Pass
 
 PIECES = ("q", "k", "v")
@@ -171,6 +171,20 @@ def _input_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
     return True
 
 
+def _gemm_operands(graph: gs.Graph, m: rules.Match, width: int) -> tuple[gs.Tensor, gs.Tensor | None] | None:
+    """The Gemm form's weight as a [width, N] constant (transposed when the Gemm reads it as B^T)
+    and its bias C (None when absent): what the MatMul form binds as out_weight and out_bias."""
+    gemm = m["out_gemm"]
+    weight = m["out_weight"]
+    if int(gu.attr(gemm, "transB", 0)):
+        v = gu.constant_value(weight) if gu.is_constant(weight) else None
+        if v is None or v.ndim != 2:
+            return None
+        weight = gu.make_constant(graph, f"{gemm.name or 'out_proj'}_weight_t", np.ascontiguousarray(v.T))
+    bias = gemm.inputs[2] if len(gemm.inputs) > 2 and gu.is_present(gemm.inputs[2]) else None
+    return weight, bias
+
+
 def _output_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
     out_bias = m.bindings.get("out_bias")
     heads = m["heads"]
@@ -179,10 +193,24 @@ def _output_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
         return False
     batch, (h, _), seq, (dh, _) = hd
     width = h * dh
+    gemm_form = "out_gemm" in m.bindings
+    rows = [seq, batch]
+    if gemm_form:
+        # torch.export flattens the rows for a 2-D Gemm and unflattens them after: [S*B, E] -> [S, B, N]
+        rows = [element_count(rows)]
+        if not gu.is_private(graph, m["out_gemm"].outputs[0]):
+            return False
+        operands = _gemm_operands(graph, m, width)
+        if operands is None:
+            return False
+        weight, out_bias = operands
+        m.bindings["out_weight"] = weight
     n = _weight(m["out_weight"], width)
     if n is None or (out_bias is not None and not _last_axis_bias(out_bias, n)):
         return False
-    if not _reshape_gives(m["merge"], m["merge_target"], [seq, batch, (h, ()), (dh, ())], [seq, batch, (width, ())]):
+    if not _reshape_gives(m["merge"], m["merge_target"], [seq, batch, (h, ()), (dh, ())], rows + [(width, ())]):
+        return False
+    if gemm_form and not _reshape_gives(m["unflat"], m["unflat_target"], rows + [(n, ())], [seq, batch, (n, ())]):
         return False
     y = m.output
     merge = m["merge"]
@@ -213,7 +241,8 @@ def _rules(ev: ShapeEvaluator) -> list[Rule]:
     return [Rule(f"{side}{'/bias' if bias else ''}", pattern(bias), rewrite=partial(rewrite, ev))
             for side, pattern, rewrite in (("batch-first-input", seq_first_pieces, _input_side),
                                            ("batch-first-output", seq_first_out_projection, _output_side))
-            for bias in (True, False)]
+            for bias in (True, False)] + [Rule("batch-first-output/gemm", seq_first_out_gemm(),
+                                               rewrite=partial(_output_side, ev))]
 
 
 def attention_batch_first(graph: gs.Graph, ctx: Context) -> int:

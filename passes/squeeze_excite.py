@@ -203,7 +203,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     # The CUDA kernel (onnxfuse/cuda/squeeze_excite_codegen.py: one block per image) has passed
     # ptxas and a numpy model of its arithmetic, not yet a GPU: at batch 1 a large first layer
     # could run slower than onnxruntime's kernels. Until it is timed, the rewrite is opt-in there.
-    if ctx.target == "cuda" and not ctx.options.squeeze_excite_cuda:
+    if not ctx.target.measured and not ctx.options.squeeze_excite_cuda:
         return 0
     outs = {t.name for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
@@ -216,7 +216,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             shapes = facts.ShapeTable(graph)
         # On cuda the SiLU stays the epilogue of the convolution before it (conv-bias-act's
         # depthwise kernel), so the block's kernel reads x once per pass instead of computing it twice.
-        found = match_block(graph, mul, outs, shapes, take_input_silu=ctx.target != "cuda")
+        found = match_block(graph, mul, outs, shapes, take_input_silu=not ctx.target.has_kernel("ConvBiasAct"))
         if found is None:
             continue
         nodes, spec = found

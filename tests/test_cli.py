@@ -156,14 +156,35 @@ def test_big_models_are_saved_with_external_data_next_to_them(tmp_path):
     assert out[1] == pytest.approx(np.arange(4096).sum())
 
 
-def test_passes_command_lists_every_pass_with_its_targets(cli):
+def _table_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    """A wrapped rich table (SIMPLE_HEAD) read back: its header cells and, per row, each column's
+    text with the wrapped lines joined. A row starts where the first column has text."""
+    lines = text.splitlines()
+    header, rule, body = lines[0], lines[1], lines[2:]
+    assert set(rule) == {"─"}, rule
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[max(0, i - 2):i] == "  ")]
+    rows: list[list[str]] = []
+    for line in body:
+        cells = [line[a:b].strip() for a, b in zip(starts, starts[1:] + [len(line) + 1])]
+        if cells[0]:
+            rows.append(cells)
+        else:
+            rows[-1] = [f"{old} {new}".strip() for old, new in zip(rows[-1], cells)]
+    return [header[a:b].strip() for a, b in zip(starts, starts[1:] + [len(header) + 1])], rows
+
+
+def test_passes_command_lists_every_pass_with_its_targets_within_the_terminal(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "90")
     result = cli("passes")
     assert result.exit_code == 0
-    lines = result.stdout.splitlines()
+    assert max(len(line) for line in result.stdout.splitlines()) <= 90
+    header, rows = _table_rows(result.stdout)
+    assert header == ["pass", "targets", "runs", "what it does"]
     passes = pipeline.all_passes()
-    assert len(lines) == len(passes)
-    for line, p in zip(lines, passes):
-        assert line.startswith(p.name) and f"[{','.join(p.targets)}]" in line and p.summary in line
+    assert [r[0] for r in rows] == [p.name for p in passes]
+    for (name, targets, runs, summary), p in zip(rows, passes):
+        assert targets == ",".join(p.targets) and runs == ("default" if p.default else "opt-in")
+        assert summary == " ".join(p.summary.split()), (summary, p.summary)
     listed = json.loads(cli("passes", "--json").stdout)
     assert [p["name"] for p in listed] == [p.name for p in passes]
 
@@ -176,7 +197,7 @@ def test_passes_option_runs_only_the_named_passes(chain_path, tmp_path, cli):
     assert json.loads(result.stdout)["passes_run"] == names
 
 
-def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli):
+def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli, monkeypatch):
     from onnxfuse import zoo
 
     result = cli("zoo", "--json")
@@ -185,8 +206,14 @@ def test_zoo_command_lists_the_bundled_models_with_their_inputs(cli):
     assert [m["name"] for m in listed] == [m.name for m in zoo.list_models()]
     assert all(m["inputs"] and m["description"] for m in listed)
     assert "char_rnn" in [m["name"] for m in listed]
+    monkeypatch.setenv("COLUMNS", "100")
     text = cli("zoo").stdout
-    assert "char_rnn" in text and "inputs:" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    header, rows = _table_rows(text)
+    assert header == ["model (zoo:NAME)", "description", "inputs"]
+    assert [r[0] for r in rows] == [m["name"] for m in listed]
+    # input shapes in brackets are shown as they are (not read as markup)
+    assert rows[0][2].replace(" ", "") == "".join(listed[0]["inputs"]).replace(" ", "")
 
 
 def test_zoo_model_as_input(tmp_path, cli):
@@ -278,3 +305,39 @@ def test_model_with_external_data_is_optimized(tmp_path, cli):
     assert json.loads(result.stdout)["verification"]["ok"]
     saved = onnx.load(str(out))  # small: written self-contained
     assert not any(t.external_data for t in saved.graph.initializer)
+
+
+def test_model_size_counts_external_data_before_and_after(tmp_path, cli):
+    """A model whose weights are in a .data file (torch's dynamo exporter writes such): the size
+    line and bytes_before/bytes_after are the files' sizes, weights included, not the few bytes
+    the .onnx file holds for each reference."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])
+    weights = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}") for i in range(4)]
+    nodes, last = [], "x"
+    for i in range(4):
+        nodes += [helper.make_node("MatMul", [last, f"w{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        last = f"r{i}"
+    nodes.append(helper.make_node("Sigmoid", [last], ["y"]))
+    model = helper.make_model(helper.make_graph(nodes, "mlp", [x], [y], weights),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    convert_model_to_external_data(model, all_tensors_to_one_file=True, location="mlp.onnx.data", size_threshold=0)
+    source = tmp_path / "mlp.onnx"
+    onnx.save(model, str(source))
+    files_before = source.stat().st_size + (tmp_path / "mlp.onnx.data").stat().st_size
+    assert files_before > 4 * 64 * 64 * 4 > 10 * source.stat().st_size  # the weights are in the .data file
+
+    out = tmp_path / "out" / "mlp.opt.onnx"
+    out.parent.mkdir()
+    summary = json.loads(cli("optimize", source, out, "--json").stdout)
+    files_after = sum(Path(p).stat().st_size for p in summary["files_written"])
+    # the message's own bytes for each reference (location, offset, length) differ from raw_data's
+    assert abs(summary["bytes_before"] - files_before) <= 48 * len(weights), (summary["bytes_before"], files_before)
+    assert abs(summary["bytes_after"] - files_after) <= 48 * len(weights), (summary["bytes_after"], files_after)
+    text = cli("optimize", source, out).stdout
+    size_line = next(line for line in text.splitlines() if line.startswith("model size"))
+    assert size_line.split()[2:] == [f"{files_before / 1024:.1f}", "KiB", f"{files_after / 1024:.1f}", "KiB"], size_line

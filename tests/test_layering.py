@@ -18,7 +18,7 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 # the ones below). Modules not listed (graph layer, program, passes...) are checked for circles
 # only.
 LAYERS = [
-    {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize", "onnxfuse.modelsave",  # io
+    {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.target", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize", "onnxfuse.modelsave",  # io
      "onnxfuse.modelfields", "onnxfuse.weights", "onnxfuse.outfiles", "onnxfuse.records",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",

@@ -41,3 +41,29 @@ def test_a_cpu_target_node_of_every_cuda_op_keeps_the_library_off_the_cuda_provi
         assert not needs_library(_model_with_fused_node(name, cuda_entry=False), "cuda"), name
         assert needs_library(_model_with_fused_node(name, cuda_entry=True), "cuda"), name
         assert needs_library(_model_with_fused_node(name, cuda_entry=False), "cpu"), name
+
+
+def test_no_pass_compares_the_target_with_a_string():
+    # Passes ask the Target what its kernels can do (onnxfuse/target.py); a name compared in a pass
+    # is a decision the next target would have to find by reading every pass.
+    import re
+    from pathlib import Path
+
+    compare = re.compile(r"""target(\.name)?\s*(==|!=|\bin\b|\bnot in\b)\s*[("']""")
+    found = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "passes").glob("*.py")):
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if compare.search(line):
+                found.append(f"{path.name}:{no}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_target_capabilities_follow_the_ops_table():
+    from onnxfuse.target import Target
+
+    cpu, cuda = Target("cpu"), Target("cuda", "sm_90")
+    assert cpu.has_kernel("StackedMLP") and not cuda.has_kernel("StackedMLP")
+    assert cuda.has_kernel("ConvBiasAct") and not cpu.has_kernel("ConvBiasAct")
+    assert not cpu.has_kernel("NoSuchOp")
+    assert cuda.compiles_kernels and not cpu.compiles_kernels
+    assert cpu.float32_group_query_attention and not cuda.float32_group_query_attention

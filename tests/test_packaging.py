@@ -30,6 +30,8 @@ def _sdist_names(outdir: Path) -> tuple[str, set[str]]:
     done = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(outdir), str(REPO)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    warnings = [line for line in (done.stdout + done.stderr).splitlines() if "warn" in line.lower()]
+    assert not warnings, f"building the sdist warns: {warnings}"
     (sdist,) = glob.glob(str(outdir / "onnxfuse-*.tar.gz"))
     with tarfile.open(sdist) as tar:
         names = tar.getnames()
@@ -55,6 +57,26 @@ def test_sdist_carries_every_file_the_library_and_package_are_built_from(tmp_pat
     python = sorted(p.relative_to(REPO).as_posix() for d in ("onnxfuse", "passes") for p in (REPO / d).rglob("*.py"))
     assert not [p for p in python if p not in names]
     assert not [n for n in names if n.endswith((".so", ".pyc"))], "build products in the sdist"
+    # Tests run from a clone (they need conftest.py, bench/ and the zoo's sources): none ship.
+    assert not [n for n in names if n.startswith("tests/")], "test files in the sdist"
+    # Every committed corpus model is package data of a declared package.
+    corpus = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "models" / "corpus").glob("*.onnx"))
+    assert corpus and not [c for c in corpus if c not in names]
+
+
+def test_package_metadata_names_license_authors_and_the_extras():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11 and newer")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["authors"]
+    extras = project["optional-dependencies"]
+    assert set(extras) == {"cpu", "gpu", "cuda", "test", "bench"}
+    # onnxruntime has a lower and an upper bound in every extra that brings it, the same in all
+    bounds = {dep.split(">=", 1)[1] for deps in extras.values() for dep in deps if dep.startswith("onnxruntime")}
+    assert len(bounds) == 1 and "<" in next(iter(bounds)), bounds
+    # each extra is documented for users
+    install = (REPO / "docs" / "install.md").read_text()
+    for extra in extras:
+        assert f"[{extra}]" in install or f"{extra}]" in install, f"docs/install.md does not document [{extra}]"
 
 
 def _plain_onnxruntime_python(cache_dir: Path) -> str:

@@ -19,11 +19,14 @@ BOTH = ["attention-batch-first", "fuse-attention"]
 
 
 def seq_first_mha(form="ts", in_bias=True, out_bias=True, gather_indices=(0, 1, 2), unpack_target=(S, -1, 3, E),
-                  q_flat_target=(S, -1, DH), in_bias_shape=(3 * E,), piece_output=False):
+                  q_flat_target=(S, -1, DH), in_bias_shape=(3 * E,), piece_output=False, out_gemm=False,
+                  unflat_target=(S, -1, E)):
     """x [B, S, E] -> nn.MultiheadAttention(E, H) (packed in-projection, no mask) -> y [B, S, E],
     as the TorchScript exporter ("ts": Squeeze axis 3, keys transposed 4-D) or torch.export
     ("dynamo": Squeeze axis -2, allowzero = 1, the keys' 3-D transpose with its head split merged
-    into the Reshape after it) writes it once shape-plumbing has made the targets constants."""
+    into the Reshape after it) writes it once shape-plumbing has made the targets constants.
+    out_gemm: the output projection as torch.export writes it for nn.MultiheadAttention, a 2-D
+    Gemm (transB = 1) of the rows flattened to [S*B, E], unflattened to `unflat_target` after."""
     rng = np.random.default_rng(1)
     az = {"allowzero": 1} if form == "dynamo" else {}
     scale = np.float32(np.sqrt(1.0 / np.sqrt(DH)))
@@ -39,7 +42,9 @@ def seq_first_mha(form="ts", in_bias=True, out_bias=True, gather_indices=(0, 1, 
         "flat_target": np.array([S, -1, DH], np.int64),
         "heads": np.array([-1, H, S, DH], np.int64),
         "keys_t": np.array([-1, H, DH, S], np.int64),
-        "merge": np.array([0, 0, E], np.int64),
+        "merge": np.array([-1, E] if out_gemm else [0, 0, E], np.int64),
+        "w_out_t": None,
+        "unflat": np.array(unflat_target, np.int64),
         "scale": np.array([scale], np.float32),
         **{f"i{i}": np.array(i, np.int64) for i in range(3)},
     }
@@ -87,18 +92,24 @@ def seq_first_mha(form="ts", in_bias=True, out_bias=True, gather_indices=(0, 1, 
         helper.make_node("MatMul", ["probs", "v_heads"], ["ctx"]),
         helper.make_node("Transpose", ["ctx"], ["ctx_sbh"], perm=[2, 0, 1, 3]),
         helper.make_node("Reshape", ["ctx_sbh", "merge"], ["merged"]),
-        helper.make_node("MatMul", ["merged", "w_out"], ["out"]),
     ]
-    out = "out"
-    if out_bias:
-        nodes.append(helper.make_node("Add", ["out", "b_out"], ["out_b"]))
-        out = "out_b"
+    if out_gemm:
+        inits["w_out_t"] = np.ascontiguousarray(inits["w_out"].T)
+        nodes += [
+            helper.make_node("Gemm", ["merged", "w_out_t"] + (["b_out"] if out_bias else []), ["rows"], transB=1),
+            helper.make_node("Reshape", ["rows", "unflat"], ["out"], **az),
+        ]
+    else:
+        nodes.append(helper.make_node("MatMul", ["merged", "w_out"], ["out"]))
+        if out_bias:
+            nodes.append(helper.make_node("Add", ["out", "b_out"], ["out_b"]))
+    out = "out_b" if out_bias and not out_gemm else "out"
     nodes.append(helper.make_node("Transpose", [out], ["y"], perm=[1, 0, 2]))
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", S, E])]
     if piece_output:
         outputs.append(helper.make_tensor_value_info("q_piece", TensorProto.FLOAT, [S, "B", E]))
     graph = helper.make_graph(nodes, "mha", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", S, E])],
-                              outputs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+                              outputs, [numpy_helper.from_array(v, k) for k, v in inits.items() if v is not None])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18 if form == "dynamo" else 17)])
     model.ir_version = 10
     onnx.checker.check_model(model)
@@ -126,6 +137,27 @@ def test_both_exporters_forms_become_one_packed_attention_with_its_bias(form, in
     # No sequence-first plumbing is left: the projections read x and write y directly.
     assert not {"Transpose", "Gather", "Squeeze", "Unsqueeze", "Reshape", "Split"} & set(ops(opt))
     assert ops(opt).count("MatMul") == 2
+    check_runs_like_original(m, opt, feeds())
+
+
+@pytest.mark.parametrize("out_bias", [True, False])
+def test_torch_export_gemm_output_projection_becomes_one_packed_attention(out_bias):
+    # torchvision's ViT with a static batch, exported by torch.export: the output projection is a
+    # Gemm of rows flattened to [S*B, E], unflattened to [S, B, E] (fuse-attention said: "the
+    # output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape").
+    m = seq_first_mha("dynamo", out_bias=out_bias, out_gemm=True)
+    opt, n = optimize(m, BOTH)
+    (node,) = fused(opt)
+    assert attrs(node)["qkv_packed"] == 1
+    assert not {"Transpose", "Gather", "Squeeze", "Unsqueeze", "Reshape", "Split", "Gemm"} & set(ops(opt))
+    check_runs_like_original(m, opt, feeds())
+
+
+def test_gemm_output_projection_unflattened_to_other_rows_is_left_alone():
+    # [B, S, E] rows of a [S*B, N] product are not its [S, B, N] rows: the output side stays.
+    m = seq_first_mha("dynamo", out_gemm=True, unflat_target=(-1, S, E))
+    opt, _ = optimize(m, BOTH)
+    assert "Gemm" in ops(opt)
     check_runs_like_original(m, opt, feeds())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 
 import numpy as np
@@ -186,6 +187,13 @@ def test_profile_text_shows_each_op_types_share_of_kernel_time():
     res = CliRunner().invoke(main, ["profile", path, "--runs", "3", "--profile-runs", "3", "--top", "3"])
     assert res.exit_code == 0, res.output
     assert "kernel time (profiler)" in res.output
-    shares = [int(line.split("(")[-1].rstrip("%)")) for line in res.output.splitlines()
-              if line.startswith("  ") and line.rstrip().endswith("%)")]
+    rows = [re.search(r"\((\d+)%(?:, (\d+)-(\d+)%)?\)$", line.rstrip()) for line in res.output.splitlines()
+            if line.startswith("  ") and line.rstrip().endswith("%)")]
+    shares = [int(m.group(1)) for m in rows]
     assert shares and 95 <= sum(shares) <= 105  # three op types plus "more", each rounded
+    # with two timed runs or more, each op type shows the lowest and highest share of one run
+    ranges = [(int(m.group(2)), int(m.group(3))) for m in rows if m.group(2)]
+    assert ranges and len(ranges) >= len(rows) - 1  # every row but "(N more op types)"
+    assert all(0 <= low <= high <= 100 for low, high in ranges)
+    assert "lowest-highest of 2 runs" in res.output
+    assert "activations read / written:" in res.output  # the figures are explained

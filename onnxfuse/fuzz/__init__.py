@@ -36,10 +36,10 @@ The package: generate (op tables and the graph builder), cases (a seed's model a
 from .cases import LATER_MOTIFS_SEED, SALTED_SHARE, Case, build_case, random_case, salt, special_values
 from .check import (Outcome, _run, _to_float64, check_case, compare, differing, optimize_model, run_case,
                     tolerance, unexplained)
-from .run import failure_kind, main
+from .run import failure_kind, run_fuzz
 
 __all__ = [
     "LATER_MOTIFS_SEED", "SALTED_SHARE", "Case", "Outcome", "build_case", "check_case", "compare", "differing",
-    "failure_kind", "main", "optimize_model", "random_case", "run_case", "salt", "special_values", "tolerance",
+    "failure_kind", "run_fuzz", "optimize_model", "random_case", "run_case", "salt", "special_values", "tolerance",
     "unexplained", "_run", "_to_float64",
 ]

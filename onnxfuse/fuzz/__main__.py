@@ -1,5 +1,6 @@
+"""`python -m onnxfuse.fuzz ARGS` is `onnxfuse fuzz ARGS`."""
 import sys
 
-from .run import main
+from ..cli import main
 
-sys.exit(main())
+main(["fuzz", *sys.argv[1:]])

@@ -1,11 +1,11 @@
 """`onnxfuse fuzz` / `python -m onnxfuse.fuzz`: many cases, in parallel, with a summary."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 
@@ -34,16 +34,11 @@ DESCRIPTION = ("Differential fuzzing: random valid graphs (half with special val
                " optimized and compared with the original in onnxruntime. Exit status 1 when a case fails.")
 
 
-def main(argv=None, prog: str = "python -m onnxfuse.fuzz") -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    ap.add_argument("--cases", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0, help="first seed; case i uses seed+i")
-    ap.add_argument("--one", type=int, help="run the case of this seed alone, with a traceback on error")
-    ap.add_argument("--save", type=Path, help="write each failing original model here")
-    ap.add_argument("--json", type=Path, help="write a summary (count, failures, seconds) here")
-    ap.add_argument("--no-idempotence", action="store_true", help="skip optimizing each optimized model again")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes (each case runs on one thread)")
-    args = ap.parse_args(argv)
+def run_fuzz(cases: int = 1000, seed: int = 0, one: int | None = None, save: Path | None = None,
+             json_path: Path | None = None, idempotence: bool = True, jobs: int = 1) -> int:
+    """Run `cases` seeded cases (or the case of seed `one` alone); the exit status."""
+    args = SimpleNamespace(cases=cases, seed=seed, one=one, save=save, json=json_path,
+                           no_idempotence=not idempotence, jobs=jobs)
     quiet_libraries("CRITICAL")
     if args.one is not None:
         case = build_case(args.one)

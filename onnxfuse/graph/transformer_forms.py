@@ -137,6 +137,19 @@ def seq_first_out_projection(bias: bool) -> OpPattern:
     return op.Transpose(proj + Var("out_bias") if bias else proj, perm=SEQ_FIRST_PERM)
 
 
+def seq_first_out_gemm() -> OpPattern:
+    """Transpose(Reshape(Gemm(Reshape(Transpose(heads, [2, 0, 1, 3]), [S*B, E]), W, C), [S, B, N]),
+    [1, 0, 2]): nn.MultiheadAttention's output as torch.export writes it, the projection a 2-D Gemm
+    of the flattened rows (alpha and beta 1, A not transposed, B either way, C absent or a bias);
+    binds heads, merge_target, out_weight, out_bias (None when absent), unflat_target, and the
+    Reshapes as `merge` and `unflat`, the Gemm as `out_gemm`."""
+    merged = op.Reshape(op.Transpose(Var("heads"), perm=SEQ_FIRST_MERGE_PERM), Var("merge_target"), _name="merge")
+    unit = lambda v: v is None or float(v) == 1.0  # noqa: E731
+    proj = op.Gemm(merged, Var("out_weight"), ANY, _name="out_gemm", alpha=unit, beta=unit,
+                   transA=lambda v: v is None or int(v) == 0)
+    return op.Transpose(op.Reshape(proj, Var("unflat_target"), _name="unflat"), perm=SEQ_FIRST_PERM)
+
+
 def nan_to_zero_guard(graph, probs):
     """The NaN-to-zero guard the exporters write after an attention's Softmax (transformers'
     eager attention with a -inf padding or causal mask: a query row whose keys are all masked
