@@ -14,8 +14,9 @@ from pathlib import Path
 import click
 
 from .display import (StageProgress, explain_text, input_text, optimize_text, passes_table, print_info, print_op_table,
-                      print_wrapped, profile_text, zoo_table)
+                      print_wrapped, profile_text, terminal_text, zoo_table)
 from .errors import InputError
+from . import supervise
 from .outfiles import OutputError, Terminated, remove_temporaries_on_signals
 
 EXIT_OK = 0
@@ -24,6 +25,7 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
+EXIT_HANGUP = 129
 
 EXIT_CODES_HELP = """\b
 Exit status:
@@ -33,10 +35,13 @@ Exit status:
   2  bad input, usage or environment: unreadable or invalid model, unknown
      pass, bad option, OUT or --report not writable, --target cuda
      without nvcc (these three checked before any work), a failed write
-     (disk full, I/O error); OUT is left untouched
+     (disk full, I/O error), out of memory; OUT is left untouched
   3  internal error or broken installation (e.g. the custom-op library does
-     not load); rerun with --debug (or ONNXFUSE_DEBUG=1) for a traceback
-  130, 143  interrupted (SIGINT) or terminated (SIGTERM); temporary files
+     not load or is truncated); rerun with --debug (or ONNXFUSE_DEBUG=1)
+     for a traceback
+  129, 130, 143  hung up (SIGHUP), interrupted (SIGINT) or terminated
+     (SIGTERM); temporary files are removed and OUT is left untouched
+  137  killed (SIGKILL, e.g. by the out-of-memory killer); temporary files
      are removed and OUT is left untouched
 """
 
@@ -77,7 +82,7 @@ debug_option = click.option(
 
 
 def _fail(code: int, message: str) -> None:
-    click.echo(f"onnxfuse: {message}", err=True)
+    click.echo(terminal_text(f"onnxfuse: {message}"), err=True)
     sys.exit(code)
 
 
@@ -86,6 +91,8 @@ class OnnxfuseGroup(click.Group):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         global _debug
+        if args is None and supervise.wanted():  # the command itself (not a test's runner)
+            supervise.run_supervised()
         _debug = _debug_from_env()
         remove_temporaries_on_signals()
         try:
@@ -100,7 +107,9 @@ class OnnxfuseGroup(click.Group):
             _fail(EXIT_BAD_INPUT, f"error: {e.format_message()}")
         except click.Abort:
             _fail(EXIT_INTERRUPTED, "interrupted")
-        except Terminated:
+        except Terminated as e:
+            if e.signum == EXIT_HANGUP - 128:
+                _fail(EXIT_HANGUP, "hung up")
             _fail(EXIT_TERMINATED, "terminated")
         except (InputError, OutputError) as e:
             if _debug:
@@ -114,6 +123,11 @@ class OnnxfuseGroup(click.Group):
             _fail(EXIT_INTERNAL, f"error: {e}")
         except KeyboardInterrupt:
             _fail(EXIT_INTERRUPTED, "interrupted")
+        except MemoryError:
+            limit = supervise.memory_limit()
+            _fail(EXIT_BAD_INPUT, "error: out of memory" + (f" (this process may use {supervise.limit_text(limit)} of"
+                                                           " address space: ulimit -v); raise the limit, or"
+                                                           if limit else ";") + " run it on a machine with more memory")
         except Exception as e:
             from .runtime import LibraryError
 

@@ -2,7 +2,42 @@
 zoo's inputs, and the progress spinner. Text only; the commands themselves are in cli.py."""
 from __future__ import annotations
 
+import unicodedata
+
 import click
+
+# Characters never printed as they are: controls (escape sequences, newlines, carriage returns),
+# format characters (bidirectional overrides, zero-width joiners), line and paragraph
+# separators, and surrogates (undecodable bytes).
+_UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(ch: str) -> str:
+    if ch in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[ch]
+    code = ord(ch)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def terminal_text(text) -> str:
+    """`text` as it is safe to show on a terminal: every control character, escape sequence,
+    line break, bidirectional override and other invisible format character is shown escaped
+    (ESC as \\x1b, a newline as \\n), so a name taken from a model can neither drive the
+    terminal nor start a line of its own. Every human-readable line onnxfuse prints goes
+    through it; JSON output has its own escaping."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(_escape(ch) if unicodedata.category(ch) in _UNSAFE_CATEGORIES else ch for ch in text)
+
+
+def terminal_lines(lines) -> str:
+    """Lines joined by newlines, each made safe with terminal_text (a line break inside one is
+    shown escaped)."""
+    return "\n".join(terminal_text(line) for line in lines)
 
 
 def human_bytes(n: int | None) -> str:
@@ -49,7 +84,7 @@ class StageProgress:
         self.status.start()
 
     def stage(self, text: str) -> None:
-        self.text = text
+        self.text = terminal_text(text)
         if self.status is not None:
             self.status.update(text)
 
@@ -102,10 +137,11 @@ def _stdout_is_tty() -> bool:
 
 
 def _plain(text: str):
-    """A table cell shown as it is: rich would read `[batch=2]` in it as markup."""
+    """A table cell shown as it is, made safe with terminal_text: rich would read `[batch=2]`
+    in it as markup."""
     from rich.text import Text
 
-    return Text(text)
+    return Text(terminal_text(text))
 
 
 def passes_table(passes) -> "object":
@@ -127,13 +163,15 @@ def zoo_table(entries: list[dict]) -> "object":
     """`onnxfuse zoo`: name, description and inputs of each bundled model (wrapped)."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     table.add_column("model (zoo:NAME)", no_wrap=True)
     table.add_column("description", overflow="fold", ratio=3)
     table.add_column("inputs", overflow="fold", ratio=2)
     for e in entries:
-        table.add_row(*map(_plain, (e["name"], e["description"], "\n".join(e["inputs"]))))
+        inputs = Text("\n".join(terminal_text(i) for i in e["inputs"]))  # one input a line
+        table.add_row(_plain(e["name"]), _plain(e["description"]), inputs)
     return table
 
 
@@ -234,7 +272,7 @@ def optimize_text(s: dict) -> str:
     sec = s["seconds"]
     lines.append(f"  time       {sec['total']:.2f} s (load {sec['load']:.2f}, passes {sec['passes']:.2f},"
                  f" verify {sec['verify']:.2f}, save {sec.get('save', 0):.2f})")
-    return "\n".join(lines)
+    return terminal_lines(lines)
 
 
 def profile_text(reports, result, top: int) -> str:
@@ -290,6 +328,7 @@ def profile_text(reports, result, top: int) -> str:
             row(f"  {'onnxfuse.' + k if k in fused else k}", [cell(r, [k]) for r in reports])
         if len(ops) > top:
             row(f"  ({len(ops) - top} more op types)", [cell(r, ops[top:]) for r in reports])
+    rows = [tuple(terminal_text(c) for c in r) for r in rows]
     # a section line (text in the first cell only) does not widen the table
     table_rows = [r for r in rows if any(r[1:])]
     widths = [max(len(r[i]) for r in table_rows) for i in range(len(rows[0]))]
@@ -298,8 +337,7 @@ def profile_text(reports, result, top: int) -> str:
     lines = [header]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-    lines += PROFILE_NOTES
-    return "\n".join(lines)
+    return terminal_lines(lines + PROFILE_NOTES)
 
 
 # What the figures of `onnxfuse profile` are (also in docs/cli.md).
@@ -377,4 +415,4 @@ def explain_text(s: dict, pass_names: list[str]) -> str:
         lines.append(f"{name}: {len(reasons)} candidate(s) left" + (":" if reasons else ""))
         for node, why in sorted(reasons.items()):
             lines.append(f"  {node}: {why[0]}" + "".join(f"; in a later round: {w}" for w in why[1:]))
-    return "\n".join(lines)
+    return terminal_lines(lines)

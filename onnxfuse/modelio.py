@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,17 +54,36 @@ def external_data_path(base_dir: Path, location: str, label: str, tensor: str) -
     below the model's directory (as the ONNX format specifies; onnx's own loader refuses others
     too); one that is absolute or climbs out with '..' is refused before anything is looked up,
     so that no message says anything about files elsewhere (a model must not be a way to probe
-    the file system). Symbolic links inside the directory are the model owner's choice and are
-    followed."""
+    the file system). A symbolic link is judged by where it leads, before the file is looked
+    at: one that leads out of the directory is refused with the same words, so that neither
+    the existence nor the size of its target is revealed."""
     candidate = Path(location)
-    if candidate.is_absolute() or candidate.drive or ".." in candidate.parts or "\\" in location:
-        raise InputError(f"{label}: tensor '{tensor}': external data location '{location}' is outside the"
+    outside = InputError(f"{label}: tensor '{tensor}': external data location '{location}' is outside the"
                          " model's directory")
+    if candidate.is_absolute() or candidate.drive or ".." in candidate.parts or "\\" in location:
+        raise outside
     data_path = base_dir / candidate
+    root = os.path.realpath(base_dir)
+    if os.path.commonpath([root, os.path.realpath(data_path)]) != root:
+        raise outside
     if not data_path.is_file():
         raise InputError(f"{label}: external data file '{location}' for tensor '{tensor}' not found next to the"
                          " model")
     return data_path
+
+
+def external_number(info: dict[str, str], key: str, label: str, tensor: str) -> int | None:
+    """An external-data offset or length: a whole number of bytes (None when absent), else
+    InputError."""
+    value = info.get(key)
+    if value is None or value == "":
+        return None
+    if not re.fullmatch(r"-?[0-9]+", value):
+        raise InputError(f"{label}: tensor '{tensor}': external data {key} '{value}' is not a number of bytes")
+    number = int(value)
+    if number < 0:
+        raise InputError(f"{label}: tensor '{tensor}': external data {key} {number} is negative")
+    return number
 
 
 def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path, on_disk: bool = False) -> None:
@@ -80,8 +101,8 @@ def _load_external_data(model: onnx.ModelProto, label: str, base_dir: Path, on_d
             raise InputError(f"{label}: tensor '{t.name}' uses external data but names no file")
         data_path = external_data_path(base_dir, location, label, t.name)
         size = data_path.stat().st_size
-        offset = int(info.get("offset", 0) or 0)
-        length = int(info["length"]) if info.get("length") else None
+        offset = external_number(info, "offset", label, t.name) or 0
+        length = external_number(info, "length", label, t.name)
         if offset > size or (length is not None and offset + length > size):
             raise InputError(
                 f"{label}: external data file '{location}' is shorter ({size} bytes) than tensor '{t.name}' needs"
@@ -113,12 +134,12 @@ def _reference_external_data(model: onnx.ModelProto, label: str, base_dir: Path,
             raise InputError(f"{label}: external data location '{location}' of tensor '{t.name}' is outside the"
                              " model's directory")
         need = expected_bytes(t)
-        length = int(info["length"]) if info.get("length") else None
+        length = external_number(info, "length", label, t.name)
         if need is not None and length is not None and length != need:
             raise InputError(f"{label}: tensor '{t.name}' has {length} bytes of external data but its shape"
                              f" {list(t.dims)} needs {need}")
         if need is not None and length is None:
-            offset = int(info.get("offset", 0) or 0)
+            offset = external_number(info, "offset", label, t.name) or 0
             if offset + need > os.path.getsize(resolved):
                 raise InputError(f"{label}: external data file '{location}' is shorter than tensor '{t.name}' needs"
                                  " (truncated?)")
@@ -161,7 +182,127 @@ def parse_model(data: bytes, label: str) -> onnx.ModelProto:
     # version, an opset and a graph with outputs.
     if model.ir_version <= 0 or not model.opset_import or not model.HasField("graph") or not model.graph.output:
         raise InputError(f"{label}: not an ONNX model (protobuf parsed, but it has no graph, opset or IR version)")
+    where = None if _all_text(model) else _undecodable_text(model)
+    if where:
+        raise InputError(f"{label}: {where} is not UTF-8 text (ONNX strings are UTF-8)")
     return model
+
+
+def _joined(*groups) -> bool:
+    """Whether every item of the groups of strings is text: protobuf hands a string field that
+    is not valid UTF-8 over as bytes, which str.join refuses (at C speed)."""
+    try:
+        for group in groups:
+            "".join(group)
+    except TypeError:
+        return False
+    return True
+
+
+def _values_text(values) -> bool:
+    tensors = [v.type.tensor_type for v in values if v.type.HasField("tensor_type")]
+    if len(tensors) < len(values) and any(_undecodable_text(v.type) is not None for v in values
+                                          if not v.type.HasField("tensor_type")):
+        return False
+    dims = [d for t in tensors for d in t.shape.dim]
+    return _joined([x for v in values for x in (v.name, v.doc_string, v.type.denotation)],
+                   [d.dim_param for d in dims], [d.denotation for d in dims])
+
+
+def _nodes_text(nodes) -> bool:
+    if not _joined([x for n in nodes for x in (n.name, n.op_type, n.domain, n.doc_string, n.overload)],
+                   [x for n in nodes for x in n.input], [x for n in nodes for x in n.output]):
+        return False
+    return not any(_undecodable_text(a) is not None for n in nodes if n.attribute for a in n.attribute)
+
+
+def _all_text(model: onnx.ModelProto) -> bool:
+    """Whether every string field of the model is valid UTF-8: a fast pass over the parts that
+    grow with the model (nodes, value infos, function bodies), the generic walk for the rest;
+    _undecodable_text then says where the first bad one is."""
+    g = model.graph
+    if not (_nodes_text(g.node) and _values_text(g.input) and _values_text(g.output) and _values_text(g.value_info)):
+        return False
+    for f in model.functions:
+        if not (_nodes_text(f.node) and _values_text(f.value_info)
+                and _joined((f.name, f.domain, f.doc_string, f.overload), f.input, f.output, f.attribute)):
+            return False
+        if any(_undecodable_text(m) is not None for m in (*f.attribute_proto, *f.opset_import, *f.metadata_props)):
+            return False
+    if _undecodable_text(model, skip=("graph", "functions")) is not None:
+        return False
+    if _undecodable_text(g, skip=("node", "input", "output", "value_info")) is not None:
+        return False
+    return True
+
+
+def _undecodable_text(message, path: str = "model", skip=()) -> str | None:
+    """Where the first string field of `message` (or of a message in it) that is not valid
+    UTF-8 is, as a field path; None when every one is. protobuf hands such a field over as
+    bytes, which names, shapes and messages downstream are not made for."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for field, value in message.ListFields():
+        if field.name in skip:
+            continue
+        if field.type == FieldDescriptor.TYPE_STRING:
+            values = value if field.is_repeated else [value]
+            for i, v in enumerate(values):
+                if isinstance(v, bytes):
+                    suffix = f"[{i}]" if field.is_repeated else ""
+                    return f"{path}.{field.name}{suffix}"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.is_repeated:
+                for i, item in enumerate(value):
+                    found = _undecodable_text(item, f"{path}.{field.name}[{i}]")
+                    if found:
+                        return found
+            else:
+                found = _undecodable_text(value, f"{path}.{field.name}")
+                if found:
+                    return found
+    return None
+
+
+def read_model_file(path: Path, label: str) -> bytes:
+    """The bytes of a model file, or InputError. Only a regular file is read: a device such as
+    /dev/zero never ends and a FIFO blocks until someone writes to it, so both are refused before
+    they are opened (and the file opened is checked again, in case it was swapped meanwhile)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(f"{label}: no such file") from None
+    except OSError as e:
+        raise InputError(f"{label}: cannot read: {e.strerror or e}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise InputError(f"{label}: is a directory, not a model file")
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{label}: not a regular file ({_file_kind(info.st_mode)}), not a model file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise InputError(f"{label}: cannot read: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{label}: not a regular file ({_file_kind(info.st_mode)}), not a model file")
+        if info.st_size > PROTOBUF_LIMIT:
+            raise InputError(f"{label}: not an ONNX model ({info.st_size} bytes; a model file holds at most 2 GiB,"
+                             " larger weights go in external data)")
+        try:
+            return f.read()
+        except OSError as e:
+            raise InputError(f"{label}: cannot read: {e.strerror or e}") from None
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a file"
 
 
 def load_model(path: str | os.PathLike, label: str | None = None, weights_on_disk: bool = False) -> LoadedModel:
@@ -171,14 +312,7 @@ def load_model(path: str | os.PathLike, label: str | None = None, weights_on_dis
     regions (weights.py), for the optimizer, whose memory then does not grow with the model."""
     path = Path(path)
     label = label or str(path)
-    if not path.exists():
-        raise InputError(f"{label}: no such file")
-    if path.is_dir():
-        raise InputError(f"{label}: is a directory, not a model file")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"{label}: cannot read: {e.strerror or e}") from None
+    data = read_model_file(path, label)
     model = parse_model(data, label)
     _load_external_data(model, label, path.resolve().parent, weights_on_disk)
     check_model(model, label)
@@ -251,6 +385,19 @@ def _tensor_problem(t: onnx.TensorProto) -> str | None:
     return None
 
 
+def _all_node_lists(model: onnx.ModelProto):
+    """(where, nodes) for the main graph, every subgraph (If/Loop/Scan bodies) and every
+    function body; `where` is "" for the main graph, else " in ..." for messages."""
+    pending = [("", model.graph.node)] + [(f" in function '{f.name}'", f.node) for f in model.functions]
+    while pending:
+        where, nodes = pending.pop(0)
+        yield where, nodes
+        for node in nodes:
+            for attr in node.attribute:
+                for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    pending.append((f" in a subgraph of '{node.name or node.op_type}'", g.node))
+
+
 def _check_definitions_and_data(model: onnx.ModelProto, label: str) -> None:
     """Names defined twice, negative input dims, initializers whose data does not fit their shape:
     onnxruntime (or numpy, while verifying) would fail on them with an unclear message, or run
@@ -265,6 +412,15 @@ def _check_definitions_and_data(model: onnx.ModelProto, label: str) -> None:
         problem = _tensor_problem(t)
         if problem:
             raise InputError(f"{label}: initializer '{t.name}' {problem}")
+    for where, nodes in _all_node_lists(model):
+        for i, node in enumerate(nodes):
+            if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS:
+                continue
+            for attr in node.attribute:
+                if attr.name == "value" and attr.HasField("t"):
+                    problem = _tensor_problem(attr.t)
+                    if problem:
+                        raise InputError(f"{label}: Constant node {_node_label(node, i)}{where}: its value {problem}")
     seen: dict[str, str] = {}
 
     def define(name: str, what: str) -> None:
@@ -286,6 +442,32 @@ def _check_definitions_and_data(model: onnx.ModelProto, label: str) -> None:
                 define(o, f"an output of node {_node_label(node, i)}")
 
 
+def _check_own_domain_functions(model: onnx.ModelProto, label: str) -> None:
+    """A model's own function in the domain of onnxfuse's fused ops is refused: with the
+    onnxfuse library registered, onnxruntime would run the library's op of that name instead of
+    the model's function (or fail on the node), so the model would not mean what it says. A
+    fallback function onnxfuse wrote (an overload, called by nodes that carry the op set
+    attribute) is onnxfuse's own and is kept."""
+    if not model.functions:
+        return
+    from .fused import DOMAIN, OPSET_ATTRIBUTE
+
+    callers: dict[tuple[str, str], list[onnx.NodeProto]] = {}
+    for _, nodes in _all_node_lists(model):
+        for node in nodes:
+            if node.domain == DOMAIN:
+                callers.setdefault((node.op_type, node.overload), []).append(node)
+    for fn in model.functions:
+        if fn.domain != DOMAIN:
+            continue
+        ours = bool(fn.overload) and all(any(a.name == OPSET_ATTRIBUTE for a in node.attribute)
+                                         for node in callers.get((fn.name, fn.overload), []))
+        if not ours:
+            raise InputError(f"{label}: the model's function '{fn.name}' is in the domain '{DOMAIN}', which is reserved"
+                             " for onnxfuse's fused ops (onnxruntime would run onnxfuse's op instead of the function);"
+                             " give the function another domain")
+
+
 def check_model(model: onnx.ModelProto, label: str) -> None:
     """Reject graphs no runtime can run: opsets onnxruntime lacks, reads of values nothing
     produces, cycles, outputs nothing produces."""
@@ -300,6 +482,7 @@ def check_model(model: onnx.ModelProto, label: str) -> None:
     if model.ir_version > onnx.IR_VERSION:
         raise InputError(f"{label}: IR version {model.ir_version} is newer than this onnx ({onnx.IR_VERSION}) knows")
     _check_definitions_and_data(model, label)
+    _check_own_domain_functions(model, label)
     graph = model.graph
     available = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     available |= {s.values.name for s in graph.sparse_initializer}

@@ -100,6 +100,77 @@ def _needs_data_file(model: onnx.ModelProto, threshold: int) -> bool:
     return size + referenced >= threshold
 
 
+# A data file is named after OUT and its content: "<OUT name>.<DATA_DIGEST_CHARS hex digits of
+# its SHA-256>.data". Each write that changes the weights makes a new file, which the new OUT
+# names; the old OUT goes on naming the old one until OUT's rename, so a reader never pairs a
+# model with another write's weights.
+DATA_DIGEST_CHARS = 16
+DATA_SUFFIX = ".data"
+
+
+def data_file_name(model_name: str, digest: str) -> str:
+    return f"{model_name}.{digest[:DATA_DIGEST_CHARS]}{DATA_SUFFIX}"
+
+
+def _own_data_file(model_name: str, location: str) -> bool:
+    """A data file name onnxfuse writes for a model named `model_name` (this version's, or the
+    plain "<name>.data" of earlier ones): the only names it ever removes."""
+    import re
+
+    return bool(re.fullmatch(re.escape(model_name) + rf"(\.[0-9a-f]{{{DATA_DIGEST_CHARS}}})?" + re.escape(DATA_SUFFIX),
+                             location))
+
+
+# An existing OUT bigger than this is not read to find the data file it names (such a model holds
+# its weights inline): its data file, if any, is left in place.
+_OLD_OUT_READ_MAX = 64 << 20
+
+
+def _data_files_of(path: Path) -> set[str]:
+    """The data files (in OUT's directory, with a name onnxfuse writes) that the existing model
+    file `path` names: the ones to remove once a new OUT has replaced it."""
+    from .weights import all_tensors, external_entries
+
+    try:
+        if not path.is_file() or path.stat().st_size > _OLD_OUT_READ_MAX:
+            return set()
+        old = onnx.ModelProto()
+        old.ParseFromString(path.read_bytes())
+        found = set()
+        for t in all_tensors(old):
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                location = external_entries(t).get("location", "")
+                if _own_data_file(path.name, location):
+                    found.add(location)
+        return found
+    except Exception:  # not a model, unreadable: nothing of ours to remove
+        return set()
+
+
+def _sha256_of(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the renames done so far in `directory` durable before the next one."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # filesystems that cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_model(
     model: onnx.ModelProto,
     path: str | os.PathLike,
@@ -110,16 +181,18 @@ def save_model(
     """Write `model` to `path` atomically, with the IR version onnxruntime accepts.
 
     Models of external_threshold bytes or more, and models holding over INLINE_REFERENCED_MAX
-    bytes of weights by reference, keep tensors of external_min_bytes or more in `<name>.data`
-    next to the model, streamed there tensor by tensor (no protobuf message ever holds them);
-    both files are written to temporary names in the target directory and renamed into place
-    (data file first), so a reader never sees a partial model and a failed run leaves an
-    existing file untouched. `before_commit` runs when every byte is written and before the
-    first rename, given the paths about to be written: when it raises, nothing is renamed and
-    the temporary files are removed. A failed write (disk full, I/O error) is an OutputError
-    naming the path. Returns the paths written.
+    bytes of weights by reference, keep tensors of external_min_bytes or more in a data file next
+    to the model, `<name>.<digest>.data` (data_file_name), streamed there tensor by tensor (no
+    protobuf message ever holds them). Both files are written to temporary names in the target
+    directory; the data file is renamed to its new name first, then the model is renamed into
+    place (the one step that publishes the write), then the data file the replaced model named
+    is removed: a reader sees the old model with its own weights or the new one with its own,
+    never a mix, and a failed or killed run leaves an existing OUT working. `before_commit` runs
+    when every byte is written and before the first rename, given the paths about to be written:
+    when it raises, nothing is renamed and the temporary files are removed. A failed write (disk
+    full, I/O error) is an OutputError naming the path. Returns the paths written.
     """
-    from .weights import all_tensors, inline_tensor
+    from .weights import all_tensors, external_entries, inline_tensor
 
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -130,18 +203,28 @@ def save_model(
     temps: list[str] = []
     written: list[str] = []
     target = path
+    data_path = None
+    data_kept: list[str] = []
     try:
         data_tmp = None
         if _needs_data_file(out, external_threshold):
-            location = path.name + ".data"
-            target = directory / location
-            fd, data_tmp = outfiles.temporary(directory, location)
+            target = directory / (path.name + DATA_SUFFIX)
+            fd, data_tmp = outfiles.temporary(directory, path.name + DATA_SUFFIX)
             temps.append(data_tmp)
+            placeholder = os.path.basename(data_tmp)
             with os.fdopen(fd, "wb") as f:
-                _externalize(out, f, location, external_min_bytes)
+                _externalize(out, f, placeholder, external_min_bytes)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(data_tmp, mode)
+            location = data_file_name(path.name, _sha256_of(data_tmp))
+            for t in all_tensors(out, functions=False):
+                if t.data_location == onnx.TensorProto.EXTERNAL:
+                    for entry in t.external_data:
+                        if entry.key == "location" and entry.value == placeholder:
+                            entry.value = location
+            data_path = directory / location
+            target = data_path
         else:
             for t in all_tensors(out):
                 inline_tensor(t)
@@ -154,23 +237,38 @@ def save_model(
             os.fsync(f.fileno())
         os.chmod(model_tmp, mode)
         if before_commit is not None:
-            finals = [str(path)] + ([str(directory / (path.name + ".data"))] if data_tmp is not None else [])
-            before_commit(finals)
-        if data_tmp is not None:
-            target = directory / (path.name + ".data")
-            os.replace(data_tmp, target)
-            outfiles.release(data_tmp)
-            written.append(str(target))
+            before_commit([str(path)] + ([str(data_path)] if data_path is not None else []))
+        old_data = _data_files_of(path)
+        if data_path is not None:
+            target = data_path
+            # A new name, which no model names yet (or, with the same digest, the same bytes):
+            # the existing OUT and its data file are untouched. Until OUT's rename it is one of
+            # the run's temporary files, removed if the run is stopped.
+            if data_path.exists():  # the same digest: these very bytes, which the old OUT may name
+                outfiles.remove(data_tmp)
+                temps.remove(data_tmp)
+                data_kept = []
+            else:
+                outfiles.publish(data_tmp, data_path, keep_temporary=True)
+                temps[temps.index(data_tmp)] = str(data_path)
+                data_kept = [str(data_path)]
+            written.append(str(data_path))
+            _sync_directory(directory)
         target = path
-        os.replace(model_tmp, path)
-        outfiles.release(model_tmp)
-        written.insert(0, str(path))
+        outfiles.publish(model_tmp, path, also_release=data_kept)
         temps.clear()
+        written.insert(0, str(path))
+        for name in old_data - ({data_path.name} if data_path is not None else set()):
+            try:
+                os.unlink(directory / name)
+            except OSError:
+                pass
     except OSError as e:
         raise outfiles.write_error(target, e) from None
     finally:
         for t in temps:
-            outfiles.remove(t)
+            if outfiles.is_live(t):  # a published file is no longer the run's to remove
+                outfiles.remove(t)
     return written
 
 

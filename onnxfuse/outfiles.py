@@ -4,7 +4,7 @@ process, write errors as one line.
 Every file onnxfuse writes is first written to a temporary name in its target directory and
 renamed into place. `check_output_path` makes sure that can work before a long run starts (the
 directory exists, is a real writable directory, and takes a file of that name); `temporary`
-creates such a file and registers it, so that SIGTERM and SIGINT (installed by
+creates such a file and registers it, so that SIGTERM, SIGINT and SIGHUP (installed by
 `remove_temporaries_on_signals`) remove it before the process ends; `temporary_directory` does
 the same for the working directories of a run (the new weights' scratch file, the model files
 made for onnxruntime); `OutputError` is a path that cannot be written or a failed write (disk
@@ -20,13 +20,16 @@ import signal
 import tempfile
 from pathlib import Path
 
+from . import supervise
+
 # Pseudo filesystems no model belongs in: files there are kernel interfaces (creating one fails,
 # or worse, writes to a kernel setting).
 _PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))
 # A temporary name is ".NAME.<8 random characters>.tmp": this many characters longer than NAME.
 _TEMP_EXTRA = len(".") + 8 + len(".tmp")
-# Suffixes appended to OUT's name for files written next to it (the external data file).
-_SIDE_SUFFIXES = (".data",)
+# Suffixes appended to OUT's name for files written next to it (the external data file,
+# ".<16 hex digits of its digest>.data": modelsave.data_file_name).
+_SIDE_SUFFIXES = ("." + "0" * 16 + ".data",)
 
 _live: set[str] = set()
 _live_directories: set[str] = set()
@@ -133,6 +136,7 @@ def temporary(directory: str | os.PathLike, name: str) -> tuple[int, str]:
     with _signals_wait():
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
         _live.add(tmp)
+        supervise.record("+", "f", os.path.abspath(tmp))
     return fd, tmp
 
 
@@ -142,6 +146,7 @@ def temporary_directory(prefix: str, directory: str | os.PathLike | None = None)
     with _signals_wait():
         made = tempfile.mkdtemp(prefix=prefix, dir=directory)
         _live_directories.add(made)
+        supervise.record("+", "d", os.path.abspath(made))
     return made
 
 
@@ -149,10 +154,27 @@ def remove_directory(path: str) -> None:
     """Remove a temporary directory and everything in it (if it is still there) and forget it."""
     shutil.rmtree(path, ignore_errors=True)
     _live_directories.discard(path)
+    supervise.record("-", "d", os.path.abspath(path))
 
 
 def release(tmp: str) -> None:
     _live.discard(tmp)
+    supervise.record("-", "f", os.path.abspath(tmp))
+
+
+def publish(tmp: str, final: str | os.PathLike, keep_temporary: bool = False, also_release=()) -> None:
+    """Rename the temporary file `tmp` to `final` and forget it, with no signal handled in
+    between. keep_temporary: `final` stays one of the run's temporary files (removed on a
+    signal) until a later publish names it in `also_release`, which releases those paths the
+    moment `final` is in place."""
+    with _signals_wait():
+        os.replace(tmp, final)
+        if keep_temporary:
+            _live.add(str(final))
+            supervise.record("+", "f", os.path.abspath(final))
+        release(tmp)
+        for path in also_release:
+            release(str(path))
 
 
 def remove(tmp: str) -> None:
@@ -161,7 +183,11 @@ def remove(tmp: str) -> None:
         os.unlink(tmp)
     except OSError:
         pass
-    _live.discard(tmp)
+    release(tmp)
+
+
+def is_live(path: str | os.PathLike) -> bool:
+    return str(path) in _live
 
 
 def live_temporaries() -> list[str]:
@@ -169,7 +195,12 @@ def live_temporaries() -> list[str]:
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like KeyboardInterrupt (every `finally` runs), exit 143."""
+    """SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt (every `finally` runs); the CLI
+    exits with 128 + the signal's number (143, 129)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
 
 
 def _on_signal(signum, frame):
@@ -182,15 +213,18 @@ def _on_signal(signum, frame):
         remove_directory(path)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    raise Terminated
+    raise Terminated(signum)
 
 
 def remove_temporaries_on_signals() -> None:
-    """Install the SIGTERM and SIGINT handlers (main thread only; elsewhere a no-op): registered
-    temporary files are removed at once, then the run unwinds (KeyboardInterrupt or Terminated)
-    so that every cleanup on the way runs too."""
+    """Install the SIGTERM, SIGINT and SIGHUP handlers (main thread only; elsewhere a no-op):
+    registered temporary files are removed at once, then the run unwinds (KeyboardInterrupt or
+    Terminated) so that every cleanup on the way runs too. A SIGHUP that was being ignored (a
+    run under nohup) stays ignored."""
     try:
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
+        if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, _on_signal)
     except ValueError:  # not the main thread
         pass

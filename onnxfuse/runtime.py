@@ -33,16 +33,74 @@ class LibraryError(RuntimeError):
 
 
 def library_path() -> str:
-    """Path of the built custom-op library; ONNXFUSE_LIBRARY overrides where it is looked for."""
+    """Path of the built custom-op library; ONNXFUSE_LIBRARY overrides where it is looked for.
+    A file that is not a complete shared library for this machine is a LibraryError
+    (check_library_file): loading it could crash the process."""
     env = os.environ.get("ONNXFUSE_LIBRARY")
     if env:
         if not os.path.isfile(env):
             raise LibraryError(f"ONNXFUSE_LIBRARY={env}: no such file")
+        check_library_file(env)
         return env
     found = sorted(glob.glob(str(_PKG / f"{LIBRARY_STEM}*.so")))
     if not found:
         raise LibraryError(f"the onnxfuse custom-op library is not built (no {LIBRARY_STEM}*.so in {_PKG}); {REBUILD_HINT}")
+    check_library_file(found[0])
     return found[0]
+
+
+# ELF machine numbers of the architectures the library is built for (platform.machine() names).
+_ELF_MACHINES = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183, "ppc64le": 21, "s390x": 22}
+_checked_files: dict[tuple[str, int, int], None] = {}
+
+
+def check_library_file(path: str) -> None:
+    """LibraryError unless `path` is a whole 64-bit little-endian ELF shared object for this
+    machine: every segment the loader maps and the section table lie inside the file. The
+    dynamic loader maps a library by its headers; a truncated file maps pages past its end,
+    and the first touch of one kills the process with SIGBUS, before any error can be
+    reported. Checked once per file version (path, size, mtime)."""
+    import platform
+    import struct
+
+    try:
+        info = os.stat(path)
+        key = (os.path.realpath(path), info.st_size, info.st_mtime_ns)
+        if key in _checked_files:
+            return
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+
+            def damaged(why: str) -> LibraryError:
+                return LibraryError(f"cannot load {path}: the custom-op library is damaged or truncated ({why});"
+                                    f" {REBUILD_HINT}")
+
+            if len(head) < 64 or head[:4] != b"\x7fELF":
+                raise damaged("no ELF header")
+            if head[4] != 2 or head[5] != 1:
+                raise damaged("not a 64-bit little-endian ELF file")
+            e_type, e_machine = struct.unpack_from("<HH", head, 16)
+            e_phoff, e_shoff = struct.unpack_from("<QQ", head, 32)
+            e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", head, 54)
+            if e_type != 3:
+                raise damaged("not a shared object")
+            expected = _ELF_MACHINES.get(platform.machine().lower())
+            if expected is not None and e_machine != expected:
+                raise damaged(f"built for ELF machine {e_machine}, not {platform.machine()}")
+            if e_phnum == 0 or e_phentsize < 56 or e_phoff + e_phnum * e_phentsize > size:
+                raise damaged(f"its program headers lie past the end of its {size} bytes")
+            if e_shnum and (e_shentsize < 64 or e_shoff + e_shnum * e_shentsize > size):
+                raise damaged(f"its section headers lie past the end of its {size} bytes")
+            f.seek(e_phoff)
+            table = f.read(e_phnum * e_phentsize)
+            for i in range(e_phnum):
+                p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", table, i * e_phentsize)
+                if p_type == 1 and p_offset + p_filesz > size:  # PT_LOAD
+                    raise damaged(f"a segment ends at byte {p_offset + p_filesz}, the file has {size}")
+    except OSError as e:
+        raise LibraryError(f"cannot read {path}: {e.strerror or e}; {REBUILD_HINT}") from None
+    _checked_files[key] = None
 
 
 def get_library_path() -> str:

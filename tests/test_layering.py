@@ -21,7 +21,7 @@ LAYERS = [
     {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.target", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize",
      "onnxfuse.modelsave", "onnxfuse.modelfields", "onnxfuse.errors", "onnxfuse.weights", "onnxfuse.outfiles",
      "onnxfuse.records",
-     "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles"},  # ort
+     "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
      "onnxfuse.zoo"},
     {"onnxfuse.api", "onnxfuse.cli", "onnxfuse.display"},
