@@ -48,12 +48,13 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.gqa_inputs import GQAInputs
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, rotary
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
-PATTERNS = tuple(((exporter, form), gqa_attention(exporter, form)) for exporter, form in GQA_FORMS)
+PATTERNS = tuple(((exporter, form, view), gqa_attention(exporter, form, view)) for exporter, form, view in GQA_FORMS)
 ROTARY = {name: rules.Rule(f"rotary/{name}", rotary(name)) for name in ("qh", "kh")}
 HEADS = {name: rules.Rule(f"heads/{name}", heads(name)) for name in ("q", "k", "v")}
 
@@ -75,6 +76,9 @@ class Layer:
     batch: tuple | None
     expand_mask: bool  # the mask's dims are not proved [B|1, 1, S, S]: see _Shared.mask_for
     rows_proved: bool = False  # f's S' is proved to be S (else the caches are expanded to S rows)
+    past: tuple | None = None  # a decode step: (past_k, past_v) [B, Hkv, P, d] the keys and values extend
+    present: tuple = (None, None)  # their Concat(past, new): kept as the op's present outputs
+    past_len: tuple | None = None  # P (a monomial)
 
 
 def _monos(ev: ShapeEvaluator, t: gs.Tensor):
@@ -100,22 +104,23 @@ def _split_heads(ev: ShapeEvaluator, m: rules.Match, name: str, width: int) -> i
         return None
     if int(gu.attr(m[f"{name}_split"], "allowzero", 0)) == 1 and (target[0] == _const(0) or target[1] == _const(0)):
         return None
-    for i in (0, 1):
-        if not (_is(target[i], xd[i]) or (target[i] == _const(0))):
-            return None
+    kept = [_is(target[i], xd[i]) or target[i] == _const(0) for i in (0, 1)]
     total = xd[2][0]
     if width <= 0 or target[3] != _const(width) or total % width:
         return None
     h = total // width
-    if target[2] not in (_const(h), _const(-1)):
+    # one -1 (B or S inferred: torch.export's target for a static S) when every other element is proved
+    if not (all(kept) and target[2] in (_const(h), _const(-1))
+            or target[2] == _const(h) and sorted(kept) == [False, True] and target[kept.index(False)] == _const(-1)):
         return None
     return h
 
 
-def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_: int) -> bool:
+def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_: int, key_len=None) -> bool:
     """repeat_kv of x [B, Hkv, S, d] (x's dims as its own symbols: the exporter reads them
     with Shape(x)) to [B, H, S, d]: Unsqueeze on axis 2, Expand to [x0, x1, H/Hkv, x2, x3],
-    Reshape to [x0, x1 * H/Hkv, x2, x3]. That x1 is Hkv, the caller proves from x's producer."""
+    Reshape to [x0, x1 * H/Hkv, x2, x3]. That x1 is Hkv, the caller proves from x's producer.
+    `key_len`, when given, decides the sequence elements (x2) of both targets (a decode step's)."""
     unsq, expand, rep = m[f"{name}_unsqueeze"], m[f"{name}_expand"], m[f"{name}_repeat"]
     axes = gu.constant_ints(unsq.inputs[1]) if len(unsq.inputs) > 1 else gu.attr(unsq, "axes")
     xd = ev.dim_symbols(m[name])
@@ -128,8 +133,8 @@ def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_
     # Expand broadcasts: a target element of 1 keeps the input's dim.
     want = [xd[0], xd[1], _const(n), xd[2], xd[3]]
     have = [xd[0], xd[1], _const(1), xd[2], xd[3]]
-    for g, w, h in zip(got, want, have):
-        if not (_is(g, w) or (g == _const(1) and _is(h, w))):
+    for i, (g, w, h) in enumerate(zip(got, want, have)):
+        if not (_is(g, w) or (g == _const(1) and _is(h, w)) or (i == 3 and key_len is not None and key_len(g))):
             return False
     target = _monos(ev, rep.inputs[1])
     grouped = (xd[1][0] * n, xd[1][1])
@@ -139,13 +144,13 @@ def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_
     zero_ok = int(gu.attr(rep, "allowzero", 0)) == 0
     copy = want[:1] + [xd[1], _const(n), xd[2]]  # what a 0 copies: the Expand output's dims
     for i, (g, w) in enumerate(zip(target, want)):
-        if _is(g, w) or (zero_ok and g == _const(0) and _is(copy[i], w)):
+        if _is(g, w) or (zero_ok and g == _const(0) and _is(copy[i], w)) or (i == 2 and key_len is not None and key_len(g)):
             continue
         return False
     return True
 
 
-def _keys_transposed(ev: ShapeEvaluator, m: rules.Match, exporter: str, heads_: int, b, s, d) -> bool:
+def _keys_transposed(ev: ShapeEvaluator, m: rules.Match, exporter: str, heads_: int, b, key_len, d) -> bool:
     if exporter == "ts":
         return True
     flat = _monos(ev, m["kt_flat"].inputs[1])
@@ -161,9 +166,9 @@ def _keys_transposed(ev: ShapeEvaluator, m: rules.Match, exporter: str, heads_: 
         lead.append(_const(b[0] * heads_))
     elif b is not None:
         lead.append((b[0] * heads_, b[1]))
-    if flat[0] not in lead or not _is(flat[1], s) or flat[2] != d:
+    if flat[0] not in lead or not key_len(flat[1]) or flat[2] != d:
         return False
-    return _is(unflat[0], b) and unflat[1] in (_const(heads_),) and unflat[2] == d and _is(unflat[3], s)
+    return _is(unflat[0], b) and unflat[1] in (_const(heads_),) and unflat[2] == d and key_len(unflat[3])
 
 
 def _slice_half(ev: ShapeEvaluator, node: gs.Node, width: int, upper: bool) -> bool:
@@ -219,9 +224,9 @@ def _read_within(graph: gs.Graph, t: gs.Tensor, nodes) -> bool:
                                                     for r in t.outputs)
 
 
-def _rotated(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, name: str, width: int, outs, attention: rules.Match):
-    """The rotary match of `t` on head-split x, t read by the attention (or a Shape) only."""
-    found = rules.match_at([ROTARY[name]], graph, t, outs) if _read_within(graph, t, attention.nodes) else None
+def _rotated(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, name: str, width: int, outs, readers):
+    """The rotary match of `t` on head-split x, t read by `readers` (or a Shape) only."""
+    found = rules.match_at([ROTARY[name]], graph, t, outs) if _read_within(graph, t, readers) else None
     if found is None:
         return None
     m = found[1]
@@ -247,17 +252,48 @@ def _mask_fits(ev: ShapeEvaluator, mask: gs.Tensor, b, s) -> bool:
 def match(graph: gs.Graph, root: gs.Node, shapes: facts.ShapeTable, ev: ShapeEvaluator, outs) -> Layer | None:
     if not gu.is_op(root, "Reshape"):
         return None
-    for (exporter, form), pattern in PATTERNS:
+    for (exporter, form, view), pattern in PATTERNS:
         m = rules.match(pattern, root, outs, private=False)
         if m is None:
             continue
-        layer = _check(graph, m, exporter, form, shapes, ev, outs)
+        layer = _check(graph, m, exporter, form, view, shapes, ev, outs)
         if layer is not None:
             return layer
     return None
 
 
-def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | None:
+def _past(ev: ShapeEvaluator, t: gs.Tensor):
+    """t = Concat(past, new) on axis 2 of [B, Hkv, L, d] (a decode step's keys or values):
+    (past, new, the Concat), else None. The dims are checked by the caller."""
+    node = gu.producer(t)
+    if not gu.is_op(node, "Concat") or len(node.inputs) != 2 or int(gu.attr(node, "axis", 0)) not in (2, -2):
+        return None
+    dims = ev.dim_symbols(t)
+    if dims is None or len(dims) != 4 or node.inputs[0].dtype != np.float32:
+        return None
+    return node.inputs[0], node.inputs[1], node
+
+
+def _decode_length(total):
+    """Which elements of a decode step's shape targets may stand for the key length L = P + S:
+    L's own symbol, or a run-time length of one symbol (torch.export reads it from the
+    attention mask's shape). A target element that is not L at run time makes the original's
+    repeat_kv Reshape (or key transpose) fail, except for one key broadcast along a longer
+    mask (past 0, a mask of more than one column): an input the model's contract excludes."""
+    return lambda e: e is not None and (_is(e, total) or (e[0] == 1 and len(e[1]) == 1))
+
+
+def _noop_view(ev: ShapeEvaluator, m: rules.Match, b, heads_: int, s, d) -> bool:
+    """The pv_view Reshape of [B, H, S, d] to [B|-1|0, H, S|0, d]: a no-op."""
+    t = _monos(ev, m["pv_view_target"])
+    if t is None or len(t) != 4:
+        return False
+    zero = int(gu.attr(m["pv_view"], "allowzero", 0)) == 0
+    lead = _is(t[0], b) or t[0] == _const(-1) or (zero and t[0] == _const(0))
+    return lead and t[1] == _const(heads_) and (_is(t[2], s) or (zero and t[2] == _const(0))) and t[3] == d
+
+
+def _check(graph, m: rules.Match, exporter, form, view, shapes, ev, outs) -> Layer | None:
     extra = []
     if form == "nan_to_zero":
         isnan = gu.producer(m["isnan"])
@@ -270,8 +306,15 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if not all(_read_within(graph, t, held) for n in held if n is not m.root for t in n.outputs):
         return None
     qr, kr, vh = m["qr"], m["kr"], m["vh"]
+    # A decode step: k and v each Concat(past, new) on the sequence axis, the rotary and the
+    # head split on the new ones.
+    kpast, vpast = _past(ev, kr), _past(ev, vh)
+    if (kpast is None) != (vpast is None):
+        return None
+    if kpast is not None:
+        kr, vh = kpast[1], vpast[1]
     # Head widths: from v's split (the rotary is checked against it).
-    vs = _split(graph, vh, "v", outs, [m["vh_unsqueeze"]])
+    vs = _split(graph, vh, "v", outs, [vpast[2]] if vpast else [m["vh_unsqueeze"]])
     if vs is None:
         return None
     vd = ev.dim_symbols(vs["v"])
@@ -284,8 +327,8 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     kv_heads = _split_heads(ev, vs, "v", width)
     if kv_heads is None or width % 2:
         return None
-    qm = _rotated(graph, ev, qr, "qh", width, outs, m)
-    km = _rotated(graph, ev, kr, "kh", width, outs, m)
+    qm = _rotated(graph, ev, qr, "qh", width, outs, m.nodes)
+    km = _rotated(graph, ev, kr, "kh", width, outs, [kpast[2]] if kpast else m.nodes)
     if qm is None or km is None or qm["cos"] is not km["cos"] or qm["sin"] is not km["sin"]:
         return None
     qs = _split(graph, qm["qh"], "q", outs, qm.nodes)
@@ -301,21 +344,35 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if not (_is(kd[0], b) and _is(vd[0], b) and _is(kd[1], s) and _is(vd[1], s)):
         return None
     d = _const(width)
-    if not _repeat(ev, m, "kr", kv_heads, heads_) or not _repeat(ev, m, "vh", kv_heads, heads_):
+    key_len, past = (lambda e: _is(e, s)), None
+    if kpast is not None:
+        # past [B, Hkv, P, d] for k and v; the Concats' (the present's) length is L = P + S
+        pk, pv = ev.dim_symbols(kpast[0]), ev.dim_symbols(vpast[0])
+        if pk is None or pv is None or len(pk) != 4 or len(pv) != 4 or vpast[0].dtype != np.float32:
+            return None
+        if not all(_is(p[0], b) and p[1] == _const(kv_heads) and p[3] == d and _is(p[2], pk[2]) for p in (pk, pv)):
+            return None
+        key_len, past = _decode_length(ev.dim_symbols(m["kr"])[2]), (kpast[0], vpast[0])
+    if not _repeat(ev, m, "kr", kv_heads, heads_, key_len if past else None):
         return None
-    if not _keys_transposed(ev, m, exporter, heads_, b, s, d):
+    if not _repeat(ev, m, "vh", kv_heads, heads_, key_len if past else None):
+        return None
+    if not _keys_transposed(ev, m, exporter, heads_, b, key_len, d):
+        return None
+    if view and not _noop_view(ev, m, b, heads_, s, d):
         return None
     merge = _monos(ev, m["merge_target"])
     if merge is None or len(merge) != 3 or int(gu.attr(m["merge"], "allowzero", 0)) == 1 and _const(0) in merge:
         return None
-    if not ((_is(merge[0], b) or merge[0] == _const(0)) and (_is(merge[1], s) or merge[1] == _const(0))
-            and merge[2] in (_const(heads_ * width), _const(-1))):
+    lead, mid = _is(merge[0], b) or merge[0] == _const(0), _is(merge[1], s) or merge[1] == _const(0)
+    if not (lead and mid and merge[2] in (_const(heads_ * width), _const(-1))
+            or merge[0] == _const(-1) and mid and merge[2] == _const(heads_ * width)):
         return None
     mask = m["mask"]
     md = shapes.dims(mask)
     if mask.dtype != np.float32 or md is None or len(md) > 4:
         return None
-    expand_mask = not _mask_fits(ev, mask, b, s)
+    expand_mask = past is not None or not _mask_fits(ev, mask, b, s)
     f = _freqs(qm["cos"], "Cos", width, shapes)
     if f is None or _freqs(qm["sin"], "Sin", width, shapes) is not f:
         return None
@@ -323,98 +380,8 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if not np.isfinite(scale) or scale == 0.0:
         return None
     return Layer(qs["q"], ks["k"], vs["v"], heads_, kv_heads, width, float(np.float32(scale)), mask, f,
-                 m.root.outputs[0], form == "nan_to_zero", s, b, expand_mask, _is((ev.dim_symbols(f) or [None, None])[1], s))
-
-
-class _Shared:
-    """Tensors every fused layer of one graph reads: seqlens_k, total_sequence_length and the
-    caches, built once per (q's batch and sequence dims, f)."""
-
-    def __init__(self, graph: gs.Graph):
-        self.graph = graph
-        self.lengths: dict = {}
-        self.caches: dict = {}
-        self.masks: dict = {}
-
-    def _var(self, base: str, dtype):
-        return gs.Variable(gu.unique_name(self.graph, base), dtype=dtype)
-
-    def _const(self, base: str, value):
-        return gu.make_constant(self.graph, base, np.asarray(value))
-
-    def lengths_for(self, layer: Layer, query: gs.Tensor):
-        """(seqlens_k, total_sequence_length, S) from the Shape of `query` [B, S, ..]."""
-        key = (layer.batch, layer.seq)
-        if key not in self.lengths or layer.batch is None or layer.seq is None:
-            g, q = self.graph, query
-            shape = self._var("gqa_q_shape", np.int64)
-            batch, seq = self._var("gqa_batch", np.int64), self._var("gqa_seq", np.int64)
-            total, last = self._var("gqa_total_sequence_length", np.int32), self._var("gqa_last_position", np.int32)
-            seqlens = self._var("gqa_seqlens_k", np.int32)
-            g.nodes += [
-                gs.Node("Shape", name=shape.name, inputs=[q], outputs=[shape]),
-                gs.Node("Slice", name=batch.name, inputs=[shape, self._const("gqa_zero", np.array([0], np.int64)),
-                                                          self._const("gqa_one", np.array([1], np.int64))], outputs=[batch]),
-                gs.Node("Gather", name=seq.name, inputs=[shape, self._const("gqa_one_scalar", np.array(1, np.int64))],
-                        outputs=[seq], attrs={"axis": 0}),
-                gs.Node("Cast", name=total.name, inputs=[seq], outputs=[total], attrs={"to": 6}),
-                gs.Node("Sub", name=last.name, inputs=[total, self._const("gqa_one_int32", np.array(1, np.int32))],
-                        outputs=[last]),
-                gs.Node("Expand", name=seqlens.name, inputs=[last, batch], outputs=[seqlens]),
-            ]
-            self.lengths[key] = (seqlens, total, seq)
-        return self.lengths[key]
-
-    def mask_for(self, layer: Layer, seq: gs.Tensor):
-        """Expand(mask, [1, 1, S, S]): where inference does not give the mask's dims. The
-        original adds the mask to scores [B, H, S, S]; broadcast to [.., .., S, S] first, it is
-        a bias GroupQueryAttention takes whenever that Add works ([B|1, H|1, S, S]; the op
-        refuses any other shape), and a mask of [B, 1, 1, S] (padding only) gets its rows."""
-        key = (id(layer.mask), layer.seq)
-        if key not in self.masks or layer.seq is None:
-            g = self.graph
-            seq1, target, out = (self._var(n, t) for n, t in (("gqa_mask_seq", np.int64), ("gqa_mask_shape", np.int64),
-                                                               ("gqa_attention_bias", np.float32)))
-            g.nodes += [
-                gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
-                        outputs=[seq1]),
-                gs.Node("Concat", name=target.name, inputs=[self._const("gqa_ones", np.array([1, 1], np.int64)), seq1, seq1],
-                        outputs=[target], attrs={"axis": 0}),
-                gs.Node("Expand", name=out.name, inputs=[layer.mask, target], outputs=[out]),
-            ]
-            self.masks[key] = out
-        return self.masks[key]
-
-    def caches_for(self, layer: Layer, seq: gs.Tensor):
-        key = (id(layer.freqs), layer.seq, layer.rows_proved)
-        if key not in self.caches:
-            g, half = self.graph, layer.width // 2
-            flat = self._var("gqa_positions_freqs", np.float32)
-            rows = self._var("gqa_cache_shape", np.int64)
-            g.nodes.append(gs.Node("Reshape", name=flat.name,
-                                   inputs=[layer.freqs, self._const("gqa_freqs_rows", np.array([-1, half], np.int64))],
-                                   outputs=[flat]))
-            per_row = flat
-            if not layer.rows_proved:
-                # f has S' rows: S' = S, or 1 (one row for every position), which Expand repeats
-                # to S rows as the original's broadcast does; any other S' fails there as in the
-                # original.
-                seq1 = self._var("gqa_seq_1d", np.int64)
-                per_row = self._var("gqa_freqs_per_position", np.float32)
-                g.nodes += [
-                    gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
-                            outputs=[seq1]),
-                    gs.Node("Concat", name=rows.name, inputs=[seq1, self._const("gqa_half", np.array([half], np.int64))],
-                            outputs=[rows], attrs={"axis": 0}),
-                    gs.Node("Expand", name=per_row.name, inputs=[flat, rows], outputs=[per_row]),
-                ]
-            caches = []
-            for fn in ("Cos", "Sin"):
-                c = self._var(f"gqa_{fn.lower()}_cache", np.float32)
-                g.nodes.append(gs.Node(fn, name=c.name, inputs=[per_row], outputs=[c]))
-                caches.append(c)
-            self.caches[key] = tuple(caches)
-        return self.caches[key]
+                 m.root.outputs[0], form == "nan_to_zero", s, b, expand_mask, _is((ev.dim_symbols(f) or [None, None])[1], s),
+                 past, (m["kr"], m["vh"]) if past else (None, None), pk[2] if past else None)
 
 
 def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
@@ -438,22 +405,33 @@ def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
     return out
 
 
-def rewrite(graph: gs.Graph, layer: Layer, shared: _Shared) -> None:
+def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
     packed = _packed_projection(graph, layer)
     qkv = [packed, gs.Variable.empty(), gs.Variable.empty()] if packed is not None else [layer.q, layer.k, layer.v]
-    seqlens, total, seq = shared.lengths_for(layer, qkv[0])
-    cos, sin = shared.caches_for(layer, seq)
-    mask = shared.mask_for(layer, seq) if layer.expand_mask else layer.mask
+    past = [gs.Variable.empty(), gs.Variable.empty()]
+    if layer.past is not None:
+        seqlens, total, seq, plen, total64 = shared.decode_lengths_for(layer, qkv[0])
+        cos, sin = shared.caches_for(layer, seq, plen)
+        mask = shared.decode_mask_for(layer, seq, total64)
+        past = list(layer.past)
+    else:
+        seqlens, total, seq = shared.lengths_for(layer, qkv[0])
+        cos, sin = shared.caches_for(layer, seq)
+        mask = shared.mask_for(layer, seq) if layer.expand_mask else layer.mask
     out = layer.out
     producer = gu.producer(out)
     producer.outputs.clear()
+    presents = []
+    for t in layer.present:
+        if t is not None:  # the op writes Concat(past, new) itself
+            gu.producer(t).outputs.clear()
+            presents.append(t)
     attention_out = out
     if layer.nan_to_zero:
         attention_out = gs.Variable(gu.unique_name(graph, f"{out.name}_gqa"), dtype=np.float32)
     node = gs.Node("GroupQueryAttention", domain=CONTRIB_DOMAIN, name=gu.unique_name(graph, f"{out.name}_GroupQueryAttention"),
-                   inputs=[*qkv, gs.Variable.empty(), gs.Variable.empty(), seqlens, total, cos, sin,
-                           gs.Variable.empty(), mask],
-                   outputs=[attention_out],
+                   inputs=[*qkv, *past, seqlens, total, cos, sin, gs.Variable.empty(), mask],
+                   outputs=[attention_out, *presents],
                    attrs={"num_heads": layer.heads, "kv_num_heads": layer.kv_heads, "scale": layer.scale,
                           "do_rotary": 1, "causal": 0})
     graph.nodes.append(node)
@@ -485,7 +463,7 @@ def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
     layers = [layer for layer in (match(graph, n, shapes, ev, outs) for n in list(graph.nodes)) if layer is not None]
     if not layers:
         return 0
-    shared = _Shared(graph)
+    shared = GQAInputs(graph)
     for layer in layers:
         rewrite(graph, layer, shared)
     gu.cleanup(graph)

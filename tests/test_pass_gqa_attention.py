@@ -102,3 +102,56 @@ def test_attention_probabilities_read_elsewhere_keep_their_layer_unfused(name):
     out, _ = optimize(m, PASSES)
     assert len(gqa_nodes(out)) == 1
     assert_same(m, out, FEEDS[:2])
+
+
+# Decode steps: one new token after a past of P cached positions (past keys and values inputs,
+# present outputs), as models/corpus/build.py exports them.
+DECODE_EXPORTS = ["llama_decode_ts", "llama_decode_dynamo"]
+
+
+def decode_feeds(seed: int, batch: int, past: int) -> dict:
+    rng = np.random.default_rng(seed)
+    mask = (rng.random((batch, past + 1)) < 0.7).astype(np.int64)
+    mask[:, -1] = 1
+    mask[0, :] = 1
+    feeds = {"input_ids": rng.integers(0, 1000, (batch, 1)).astype(np.int64), "attention_mask": mask}
+    for i in range(2):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}_{i}"] = rng.standard_normal((batch, 2, past, 16)).astype(np.float32)
+    return feeds
+
+
+DECODE_FEEDS = [decode_feeds(0, 2, 8), decode_feeds(1, 1, 17), decode_feeds(2, 3, 1), decode_feeds(3, 2, 40)]
+
+
+@pytest.mark.parametrize("name", DECODE_EXPORTS)
+def test_decode_step_attention_becomes_group_query_attention_with_past_and_present(name):
+    m = llama(name)
+    out, _ = optimize(m, PASSES)
+    nodes = gqa_nodes(out)
+    assert len(nodes) == 2
+    outputs = {o.name for o in out.graph.output}
+    for i, node in enumerate(sorted(nodes, key=lambda n: n.input[3])):
+        a = attrs(node)
+        assert (a["num_heads"], a["kv_num_heads"], a["do_rotary"], a["causal"]) == (4, 2, 1, 0)
+        # the past goes in, the present (Concat(past, new)) comes out as the model's outputs
+        assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
+        assert list(node.output[1:3]) == [f"present_key_{i}", f"present_value_{i}"]
+        assert set(node.output[1:3]) <= outputs
+    ops = {n.op_type for n in out.graph.node}
+    assert not ops & {"Softmax", "Neg"}
+    # past lengths 8, 17, 1 and 40: the rotary caches are padded to the past, the op rotates
+    # the new token by row P of them
+    assert_same(m, out, DECODE_FEEDS)
+
+
+@pytest.mark.parametrize("name", DECODE_EXPORTS)
+def test_decode_keys_appended_before_the_past_stay_unfused(name):
+    # present = Concat(new, past): not the cache GroupQueryAttention appends to
+    m = llama(name)
+    cat = next(n for n in m.graph.node if n.op_type == "Concat" and n.output[0] == "present_key_0")
+    assert len(cat.input) == 2
+    cat.input[0], cat.input[1] = cat.input[1], cat.input[0]
+    out, _ = optimize(m, PASSES)
+    assert len(gqa_nodes(out)) == 1
+    assert_same(m, out, DECODE_FEEDS[:2])

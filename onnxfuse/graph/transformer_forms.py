@@ -74,17 +74,23 @@ def probabilities(logits: OpPattern, form: str) -> OpPattern:
     return p
 
 
-def gqa_attention(exporter: str, probs_form: str) -> OpPattern:
+def gqa_attention(exporter: str, probs_form: str, view: bool = False) -> OpPattern:
     """The attention of a grouped-query decoder layer from its rotated q and k (Vars qr, kr)
     and head-split v (Var vh) to the merged heads [B, S, H*dv]: binds mask, the merge Reshape
-    as `merge` and its target as `merge_target`."""
+    as `merge` and its target as `merge_target`. With `view`, a Reshape of the weighted sum
+    (`pv_view`, target `pv_view_target`; torch.export's view of a decode step's [B, H, 1, d],
+    which the pass proves a no-op) comes before the merge. kr and vh may be Concat(past, new)
+    (a decode step's keys and values: the pass tells)."""
     logits = scores(Var("qr"), keys_transposed(repeat_kv("kr"), exporter), exporter) + Var("mask")
     pv = op.MatMul(probabilities(logits, probs_form), repeat_kv("vh"))
+    if view:
+        pv = op.Reshape(pv, Var("pv_view_target"), _name="pv_view")
     return op.Reshape(op.Transpose(pv, perm=HEADS_PERM), Var("merge_target"), _name="merge")
 
 
-# (exporter, probabilities form) pairs the corpus's LLaMA exports take.
-GQA_FORMS = (("ts", "cast"), ("ts", "plain"), ("dynamo", "nan_to_zero"), ("dynamo", "plain"))
+# (exporter, probabilities form, view) the corpus's LLaMA exports take.
+GQA_FORMS = (("ts", "cast", False), ("ts", "plain", False), ("dynamo", "nan_to_zero", False), ("dynamo", "plain", False),
+             ("dynamo", "nan_to_zero", True), ("dynamo", "plain", True))
 
 
 # torch's nn.MultiheadAttention (torchvision's ViT), as both exporters write it: sequence-first.
