@@ -28,6 +28,21 @@ fuse-gqa
                S' = S; an S' of 1 (one row for all positions) is expanded to S rows. The
                NaN-to-zero form gets Where(IsNaN(out), 0, out) after the op: a row whose
                probabilities were NaN gave 0 in the original.
+    decode:    a decode step's k and v are Concat(past, new) on the sequence axis ([B, Hkv, P, d]
+               pasts; the Concats are the model's present outputs), the rotary and head splits
+               on the new token. The op takes past_key/past_value and writes the Concats as its
+               present_key/present_value; seqlens_k = P + S - 1 and total_sequence_length
+               P + S come from the past's shape; the caches get P leading rows (the op rotates
+               query row s by cache row P + s, the original by f's row s); the mask is expanded
+               to [1, 1, S, P + S]. Without a past the rotary and repeat_kv are required;
+               with one they may both be absent (GPT-2: do_rotary 0, Hkv = H), and q, k, v the
+               three pieces of one Split of a packed projection (the op reads it packed).
+               torch.export's head-split and merge targets with -1 for a static sequence and
+               its no-op view of the weighted sum [B, H, S, d] are proved as such. The key
+               length's elements of the repeat_kv and key-transpose targets may be any
+               run-time length (torch.export reads it from the mask's shape): the original
+               fails unless it is P + S, except for one key broadcast along a longer mask (a
+               past of 0 with a mask of more than one column), which the op refuses.
 Known limit: where inference gives no dims for the mask (the TorchScript export), a mask whose
 batch dim exceeds q's batch of 1 would have made the original broadcast its output wider; the
 op refuses that mask with an error instead.
@@ -54,7 +69,7 @@ from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, ro
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
-PATTERNS = tuple(((exporter, form, view), gqa_attention(exporter, form, view)) for exporter, form, view in GQA_FORMS)
+PATTERNS = tuple((form, gqa_attention(*form)) for form in GQA_FORMS)
 ROTARY = {name: rules.Rule(f"rotary/{name}", rotary(name)) for name in ("qh", "kh")}
 HEADS = {name: rules.Rule(f"heads/{name}", heads(name)) for name in ("q", "k", "v")}
 
@@ -69,7 +84,7 @@ class Layer:
     width: int
     scale: float
     mask: gs.Tensor
-    freqs: gs.Tensor  # f [1, S', d/2]: cos and sin are Cos/Sin(Concat(f, f))
+    freqs: gs.Tensor | None  # f [1, S', d/2]: cos and sin are Cos/Sin(Concat(f, f)); None: no rotary
     out: gs.Tensor
     nan_to_zero: bool
     seq: tuple | None  # q's sequence dim (a monomial)
@@ -252,11 +267,11 @@ def _mask_fits(ev: ShapeEvaluator, mask: gs.Tensor, b, s) -> bool:
 def match(graph: gs.Graph, root: gs.Node, shapes: facts.ShapeTable, ev: ShapeEvaluator, outs) -> Layer | None:
     if not gu.is_op(root, "Reshape"):
         return None
-    for (exporter, form, view), pattern in PATTERNS:
+    for form, pattern in PATTERNS:
         m = rules.match(pattern, root, outs, private=False)
         if m is None:
             continue
-        layer = _check(graph, m, exporter, form, view, shapes, ev, outs)
+        layer = _check(graph, m, form, shapes, ev, outs)
         if layer is not None:
             return layer
     return None
@@ -283,19 +298,24 @@ def _decode_length(total):
     return lambda e: e is not None and (_is(e, total) or (e[0] == 1 and len(e[1]) == 1))
 
 
-def _noop_view(ev: ShapeEvaluator, m: rules.Match, b, heads_: int, s, d) -> bool:
-    """The pv_view Reshape of [B, H, S, d] to [B|-1|0, H, S|0, d]: a no-op."""
-    t = _monos(ev, m["pv_view_target"])
-    if t is None or len(t) != 4:
+def _noop_view(ev: ShapeEvaluator, m: rules.Match, known: list) -> bool:
+    """The pv_view Reshape's target is its input's dims (each the same symbol as inference
+    gives it or as proved by the match, `known` = [B, H, S, d]: the weighted sum has q's rows,
+    H heads and v's width; or 0 copying it), one of them possibly -1 (then inferred as that
+    dim): a no-op."""
+    node = m["pv_view"]
+    t, dims = _monos(ev, m["pv_view_target"]), ev.dim_symbols(node.inputs[0])
+    if t is None or dims is None or len(t) != len(dims):
         return False
-    zero = int(gu.attr(m["pv_view"], "allowzero", 0)) == 0
-    lead = _is(t[0], b) or t[0] == _const(-1) or (zero and t[0] == _const(0))
-    return lead and t[1] == _const(heads_) and (_is(t[2], s) or (zero and t[2] == _const(0))) and t[3] == d
+    zero = int(gu.attr(node, "allowzero", 0)) == 0
+    kept = [_is(e, x) or _is(e, k) or (zero and e == _const(0)) for e, x, k in zip(t, dims, known)]
+    return all(kept) or (kept.count(False) == 1 and t[kept.index(False)] == _const(-1))
 
 
-def _check(graph, m: rules.Match, exporter, form, view, shapes, ev, outs) -> Layer | None:
+def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
+    exporter, scale_form, probs, view, repeat = form
     extra = []
-    if form == "nan_to_zero":
+    if probs == "nan_to_zero":
         isnan = gu.producer(m["isnan"])
         sm = m["softmax"].outputs[0]
         if not gu.is_op(isnan, "IsNaN") or isnan.inputs[0] is not sm or not gu.is_private(graph, m["isnan"]):
@@ -311,10 +331,12 @@ def _check(graph, m: rules.Match, exporter, form, view, shapes, ev, outs) -> Lay
     kpast, vpast = _past(ev, kr), _past(ev, vh)
     if (kpast is None) != (vpast is None):
         return None
+    if kpast is None and not repeat:  # multi-head attention without a past: fuse-attention's
+        return None
     if kpast is not None:
         kr, vh = kpast[1], vpast[1]
     # Head widths: from v's split (the rotary is checked against it).
-    vs = _split(graph, vh, "v", outs, [vpast[2]] if vpast else [m["vh_unsqueeze"]])
+    vs = _split(graph, vh, "v", outs, [vpast[2]] if vpast else m.nodes)
     if vs is None:
         return None
     vd = ev.dim_symbols(vs["v"])
@@ -325,19 +347,25 @@ def _check(graph, m: rules.Match, exporter, form, view, shapes, ev, outs) -> Lay
     if width <= 0:
         return None
     kv_heads = _split_heads(ev, vs, "v", width)
-    if kv_heads is None or width % 2:
+    if kv_heads is None:
         return None
-    qm = _rotated(graph, ev, qr, "qh", width, outs, m.nodes)
-    km = _rotated(graph, ev, kr, "kh", width, outs, [kpast[2]] if kpast else m.nodes)
-    if qm is None or km is None or qm["cos"] is not km["cos"] or qm["sin"] is not km["sin"]:
-        return None
-    qs = _split(graph, qm["qh"], "q", outs, qm.nodes)
-    ks = _split(graph, km["kh"], "k", outs, km.nodes)
-    if qs is None or ks is None:
-        return None
+    k_readers = [kpast[2]] if kpast else m.nodes
+    qm = km = None
+    qs, ks = _split(graph, qr, "q", outs, m.nodes), _split(graph, kr, "k", outs, k_readers)
+    if qs is None or ks is None:  # rotary on both (a head split on either alone: no match)
+        if qs is not None or ks is not None or width % 2:
+            return None
+        qm = _rotated(graph, ev, qr, "qh", width, outs, m.nodes)
+        km = _rotated(graph, ev, kr, "kh", width, outs, k_readers)
+        if qm is None or km is None or qm["cos"] is not km["cos"] or qm["sin"] is not km["sin"]:
+            return None
+        qs = _split(graph, qm["qh"], "q", outs, qm.nodes)
+        ks = _split(graph, km["kh"], "k", outs, km.nodes)
+        if qs is None or ks is None:
+            return None
     heads_ = _split_heads(ev, qs, "q", width)
     k_heads = _split_heads(ev, ks, "k", width)
-    if heads_ is None or k_heads != kv_heads:
+    if heads_ is None or k_heads != kv_heads or (not repeat and heads_ != kv_heads):
         return None
     qd, kd = ev.dim_symbols(qs["q"]), ev.dim_symbols(ks["k"])
     b, s = qd[0], qd[1]
@@ -346,25 +374,27 @@ def _check(graph, m: rules.Match, exporter, form, view, shapes, ev, outs) -> Lay
     d = _const(width)
     key_len, past = (lambda e: _is(e, s)), None
     if kpast is not None:
-        # past [B, Hkv, P, d] for k and v; the Concats' (the present's) length is L = P + S
+        # past [B, Hkv, P, d] for k and v: the Concats make the original fail unless the past's
+        # B, Hkv, d are the new k's and v's (proved above); their length is L = P + S
         pk, pv = ev.dim_symbols(kpast[0]), ev.dim_symbols(vpast[0])
         if pk is None or pv is None or len(pk) != 4 or len(pv) != 4 or vpast[0].dtype != np.float32:
             return None
-        if not all(_is(p[0], b) and p[1] == _const(kv_heads) and p[3] == d and _is(p[2], pk[2]) for p in (pk, pv)):
-            return None
         key_len, past = _decode_length(ev.dim_symbols(m["kr"])[2]), (kpast[0], vpast[0])
-    if not _repeat(ev, m, "kr", kv_heads, heads_, key_len if past else None):
+    if repeat and not _repeat(ev, m, "kr", kv_heads, heads_, key_len if past else None):
         return None
-    if not _repeat(ev, m, "vh", kv_heads, heads_, key_len if past else None):
+    if repeat and not _repeat(ev, m, "vh", kv_heads, heads_, key_len if past else None):
         return None
     if not _keys_transposed(ev, m, exporter, heads_, b, key_len, d):
         return None
-    if view and not _noop_view(ev, m, b, heads_, s, d):
+    if view and not _noop_view(ev, m, [b, _const(heads_), s, d]):
         return None
     merge = _monos(ev, m["merge_target"])
     if merge is None or len(merge) != 3 or int(gu.attr(m["merge"], "allowzero", 0)) == 1 and _const(0) in merge:
         return None
-    lead, mid = _is(merge[0], b) or merge[0] == _const(0), _is(merge[1], s) or merge[1] == _const(0)
+    # [B, S] as proved, or as inference gives the merged tensor's own dims
+    own = ev.dim_symbols(m["merge"].inputs[0]) or [None, None]
+    lead = _is(merge[0], b) or _is(merge[0], own[0]) or merge[0] == _const(0)
+    mid = _is(merge[1], s) or _is(merge[1], own[1]) or merge[1] == _const(0)
     if not (lead and mid and merge[2] in (_const(heads_ * width), _const(-1))
             or merge[0] == _const(-1) and mid and merge[2] == _const(heads_ * width)):
         return None
@@ -373,15 +403,40 @@ def _check(graph, m: rules.Match, exporter, form, view, shapes, ev, outs) -> Lay
     if mask.dtype != np.float32 or md is None or len(md) > 4:
         return None
     expand_mask = past is not None or not _mask_fits(ev, mask, b, s)
-    f = _freqs(qm["cos"], "Cos", width, shapes)
-    if f is None or _freqs(qm["sin"], "Sin", width, shapes) is not f:
-        return None
-    scale = m["scale"] if exporter == "ts" else m["q_scale"] * m["k_scale"]
+    f = None
+    if qm is not None:
+        f = _freqs(qm["cos"], "Cos", width, shapes)
+        if f is None or _freqs(qm["sin"], "Sin", width, shapes) is not f:
+            return None
+    scale = m["scale"] if scale_form == "ts" else m["q_scale"] * m["k_scale"]
     if not np.isfinite(scale) or scale == 0.0:
         return None
     return Layer(qs["q"], ks["k"], vs["v"], heads_, kv_heads, width, float(np.float32(scale)), mask, f,
-                 m.root.outputs[0], form == "nan_to_zero", s, b, expand_mask, _is((ev.dim_symbols(f) or [None, None])[1], s),
+                 m.root.outputs[0], probs == "nan_to_zero", s, b, expand_mask,
+                 f is not None and _is((ev.dim_symbols(f) or [None, None])[1], s),
                  past, (m["kr"], m["vh"]) if past else (None, None), pk[2] if past else None)
+
+
+def _packed_split(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
+    """q, k, v the three outputs, in order, of one Split of x [B, S, (H + 2 Hkv) d] on the last
+    axis into H d, Hkv d, Hkv d (GPT-2's Conv1D projection): x is the packed input the op reads."""
+    split = gu.producer(layer.q)
+    if not gu.is_op(split, "Split") or [t for t in split.outputs] != [layer.q, layer.k, layer.v]:
+        return None
+    x, width = split.inputs[0], layer.width
+    dims = facts.ShapeTable(graph).dims(x) if x.shape is None else x.shape
+    if dims is None or len(dims) != 3 or int(gu.attr(split, "axis", 0)) not in (2, -1):
+        return None
+    sizes = gu.constant_ints(split.inputs[1]) if len(split.inputs) > 1 and gu.is_present(split.inputs[1]) \
+        else gu.attr(split, "split")
+    want = [layer.heads * width, layer.kv_heads * width, layer.kv_heads * width]
+    if sizes is None and int(gu.attr(split, "num_outputs", 0)) == 3 and len(set(want)) == 1:
+        sizes = want
+    if sizes is None or list(sizes) != want or dims[2] != sum(want):
+        return None
+    if any(gu.is_graph_output(graph, t) for t in split.outputs):
+        return None
+    return x
 
 
 def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
@@ -406,17 +461,17 @@ def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
 
 
 def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
-    packed = _packed_projection(graph, layer)
+    packed = _packed_split(graph, layer) or _packed_projection(graph, layer)
     qkv = [packed, gs.Variable.empty(), gs.Variable.empty()] if packed is not None else [layer.q, layer.k, layer.v]
     past = [gs.Variable.empty(), gs.Variable.empty()]
     if layer.past is not None:
         seqlens, total, seq, plen, total64 = shared.decode_lengths_for(layer, qkv[0])
-        cos, sin = shared.caches_for(layer, seq, plen)
+        cos, sin = shared.caches_for(layer, seq, plen) if layer.freqs is not None else (gs.Variable.empty(),) * 2
         mask = shared.decode_mask_for(layer, seq, total64)
         past = list(layer.past)
     else:
         seqlens, total, seq = shared.lengths_for(layer, qkv[0])
-        cos, sin = shared.caches_for(layer, seq)
+        cos, sin = shared.caches_for(layer, seq) if layer.freqs is not None else (gs.Variable.empty(),) * 2
         mask = shared.mask_for(layer, seq) if layer.expand_mask else layer.mask
     out = layer.out
     producer = gu.producer(out)
@@ -433,7 +488,7 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
                    inputs=[*qkv, *past, seqlens, total, cos, sin, gs.Variable.empty(), mask],
                    outputs=[attention_out, *presents],
                    attrs={"num_heads": layer.heads, "kv_num_heads": layer.kv_heads, "scale": layer.scale,
-                          "do_rotary": 1, "causal": 0})
+                          "do_rotary": int(layer.freqs is not None), "causal": 0})
     graph.nodes.append(node)
     if layer.nan_to_zero:
         isnan = gs.Variable(gu.unique_name(graph, f"{out.name}_isnan"), dtype=np.bool_)
@@ -452,7 +507,7 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
 
 
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
-    if ctx.target != "cpu" or not any(gu.is_op(n, "Expand") for n in graph.nodes):
+    if ctx.target != "cpu" or not any(gu.is_op(n, "Expand") or gu.is_op(n, "Concat") for n in graph.nodes):
         return 0
     if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
         return 0
