@@ -36,7 +36,8 @@ fuse-gqa
                query row s by cache row P + s, the original by f's row s); the mask is expanded
                to [1, 1, S, P + S]. Without a past the rotary and repeat_kv are required;
                with one they may both be absent (GPT-2: do_rotary 0, Hkv = H), and q, k, v the
-               three pieces of one Split of a packed projection (the op reads it packed).
+               three pieces of one Split of a packed projection (the op reads it packed);
+               heads merged as [B*S, H*d] (torch.export's GPT-2) get a Reshape of the op's output.
                torch.export's head-split and merge targets with -1 for a static sequence and
                its no-op view of the weighted sum [B, H, S, d] are proved as such. The key
                length's elements of the repeat_kv and key-transpose targets may be any
@@ -94,6 +95,7 @@ class Layer:
     past: tuple | None = None  # a decode step: (past_k, past_v) [B, Hkv, P, d] the keys and values extend
     present: tuple = (None, None)  # their Concat(past, new): kept as the op's present outputs
     past_len: tuple | None = None  # P (a monomial)
+    flat: bool = False  # the heads merged as [B*S, H*d] (a Reshape of the op's [B, S, H*d] output)
 
 
 def _monos(ev: ShapeEvaluator, t: gs.Tensor):
@@ -389,6 +391,9 @@ def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
     if view and not _noop_view(ev, m, [b, _const(heads_), s, d]):
         return None
     merge = _monos(ev, m["merge_target"])
+    flat = merge is not None and merge == [_const(-1), _const(heads_ * width)]  # [B*S, H*d] (torch.export's GPT-2)
+    if flat and past is not None:
+        merge = [_const(0), _const(0), _const(-1)]
     if merge is None or len(merge) != 3 or int(gu.attr(m["merge"], "allowzero", 0)) == 1 and _const(0) in merge:
         return None
     # [B, S] as proved, or as inference gives the merged tensor's own dims
@@ -414,7 +419,7 @@ def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
     return Layer(qs["q"], ks["k"], vs["v"], heads_, kv_heads, width, float(np.float32(scale)), mask, f,
                  m.root.outputs[0], probs == "nan_to_zero", s, b, expand_mask,
                  f is not None and _is((ev.dim_symbols(f) or [None, None])[1], s),
-                 past, (m["kr"], m["vh"]) if past else (None, None), pk[2] if past else None)
+                 past, (m["kr"], m["vh"]) if past else (None, None), pk[2] if past else None, flat)
 
 
 def _packed_split(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
@@ -473,9 +478,14 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
         seqlens, total, seq = shared.lengths_for(layer, qkv[0])
         cos, sin = shared.caches_for(layer, seq) if layer.freqs is not None else (gs.Variable.empty(),) * 2
         mask = shared.mask_for(layer, seq) if layer.expand_mask else layer.mask
-    out = layer.out
+    out = flat_out = layer.out
     producer = gu.producer(out)
     producer.outputs.clear()
+    if layer.flat:
+        out = gs.Variable(gu.unique_name(graph, f"{flat_out.name}_heads"), dtype=np.float32)
+        target = gu.make_constant(graph, "gqa_flat_heads", np.array([-1, layer.heads * layer.width], np.int64))
+        graph.nodes.append(gs.Node("Reshape", name=gu.unique_name(graph, f"{flat_out.name}_flat"), inputs=[out, target],
+                                   outputs=[flat_out]))
     presents = []
     for t in layer.present:
         if t is not None:  # the op writes Concat(past, new) itself

@@ -106,11 +106,11 @@ def test_attention_probabilities_read_elsewhere_keep_their_layer_unfused(name):
 
 # Decode steps: one new token after a past of P cached positions (past keys and values inputs,
 # present outputs), as models/corpus/build.py exports them: LLaMA's grouped-query attention with
-# rotary (both exporters) and GPT-2's multi-head attention without (TorchScript; the dynamo
-# export's becomes onnxruntime's MultiHeadAttention in the onnxscript stage).
+# rotary and GPT-2's multi-head attention without (its dynamo export merges the heads as
+# [B*S, H*d] for its out-projection), both exporters.
 DECODE_EXPORTS = ["llama_decode_ts", "llama_decode_dynamo"]
 # name: (kv heads, rotary)
-DECODE = {"llama_decode_ts": (2, 1), "llama_decode_dynamo": (2, 1), "gpt2_decode_ts": (4, 0)}
+DECODE = {"llama_decode_ts": (2, 1), "llama_decode_dynamo": (2, 1), "gpt2_decode_ts": (4, 0), "gpt2_decode_dynamo": (4, 0)}
 
 
 def decode_feeds(seed: int, batch: int, past: int, kv_heads: int = 2) -> dict:

@@ -93,11 +93,13 @@ def gqa_attention(keys: str, scale: str, probs_form: str, view: bool = False, re
 
 
 # (key transpose, scale, probabilities form, view, repeat_kv) the corpus's decoder exports take:
-# LLaMA's (both exporters; a decode step's torch.export view) and GPT-2's decode step (TorchScript).
+# LLaMA's (both exporters; a decode step's torch.export view) and GPT-2's decode step (both).
 GQA_FORMS = (("ts", "ts", "cast", False, True), ("ts", "ts", "plain", False, True),
              ("dynamo", "dynamo", "nan_to_zero", False, True), ("dynamo", "dynamo", "plain", False, True),
              ("dynamo", "dynamo", "nan_to_zero", True, True), ("dynamo", "dynamo", "plain", True, True),
-             ("ts", "dynamo", "nan_to_zero", True, False), ("ts", "dynamo", "plain", True, False))
+             ("ts", "dynamo", "nan_to_zero", True, False), ("ts", "dynamo", "plain", True, False),
+             ("dynamo", "dynamo", "nan_to_zero", True, False), ("dynamo", "dynamo", "plain", True, False),
+             ("dynamo", "dynamo", "nan_to_zero", False, False), ("dynamo", "dynamo", "plain", False, False))
 
 
 # torch's nn.MultiheadAttention (torchvision's ViT), as both exporters write it: sequence-first.
