@@ -510,10 +510,14 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
         ]
     # [B, S, H*d], q's shape (H*d = v's heads times width): the pointwise pass makes the
     # NaN-to-zero guard one region when it knows the shape.
+    # Both get q's shape when q is [B, S, H*d] (a packed q's last dim is larger): one shape for
+    # the guard's two operands, where inference may have named the merged dims apart.
+    q_shape = list(layer.q.shape) if layer.q.shape is not None else None
+    merged = q_shape is not None and len(q_shape) == 3 and q_shape[2] == layer.heads * layer.width
     for t in {id(out): out, id(attention_out): attention_out}.values():
         t.dtype = np.float32
-        if t.shape is None and layer.q.shape is not None:
-            t.shape = list(layer.q.shape)
+        if merged and (t.shape is None or layer.nan_to_zero):
+            t.shape = list(q_shape)
 
 
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:

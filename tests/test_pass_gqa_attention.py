@@ -176,3 +176,16 @@ def test_multi_head_attention_without_a_past_is_left_to_fuse_attention():
     out, _ = optimize(m, PASSES)
     assert not gqa_nodes(out)
     assert sum(n.op_type == "Softmax" for n in out.graph.node) == 2
+
+
+def test_decode_nan_guard_after_the_op_is_one_pointwise_region():
+    # GPT-2's TorchScript export guards its probabilities with Where(IsNaN(p), 0, p); the guard
+    # after the op gets q's [B, S, H*d] on both operands, so the pointwise pass takes it whole
+    # (the default pipeline, verified)
+    from onnxfuse.api import optimize as optimize_model
+
+    m = llama("gpt2_decode_ts")
+    out = optimize_model(m, dims=zoo.get("gpt2_decode_ts").dims, threads=1, count_kernels=False).model
+    assert len(gqa_nodes(out)) == 2
+    assert not [n for n in out.graph.node if n.op_type == "IsNaN"]
+    assert_same(m, out, decode_feeds_for(4)[:2])
