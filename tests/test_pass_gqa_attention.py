@@ -127,7 +127,7 @@ def decode_feeds(seed: int, batch: int, past: int, kv_heads: int = 2) -> dict:
 
 def decode_feeds_for(kv_heads: int) -> list:
     return [decode_feeds(0, 2, 8, kv_heads), decode_feeds(1, 1, 17, kv_heads), decode_feeds(2, 3, 1, kv_heads),
-            decode_feeds(3, 2, 40, kv_heads)]
+            decode_feeds(3, 2, 40, kv_heads), decode_feeds(4, 2, 0, kv_heads)]
 
 
 DECODE_FEEDS = decode_feeds_for(2)
@@ -152,8 +152,8 @@ def test_decode_step_attention_becomes_group_query_attention_with_past_and_prese
         assert set(node.output[1:3]) <= outputs
     ops = {n.op_type for n in out.graph.node}
     assert not ops & {"Softmax", "Neg"}
-    # past lengths 8, 17, 1 and 40: the rotary caches are padded to the past, the op rotates
-    # the new token by row P of them
+    # past lengths 8, 17, 1, 40 and 0 (the first token): the rotary caches are padded to the
+    # past, the op rotates the new token by row P of them
     assert_same(m, out, decode_feeds_for(kv_heads))
 
 
