@@ -34,7 +34,8 @@ fuse-gqa
                present_key/present_value; seqlens_k = P + S - 1 and total_sequence_length
                P + S come from the past's shape; the caches get P leading rows (the op rotates
                query row s by cache row P + s, the original by f's row s); the mask is expanded
-               to [1, 1, S, P + S]. Without a past the rotary and repeat_kv are required;
+               to [1, 1, S, P + S] unless inference gives it [B|1, 1, S, T] with T a named dim
+               (torch.export's, from the attention mask input). Without a past the rotary and repeat_kv are required;
                with one they may both be absent (GPT-2: do_rotary 0, Hkv = H), and q, k, v the
                three pieces of one Split of a packed projection (the op reads it packed);
                heads merged as [B*S, H*d] (torch.export's GPT-2) get a Reshape of the op's output.
@@ -407,7 +408,13 @@ def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
     md = shapes.dims(mask)
     if mask.dtype != np.float32 or md is None or len(md) > 4:
         return None
-    expand_mask = past is not None or not _mask_fits(ev, mask, b, s)
+    if past is None:
+        expand_mask = not _mask_fits(ev, mask, b, s)
+    else:  # [B|1, 1, S, T], T a named dim (an input's: the original's Add fails unless T = P + S or 1)
+        md = ev.dim_symbols(mask)
+        expand_mask = not (md is not None and len(md) == 4 and mask.dtype == np.float32
+                           and (md[0] == _const(1) or _is(md[0], b)) and md[1] == _const(1) and _is(md[2], s)
+                           and key_len(md[3]) and not md[3][1][0].startswith("\0"))
     f = None
     if qm is not None:
         f = _freqs(qm["cos"], "Cos", width, shapes)
@@ -472,7 +479,7 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
     if layer.past is not None:
         seqlens, total, seq, plen, total64 = shared.decode_lengths_for(layer, qkv[0])
         cos, sin = shared.caches_for(layer, seq, plen) if layer.freqs is not None else (gs.Variable.empty(),) * 2
-        mask = shared.decode_mask_for(layer, seq, total64)
+        mask = shared.decode_mask_for(layer, seq, total64) if layer.expand_mask else layer.mask
         past = list(layer.past)
     else:
         seqlens, total, seq = shared.lengths_for(layer, qkv[0])
