@@ -46,7 +46,8 @@ PEERS = ("ort-transformers", "onnxscript", "onnxslim")
 FAMILIES = {"transformer": "transformers+RNNs", "rnn": "transformers+RNNs", "cnn": "CNNs"}
 # onnxruntime.transformers.optimizer model types by architecture (the part before _ts/_dynamo):
 # the closest type its fusions are written for; "bert" is its generic transformer type.
-MODEL_TYPES = {"bert": "bert", "gpt2": "gpt2", "llama": "gpt2", "t5_encoder": "t5", "whisper_encoder": "bart",
+MODEL_TYPES = {"bert": "bert", "gpt2": "gpt2", "llama": "gpt2", "gpt2_decode": "gpt2", "llama_decode": "gpt2",
+               "t5_encoder": "t5", "whisper_encoder": "bart",
                "vit": "vit"}
 # the attention heads and hidden size of the corpus transformers (models/corpus/build.py)
 HEADS, HIDDEN = 4, 64

@@ -28,6 +28,23 @@ fuse-gqa
                S' = S; an S' of 1 (one row for all positions) is expanded to S rows. The
                NaN-to-zero form gets Where(IsNaN(out), 0, out) after the op: a row whose
                probabilities were NaN gave 0 in the original.
+    decode:    a decode step's k and v are Concat(past, new) on the sequence axis ([B, Hkv, P, d]
+               pasts; the Concats are the model's present outputs), the rotary and head splits
+               on the new token. The op takes past_key/past_value and writes the Concats as its
+               present_key/present_value; seqlens_k = P + S - 1 and total_sequence_length
+               P + S come from the past's shape; the caches get P leading rows (the op rotates
+               query row s by cache row P + s, the original by f's row s); the mask is expanded
+               to [1, 1, S, P + S] unless inference gives it [B|1, 1, S, T] with T a named dim
+               (torch.export's, from the attention mask input). Without a past the rotary and repeat_kv are required;
+               with one they may both be absent (GPT-2: do_rotary 0, Hkv = H), and q, k, v the
+               three pieces of one Split of a packed projection (the op reads it packed);
+               heads merged as [B*S, H*d] (torch.export's GPT-2) get a Reshape of the op's output.
+               torch.export's head-split and merge targets with -1 for a static sequence and
+               its no-op view of the weighted sum [B, H, S, d] are proved as such. The key
+               length's elements of the repeat_kv and key-transpose targets may be any
+               run-time length (torch.export reads it from the mask's shape): the original
+               fails unless it is P + S, except for one key broadcast along a longer mask (a
+               past of 0 with a mask of more than one column), which the op refuses.
 Known limit: where inference gives no dims for the mask (the TorchScript export), a mask whose
 batch dim exceeds q's batch of 1 would have made the original broadcast its output wider; the
 op refuses that mask with an error instead.
@@ -48,12 +65,13 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.gqa_inputs import GQAInputs
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, rotary
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
-PATTERNS = tuple(((exporter, form), gqa_attention(exporter, form)) for exporter, form in GQA_FORMS)
+PATTERNS = tuple((form, gqa_attention(*form)) for form in GQA_FORMS)
 ROTARY = {name: rules.Rule(f"rotary/{name}", rotary(name)) for name in ("qh", "kh")}
 HEADS = {name: rules.Rule(f"heads/{name}", heads(name)) for name in ("q", "k", "v")}
 
@@ -68,13 +86,17 @@ class Layer:
     width: int
     scale: float
     mask: gs.Tensor
-    freqs: gs.Tensor  # f [1, S', d/2]: cos and sin are Cos/Sin(Concat(f, f))
+    freqs: gs.Tensor | None  # f [1, S', d/2]: cos and sin are Cos/Sin(Concat(f, f)); None: no rotary
     out: gs.Tensor
     nan_to_zero: bool
     seq: tuple | None  # q's sequence dim (a monomial)
     batch: tuple | None
     expand_mask: bool  # the mask's dims are not proved [B|1, 1, S, S]: see _Shared.mask_for
     rows_proved: bool = False  # f's S' is proved to be S (else the caches are expanded to S rows)
+    past: tuple | None = None  # a decode step: (past_k, past_v) [B, Hkv, P, d] the keys and values extend
+    present: tuple = (None, None)  # their Concat(past, new): kept as the op's present outputs
+    past_len: tuple | None = None  # P (a monomial)
+    flat: bool = False  # the heads merged as [B*S, H*d] (a Reshape of the op's [B, S, H*d] output)
 
 
 def _monos(ev: ShapeEvaluator, t: gs.Tensor):
@@ -100,22 +122,23 @@ def _split_heads(ev: ShapeEvaluator, m: rules.Match, name: str, width: int) -> i
         return None
     if int(gu.attr(m[f"{name}_split"], "allowzero", 0)) == 1 and (target[0] == _const(0) or target[1] == _const(0)):
         return None
-    for i in (0, 1):
-        if not (_is(target[i], xd[i]) or (target[i] == _const(0))):
-            return None
+    kept = [_is(target[i], xd[i]) or target[i] == _const(0) for i in (0, 1)]
     total = xd[2][0]
     if width <= 0 or target[3] != _const(width) or total % width:
         return None
     h = total // width
-    if target[2] not in (_const(h), _const(-1)):
+    # one -1 (B or S inferred: torch.export's target for a static S) when every other element is proved
+    if not (all(kept) and target[2] in (_const(h), _const(-1))
+            or target[2] == _const(h) and sorted(kept) == [False, True] and target[kept.index(False)] == _const(-1)):
         return None
     return h
 
 
-def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_: int) -> bool:
+def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_: int, key_len=None) -> bool:
     """repeat_kv of x [B, Hkv, S, d] (x's dims as its own symbols: the exporter reads them
     with Shape(x)) to [B, H, S, d]: Unsqueeze on axis 2, Expand to [x0, x1, H/Hkv, x2, x3],
-    Reshape to [x0, x1 * H/Hkv, x2, x3]. That x1 is Hkv, the caller proves from x's producer."""
+    Reshape to [x0, x1 * H/Hkv, x2, x3]. That x1 is Hkv, the caller proves from x's producer.
+    `key_len`, when given, decides the sequence elements (x2) of both targets (a decode step's)."""
     unsq, expand, rep = m[f"{name}_unsqueeze"], m[f"{name}_expand"], m[f"{name}_repeat"]
     axes = gu.constant_ints(unsq.inputs[1]) if len(unsq.inputs) > 1 else gu.attr(unsq, "axes")
     xd = ev.dim_symbols(m[name])
@@ -128,8 +151,8 @@ def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_
     # Expand broadcasts: a target element of 1 keeps the input's dim.
     want = [xd[0], xd[1], _const(n), xd[2], xd[3]]
     have = [xd[0], xd[1], _const(1), xd[2], xd[3]]
-    for g, w, h in zip(got, want, have):
-        if not (_is(g, w) or (g == _const(1) and _is(h, w))):
+    for i, (g, w, h) in enumerate(zip(got, want, have)):
+        if not (_is(g, w) or (g == _const(1) and _is(h, w)) or (i == 3 and key_len is not None and key_len(g))):
             return False
     target = _monos(ev, rep.inputs[1])
     grouped = (xd[1][0] * n, xd[1][1])
@@ -139,13 +162,13 @@ def _repeat(ev: ShapeEvaluator, m: rules.Match, name: str, kv_heads: int, heads_
     zero_ok = int(gu.attr(rep, "allowzero", 0)) == 0
     copy = want[:1] + [xd[1], _const(n), xd[2]]  # what a 0 copies: the Expand output's dims
     for i, (g, w) in enumerate(zip(target, want)):
-        if _is(g, w) or (zero_ok and g == _const(0) and _is(copy[i], w)):
+        if _is(g, w) or (zero_ok and g == _const(0) and _is(copy[i], w)) or (i == 2 and key_len is not None and key_len(g)):
             continue
         return False
     return True
 
 
-def _keys_transposed(ev: ShapeEvaluator, m: rules.Match, exporter: str, heads_: int, b, s, d) -> bool:
+def _keys_transposed(ev: ShapeEvaluator, m: rules.Match, exporter: str, heads_: int, b, key_len, d) -> bool:
     if exporter == "ts":
         return True
     flat = _monos(ev, m["kt_flat"].inputs[1])
@@ -161,9 +184,9 @@ def _keys_transposed(ev: ShapeEvaluator, m: rules.Match, exporter: str, heads_: 
         lead.append(_const(b[0] * heads_))
     elif b is not None:
         lead.append((b[0] * heads_, b[1]))
-    if flat[0] not in lead or not _is(flat[1], s) or flat[2] != d:
+    if flat[0] not in lead or not key_len(flat[1]) or flat[2] != d:
         return False
-    return _is(unflat[0], b) and unflat[1] in (_const(heads_),) and unflat[2] == d and _is(unflat[3], s)
+    return _is(unflat[0], b) and unflat[1] in (_const(heads_),) and unflat[2] == d and key_len(unflat[3])
 
 
 def _slice_half(ev: ShapeEvaluator, node: gs.Node, width: int, upper: bool) -> bool:
@@ -219,9 +242,9 @@ def _read_within(graph: gs.Graph, t: gs.Tensor, nodes) -> bool:
                                                     for r in t.outputs)
 
 
-def _rotated(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, name: str, width: int, outs, attention: rules.Match):
-    """The rotary match of `t` on head-split x, t read by the attention (or a Shape) only."""
-    found = rules.match_at([ROTARY[name]], graph, t, outs) if _read_within(graph, t, attention.nodes) else None
+def _rotated(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, name: str, width: int, outs, readers):
+    """The rotary match of `t` on head-split x, t read by `readers` (or a Shape) only."""
+    found = rules.match_at([ROTARY[name]], graph, t, outs) if _read_within(graph, t, readers) else None
     if found is None:
         return None
     m = found[1]
@@ -247,19 +270,55 @@ def _mask_fits(ev: ShapeEvaluator, mask: gs.Tensor, b, s) -> bool:
 def match(graph: gs.Graph, root: gs.Node, shapes: facts.ShapeTable, ev: ShapeEvaluator, outs) -> Layer | None:
     if not gu.is_op(root, "Reshape"):
         return None
-    for (exporter, form), pattern in PATTERNS:
+    for form, pattern in PATTERNS:
         m = rules.match(pattern, root, outs, private=False)
         if m is None:
             continue
-        layer = _check(graph, m, exporter, form, shapes, ev, outs)
+        layer = _check(graph, m, form, shapes, ev, outs)
         if layer is not None:
             return layer
     return None
 
 
-def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | None:
+def _past(ev: ShapeEvaluator, t: gs.Tensor):
+    """t = Concat(past, new) on axis 2 of [B, Hkv, L, d] (a decode step's keys or values):
+    (past, new, the Concat), else None. The dims are checked by the caller."""
+    node = gu.producer(t)
+    if not gu.is_op(node, "Concat") or len(node.inputs) != 2 or int(gu.attr(node, "axis", 0)) not in (2, -2):
+        return None
+    dims = ev.dim_symbols(t)
+    if dims is None or len(dims) != 4 or node.inputs[0].dtype != np.float32:
+        return None
+    return node.inputs[0], node.inputs[1], node
+
+
+def _decode_length(total):
+    """Which elements of a decode step's shape targets may stand for the key length L = P + S:
+    L's own symbol, or a run-time length of one symbol (torch.export reads it from the
+    attention mask's shape). A target element that is not L at run time makes the original's
+    repeat_kv Reshape (or key transpose) fail, except for one key broadcast along a longer
+    mask (past 0, a mask of more than one column): an input the model's contract excludes."""
+    return lambda e: e is not None and (_is(e, total) or (e[0] == 1 and len(e[1]) == 1))
+
+
+def _noop_view(ev: ShapeEvaluator, m: rules.Match, known: list) -> bool:
+    """The pv_view Reshape's target is its input's dims (each the same symbol as inference
+    gives it or as proved by the match, `known` = [B, H, S, d]: the weighted sum has q's rows,
+    H heads and v's width; or 0 copying it), one of them possibly -1 (then inferred as that
+    dim): a no-op."""
+    node = m["pv_view"]
+    t, dims = _monos(ev, m["pv_view_target"]), ev.dim_symbols(node.inputs[0])
+    if t is None or dims is None or len(t) != len(dims):
+        return False
+    zero = int(gu.attr(node, "allowzero", 0)) == 0
+    kept = [_is(e, x) or _is(e, k) or (zero and e == _const(0)) for e, x, k in zip(t, dims, known)]
+    return all(kept) or (kept.count(False) == 1 and t[kept.index(False)] == _const(-1))
+
+
+def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
+    exporter, scale_form, probs, view, repeat = form
     extra = []
-    if form == "nan_to_zero":
+    if probs == "nan_to_zero":
         isnan = gu.producer(m["isnan"])
         sm = m["softmax"].outputs[0]
         if not gu.is_op(isnan, "IsNaN") or isnan.inputs[0] is not sm or not gu.is_private(graph, m["isnan"]):
@@ -270,8 +329,17 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if not all(_read_within(graph, t, held) for n in held if n is not m.root for t in n.outputs):
         return None
     qr, kr, vh = m["qr"], m["kr"], m["vh"]
+    # A decode step: k and v each Concat(past, new) on the sequence axis, the rotary and the
+    # head split on the new ones.
+    kpast, vpast = _past(ev, kr), _past(ev, vh)
+    if (kpast is None) != (vpast is None):
+        return None
+    if kpast is None and not repeat:  # multi-head attention without a past: fuse-attention's
+        return None
+    if kpast is not None:
+        kr, vh = kpast[1], vpast[1]
     # Head widths: from v's split (the rotary is checked against it).
-    vs = _split(graph, vh, "v", outs, [m["vh_unsqueeze"]])
+    vs = _split(graph, vh, "v", outs, [vpast[2]] if vpast else m.nodes)
     if vs is None:
         return None
     vd = ev.dim_symbols(vs["v"])
@@ -282,139 +350,105 @@ def _check(graph, m: rules.Match, exporter, form, shapes, ev, outs) -> Layer | N
     if width <= 0:
         return None
     kv_heads = _split_heads(ev, vs, "v", width)
-    if kv_heads is None or width % 2:
+    if kv_heads is None:
         return None
-    qm = _rotated(graph, ev, qr, "qh", width, outs, m)
-    km = _rotated(graph, ev, kr, "kh", width, outs, m)
-    if qm is None or km is None or qm["cos"] is not km["cos"] or qm["sin"] is not km["sin"]:
-        return None
-    qs = _split(graph, qm["qh"], "q", outs, qm.nodes)
-    ks = _split(graph, km["kh"], "k", outs, km.nodes)
-    if qs is None or ks is None:
-        return None
+    k_readers = [kpast[2]] if kpast else m.nodes
+    qm = km = None
+    qs, ks = _split(graph, qr, "q", outs, m.nodes), _split(graph, kr, "k", outs, k_readers)
+    if qs is None or ks is None:  # rotary on both (a head split on either alone: no match)
+        if qs is not None or ks is not None or width % 2:
+            return None
+        qm = _rotated(graph, ev, qr, "qh", width, outs, m.nodes)
+        km = _rotated(graph, ev, kr, "kh", width, outs, k_readers)
+        if qm is None or km is None or qm["cos"] is not km["cos"] or qm["sin"] is not km["sin"]:
+            return None
+        qs = _split(graph, qm["qh"], "q", outs, qm.nodes)
+        ks = _split(graph, km["kh"], "k", outs, km.nodes)
+        if qs is None or ks is None:
+            return None
     heads_ = _split_heads(ev, qs, "q", width)
     k_heads = _split_heads(ev, ks, "k", width)
-    if heads_ is None or k_heads != kv_heads:
+    if heads_ is None or k_heads != kv_heads or (not repeat and heads_ != kv_heads):
         return None
     qd, kd = ev.dim_symbols(qs["q"]), ev.dim_symbols(ks["k"])
     b, s = qd[0], qd[1]
     if not (_is(kd[0], b) and _is(vd[0], b) and _is(kd[1], s) and _is(vd[1], s)):
         return None
     d = _const(width)
-    if not _repeat(ev, m, "kr", kv_heads, heads_) or not _repeat(ev, m, "vh", kv_heads, heads_):
+    key_len, past = (lambda e: _is(e, s)), None
+    if kpast is not None:
+        # past [B, Hkv, P, d] for k and v: the Concats make the original fail unless the past's
+        # B, Hkv, d are the new k's and v's (proved above); their length is L = P + S
+        pk, pv = ev.dim_symbols(kpast[0]), ev.dim_symbols(vpast[0])
+        if pk is None or pv is None or len(pk) != 4 or len(pv) != 4 or vpast[0].dtype != np.float32:
+            return None
+        key_len, past = _decode_length(ev.dim_symbols(m["kr"])[2]), (kpast[0], vpast[0])
+    if repeat and not _repeat(ev, m, "kr", kv_heads, heads_, key_len if past else None):
         return None
-    if not _keys_transposed(ev, m, exporter, heads_, b, s, d):
+    if repeat and not _repeat(ev, m, "vh", kv_heads, heads_, key_len if past else None):
+        return None
+    if not _keys_transposed(ev, m, exporter, heads_, b, key_len, d):
+        return None
+    if view and not _noop_view(ev, m, [b, _const(heads_), s, d]):
         return None
     merge = _monos(ev, m["merge_target"])
+    flat = merge is not None and merge == [_const(-1), _const(heads_ * width)]  # [B*S, H*d] (torch.export's GPT-2)
+    if flat and past is not None:
+        merge = [_const(0), _const(0), _const(-1)]
     if merge is None or len(merge) != 3 or int(gu.attr(m["merge"], "allowzero", 0)) == 1 and _const(0) in merge:
         return None
-    if not ((_is(merge[0], b) or merge[0] == _const(0)) and (_is(merge[1], s) or merge[1] == _const(0))
-            and merge[2] in (_const(heads_ * width), _const(-1))):
+    # [B, S] as proved, or as inference gives the merged tensor's own dims
+    own = ev.dim_symbols(m["merge"].inputs[0]) or [None, None]
+    lead = _is(merge[0], b) or _is(merge[0], own[0]) or merge[0] == _const(0)
+    mid = _is(merge[1], s) or _is(merge[1], own[1]) or merge[1] == _const(0)
+    if not (lead and mid and merge[2] in (_const(heads_ * width), _const(-1))
+            or merge[0] == _const(-1) and mid and merge[2] == _const(heads_ * width)):
         return None
     mask = m["mask"]
     md = shapes.dims(mask)
     if mask.dtype != np.float32 or md is None or len(md) > 4:
         return None
-    expand_mask = not _mask_fits(ev, mask, b, s)
-    f = _freqs(qm["cos"], "Cos", width, shapes)
-    if f is None or _freqs(qm["sin"], "Sin", width, shapes) is not f:
-        return None
-    scale = m["scale"] if exporter == "ts" else m["q_scale"] * m["k_scale"]
+    if past is None:
+        expand_mask = not _mask_fits(ev, mask, b, s)
+    else:  # [B|1, 1, S, T], T a named dim (an input's: the original's Add fails unless T = P + S or 1)
+        md = ev.dim_symbols(mask)
+        expand_mask = not (md is not None and len(md) == 4 and mask.dtype == np.float32
+                           and (md[0] == _const(1) or _is(md[0], b)) and md[1] == _const(1) and _is(md[2], s)
+                           and key_len(md[3]) and not md[3][1][0].startswith("\0"))
+    f = None
+    if qm is not None:
+        f = _freqs(qm["cos"], "Cos", width, shapes)
+        if f is None or _freqs(qm["sin"], "Sin", width, shapes) is not f:
+            return None
+    scale = m["scale"] if scale_form == "ts" else m["q_scale"] * m["k_scale"]
     if not np.isfinite(scale) or scale == 0.0:
         return None
     return Layer(qs["q"], ks["k"], vs["v"], heads_, kv_heads, width, float(np.float32(scale)), mask, f,
-                 m.root.outputs[0], form == "nan_to_zero", s, b, expand_mask, _is((ev.dim_symbols(f) or [None, None])[1], s))
+                 m.root.outputs[0], probs == "nan_to_zero", s, b, expand_mask,
+                 f is not None and _is((ev.dim_symbols(f) or [None, None])[1], s),
+                 past, (m["kr"], m["vh"]) if past else (None, None), pk[2] if past else None, flat)
 
 
-class _Shared:
-    """Tensors every fused layer of one graph reads: seqlens_k, total_sequence_length and the
-    caches, built once per (q's batch and sequence dims, f)."""
-
-    def __init__(self, graph: gs.Graph):
-        self.graph = graph
-        self.lengths: dict = {}
-        self.caches: dict = {}
-        self.masks: dict = {}
-
-    def _var(self, base: str, dtype):
-        return gs.Variable(gu.unique_name(self.graph, base), dtype=dtype)
-
-    def _const(self, base: str, value):
-        return gu.make_constant(self.graph, base, np.asarray(value))
-
-    def lengths_for(self, layer: Layer, query: gs.Tensor):
-        """(seqlens_k, total_sequence_length, S) from the Shape of `query` [B, S, ..]."""
-        key = (layer.batch, layer.seq)
-        if key not in self.lengths or layer.batch is None or layer.seq is None:
-            g, q = self.graph, query
-            shape = self._var("gqa_q_shape", np.int64)
-            batch, seq = self._var("gqa_batch", np.int64), self._var("gqa_seq", np.int64)
-            total, last = self._var("gqa_total_sequence_length", np.int32), self._var("gqa_last_position", np.int32)
-            seqlens = self._var("gqa_seqlens_k", np.int32)
-            g.nodes += [
-                gs.Node("Shape", name=shape.name, inputs=[q], outputs=[shape]),
-                gs.Node("Slice", name=batch.name, inputs=[shape, self._const("gqa_zero", np.array([0], np.int64)),
-                                                          self._const("gqa_one", np.array([1], np.int64))], outputs=[batch]),
-                gs.Node("Gather", name=seq.name, inputs=[shape, self._const("gqa_one_scalar", np.array(1, np.int64))],
-                        outputs=[seq], attrs={"axis": 0}),
-                gs.Node("Cast", name=total.name, inputs=[seq], outputs=[total], attrs={"to": 6}),
-                gs.Node("Sub", name=last.name, inputs=[total, self._const("gqa_one_int32", np.array(1, np.int32))],
-                        outputs=[last]),
-                gs.Node("Expand", name=seqlens.name, inputs=[last, batch], outputs=[seqlens]),
-            ]
-            self.lengths[key] = (seqlens, total, seq)
-        return self.lengths[key]
-
-    def mask_for(self, layer: Layer, seq: gs.Tensor):
-        """Expand(mask, [1, 1, S, S]): where inference does not give the mask's dims. The
-        original adds the mask to scores [B, H, S, S]; broadcast to [.., .., S, S] first, it is
-        a bias GroupQueryAttention takes whenever that Add works ([B|1, H|1, S, S]; the op
-        refuses any other shape), and a mask of [B, 1, 1, S] (padding only) gets its rows."""
-        key = (id(layer.mask), layer.seq)
-        if key not in self.masks or layer.seq is None:
-            g = self.graph
-            seq1, target, out = (self._var(n, t) for n, t in (("gqa_mask_seq", np.int64), ("gqa_mask_shape", np.int64),
-                                                               ("gqa_attention_bias", np.float32)))
-            g.nodes += [
-                gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
-                        outputs=[seq1]),
-                gs.Node("Concat", name=target.name, inputs=[self._const("gqa_ones", np.array([1, 1], np.int64)), seq1, seq1],
-                        outputs=[target], attrs={"axis": 0}),
-                gs.Node("Expand", name=out.name, inputs=[layer.mask, target], outputs=[out]),
-            ]
-            self.masks[key] = out
-        return self.masks[key]
-
-    def caches_for(self, layer: Layer, seq: gs.Tensor):
-        key = (id(layer.freqs), layer.seq, layer.rows_proved)
-        if key not in self.caches:
-            g, half = self.graph, layer.width // 2
-            flat = self._var("gqa_positions_freqs", np.float32)
-            rows = self._var("gqa_cache_shape", np.int64)
-            g.nodes.append(gs.Node("Reshape", name=flat.name,
-                                   inputs=[layer.freqs, self._const("gqa_freqs_rows", np.array([-1, half], np.int64))],
-                                   outputs=[flat]))
-            per_row = flat
-            if not layer.rows_proved:
-                # f has S' rows: S' = S, or 1 (one row for every position), which Expand repeats
-                # to S rows as the original's broadcast does; any other S' fails there as in the
-                # original.
-                seq1 = self._var("gqa_seq_1d", np.int64)
-                per_row = self._var("gqa_freqs_per_position", np.float32)
-                g.nodes += [
-                    gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
-                            outputs=[seq1]),
-                    gs.Node("Concat", name=rows.name, inputs=[seq1, self._const("gqa_half", np.array([half], np.int64))],
-                            outputs=[rows], attrs={"axis": 0}),
-                    gs.Node("Expand", name=per_row.name, inputs=[flat, rows], outputs=[per_row]),
-                ]
-            caches = []
-            for fn in ("Cos", "Sin"):
-                c = self._var(f"gqa_{fn.lower()}_cache", np.float32)
-                g.nodes.append(gs.Node(fn, name=c.name, inputs=[per_row], outputs=[c]))
-                caches.append(c)
-            self.caches[key] = tuple(caches)
-        return self.caches[key]
+def _packed_split(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
+    """q, k, v the three outputs, in order, of one Split of x [B, S, (H + 2 Hkv) d] on the last
+    axis into H d, Hkv d, Hkv d (GPT-2's Conv1D projection): x is the packed input the op reads."""
+    split = gu.producer(layer.q)
+    if not gu.is_op(split, "Split") or [t for t in split.outputs] != [layer.q, layer.k, layer.v]:
+        return None
+    x, width = split.inputs[0], layer.width
+    dims = facts.ShapeTable(graph).dims(x) if x.shape is None else x.shape
+    if dims is None or len(dims) != 3 or int(gu.attr(split, "axis", 0)) not in (2, -1):
+        return None
+    sizes = gu.constant_ints(split.inputs[1]) if len(split.inputs) > 1 and gu.is_present(split.inputs[1]) \
+        else gu.attr(split, "split")
+    want = [layer.heads * width, layer.kv_heads * width, layer.kv_heads * width]
+    if sizes is None and int(gu.attr(split, "num_outputs", 0)) == 3 and len(set(want)) == 1:
+        sizes = want
+    if sizes is None or list(sizes) != want or dims[2] != sum(want):
+        return None
+    if any(gu.is_graph_output(graph, t) for t in split.outputs):
+        return None
+    return x
 
 
 def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
@@ -438,24 +472,40 @@ def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
     return out
 
 
-def rewrite(graph: gs.Graph, layer: Layer, shared: _Shared) -> None:
-    packed = _packed_projection(graph, layer)
+def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
+    packed = _packed_split(graph, layer) or _packed_projection(graph, layer)
     qkv = [packed, gs.Variable.empty(), gs.Variable.empty()] if packed is not None else [layer.q, layer.k, layer.v]
-    seqlens, total, seq = shared.lengths_for(layer, qkv[0])
-    cos, sin = shared.caches_for(layer, seq)
-    mask = shared.mask_for(layer, seq) if layer.expand_mask else layer.mask
-    out = layer.out
+    past = [gs.Variable.empty(), gs.Variable.empty()]
+    if layer.past is not None:
+        seqlens, total, seq, plen, total64 = shared.decode_lengths_for(layer, qkv[0])
+        cos, sin = shared.caches_for(layer, seq, plen) if layer.freqs is not None else (gs.Variable.empty(),) * 2
+        mask = shared.decode_mask_for(layer, seq, total64) if layer.expand_mask else layer.mask
+        past = list(layer.past)
+    else:
+        seqlens, total, seq = shared.lengths_for(layer, qkv[0])
+        cos, sin = shared.caches_for(layer, seq) if layer.freqs is not None else (gs.Variable.empty(),) * 2
+        mask = shared.mask_for(layer, seq) if layer.expand_mask else layer.mask
+    out = flat_out = layer.out
     producer = gu.producer(out)
     producer.outputs.clear()
+    if layer.flat:
+        out = gs.Variable(gu.unique_name(graph, f"{flat_out.name}_heads"), dtype=np.float32)
+        target = gu.make_constant(graph, "gqa_flat_heads", np.array([-1, layer.heads * layer.width], np.int64))
+        graph.nodes.append(gs.Node("Reshape", name=gu.unique_name(graph, f"{flat_out.name}_flat"), inputs=[out, target],
+                                   outputs=[flat_out]))
+    presents = []
+    for t in layer.present:
+        if t is not None:  # the op writes Concat(past, new) itself
+            gu.producer(t).outputs.clear()
+            presents.append(t)
     attention_out = out
     if layer.nan_to_zero:
         attention_out = gs.Variable(gu.unique_name(graph, f"{out.name}_gqa"), dtype=np.float32)
     node = gs.Node("GroupQueryAttention", domain=CONTRIB_DOMAIN, name=gu.unique_name(graph, f"{out.name}_GroupQueryAttention"),
-                   inputs=[*qkv, gs.Variable.empty(), gs.Variable.empty(), seqlens, total, cos, sin,
-                           gs.Variable.empty(), mask],
-                   outputs=[attention_out],
+                   inputs=[*qkv, *past, seqlens, total, cos, sin, gs.Variable.empty(), mask],
+                   outputs=[attention_out, *presents],
                    attrs={"num_heads": layer.heads, "kv_num_heads": layer.kv_heads, "scale": layer.scale,
-                          "do_rotary": 1, "causal": 0})
+                          "do_rotary": int(layer.freqs is not None), "causal": 0})
     graph.nodes.append(node)
     if layer.nan_to_zero:
         isnan = gs.Variable(gu.unique_name(graph, f"{out.name}_isnan"), dtype=np.bool_)
@@ -467,14 +517,19 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: _Shared) -> None:
         ]
     # [B, S, H*d], q's shape (H*d = v's heads times width): the pointwise pass makes the
     # NaN-to-zero guard one region when it knows the shape.
+    # Both get q's shape when q is [B, S, H*d] (a packed q's last dim is larger): one shape for
+    # the guard's two operands, where inference may have named the merged dims apart.
+    q_shape = list(layer.q.shape) if layer.q.shape is not None else None
+    merged = q_shape is not None and len(q_shape) == 3 and q_shape[2] == layer.heads * layer.width
     for t in {id(out): out, id(attention_out): attention_out}.values():
         t.dtype = np.float32
-        if t.shape is None and layer.q.shape is not None:
-            t.shape = list(layer.q.shape)
+        if merged and (t.shape is None or layer.nan_to_zero):
+            t.shape = list(q_shape)
 
 
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
-    if not ctx.target.float32_group_query_attention or not any(gu.is_op(n, "Expand") for n in graph.nodes):
+    if not ctx.target.float32_group_query_attention or not any(gu.is_op(n, "Expand") or gu.is_op(n, "Concat")
+                                                                for n in graph.nodes):
         return 0
     if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
         return 0
@@ -485,7 +540,7 @@ def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
     layers = [layer for layer in (match(graph, n, shapes, ev, outs) for n in list(graph.nodes)) if layer is not None]
     if not layers:
         return 0
-    shared = _Shared(graph)
+    shared = GQAInputs(graph)
     for layer in layers:
         rewrite(graph, layer, shared)
     gu.cleanup(graph)

@@ -39,6 +39,10 @@ ATTENTION_ON_CUDA = {
     "t5_encoder_ts": "onnxfuse.Attention", "t5_encoder_dynamo": "onnxfuse.Attention",
     "whisper_encoder_ts": "onnxfuse.Attention", "whisper_encoder_dynamo": "com.microsoft.MultiHeadAttention",
     "vit_ts": "onnxfuse.Attention", "vit_dynamo": "onnxfuse.Attention",
+    # decode steps: GroupQueryAttention (the CPU's) has no float32 CUDA kernel; onnxscript's
+    # MultiHeadAttention takes the past on the dynamo exports
+    "gpt2_decode_ts": None, "gpt2_decode_dynamo": "com.microsoft.MultiHeadAttention",
+    "llama_decode_ts": None, "llama_decode_dynamo": "com.microsoft.MultiHeadAttention",
 }
 ATTENTION_OPS = {"onnxfuse.Attention", "com.microsoft.Attention", "com.microsoft.MultiHeadAttention",
                  "com.microsoft.GroupQueryAttention"}

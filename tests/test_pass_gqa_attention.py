@@ -102,3 +102,93 @@ def test_attention_probabilities_read_elsewhere_keep_their_layer_unfused(name):
     out, _ = optimize(m, PASSES)
     assert len(gqa_nodes(out)) == 1
     assert_same(m, out, FEEDS[:2])
+
+
+# Decode steps: one new token after a past of P cached positions (past keys and values inputs,
+# present outputs), as models/corpus/build.py exports them: LLaMA's grouped-query attention with
+# rotary and GPT-2's multi-head attention without (its dynamo export merges the heads as
+# [B*S, H*d] for its out-projection), both exporters.
+DECODE_EXPORTS = ["llama_decode_ts", "llama_decode_dynamo"]
+# name: (kv heads, rotary)
+DECODE = {"llama_decode_ts": (2, 1), "llama_decode_dynamo": (2, 1), "gpt2_decode_ts": (4, 0), "gpt2_decode_dynamo": (4, 0)}
+
+
+def decode_feeds(seed: int, batch: int, past: int, kv_heads: int = 2) -> dict:
+    rng = np.random.default_rng(seed)
+    mask = (rng.random((batch, past + 1)) < 0.7).astype(np.int64)
+    mask[:, -1] = 1
+    mask[0, :] = 1
+    feeds = {"input_ids": rng.integers(0, 1000, (batch, 1)).astype(np.int64), "attention_mask": mask}
+    for i in range(2):
+        for kind in ("key", "value"):
+            feeds[f"past_{kind}_{i}"] = rng.standard_normal((batch, kv_heads, past, 16)).astype(np.float32)
+    return feeds
+
+
+def decode_feeds_for(kv_heads: int) -> list:
+    return [decode_feeds(0, 2, 8, kv_heads), decode_feeds(1, 1, 17, kv_heads), decode_feeds(2, 3, 1, kv_heads),
+            decode_feeds(3, 2, 40, kv_heads), decode_feeds(4, 2, 0, kv_heads)]
+
+
+DECODE_FEEDS = decode_feeds_for(2)
+
+
+@pytest.mark.parametrize("name", sorted(DECODE))
+def test_decode_step_attention_becomes_group_query_attention_with_past_and_present(name):
+    kv_heads, rotary = DECODE[name]
+    m = llama(name)
+    out, _ = optimize(m, PASSES)
+    nodes = gqa_nodes(out)
+    assert len(nodes) == 2
+    outputs = {o.name for o in out.graph.output}
+    for i, node in enumerate(sorted(nodes, key=lambda n: n.input[3])):
+        a = attrs(node)
+        assert (a["num_heads"], a["kv_num_heads"], a["do_rotary"], a["causal"]) == (4, kv_heads, rotary, 0)
+        # q, k, v packed: GPT-2's one projection split in three, LLaMA's three packed in one
+        assert node.input[1] == node.input[2] == ""
+        # the past goes in, the present (Concat(past, new)) comes out as the model's outputs
+        assert list(node.input[3:5]) == [f"past_key_{i}", f"past_value_{i}"]
+        assert list(node.output[1:3]) == [f"present_key_{i}", f"present_value_{i}"]
+        assert set(node.output[1:3]) <= outputs
+        if name.endswith("_dynamo"):
+            # the export's mask [batch, 1, 1, total] is the op's bias as it is: no Expand first
+            assert not node.input[10].startswith("gqa_")
+    ops = {n.op_type for n in out.graph.node}
+    assert not ops & {"Softmax", "Neg"}
+    # past lengths 8, 17, 1, 40 and 0 (the first token): the rotary caches are padded to the
+    # past, the op rotates the new token by row P of them
+    assert_same(m, out, decode_feeds_for(kv_heads))
+
+
+@pytest.mark.parametrize("name", DECODE_EXPORTS)
+def test_decode_keys_appended_before_the_past_stay_unfused(name):
+    # present = Concat(new, past): not the cache GroupQueryAttention appends to
+    m = llama(name)
+    cat = next(n for n in m.graph.node if n.op_type == "Concat" and n.output[0] == "present_key_0")
+    assert len(cat.input) == 2
+    cat.input[0], cat.input[1] = cat.input[1], cat.input[0]
+    out, _ = optimize(m, PASSES)
+    assert len(gqa_nodes(out)) == 1
+    assert_same(m, out, DECODE_FEEDS[:2])
+
+
+def test_multi_head_attention_without_a_past_is_left_to_fuse_attention():
+    # GPT-2's full-sequence attention has the decode step's form less the Concat(past, new):
+    # onnxfuse.Attention (causal mode, no past) takes it, not GroupQueryAttention
+    m = llama("gpt2_ts")
+    out, _ = optimize(m, PASSES)
+    assert not gqa_nodes(out)
+    assert sum(n.op_type == "Softmax" for n in out.graph.node) == 2
+
+
+def test_decode_nan_guard_after_the_op_is_one_pointwise_region():
+    # GPT-2's TorchScript export guards its probabilities with Where(IsNaN(p), 0, p); the guard
+    # after the op gets q's [B, S, H*d] on both operands, so the pointwise pass takes it whole
+    # (the default pipeline, verified)
+    from onnxfuse.api import optimize as optimize_model
+
+    m = llama("gpt2_decode_ts")
+    out = optimize_model(m, dims=zoo.get("gpt2_decode_ts").dims, threads=1, count_kernels=False).model
+    assert len(gqa_nodes(out)) == 2
+    assert not [n for n in out.graph.node if n.op_type == "IsNaN"]
+    assert_same(m, out, decode_feeds_for(4)[:2])

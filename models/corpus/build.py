@@ -122,6 +122,83 @@ def llama():
     return _Encoder.wrap(LlamaModel(cfg)), {"input_ids": ids, "attention_mask": mask}, TEXT_AXES
 
 
+# Decode steps: one new token after `past` cached positions. The past keys and values are inputs
+# [batch, kv heads, past, head size] and the present ones (past with the new token's appended)
+# outputs, as generation runs a decoder step by step; the attention mask covers past and new.
+DECODE_DIMS = ({"batch": 2, "past": 8, "total": 9}, {"batch": 1, "past": 17, "total": 18})
+
+
+class _Decoder:
+    """forward(input_ids [B, 1], attention_mask [B, P + 1], past_key_0, past_value_0, ...) ->
+    (last_hidden_state, present_key_0, present_value_0, ...) for a transformers decoder, its
+    past as a DynamicCache built from the inputs."""
+
+    @staticmethod
+    def wrap(model, layers: int):
+        import torch
+        from transformers import DynamicCache
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, *past):
+                cache = DynamicCache(config=self.model.config)
+                for i in range(layers):
+                    cache.update(past[2 * i], past[2 * i + 1], i)
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                 use_cache=True)
+                present = out.past_key_values
+                flat = []
+                for i in range(layers):
+                    layer = present.layers[i]
+                    flat += [layer.keys, layer.values]
+                return (out.last_hidden_state, *flat)
+
+        return Wrapped().eval()
+
+    @staticmethod
+    def inputs(vocab: int, layers: int, kv_heads: int, head_size: int, batch: int = 2, past: int = 8):
+        import torch
+
+        g = torch.Generator().manual_seed(SEED)
+        ids = torch.randint(0, vocab, (batch, 1), generator=g)
+        mask = torch.ones(batch, past + 1, dtype=torch.int64)
+        mask[1, :2] = 0  # a left-padded row, so the export traces the padding mask for real
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        axes = {"input_ids": {0: "batch"}, "attention_mask": {0: "batch", 1: "total"}}
+        for i in range(layers):
+            for kind in ("key", "value"):
+                name = f"past_{kind}_{i}"
+                feeds[name] = torch.randn(batch, kv_heads, past, head_size, generator=g)
+                axes[name] = {0: "batch", 2: "past"}
+        return feeds, axes
+
+    @staticmethod
+    def outputs(layers: int) -> list[str]:
+        return ["last_hidden_state"] + [f"present_{k}_{i}" for i in range(layers) for k in ("key", "value")]
+
+
+def gpt2_decode():
+    from transformers import GPT2Config, GPT2Model
+
+    # positions for a past of a few hundred tokens (the benchmark times a past of 128)
+    cfg = GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=0,
+                     eos_token_id=0)
+    feeds, axes = _Decoder.inputs(1000, 2, 4, 16)
+    return _Decoder.wrap(GPT2Model(cfg), 2), feeds, axes
+
+
+def llama_decode():
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+    feeds, axes = _Decoder.inputs(1000, 2, 2, 16)
+    return _Decoder.wrap(LlamaModel(cfg), 2), feeds, axes
+
+
 def t5_encoder():
     from transformers import T5Config, T5EncoderModel
 
@@ -240,6 +317,12 @@ CASES = [
          "causal + padding mask, Conv1D projections, tanh GELU", gpt2, ["last_hidden_state"]),
     Case("llama", "transformer", "LLaMA-style decoder (transformers LlamaModel), hidden 64, 2 layers, 4 heads, "
          "2 KV heads: RMSNorm, rotary, grouped-query attention, SiLU-gated MLP", llama, ["last_hidden_state"]),
+    Case("gpt2_decode", "transformer", "GPT-2 decode step (transformers GPT2Model), hidden 64, 2 layers, 4 heads: "
+         "one new token, past keys/values in, present out, causal + padding mask", gpt2_decode,
+         _Decoder.outputs(2), shape_sets=DECODE_DIMS),
+    Case("llama_decode", "transformer", "LLaMA-style decode step (transformers LlamaModel), hidden 64, 2 layers, "
+         "4 heads, 2 KV heads: one new token, past keys/values in, present out, rotary at the past length",
+         llama_decode, _Decoder.outputs(2), shape_sets=DECODE_DIMS),
     Case("t5_encoder", "transformer", "T5 encoder (transformers T5EncoderModel), d_model 64, 2 layers, 4 heads: "
          "relative position buckets, RMS-style T5LayerNorm, ReLU MLP", t5_encoder, ["last_hidden_state"]),
     Case("whisper_encoder", "transformer", "Whisper audio encoder (transformers WhisperEncoder), d_model 64, "
@@ -317,14 +400,25 @@ def export(case: Case, exporter: str) -> onnx.ModelProto:
             dynamic_axes = dict(axes)
             for out in case.outputs:
                 dynamic_axes[out] = {0: "batch", 1: "seq"} if has_seq and out == "last_hidden_state" else {0: "batch"}
+                if out.startswith("present_"):
+                    dynamic_axes[out] = {0: "batch", 2: "total"}
             with _torchscript_workarounds(model), tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "model.onnx"
                 torch.onnx.export(model, args, str(path), dynamo=False, opset_version=opset, input_names=names,
                                   output_names=case.outputs, dynamic_axes=dynamic_axes)
                 return onnx.load(str(path)), axes
         dims = {}
+        if any("past" in a.values() for a in axes.values()):
+            # a decode step: the mask covers the past and the new token, a dim derived from past's
+            dims["past"] = torch.export.Dim("past", min=1, max=1024)
+            dims["total"] = dims["past"] + 1
         shapes = tuple({axis: dims.setdefault(d, torch.export.Dim(d, min=1, max=64 if d == "seq" else 1024))
                         for axis, d in axes[n].items()} if n in axes else None for n in names)
+        import inspect
+
+        fixed = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_POSITIONAL]
+        if len(fixed) < len(shapes):  # forward(a, b, *rest): the spec mirrors it (export notes, 1.)
+            shapes = (*shapes[:len(fixed)], shapes[len(fixed):])
         program = torch.onnx.export(model, args, dynamo=True, opset_version=opset, input_names=names,
                                     output_names=case.outputs, dynamic_shapes=shapes)
         return program.model_proto, axes

@@ -11,6 +11,7 @@ activations   the activation vocabulary: every elementwise activation the passes
 patterns      op vocabularies the passes match on
 transformer_forms  rotary, repeat_kv and attention as the torch.onnx exporters write them
 attention_heads    an attention block's operands matched by hand where the proof needs shapes
+gqa_inputs    what GroupQueryAttention reads besides q, k, v (lengths, rotary caches, bias), from the graph
 ort_fusions   a model of onnxruntime's own fusions, which passes must not block
 
 No pass imports another pass: what two passes share lives here.

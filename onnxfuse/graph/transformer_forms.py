@@ -74,17 +74,32 @@ def probabilities(logits: OpPattern, form: str) -> OpPattern:
     return p
 
 
-def gqa_attention(exporter: str, probs_form: str) -> OpPattern:
-    """The attention of a grouped-query decoder layer from its rotated q and k (Vars qr, kr)
-    and head-split v (Var vh) to the merged heads [B, S, H*dv]: binds mask, the merge Reshape
-    as `merge` and its target as `merge_target`."""
-    logits = scores(Var("qr"), keys_transposed(repeat_kv("kr"), exporter), exporter) + Var("mask")
-    pv = op.MatMul(probabilities(logits, probs_form), repeat_kv("vh"))
+def gqa_attention(keys: str, scale: str, probs_form: str, view: bool = False, repeat: bool = True) -> OpPattern:
+    """The attention of a decoder layer from its q (Var qr: rotated, or the head split alone)
+    and k (Var kr), and head-split v (Var vh) to the merged heads [B, S, H*dv]: binds mask, the
+    merge Reshape as `merge` and its target as `merge_target`. `keys` is the key transpose's
+    form and `scale` the scale's (as keys_transposed and scores write them, by the exporter
+    that writes them: GPT-2's TorchScript export splits the scale over q and kT as torch.export
+    does). With `repeat`, k and v go through repeat_kv (grouped-query attention). With `view`, a
+    Reshape of the weighted sum (`pv_view`, target `pv_view_target`; a decode step's view of
+    [B, H, 1, d], which the pass proves a no-op) comes before the merge. kr and vh may be
+    Concat(past, new) (a decode step's keys and values: the pass tells)."""
+    k, v = (repeat_kv("kr"), repeat_kv("vh")) if repeat else (Var("kr"), Var("vh"))
+    logits = scores(Var("qr"), keys_transposed(k, keys), scale) + Var("mask")
+    pv = op.MatMul(probabilities(logits, probs_form), v)
+    if view:
+        pv = op.Reshape(pv, Var("pv_view_target"), _name="pv_view")
     return op.Reshape(op.Transpose(pv, perm=HEADS_PERM), Var("merge_target"), _name="merge")
 
 
-# (exporter, probabilities form) pairs the corpus's LLaMA exports take.
-GQA_FORMS = (("ts", "cast"), ("ts", "plain"), ("dynamo", "nan_to_zero"), ("dynamo", "plain"))
+# (key transpose, scale, probabilities form, view, repeat_kv) the corpus's decoder exports take:
+# LLaMA's (both exporters; a decode step's torch.export view) and GPT-2's decode step (both).
+GQA_FORMS = (("ts", "ts", "cast", False, True), ("ts", "ts", "plain", False, True),
+             ("dynamo", "dynamo", "nan_to_zero", False, True), ("dynamo", "dynamo", "plain", False, True),
+             ("dynamo", "dynamo", "nan_to_zero", True, True), ("dynamo", "dynamo", "plain", True, True),
+             ("ts", "dynamo", "nan_to_zero", True, False), ("ts", "dynamo", "plain", True, False),
+             ("dynamo", "dynamo", "nan_to_zero", True, False), ("dynamo", "dynamo", "plain", True, False),
+             ("dynamo", "dynamo", "nan_to_zero", False, False), ("dynamo", "dynamo", "plain", False, False))
 
 
 # torch's nn.MultiheadAttention (torchvision's ViT), as both exporters write it: sequence-first.

@@ -1,0 +1,174 @@
+"""The inputs onnxruntime's GroupQueryAttention reads besides q, k and v, built from the graph's
+own tensors: seqlens_k and total_sequence_length from shapes (a decode step's from its past
+keys' length), the half-width rotary caches from the exporter's frequencies f (rows padded to
+the past length in a decode step, where the op rotates query row s by cache row P + s), and the
+mask broadcast to the bias the op takes. Used by fuse-gqa (passes/gqa_attention.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from . import core as gu
+
+
+class GQAInputs:
+    """Tensors every fused layer of one graph reads: seqlens_k, total_sequence_length, the
+    caches and the attention bias, built once per (q's batch and sequence dims, past length,
+    f, mask). `layer` is the pass's description of one attention (passes/gqa_attention.py:
+    Layer): q's batch and seq dims, the past tensors and length of a decode step, f, the mask,
+    the head width)."""
+
+    def __init__(self, graph: gs.Graph):
+        self.graph = graph
+        self.lengths: dict = {}
+        self.caches: dict = {}
+        self.masks: dict = {}
+
+    def _var(self, base: str, dtype):
+        return gs.Variable(gu.unique_name(self.graph, base), dtype=dtype)
+
+    def _const(self, base: str, value):
+        return gu.make_constant(self.graph, base, np.asarray(value))
+
+    def lengths_for(self, layer, query: gs.Tensor):
+        """(seqlens_k, total_sequence_length, S) from the Shape of `query` [B, S, ..]."""
+        key = (layer.batch, layer.seq)
+        if key not in self.lengths or layer.batch is None or layer.seq is None:
+            g, q = self.graph, query
+            shape = self._var("gqa_q_shape", np.int64)
+            batch, seq = self._var("gqa_batch", np.int64), self._var("gqa_seq", np.int64)
+            total, last = self._var("gqa_total_sequence_length", np.int32), self._var("gqa_last_position", np.int32)
+            seqlens = self._var("gqa_seqlens_k", np.int32)
+            g.nodes += [
+                gs.Node("Shape", name=shape.name, inputs=[q], outputs=[shape]),
+                gs.Node("Slice", name=batch.name, inputs=[shape, self._const("gqa_zero", np.array([0], np.int64)),
+                                                          self._const("gqa_one", np.array([1], np.int64))], outputs=[batch]),
+                gs.Node("Gather", name=seq.name, inputs=[shape, self._const("gqa_one_scalar", np.array(1, np.int64))],
+                        outputs=[seq], attrs={"axis": 0}),
+                gs.Node("Cast", name=total.name, inputs=[seq], outputs=[total], attrs={"to": 6}),
+                gs.Node("Sub", name=last.name, inputs=[total, self._const("gqa_one_int32", np.array(1, np.int32))],
+                        outputs=[last]),
+                gs.Node("Expand", name=seqlens.name, inputs=[last, batch], outputs=[seqlens]),
+            ]
+            self.lengths[key] = (seqlens, total, seq)
+        return self.lengths[key]
+
+    def mask_for(self, layer, seq: gs.Tensor):
+        """Expand(mask, [1, 1, S, S]): where inference does not give the mask's dims. The
+        original adds the mask to scores [B, H, S, S]; broadcast to [.., .., S, S] first, it is
+        a bias GroupQueryAttention takes whenever that Add works ([B|1, H|1, S, S]; the op
+        refuses any other shape), and a mask of [B, 1, 1, S] (padding only) gets its rows."""
+        key = (id(layer.mask), layer.seq)
+        if key not in self.masks or layer.seq is None:
+            g = self.graph
+            seq1, target, out = (self._var(n, t) for n, t in (("gqa_mask_seq", np.int64), ("gqa_mask_shape", np.int64),
+                                                               ("gqa_attention_bias", np.float32)))
+            g.nodes += [
+                gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
+                        outputs=[seq1]),
+                gs.Node("Concat", name=target.name, inputs=[self._const("gqa_ones", np.array([1, 1], np.int64)), seq1, seq1],
+                        outputs=[target], attrs={"axis": 0}),
+                gs.Node("Expand", name=out.name, inputs=[layer.mask, target], outputs=[out]),
+            ]
+            self.masks[key] = out
+        return self.masks[key]
+
+    def decode_lengths_for(self, layer, query: gs.Tensor):
+        """A decode step's (seqlens_k = P + S - 1 per batch row, total_sequence_length = P + S,
+        P as a 1-D tensor) from the Shapes of past_k [B, Hkv, P, d] and `query` [B, S, ..]."""
+        named = all(layer_dim is not None and not any(x.startswith("\0") for x in layer_dim[1])
+                    for layer_dim in (layer.batch, layer.seq, layer.past_len))
+        key = ("decode", layer.batch, layer.seq, layer.past_len)
+        if key not in self.lengths or not named:
+            g = self.graph
+            shape = self._var("gqa_past_shape", np.int64)
+            batch, plen = self._var("gqa_batch", np.int64), self._var("gqa_past_length", np.int64)
+            total64, total = self._var("gqa_total_length", np.int64), self._var("gqa_total_sequence_length", np.int32)
+            last, seqlens = self._var("gqa_last_position", np.int32), self._var("gqa_seqlens_k", np.int32)
+            total_1d = self._var("gqa_total_1d", np.int32)
+            if layer.seq is not None and not layer.seq[1]:
+                seq = self._const("gqa_seq", np.array(layer.seq[0], np.int64))
+            else:
+                qshape, seq = self._var("gqa_q_shape", np.int64), self._var("gqa_seq", np.int64)
+                g.nodes += [gs.Node("Shape", name=qshape.name, inputs=[query], outputs=[qshape]),
+                            gs.Node("Gather", name=seq.name, inputs=[qshape, self._const("gqa_one_scalar", np.array(1, np.int64))],
+                                    outputs=[seq], attrs={"axis": 0})]
+            g.nodes += [
+                gs.Node("Shape", name=shape.name, inputs=[layer.past[0]], outputs=[shape]),
+                gs.Node("Slice", name=batch.name, inputs=[shape, self._const("gqa_zero", np.array([0], np.int64)),
+                                                          self._const("gqa_one", np.array([1], np.int64))], outputs=[batch]),
+                gs.Node("Slice", name=plen.name, inputs=[shape, self._const("gqa_two", np.array([2], np.int64)),
+                                                         self._const("gqa_three", np.array([3], np.int64))], outputs=[plen]),
+                gs.Node("Add", name=total64.name, inputs=[plen, seq], outputs=[total64]),
+                gs.Node("Cast", name=total_1d.name, inputs=[total64], outputs=[total_1d], attrs={"to": 6}),
+                gs.Node("Squeeze", name=total.name, inputs=[total_1d, self._const("gqa_axis0", np.array([0], np.int64))],
+                        outputs=[total]),
+                gs.Node("Sub", name=last.name, inputs=[total_1d, self._const("gqa_one_int32", np.array([1], np.int32))],
+                        outputs=[last]),
+                gs.Node("Expand", name=seqlens.name, inputs=[last, batch], outputs=[seqlens]),
+            ]
+            self.lengths[key] = (seqlens, total, seq, plen, total64)
+        return self.lengths[key]
+
+    def decode_mask_for(self, layer, seq: gs.Tensor, total: gs.Tensor):
+        """Expand(mask, [1, 1, S, P + S]): the bias the op takes, whatever broadcast of it the
+        original's Add to scores [B, H, S, P + S] made."""
+        key = ("decode", id(layer.mask), layer.seq, layer.past_len)
+        if key not in self.masks:
+            g = self.graph
+            target, out = self._var("gqa_mask_shape", np.int64), self._var("gqa_attention_bias", np.float32)
+            seq1 = seq
+            nodes = []
+            if not seq.shape or len(seq.shape) == 0:
+                seq1 = self._var("gqa_mask_seq", np.int64)
+                nodes.append(gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
+                                     outputs=[seq1]))
+            g.nodes += nodes + [
+                gs.Node("Concat", name=target.name, inputs=[self._const("gqa_ones", np.array([1, 1], np.int64)), seq1, total],
+                        outputs=[target], attrs={"axis": 0}),
+                gs.Node("Expand", name=out.name, inputs=[layer.mask, target], outputs=[out]),
+            ]
+            self.masks[key] = out
+        return self.masks[key]
+
+    def caches_for(self, layer, seq: gs.Tensor, past_len: gs.Tensor | None = None):
+        key = (id(layer.freqs), layer.seq, layer.rows_proved, id(past_len))
+        if key not in self.caches:
+            g, half = self.graph, layer.width // 2
+            flat = self._var("gqa_positions_freqs", np.float32)
+            rows = self._var("gqa_cache_shape", np.int64)
+            g.nodes.append(gs.Node("Reshape", name=flat.name,
+                                   inputs=[layer.freqs, self._const("gqa_freqs_rows", np.array([-1, half], np.int64))],
+                                   outputs=[flat]))
+            per_row = flat
+            if not layer.rows_proved:
+                # f has S' rows: S' = S, or 1 (one row for every position), which Expand repeats
+                # to S rows as the original's broadcast does; any other S' fails there as in the
+                # original.
+                seq1 = self._var("gqa_seq_1d", np.int64)
+                per_row = self._var("gqa_freqs_per_position", np.float32)
+                g.nodes += [
+                    gs.Node("Unsqueeze", name=seq1.name, inputs=[seq, self._const("gqa_axis0", np.array([0], np.int64))],
+                            outputs=[seq1]),
+                    gs.Node("Concat", name=rows.name, inputs=[seq1, self._const("gqa_half", np.array([half], np.int64))],
+                            outputs=[rows], attrs={"axis": 0}),
+                    gs.Node("Expand", name=per_row.name, inputs=[flat, rows], outputs=[per_row]),
+                ]
+            caches = []
+            pads = None
+            if past_len is not None:
+                # a decode step: the op rotates query row s by cache row P + s, the original by f's row s
+                pads = self._var("gqa_cache_pads", np.int64)
+                g.nodes.append(gs.Node("Concat", name=pads.name, inputs=[past_len, self._const("gqa_pad_rest", np.zeros(3, np.int64))],
+                                       outputs=[pads], attrs={"axis": 0}))
+            for fn in ("Cos", "Sin"):
+                c = self._var(f"gqa_{fn.lower()}_cache", np.float32)
+                g.nodes.append(gs.Node(fn, name=c.name, inputs=[per_row], outputs=[c]))
+                if pads is not None:
+                    padded = self._var(f"gqa_{fn.lower()}_cache_padded", np.float32)
+                    g.nodes.append(gs.Node("Pad", name=padded.name, inputs=[c, pads], outputs=[padded]))
+                    c = padded
+                caches.append(c)
+            self.caches[key] = tuple(caches)
+        return self.caches[key]
