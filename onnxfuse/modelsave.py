@@ -90,9 +90,10 @@ def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: in
 def _needs_data_file(model: onnx.ModelProto, threshold: int) -> bool:
     from .weights import referenced_bytes
 
-    referenced = referenced_bytes(model)
-    if referenced > INLINE_REFERENCED_MAX:
+    # Weights that were inline in their model file are written inline again (streamed).
+    if referenced_bytes(model, inline_origin=False) > INLINE_REFERENCED_MAX:
         return True
+    referenced = referenced_bytes(model)
     try:
         size = model.ByteSize()
     except Exception:  # protobuf refuses to size a message over 2 GiB
@@ -119,7 +120,8 @@ def save_model(
     the temporary files are removed. A failed write (disk full, I/O error) is an OutputError
     naming the path. Returns the paths written.
     """
-    from .weights import all_tensors, inline_tensor
+    from .protowire import join_weights
+    from .weights import all_tensors, copy_region, inline_tensor, region_of
 
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -132,6 +134,7 @@ def save_model(
     target = path
     try:
         data_tmp = None
+        streamed: dict = {}
         if _needs_data_file(out, external_threshold):
             location = path.name + ".data"
             target = directory / location
@@ -143,13 +146,18 @@ def save_model(
                 os.fsync(f.fileno())
             os.chmod(data_tmp, mode)
         else:
-            for t in all_tensors(out):
+            # Initializers held by reference are streamed into the file; other tensors inline.
+            streamed = {i: r for i, r in enumerate(region_of(t) for t in out.graph.initializer) if r is not None}
+            for t in list(all_tensors(out))[len(out.graph.initializer):]:
                 inline_tensor(t)
         target = path
         fd, model_tmp = outfiles.temporary(directory, path.name)
         temps.append(model_tmp)
         with os.fdopen(fd, "wb") as f:
-            f.write(out.SerializeToString())
+            if data_tmp is None and streamed:
+                join_weights(out.SerializeToString(), streamed, f.write, lambda r: copy_region(r, f))
+            else:
+                f.write(out.SerializeToString())
             f.flush()
             os.fsync(f.fileno())
         os.chmod(model_tmp, mode)

@@ -156,14 +156,28 @@ def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.Mo
 
     so = session_options(with_library=with_library, threads=1, level="all")
     so.log_severity_level = 4  # saving at level "all" warns that the NCHWc layout is machine-specific
-    fd, path = tempfile.mkstemp(suffix=".onnx")
-    os.close(fd)
-    try:
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-executed-") as tmp:
+        path = os.path.join(tmp, "executed.onnx")
         so.optimized_model_filepath = path
-        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return onnx.load(path)
-    finally:
-        os.remove(path)
+        # Large initializers of the saved graph go to a data file that is never read back (a
+        # link to /dev/null: what is asked is the graph, and writing the weights out would cost
+        # more than the session), and weights are not packed for the kernels (a session that
+        # never runs; packing does not change the graph).
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "executed.data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                    str(EXECUTED_INLINE_MAX_BYTES))
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        with contextlib.suppress(OSError):
+            os.symlink(os.devnull, os.path.join(tmp, "executed.data"))
+        # A model holding weights by reference is loaded from a file beside links to its data.
+        with _session_source(model) as (data, _):
+            ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        return onnx.load(path, load_external_data=False)
+
+
+# Initializers of executed_graph's result up to this size keep their values; larger ones are
+# references to a file that no longer exists (their type and shape are kept).
+EXECUTED_INLINE_MAX_BYTES = 1 << 16
 
 
 def evaluate(model: onnx.ModelProto) -> list:

@@ -39,6 +39,8 @@ after it on what it leaves.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -358,6 +360,74 @@ def _groups(target: str = "cpu"):
     return groups if target == "cpu" else [g for g in groups if g[0] in CUDA_GROUPS]
 
 
+class _Readers:
+    """What onnxscript's multi-output matcher iterates instead of the whole graph: the nodes
+    that read one value, in graph order; `graph` is the graph itself."""
+
+    def __init__(self, graph, nodes):
+        self.graph = graph
+        self._nodes = nodes
+
+    def __iter__(self):
+        return iter(self._nodes)
+
+
+def _shared_input_matcher(base):
+    """A subclass of onnxscript's SimplePatternMatcher for patterns whose output nodes all read
+    one pattern input first (SlicesSplit: Slice(x, ..), Slice(x, ..)). onnxscript matches such a
+    pattern at each candidate node by listing every node of the graph, and pairing the candidate
+    with each node of the other output's op type: nodes x candidates, quadratic in the graph.
+    A match has every output node reading the candidate's first input, so the nodes listed are
+    that value's readers, in graph order: the same matches, found in the same order."""
+
+    class SharedInputMatcher(base):
+        def match(self, model, graph_or_function, node, **kwargs):
+            x = node.inputs[0] if node.inputs else None
+            if x is None:
+                return super().match(model, graph_or_function, node, **kwargs)
+            graph = graph_or_function if isinstance(graph_or_function, _ir().Graph) else graph_or_function.graph
+            readers = list(dict.fromkeys(use.node for use in x.uses() if use.node.graph is graph))
+            if len(readers) > 2:  # which of them comes first decides the match: graph order
+                rank = {id(n): i for i, n in enumerate(graph_or_function)}
+                readers.sort(key=lambda n: rank.get(id(n), len(rank)))
+            return super().match(model, _Readers(graph, readers), node, **kwargs)
+
+    return SharedInputMatcher
+
+
+def _ir():
+    import onnx_ir as ir
+
+    return ir
+
+
+@contextmanager
+def _linear_matching():
+    """onnxscript's default rewrite rules (its optimizer's) with _shared_input_matcher for the
+    multi-output patterns it applies to, while the stage runs; restored after."""
+    swapped = []
+    try:
+        from onnxscript import rewriter
+        from onnxscript.rewriter import _matcher
+
+        for rule in getattr(rewriter, "_DEFAULT_REWRITE_RULES", ()):
+            pattern, matcher = getattr(rule, "_target_pattern", None), getattr(rule, "_matcher", None)
+            if pattern is None or type(matcher) is not _matcher.SimplePatternMatcher or pattern.has_single_output_node:
+                continue
+            firsts = [n.inputs[0] if n.inputs else None for n in pattern.output_nodes]
+            if firsts[0] is None or any(f is not firsts[0] for f in firsts):
+                continue
+            swapped.append((rule, matcher))
+            rule._matcher = _shared_input_matcher(_matcher.SimplePatternMatcher)(pattern)
+    except (ImportError, AttributeError):  # another onnxscript: its own matching
+        pass
+    try:
+        yield
+    finally:
+        for rule, matcher in swapped:
+            rule._matcher = matcher
+
+
 def _ort_fused(model: onnx.ModelProto, executed_graph,
                target: str = "cpu") -> tuple[onnx.ModelProto, int, list[str]] | None:
     """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
@@ -399,7 +469,10 @@ def _ort_fused(model: onnx.ModelProto, executed_graph,
 
 
 def _replace(graph: gs.Graph, model: onnx.ModelProto) -> None:
+    from onnxfuse.weights import attach_graph
+
     new = gs.import_onnx(model)
+    attach_graph(new)  # weights held by reference stay so
     graph.nodes = new.nodes
     graph.inputs = new.inputs
     graph.outputs = new.outputs
@@ -453,7 +526,8 @@ def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
     if not _may_match(graph, ctx.target):
         return 0
     before = _as_model(graph)
-    fused = _ort_fused(before, ctx.executed_graph, ctx.target)
+    with _linear_matching():
+        fused = _ort_fused(before, ctx.executed_graph, ctx.target)
     if fused is None:
         return 0
     after, rewrites, kept = fused

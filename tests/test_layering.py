@@ -19,7 +19,7 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 # only.
 LAYERS = [
     {"onnxfuse.version", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize", "onnxfuse.modelsave",  # io
-     "onnxfuse.modelfields", "onnxfuse.weights", "onnxfuse.outfiles", "onnxfuse.records",
+     "onnxfuse.modelfields", "onnxfuse.weights", "onnxfuse.outfiles", "onnxfuse.records", "onnxfuse.protowire",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
      "onnxfuse.zoo"},
