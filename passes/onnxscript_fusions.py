@@ -381,6 +381,10 @@ def _shared_input_matcher(base):
     that value's readers, in graph order: the same matches, found in the same order."""
 
     class SharedInputMatcher(base):
+        # Positions of the graph's nodes, kept while they hold for the nodes asked about:
+        # inserting or removing nodes leaves the order of the others as it was.
+        _order: tuple = (None, {})
+
         def match(self, model, graph_or_function, node, **kwargs):
             x = node.inputs[0] if node.inputs else None
             if x is None:
@@ -388,8 +392,11 @@ def _shared_input_matcher(base):
             graph = graph_or_function if isinstance(graph_or_function, _ir().Graph) else graph_or_function.graph
             readers = list(dict.fromkeys(use.node for use in x.uses() if use.node.graph is graph))
             if len(readers) > 2:  # which of them comes first decides the match: graph order
-                rank = {id(n): i for i, n in enumerate(graph_or_function)}
-                readers.sort(key=lambda n: rank.get(id(n), len(rank)))
+                owner, rank = self._order
+                if owner is not graph_or_function or any(n not in rank for n in readers):
+                    rank = {n: i for i, n in enumerate(graph_or_function)}
+                    self._order = (graph_or_function, rank)
+                readers.sort(key=rank.__getitem__)
             return super().match(model, _Readers(graph, readers), node, **kwargs)
 
     return SharedInputMatcher
