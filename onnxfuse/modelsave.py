@@ -121,7 +121,7 @@ def save_model(
     naming the path. Returns the paths written.
     """
     from .protowire import join_weights
-    from .weights import all_tensors, copy_region, inline_tensor, region_of
+    from .weights import all_tensors, copy_region, inline_tensor, is_inline_origin, region_of
 
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -146,10 +146,13 @@ def save_model(
                 os.fsync(f.fileno())
             os.chmod(data_tmp, mode)
         else:
-            # Initializers held by reference are streamed into the file; other tensors inline.
-            streamed = {i: r for i, r in enumerate(region_of(t) for t in out.graph.initializer) if r is not None}
-            for t in list(all_tensors(out))[len(out.graph.initializer):]:
-                inline_tensor(t)
+            # Initializers that were inline in their model file are streamed into the file;
+            # other tensors are read inline.
+            streamed = {i: r for i, r in enumerate(region_of(t) for t in out.graph.initializer)
+                        if r is not None and is_inline_origin(r)}
+            for i, t in enumerate(all_tensors(out)):
+                if i not in streamed or i >= len(out.graph.initializer):
+                    inline_tensor(t)
         target = path
         fd, model_tmp = outfiles.temporary(directory, path.name)
         temps.append(model_tmp)
