@@ -312,11 +312,55 @@ def load_model(path: str | os.PathLike, label: str | None = None, weights_on_dis
     regions (weights.py), for the optimizer, whose memory then does not grow with the model."""
     path = Path(path)
     label = label or str(path)
-    data = read_model_file(path, label)
-    model = parse_model(data, label)
-    _load_external_data(model, label, path.resolve().parent, weights_on_disk)
+    model = _load_split(path, label) if weights_on_disk else None
+    if model is None:
+        model = parse_model(read_model_file(path, label), label)
+        _load_external_data(model, label, path.resolve().parent, weights_on_disk)
     check_model(model, label)
     return LoadedModel(model=model, label=label, path=str(path))
+
+
+# Files of at least this size have their inline weights held by reference when the weights are
+# to stay on disk (smaller ones are read whole: a copy of them costs little).
+SPLIT_MIN_FILE_BYTES = 64 << 20
+
+
+def _load_split(path: Path, label: str) -> onnx.ModelProto | None:
+    """A large single-file model read without its large initializers' bytes: each is copied
+    (in the kernel) from the file to the scratch file of inline weights and held by reference
+    there (weights.py), as external data is. None when the file is small, not a regular file,
+    or not a protobuf message this reads (the caller then reads it whole and reports what is
+    wrong with it)."""
+    import mmap
+
+    from .protowire import WireError, split_weights
+    from .weights import SPILL_MIN_BYTES, FileRegion, expected_bytes, keep_inline_weight, set_reference
+
+    try:
+        if not path.is_file() or path.stat().st_size < SPLIT_MIN_FILE_BYTES:
+            return None
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            light, inline = split_weights(mapped, SPILL_MIN_BYTES)
+    except (OSError, ValueError, WireError):
+        return None
+    if not inline:
+        return None
+    try:
+        model = parse_model(light, label)
+    except InputError:
+        return None
+    tensors = model.graph.initializer
+    if any(w.index >= len(tensors) or expected_bytes(tensors[w.index]) != w.length for w in inline):
+        return None  # data that does not fit its shape: read whole, and check_model says so
+    source = os.path.realpath(path)
+    _load_external_data(model, label, path.resolve().parent, True)
+    try:
+        regions = [keep_inline_weight(FileRegion(source, w.offset, w.length)) for w in inline]
+    except OSError:
+        return None  # no room for the copy: read whole
+    for w, region in zip(inline, regions):
+        set_reference(tensors[w.index], region.path, region.offset, region.length)
+    return model
 
 
 # --------------------------------------------------------------------------- structural checks

@@ -90,9 +90,10 @@ def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: in
 def _needs_data_file(model: onnx.ModelProto, threshold: int) -> bool:
     from .weights import referenced_bytes
 
-    referenced = referenced_bytes(model)
-    if referenced > INLINE_REFERENCED_MAX:
+    # Weights that were inline in their model file are written inline again (streamed).
+    if referenced_bytes(model, inline_origin=False) > INLINE_REFERENCED_MAX:
         return True
+    referenced = referenced_bytes(model)
     try:
         size = model.ByteSize()
     except Exception:  # protobuf refuses to size a message over 2 GiB
@@ -192,7 +193,8 @@ def save_model(
     when it raises, nothing is renamed and the temporary files are removed. A failed write (disk
     full, I/O error) is an OutputError naming the path. Returns the paths written.
     """
-    from .weights import all_tensors, external_entries, inline_tensor
+    from .protowire import join_weights
+    from .weights import all_tensors, copy_region, external_entries, inline_tensor, is_inline_origin, region_of
 
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
@@ -207,6 +209,7 @@ def save_model(
     data_kept: list[str] = []
     try:
         data_tmp = None
+        streamed: dict = {}
         if _needs_data_file(out, external_threshold):
             target = directory / (path.name + DATA_SUFFIX)
             fd, data_tmp = outfiles.temporary(directory, path.name + DATA_SUFFIX)
@@ -226,13 +229,21 @@ def save_model(
             data_path = directory / location
             target = data_path
         else:
-            for t in all_tensors(out):
-                inline_tensor(t)
+            # Initializers that were inline in their model file are streamed into the file;
+            # other tensors are read inline.
+            streamed = {i: r for i, r in enumerate(region_of(t) for t in out.graph.initializer)
+                        if r is not None and is_inline_origin(r)}
+            for i, t in enumerate(all_tensors(out)):
+                if i not in streamed or i >= len(out.graph.initializer):
+                    inline_tensor(t)
         target = path
         fd, model_tmp = outfiles.temporary(directory, path.name)
         temps.append(model_tmp)
         with os.fdopen(fd, "wb") as f:
-            f.write(out.SerializeToString())
+            if data_tmp is None and streamed:
+                join_weights(out.SerializeToString(), streamed, f.write, lambda r: copy_region(r, f))
+            else:
+                f.write(out.SerializeToString())
             f.flush()
             os.fsync(f.fileno())
         os.chmod(model_tmp, mode)

@@ -458,13 +458,15 @@ def _creates_cycle(a: Analysis, members: dict[int, gs.Node], region_of: dict[int
 def build_regions(a: Analysis) -> list[Region]:
     """Grow regions from consumers to producers (reverse topological order)."""
     region_of: dict[int, Region] = {}
-    regions: list[Region] = []
+    regions: dict[int, Region] = {}  # by id, in the order made (joined ones leave, the new one comes last)
 
     def attempt(n: gs.Node, joined: list[Region]) -> Region | None:
         members = {id(n): n}
         for r in joined:
             members.update(r.members)
-        if len(joined) > 0 and _creates_cycle(a, members, {k: v for k, v in region_of.items() if k not in members}):
+        # _creates_cycle looks up nodes outside `members` only: region_of as it is (a copy
+        # without the members per attempt made this quadratic in the graph)
+        if len(joined) > 0 and _creates_cycle(a, members, region_of):
             return None
         try:
             lowered = lower_region(a, members)
@@ -502,12 +504,13 @@ def build_regions(a: Analysis) -> list[Region]:
             new = attempt(n, joined)
             if new is None:
                 continue
-            regions[:] = [r for r in regions if not any(r is j for j in joined)]
-            regions.append(new)
+            for j in joined:
+                regions.pop(id(j), None)
+            regions[id(new)] = new
             for k in new.members:
                 region_of[k] = new
             break
-    return regions
+    return list(regions.values())
 
 
 def work(r: Region) -> int:

@@ -215,14 +215,46 @@ def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.Mo
 
     so = session_options(with_library=with_library, threads=1, level="all")
     so.log_severity_level = 4  # saving at level "all" warns that the NCHWc layout is machine-specific
-    fd, path = tempfile.mkstemp(suffix=".onnx")
-    os.close(fd)
-    try:
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-executed-") as tmp:
+        path = os.path.join(tmp, "executed.onnx")
         so.optimized_model_filepath = path
-        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return onnx.load(path)
-    finally:
-        os.remove(path)
+        # Large initializers of the saved graph go to a data file that is never read back (a
+        # link to /dev/null: what is asked is the graph, and writing the weights out would cost
+        # more than the session), and weights are not packed for the kernels (a session that
+        # never runs; packing does not change the graph).
+        if _weight_bytes(model) >= EXECUTED_LARGE_MODEL_BYTES:
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                        "executed.data")
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                        str(EXECUTED_INLINE_MAX_BYTES))
+            with contextlib.suppress(OSError):
+                os.symlink(os.devnull, os.path.join(tmp, "executed.data"))
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        # A model holding weights by reference is loaded from a file beside links to its data.
+        with _session_source(model) as (data, _):
+            ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        executed = onnx.load(path, load_external_data=False)
+    from .weights import external_entries, graph_tensors
+
+    for t in graph_tensors(executed.graph):
+        if t.data_location == onnx.TensorProto.EXTERNAL and external_entries(t).get("location") != "executed.data":
+            # a value left in the model's own data file, whose link is gone with the session
+            raise RuntimeError(f"executed graph: tensor '{t.name}' refers to a data file of the session")
+    return executed
+
+
+# For models of at least EXECUTED_LARGE_MODEL_BYTES of weights, initializers of
+# executed_graph's result up to EXECUTED_INLINE_MAX_BYTES keep their values; larger ones are
+# references to a file that no longer exists (their type and shape are kept). Passes that take
+# values from the executed graph (fold-constants) see every value of a smaller model.
+EXECUTED_INLINE_MAX_BYTES = 1 << 16
+EXECUTED_LARGE_MODEL_BYTES = 64 << 20
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    from .weights import referenced_bytes
+
+    return model.ByteSize() + referenced_bytes(model)
 
 
 def evaluate(model: onnx.ModelProto) -> list:

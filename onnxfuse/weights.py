@@ -155,9 +155,11 @@ def inline_function_tensors(model: onnx.ModelProto) -> None:
             inline_tensor(t)
 
 
-def referenced_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of the tensors `model` holds by reference."""
-    return sum(r.length for r in (region_of(t) for t in all_tensors(model)) if r is not None)
+def referenced_bytes(model: onnx.ModelProto, inline_origin: bool = True) -> int:
+    """Bytes of the tensors `model` holds by reference (without those that were inline in
+    their model file unless `inline_origin`)."""
+    return sum(r.length for r in (region_of(t) for t in all_tensors(model))
+               if r is not None and (inline_origin or not is_inline_origin(r)))
 
 
 def _varint_size(n: int) -> int:
@@ -314,6 +316,20 @@ class _Scratch:
         self.offset = offset + view.nbytes
         return FileRegion(self.path, offset, view.nbytes)
 
+    def copy(self, region: FileRegion) -> FileRegion:
+        """Copy a region of another file here (in the kernel where it can): where it now is."""
+        self.open()
+        pad = (-self.offset) % ALIGN
+        if pad:
+            self.file.write(b"\0" * pad)
+        self.file.flush()
+        offset = self.offset + pad
+        self.file.seek(offset)
+        copy_region(region, self.file)
+        self.file.flush()
+        self.offset = offset + region.length
+        return FileRegion(self.path, offset, region.length)
+
     def remove(self) -> None:
         if self.file is not None:
             self.file.close()
@@ -323,6 +339,20 @@ class _Scratch:
 
 
 _scratch = _Scratch()
+# The weights of single-file models, copied out of the model file at load (modelio): held by
+# reference like external data, but the model is still written as one file (modelsave).
+_inline_scratch = _Scratch()
+
+
+def keep_inline_weight(region: FileRegion) -> FileRegion:
+    """Copy an inline weight's bytes (a region of a single-file model) to the scratch file of
+    inline weights, aligned so that onnxruntime maps it: where it now is."""
+    return _inline_scratch.copy(region)
+
+
+def is_inline_origin(region: FileRegion) -> bool:
+    """Whether a reference is to a weight that was inline in its model file."""
+    return _inline_scratch.path != "" and region.path == _inline_scratch.path
 
 
 def spill(array: np.ndarray) -> FileRegion:

@@ -39,6 +39,8 @@ after it on what it leaves.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -359,6 +361,81 @@ def _groups(target: Target = CPU):
     return groups if target.measured else [g for g in groups if g[0] in CUDA_GROUPS]
 
 
+class _Readers:
+    """What onnxscript's multi-output matcher iterates instead of the whole graph: the nodes
+    that read one value, in graph order; `graph` is the graph itself."""
+
+    def __init__(self, graph, nodes):
+        self.graph = graph
+        self._nodes = nodes
+
+    def __iter__(self):
+        return iter(self._nodes)
+
+
+def _shared_input_matcher(base):
+    """A subclass of onnxscript's SimplePatternMatcher for patterns whose output nodes all read
+    one pattern input first (SlicesSplit: Slice(x, ..), Slice(x, ..)). onnxscript matches such a
+    pattern at each candidate node by listing every node of the graph, and pairing the candidate
+    with each node of the other output's op type: nodes x candidates, quadratic in the graph.
+    A match has every output node reading the candidate's first input, so the nodes listed are
+    that value's readers, in graph order: the same matches, found in the same order."""
+
+    class SharedInputMatcher(base):
+        # Positions of the graph's nodes, kept while they hold for the nodes asked about:
+        # inserting or removing nodes leaves the order of the others as it was.
+        _order: tuple = (None, {})
+
+        def match(self, model, graph_or_function, node, **kwargs):
+            x = node.inputs[0] if node.inputs else None
+            if x is None:
+                return super().match(model, graph_or_function, node, **kwargs)
+            graph = graph_or_function if isinstance(graph_or_function, _ir().Graph) else graph_or_function.graph
+            readers = list(dict.fromkeys(use.node for use in x.uses() if use.node.graph is graph))
+            if len(readers) > 2:  # which of them comes first decides the match: graph order
+                owner, rank = self._order
+                if owner is not graph_or_function or any(n not in rank for n in readers):
+                    rank = {n: i for i, n in enumerate(graph_or_function)}
+                    self._order = (graph_or_function, rank)
+                readers.sort(key=rank.__getitem__)
+            return super().match(model, _Readers(graph, readers), node, **kwargs)
+
+    return SharedInputMatcher
+
+
+def _ir():
+    import onnx_ir as ir
+
+    return ir
+
+
+@contextmanager
+def _linear_matching():
+    """onnxscript's default rewrite rules (its optimizer's) with _shared_input_matcher for the
+    multi-output patterns it applies to, while the stage runs; restored after."""
+    swapped = []
+    try:
+        from onnxscript import rewriter
+        from onnxscript.rewriter import _matcher
+
+        for rule in getattr(rewriter, "_DEFAULT_REWRITE_RULES", ()):
+            pattern, matcher = getattr(rule, "_target_pattern", None), getattr(rule, "_matcher", None)
+            if pattern is None or type(matcher) is not _matcher.SimplePatternMatcher or pattern.has_single_output_node:
+                continue
+            firsts = [n.inputs[0] if n.inputs else None for n in pattern.output_nodes]
+            if firsts[0] is None or any(f is not firsts[0] for f in firsts):
+                continue
+            swapped.append((rule, matcher))
+            rule._matcher = _shared_input_matcher(_matcher.SimplePatternMatcher)(pattern)
+    except (ImportError, AttributeError):  # another onnxscript: its own matching
+        pass
+    try:
+        yield
+    finally:
+        for rule, matcher in swapped:
+            rule._matcher = matcher
+
+
 def _ort_fused(model: onnx.ModelProto, executed_graph,
                target: Target = CPU) -> tuple[onnx.ModelProto, int, list[str]] | None:
     """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
@@ -366,6 +443,8 @@ def _ort_fused(model: onnx.ModelProto, executed_graph,
     and executes fewer nodes for it than for the model before it (the prepare group: no more);
     a group that fails or does not pay is undone, and the next starts from the model before it."""
     import onnx_ir as ir
+
+    from onnxfuse.weights import all_tensors, region_of
 
     groups = _groups(target)
     if groups is None:
@@ -384,6 +463,9 @@ def _ort_fused(model: onnx.ModelProto, executed_graph,
                 if not done:
                     break
                 out = ir.to_proto(m)
+                if any(t.data_location == onnx.TensorProto.EXTERNAL and region_of(t) is None
+                       for t in all_tensors(out)):
+                    continue  # a weight held by reference that lost its file: not taken
             except Exception:  # noqa: BLE001 - a rule failing on an unusual graph leaves it as it was
                 continue
             out.ir_version = min(out.ir_version, model.ir_version)
@@ -400,7 +482,10 @@ def _ort_fused(model: onnx.ModelProto, executed_graph,
 
 
 def _replace(graph: gs.Graph, model: onnx.ModelProto) -> None:
+    from onnxfuse.weights import attach_graph
+
     new = gs.import_onnx(model)
+    attach_graph(new)  # weights held by reference stay so
     graph.nodes = new.nodes
     graph.inputs = new.inputs
     graph.outputs = new.outputs
@@ -453,7 +538,14 @@ def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
     if not _may_match(graph, ctx.target):
         return 0
     before = _as_model(graph)
-    fused = _ort_fused(before, ctx.executed_graph, ctx.target)
+    from onnxfuse.weights import all_tensors, is_inline_origin, region_of
+
+    if any(r is not None and not is_inline_origin(r) for r in map(region_of, all_tensors(before))):
+        # External data files: onnx_ir writes some of their tensors back without a location
+        # (tests/test_large_models.py); left to the passes after, as before.
+        return 0
+    with _linear_matching():
+        fused = _ort_fused(before, ctx.executed_graph, ctx.target)
     if fused is None:
         return 0
     after, rewrites, kept = fused

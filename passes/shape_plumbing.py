@@ -160,17 +160,19 @@ def _rewrite_round(graph: gs.Graph) -> int:
     # cycle can form.
     gu.toposort(graph)
     seen: dict[tuple, gs.Tensor] = {}
+    # gu.is_graph_output by name, the outputs listed once (per node: quadratic in the graph)
+    graph_outputs = {t.name for t in graph.outputs}
     for node in list(graph.nodes):
         if not gu.is_default_domain(node) or node.op == "Constant":
             continue
         for out in node.outputs:
-            if not gu.is_present(out) or not out.outputs or gu.is_graph_output(graph, out):
+            if not gu.is_present(out) or not out.outputs or out.name in graph_outputs:
                 continue
             v = ev.value(out)
             if v is None:
                 continue
             if v.constant is None:
-                if all(e is not None for e in v.elems) and not gu.is_graph_output(graph, out):
+                if all(e is not None for e in v.elems) and out.name not in graph_outputs:
                     key = (v.rank, v.elems, v.dtype.str)
                     first = seen.setdefault(key, out)
                     if first is not out:

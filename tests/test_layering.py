@@ -20,7 +20,7 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 LAYERS = [
     {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.target", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize",
      "onnxfuse.modelsave", "onnxfuse.modelfields", "onnxfuse.errors", "onnxfuse.weights", "onnxfuse.outfiles",
-     "onnxfuse.records",
+     "onnxfuse.records", "onnxfuse.protowire",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort
     {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
      "onnxfuse.zoo"},
