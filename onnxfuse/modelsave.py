@@ -194,7 +194,7 @@ def save_model(
     full, I/O error) is an OutputError naming the path. Returns the paths written.
     """
     from .protowire import join_weights
-    from .weights import all_tensors, copy_region, external_entries, inline_tensor, is_inline_origin, region_of
+    from .weights import all_tensors, copy_region, inline_tensor, is_inline_origin, region_of
 
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
