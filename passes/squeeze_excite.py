@@ -17,6 +17,8 @@ match
     of the hidden activation's input.
 condition
     the intermediates are read inside the block only (the rule engine's private matches);
+    on --target cpu, x's H * W known and at most MAX_MAP (32x32: larger maps run faster as
+    onnxruntime's kernels, bench/results/cnn224.md);
     --target cpu (kernels/squeeze_excite_cpu.cc) or cuda (the kernel cuda-compile generates,
     onnxfuse/cuda/squeeze_excite_codegen.py, launched by kernels/cuda_squeeze_excite.cc).
 rewrite
@@ -48,6 +50,11 @@ from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, op
 from onnxfuse.pipeline import Context, Pass
 
 FLOAT = np.dtype(np.float32)
+# The largest H * W the node replaces the block at (the 64x64 corpus CNNs' largest, 32x32): in
+# whole models at 224x224 (bench/results/cnn224.md) the blocks on 56x56 and 112x112 maps are
+# slower as the node than as onnxruntime's kernels, those on 28x28 and smaller faster.
+# A symbolic H or W may be any size, so the block stays as it is there.
+MAX_MAP = 32 * 32
 
 x, h, y = Var("x"), Var("h"), Var("y")
 w1, w2 = Var("w1"), Var("w2")
@@ -143,9 +150,10 @@ def _mean_over_hw(m: Match) -> bool:
 
 
 def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.ShapeTable,
-                take_input_silu: bool = True) -> tuple[list[gs.Node], dict] | None:
+                take_input_silu: bool = True, max_map: int | None = None) -> tuple[list[gs.Node], dict] | None:
     """The squeeze-and-excitation block rooted at `mul`: (nodes, node inputs and attributes),
-    with the SiLU before it when `take_input_silu` and only the block reads x."""
+    with the SiLU before it when `take_input_silu` and only the block reads x; when `max_map` is
+    given, only where x's H and W are known and H * W is at most that."""
     for rule, hidden, gate in BLOCK_RULES:
         m = rule.match(graph, mul, outs)
         if m is None:
@@ -153,6 +161,8 @@ def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.Sha
         xt = m["x"]
         xd = shapes.dims(xt)
         if xd is None or len(xd) != 4 or not isinstance(xd[1], int) or (xt.dtype is not None and np.dtype(xt.dtype) != FLOAT):
+            continue
+        if max_map is not None and not (isinstance(xd[2], int) and isinstance(xd[3], int) and xd[2] * xd[3] <= max_map):
             continue
         conv1_node = gu.producer(m["h"])
         if conv1_node is None or m["h"].name in outs:
@@ -216,7 +226,9 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             shapes = facts.ShapeTable(graph)
         # On cuda the SiLU stays the epilogue of the convolution before it (conv-bias-act's
         # depthwise kernel), so the block's kernel reads x once per pass instead of computing it twice.
-        found = match_block(graph, mul, outs, shapes, take_input_silu=not ctx.target.has_kernel("ConvBiasAct"))
+        # MAX_MAP is a CPU measurement: the CUDA kernel is not timed yet (opt-in above).
+        found = match_block(graph, mul, outs, shapes, take_input_silu=not ctx.target.has_kernel("ConvBiasAct"),
+                            max_map=MAX_MAP if ctx.target.measured else None)
         if found is None:
             continue
         nodes, spec = found

@@ -56,6 +56,7 @@ class Case:
     outputs: list[str]
     shape_sets: tuple = TEXT_DIMS
     input_notes: dict = field(default_factory=dict)
+    slow: bool = False  # the regression suite checks it only with the slow tests (manifest "slow")
 
 
 # --------------------------------------------------------------------------- architectures
@@ -243,14 +244,15 @@ def vit():
     return model.eval(), {"images": torch.randn(2, 3, 32, 32, generator=g)}, {"images": {0: "batch"}}
 
 
-def _torchvision(factory: str, **kwargs):
+def _torchvision(factory: str, side: int = 64, **kwargs):
+    """A torchvision classifier on side x side images (fixed in the export, as users export them)."""
     def build():
         import torch
         import torchvision.models as tvm
 
         model = getattr(tvm, factory)(weights=None, **kwargs)
         g = torch.Generator().manual_seed(SEED)
-        return model.eval(), {"images": torch.randn(2, 3, 64, 64, generator=g)}, {"images": {0: "batch"}}
+        return model.eval(), {"images": torch.randn(2, 3, side, side, generator=g)}, {"images": {0: "batch"}}
 
     return build
 
@@ -347,6 +349,21 @@ CASES = [
     Case("convnext", "cnn", "ConvNeXt-Tiny (torchvision), 64x64 images: 7x7 depthwise Conv, channels-last "
          "LayerNorm (Permute), GELU, layer scale", _torchvision("convnext_tiny"), ["logits"], shape_sets=IMAGE_DIMS),
 ]
+# The CNNs again at the image size they are built for, 224x224: what their users run, where the
+# late layers' maps are 7x7 rather than 2x2 and the early ones 112x112. Tens of milliseconds per
+# inference each: the regression suite checks them with the slow tests; the benchmark of record
+# times them (bench/cnn224.py).
+CNN_224 = [
+    ("resnet18", "ResNet-18", "resnet18", "Conv+BatchNorm+ReLU, residual Add"),
+    ("mobilenet_v3_small", "MobileNetV3-Small", "mobilenet_v3_small",
+     "depthwise Conv, squeeze-excite, Hardswish/Hardsigmoid"),
+    ("efficientnet_b0", "EfficientNet-B0", "efficientnet_b0", "MBConv, SiLU, squeeze-excite"),
+    ("efficientnet_v2_s", "EfficientNetV2-S", "efficientnet_v2_s", "Fused-MBConv and MBConv, SiLU, squeeze-excite"),
+    ("shufflenet_v2", "ShuffleNetV2 x0.5", "shufflenet_v2_x0_5", "channel split and shuffle"),
+    ("convnext", "ConvNeXt-Tiny", "convnext_tiny", "7x7 depthwise Conv, channels-last LayerNorm, GELU, layer scale"),
+]
+CASES += [Case(f"{name}_224", "cnn", f"{title} (torchvision), 224x224 images: {what}", _torchvision(factory, side=224),
+               ["logits"], shape_sets=IMAGE_DIMS, slow=True) for name, title, factory, what in CNN_224]
 
 
 # --------------------------------------------------------------------------- export
@@ -457,6 +474,8 @@ def manifest_entry(case: Case, exporter: str, model: onnx.ModelProto, name: str)
     if symbolic:
         entry["dims"] = sets[0]
         entry["alt_dims"] = sets[1:]
+    if case.slow:
+        entry["slow"] = True
     return entry
 
 
