@@ -1,0 +1,128 @@
+"""Attention on architectures outside the corpus: which Softmax onnxfuse leaves, and why.
+
+    python -m bench.architectures                 # every architecture, both exporters
+    python -m bench.architectures phi3 gpt_neox   # the named ones
+
+Each architecture is built from transformers at a small configuration (hidden 64, 2 layers,
+4 heads, random weights), exported by both torch.onnx exporters the way models/corpus/build.py
+exports the corpus, optimized with the default CPU pipeline (verified, dims batch=2 seq=16), and
+reported with its kernels per inference before and after and `--explain fuse-attention`'s
+reason for every Softmax left. The exports need torch and transformers (never in CI), in this
+Python or in the one `--torch-python` names; writes bench/results/architectures.md.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "models" / "corpus"))
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+# name -> (config class, model class, config fields beyond COMMON): what each exercises.
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2Model", dict(num_key_value_heads=2)),  # GQA, q/k/v biases
+    "mistral": ("MistralConfig", "MistralModel", dict(num_key_value_heads=2, sliding_window=8)),  # sliding window
+    "gemma": ("GemmaConfig", "GemmaModel", dict(num_key_value_heads=1, head_dim=16)),  # multi-query
+    "phi3": ("Phi3Config", "Phi3Model", dict(num_key_value_heads=4, partial_rotary_factor=0.5, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXModel", dict(rotary_pct=0.25)),  # partial rotary, parallel residual
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", dict(relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                                             max_relative_positions=32, position_buckets=16)),
+}
+DIMS = {"batch": 2, "seq": 16}
+
+
+def _case(name: str):
+    import build
+
+    cfg_cls, model_cls, extra = ARCHITECTURES[name]
+
+    def make():
+        import transformers
+
+        cfg = getattr(transformers, cfg_cls)(vocab_size=1000, max_position_embeddings=64, **COMMON, **extra)
+        ids, mask = build._ids(1000)
+        model = build._Encoder.wrap(getattr(transformers, model_cls)(cfg))
+        return model, {"input_ids": ids, "attention_mask": mask}, build.TEXT_AXES
+
+    return build.Case(name, "transformer", name, make, ["last_hidden_state"])
+
+
+def export(name: str, exporter: str, path: str) -> None:
+    import build
+    import onnx
+
+    model, axes = build.export(_case(name), exporter)
+    build._rename_dims(model, axes)
+    onnx.save(model, path)
+
+
+def measure(name: str, exporter: str, workdir: Path, torch_python: str) -> dict:
+    from onnxfuse.api import optimize
+
+    path = workdir / f"{name}_{exporter}.onnx"
+    done = subprocess.run([torch_python, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
+                           " from bench.architectures import export; export(*sys.argv[2:])",
+                           str(ROOT), name, exporter, str(path)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "export failed")
+    result = optimize(str(path), dims=DIMS, threads=1)
+    s = result.summary
+    return {"model": f"{name}_{exporter}", "kernels_before": s["kernels_before"], "kernels_after": s["kernels_after"],
+            "softmax_before": s["op_types_before"].get("Softmax", 0), "softmax_left": s["softmax_left"],
+            "attention_ops": {k: v for k, v in s["op_types_after"].items() if "Attention" in k},
+            "reasons": sorted({" / ".join(r) for r in s["unmatched"].get("fuse-attention", {}).values()})}
+
+
+@click.command(help=__doc__.splitlines()[0])
+@click.argument("names", nargs=-1)
+@click.option("--torch-python", default=sys.executable, show_default=True,
+              help="The Python that has torch and transformers, for the exports.")
+def main(names, torch_python):
+    import onnxruntime
+
+    versions = subprocess.run([torch_python, "-c", "import torch, transformers;"
+                               " print(torch.__version__, transformers.__version__)"],
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names or ARCHITECTURES:
+            for exporter in ("ts", "dynamo"):
+                try:
+                    rows.append(measure(name, exporter, Path(tmp), torch_python))
+                except Exception as e:  # an export that fails is a row too
+                    rows.append({"model": f"{name}_{exporter}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(rows[-1], flush=True)
+    lines = [
+        "# Attention on architectures outside the corpus",
+        "",
+        f"`python -m bench.architectures` on {datetime.date.today()}: {platform.processor() or platform.machine()},"
+        f" onnxruntime {onnxruntime.__version__}, torch {versions[0]}, transformers {versions[1]};"
+        f" CPU provider, ORT_ENABLE_ALL, 1 thread, dims {DIMS}. Kernels per inference: onnxruntime alone ->"
+        " onnxfuse. Reasons: `optimize --explain fuse-attention` for the Softmax nodes left (each round's"
+        " reason, the first round's first).",
+        "",
+        "| model | kernels | Softmax left | attention ops | why a Softmax is left |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | export failed | | | {r['error']} |")
+            continue
+        ops = ", ".join(f"{k} x{v}" for k, v in r["attention_ops"].items()) or "none"
+        lines.append(f"| {r['model']} | {r['kernels_before']} -> {r['kernels_after']} |"
+                     f" {r['softmax_left']} of {r['softmax_before']} | {ops} | {'; '.join(r['reasons'])} |")
+    out = ROOT / "bench" / "results" / "architectures.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
