@@ -8,7 +8,7 @@ from onnx import helper
 
 from .environment import ort_max_ir_version
 from .modelfields import copy_fields
-from .modelio import PROTOBUF_LIMIT, LoadedModel
+from .modelio import PROTOBUF_LIMIT, InputError, LoadedModel
 
 # IR version from which initializers need not be listed as graph inputs.
 IR_INITIALIZERS_NOT_INPUTS = 4
@@ -21,8 +21,12 @@ def normalize(loaded: LoadedModel) -> LoadedModel:
     constants anyway, and the passes need to see them as constants, so such inputs are
     dropped (and the IR version raised to 4, where that is legal). In IR >= 4 an initializer
     that is also an input is an overridable default, part of the model's interface: kept.
+    Sparse initializers and sparse Constant values become dense (densify_sparse).
     """
     model = loaded.model
+    densified = densify_sparse(model.graph)
+    if densified:
+        loaded.notes.append(f"{densified} sparse initializers or constants made dense")
     if model.ir_version < IR_INITIALIZERS_NOT_INPUTS:
         initializers = {t.name for t in model.graph.initializer}
         kept = [i for i in model.graph.input if i.name not in initializers]
@@ -37,6 +41,62 @@ def normalize(loaded: LoadedModel) -> LoadedModel:
     model.ir_version = min(model.ir_version, max(ort_max_ir_version(), IR_INITIALIZERS_NOT_INPUTS))
     loaded.model = infer_shapes(model, loaded.notes)
     return loaded
+
+
+# The most bytes a sparse tensor may take once dense.
+MAX_DENSE_BYTES = PROTOBUF_LIMIT
+
+
+def dense_tensor(sparse: onnx.SparseTensorProto) -> onnx.TensorProto:
+    """The dense tensor a SparseTensorProto stands for: zeros but at its indices (linear
+    [NNZ] or coordinates [NNZ, rank]); InputError when it is malformed or too large."""
+    from onnx import numpy_helper
+
+    values, dims = sparse.values, [int(d) for d in sparse.dims]
+    name = values.name or sparse.indices.name
+    try:
+        vals = numpy_helper.to_array(values).reshape(-1)
+        idx = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    except Exception as e:  # onnx's own errors on a malformed tensor
+        raise InputError(f"sparse tensor '{name}' cannot be read: {e}") from None
+    if any(d < 0 for d in dims):
+        raise InputError(f"sparse tensor '{name}' has a negative dimension {dims}")
+    size = int(np.prod(dims, dtype=object)) if dims else 1
+    if size * vals.dtype.itemsize > MAX_DENSE_BYTES:
+        raise InputError(f"sparse tensor '{name}' of shape {dims} is too large to make dense"
+                         f" ({size * vals.dtype.itemsize} bytes)")
+    if idx.ndim == 2 and dims:
+        if idx.shape != (vals.size, len(dims)) or (idx < 0).any() or (idx >= np.array(dims)).any():
+            raise InputError(f"sparse tensor '{name}': indices do not fit its shape {dims}")
+        idx = np.ravel_multi_index(tuple(idx.T), dims) if vals.size else idx.reshape(-1)
+    idx = idx.reshape(-1)
+    if idx.size != vals.size or (idx < 0).any() or (idx >= size).any():
+        raise InputError(f"sparse tensor '{name}': {idx.size} indices for {vals.size} values, or outside its"
+                         f" {size} elements")
+    dense = np.zeros(size, vals.dtype)
+    dense[idx] = vals
+    return numpy_helper.from_array(dense.reshape(dims), name)
+
+
+def densify_sparse(graph: onnx.GraphProto) -> int:
+    """Make the sparse initializers of `graph` and of its subgraphs dense initializers, and
+    Constant nodes with a sparse_value Constants with a value: the passes and graphsurgeon read
+    dense tensors only (a sparse initializer was lost). Returns how many were changed."""
+    count = 0
+    if len(graph.sparse_initializer):
+        graph.initializer.extend(dense_tensor(s) for s in graph.sparse_initializer)
+        count += len(graph.sparse_initializer)
+        del graph.sparse_initializer[:]
+    for node in graph.node:
+        for a in node.attribute:
+            if node.op_type == "Constant" and a.name == "sparse_value" and node.domain in ("", "ai.onnx"):
+                dense = dense_tensor(a.sparse_tensor)
+                a.Clear()
+                a.CopyFrom(helper.make_attribute("value", dense))
+                count += 1
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                count += densify_sparse(g)
+    return count
 
 
 def infer_shapes(model: onnx.ModelProto, notes: list[str] | None = None) -> onnx.ModelProto:

@@ -137,6 +137,9 @@ class Context:
     weights_on_disk: bool = False
     # Attributes graphsurgeon cannot carry, set aside at import and restored at export.
     binary_attributes: dict = field(default_factory=dict)
+    # Set at import: initializers that are also graph inputs (IR >= 4: defaults a caller may
+    # override), held out of the graph so that no pass takes them for constants.
+    input_defaults: list = field(default_factory=list)
     # What onnxruntime executes for a model, for passes that must not block its fusions: the
     # ort layer opens the session, never a pass. None: the passes' rules stand alone.
     executed_graph: Callable[[onnx.ModelProto], onnx.ModelProto] | None = _executed_graph
@@ -231,11 +234,25 @@ def import_graph(model: onnx.ModelProto, ctx: Context) -> tuple[gs.Graph, list[o
     stripped.CopyFrom(model)
     del stripped.functions[:]
     ctx.binary_attributes = _set_aside_binary_attributes(stripped, ctx)
+    ctx.input_defaults = _set_aside_input_defaults(stripped)
     graph = gs.import_onnx(stripped)
     # Weights held by reference stay on disk; passes map them when they read them.
     ctx.weights_on_disk = attach_graph(graph) > 0
     constants_as_initializers(graph)
     return graph, kept, overloads
+
+
+def _set_aside_input_defaults(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """Remove the initializers that are also graph inputs from the model: from IR 4 on such an
+    initializer is the input's default value, and the caller may feed another. graphsurgeon
+    would make the value a constant and drop the input (a pass could then fold it)."""
+    inputs = {i.name for i in model.graph.input}
+    defaults = [t for t in model.graph.initializer if t.name in inputs]
+    if defaults:
+        kept = [t for t in model.graph.initializer if t.name not in inputs]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+    return defaults
 
 
 def _set_aside_binary_attributes(model: onnx.ModelProto, ctx: Context) -> dict[str, list[onnx.AttributeProto]]:
@@ -287,6 +304,8 @@ def export_graph(graph: gs.Graph, model: onnx.ModelProto, ctx: Context, kept, ov
     used = {n.domain for n in out.graph.node}
     out.opset_import.extend(o for d, o in written.items() if d in used and d not in declared and d != DOMAIN)
     attach_functions(out, ctx.registry, kept)
+    inputs = {i.name for i in out.graph.input}
+    out.graph.initializer.extend(t for t in ctx.input_defaults if t.name in inputs)
     return out
 
 

@@ -257,6 +257,33 @@ def _weight_bytes(model: onnx.ModelProto) -> int:
     return model.ByteSize() + referenced_bytes(model)
 
 
+_NCHWC_DOMAIN = "com.microsoft.nchwc"
+_nchwc_block: int | None = None
+
+
+def nchwc_block() -> int:
+    """The channel block of onnxruntime's NCHWc layout on this machine, as measured: MLAS picks
+    it by CPU (8 floats with AVX2, 16 with AVX-512; 0 here means no NCHWc layout, e.g. not x86).
+    Kernel counts of models with convolutions or pools depend on it. Probed once per process
+    with two 1x1 convolutions of 16 input channels, of 8 and 16 output channels: a block of 8
+    takes both into the layout, a block of 16 only the second."""
+    global _nchwc_block
+    if _nchwc_block is None:
+        from onnx import TensorProto, helper, numpy_helper
+
+        def blocked(cout: int) -> bool:
+            w = numpy_helper.from_array(np.ones((cout, 16, 1, 1), np.float32), "w")
+            graph = helper.make_graph(
+                [helper.make_node("Conv", ["x", "w"], ["y"])], "nchwc_probe",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 4, 4])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cout, 4, 4])], [w])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+            return any(n.domain == _NCHWC_DOMAIN for n in executed_graph(model, with_library=False).graph.node)
+
+        _nchwc_block = 8 if blocked(8) else 16 if blocked(16) else 0
+    return _nchwc_block
+
+
 def evaluate(model: onnx.ModelProto) -> list:
     """The outputs of `model`, a graph without inputs, as onnxruntime's CPU kernels compute them
     with its graph optimizations off (one thread): what its load-time constant folding makes

@@ -334,3 +334,35 @@ def load_baseline() -> dict:
     if not path.is_file():
         return {"models": {}}
     return json.loads(path.read_text())
+
+
+# onnxruntime's NCHWc layout (CPU, x86) starts at these ops; what it does depends on the CPU
+# (MLAS's channel block: 8 floats with AVX2, 16 with AVX-512), so the kernel counts of a model
+# that has one depend on the machine. A model without any runs the same kernels on every CPU.
+LAYOUT_OPS = frozenset({"Conv", "MaxPool", "AveragePool", "GlobalMaxPool", "GlobalAveragePool"})
+
+
+def _graph_ops(graph: onnx.GraphProto):
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _graph_ops(g)
+
+
+def layout_dependent(*models: onnx.ModelProto) -> bool:
+    """Whether onnxruntime's kernel counts of any of `models` may change with the CPU's NCHWc
+    block: some node (in any subgraph too) is one of LAYOUT_OPS."""
+    return any(n.op_type in LAYOUT_OPS and n.domain in ("", "ai.onnx")
+               for m in models for n in _graph_ops(m.graph))
+
+
+def baseline_kernels(entry: dict, block: int, recorded_block: int, dependent: bool) -> dict | None:
+    """The kernel counts ({"ort": N, "onnxfuse": N}) a baseline entry expects on a machine whose
+    NCHWc block is `block`: the entry's own counts (recorded at `recorded_block`) where the
+    block is the same or the model's counts do not depend on it, the counts recorded for that
+    block ("at_block") if any, else None: the machine's kernels can then only be compared with
+    onnxruntime alone on it (never more), beside the CPU-independent node count."""
+    if block == recorded_block or not dependent:
+        return {"ort": entry["ort"], "onnxfuse": entry["onnxfuse"]}
+    return entry.get("at_block", {}).get(str(block))
