@@ -149,9 +149,11 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
     else:
         new_nodes.append(gu.split_node(graph, cur, sizes, outputs))
         new_nodes[-1].name = f"{base}/Split"
-    for dup, first in duplicates:
+    for i, (dup, first) in enumerate(duplicates):
         if gu.is_graph_output(graph, dup.output):
-            new_nodes.append(gs.Node("Identity", name=f"{base}/Identity", inputs=[first.output], outputs=[dup.output]))
+            # one Identity per duplicate that is a graph output: each needs a name of its own
+            new_nodes.append(gs.Node("Identity", name=f"{base}/Identity" + (f"_{i}" if i else ""),
+                                     inputs=[first.output], outputs=[dup.output]))
         else:
             gu.replace_uses(dup.output, first.output)
     graph.nodes.extend(new_nodes)

@@ -289,6 +289,15 @@ def test_seeds_of_float16_selu_and_rounding_before_a_jump_match_exactly(seed):
     assert outcome.status == "ok", outcome.message
 
 
+@pytest.mark.parametrize("seed", [9003980, 9007003, 9022304])
+def test_seeds_of_duplicate_linear_layers_written_as_graph_outputs_run_without_the_library(seed):
+    """Identical MatMuls on one input (three copies of Tanh(x) @ W once common-subexpressions
+    merged the Tanhs), each a graph output: sibling-matmul batching wrote one Identity per
+    duplicate, all with the same node name, and the model did not load without the library."""
+    outcome = fuzz.run_case(seed)
+    assert outcome.status in ("ok", "tie"), outcome.message
+
+
 def test_the_original_as_one_function_explains_only_its_own_answers():
     """seed 9005431 (float16, opset 18): v23 = Less(v14, Min(v9, v14)) with v14 = Elu(v12).
     onnxruntime computes the float16 Elu in float32 and drops the Cast pair before Less, so Less
