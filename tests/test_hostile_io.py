@@ -400,10 +400,16 @@ _STOP_IN_WRITE = textwrap.dedent("""
 """)
 
 
+def _default_sighup() -> None:
+    # The run as a terminal session starts it: a test runner started under nohup (or by a CI agent
+    # that ignores SIGHUP) passes SIG_IGN on, and onnxfuse rightly keeps an ignored SIGHUP ignored.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _stopped_in_write(chain_path, out, ready, action, limit=0):
     return subprocess.Popen([sys.executable, "-c", _STOP_IN_WRITE, str(ready), action, str(limit), "optimize",
                              str(chain_path), str(out), "--no-verify"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sighup)
 
 
 def _temporaries(directory) -> list[str]:
