@@ -103,3 +103,21 @@ def shift_first_constant(graph, ctx, amount=1.0):
             tensor.values = (tensor.values + np.float32(amount)).astype(tensor.values.dtype)
             return 1
     return 0
+
+
+def temporaries(directory) -> list[str]:
+    """The temporary files a run left in `directory`."""
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+def wait_for_the_write(proc, ready, directory) -> None:
+    """Wait (at most 120 s) until a run stopped in its write has said so in file `ready`, and check
+    that it holds a temporary file there then."""
+    import time
+
+    deadline = time.time() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the run never reached the write"
+        time.sleep(0.05)
+    assert temporaries(directory), "the write had no temporary file to remove"

@@ -19,7 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto as T, helper, numpy_helper
 
-from conftest import SENTINEL, pointwise_chain_model, stderr_lines
+from conftest import SENTINEL, pointwise_chain_model, stderr_lines, temporaries, wait_for_the_write
 
 vi = helper.make_tensor_value_info
 
@@ -412,24 +412,16 @@ def _stopped_in_write(chain_path, out, ready, action, limit=0):
                             stderr=subprocess.PIPE, text=True, preexec_fn=_default_sighup)
 
 
-def _temporaries(directory) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
-
 
 def test_sighup_removes_the_temporary_files_and_exits_129(chain_path, tmp_path, sentinel_out):
     ready = tmp_path / "ready"
     proc = _stopped_in_write(chain_path, sentinel_out, ready, "wait")
-    deadline = time.time() + 120
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "the run never reached the write"
-        time.sleep(0.05)
-    assert _temporaries(tmp_path), "the write had no temporary file to remove"
+    wait_for_the_write(proc, ready, tmp_path)
     proc.send_signal(signal.SIGHUP)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 129, (out, err)
     assert _lines(err) == ["onnxfuse: hung up"]
-    assert _temporaries(tmp_path) == [] and sentinel_out.read_bytes() == SENTINEL
+    assert temporaries(tmp_path) == [] and sentinel_out.read_bytes() == SENTINEL
 
 
 @pytest.mark.parametrize("action,limit,code,words", [
@@ -449,7 +441,7 @@ def test_a_run_that_dies_of_a_signal_ends_in_one_line_and_leaves_no_temporary_fi
     assert proc.returncode == code, (out, err)
     (line,) = _lines(err)
     assert line.startswith(words), line
-    assert _temporaries(tmp_path) == [] and sentinel_out.read_bytes() == SENTINEL
+    assert temporaries(tmp_path) == [] and sentinel_out.read_bytes() == SENTINEL
 
 
 def test_running_out_of_memory_is_one_line_and_exit_2(cli, chain_path, sentinel_out, monkeypatch):

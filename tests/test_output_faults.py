@@ -14,11 +14,8 @@ import onnx
 import pytest
 from onnx import helper
 
-from conftest import SENTINEL, pointwise_chain_model, stderr_lines
+from conftest import SENTINEL, pointwise_chain_model, stderr_lines, temporaries, wait_for_the_write
 
-
-def _temporaries(directory) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
 
 
 @pytest.mark.parametrize("where,message", [
@@ -82,7 +79,7 @@ def test_a_failed_write_exits_2_naming_the_path_and_leaves_out_untouched(cli, ch
     assert line.startswith(f"onnxfuse: error: {sentinel_out}: cannot write output: ")
     assert ("no space left on device" if code == errno.ENOSPC else "input/output error") in line
     assert sentinel_out.read_bytes() == SENTINEL
-    assert _temporaries(tmp_path) == []
+    assert temporaries(tmp_path) == []
 
 
 def test_report_is_written_before_out_so_its_failure_leaves_out_untouched(cli, chain_path, tmp_path, sentinel_out,
@@ -103,7 +100,7 @@ def test_report_is_written_before_out_so_its_failure_leaves_out_untouched(cli, c
     assert stderr_lines(result) == [f"onnxfuse: error: {report}: cannot write report: no space left on device"]
     assert sentinel_out.read_bytes() == SENTINEL
     assert not report.exists()
-    assert _temporaries(tmp_path) == []
+    assert temporaries(tmp_path) == []
 
 
 def test_report_and_out_are_both_written_on_success(cli, chain_path, tmp_path):
@@ -138,17 +135,12 @@ def test_a_signal_during_the_write_removes_the_temporary_files(chain_path, tmp_p
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_WRITE, str(ready), "optimize", str(chain_path),
                              str(sentinel_out), "--no-verify"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    deadline = time.time() + 120
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "the run never reached the write"
-        time.sleep(0.05)
-    assert _temporaries(tmp_path), "the write had no temporary file to remove"
+    wait_for_the_write(proc, ready, tmp_path)
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, (out, err)
     assert [line for line in err.splitlines() if line.strip()] == [f"onnxfuse: {word}"]
-    assert _temporaries(tmp_path) == []
+    assert temporaries(tmp_path) == []
     assert sentinel_out.read_bytes() == SENTINEL
 
 
