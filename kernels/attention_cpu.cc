@@ -1,11 +1,13 @@
 // onnxfuse.Attention on the CPU: multi-head scaled dot-product attention over split heads
 // (fuse-attention's fused op; the contract is in passes/attention.py).
 //
-//   inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask)
+//   inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask); with
+//                            heads_first bit 0 (q), 1 (k), 2 (v) set, that operand is [B, H, S, d]
 //            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask) (, bias), q/k/v its column blocks 0, D, 2D
 //            mask: float32, additive, broadcastable to [B, H, Sq, Sk] (rank <= 4)
 //            bias: [3*H*dh] (has_bias, packed only), added to qkv's columns as they are read
-//   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0), causal (absent = 0;
+//   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0), heads_first (absent = 0;
+//            not with qkv_packed), causal (absent = 0;
 //            then causal_max_queries, causal_max_keys: longer sequences are an error),
 //            nan_to_zero (absent = 0; not with causal): a row of NaN probabilities weighs v by 0
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
@@ -56,11 +58,13 @@ constexpr int64_t kKeyTile = 16;  // keys per register tile (two AVX2 registers)
 constexpr int64_t kQueryBlock = 16;
 constexpr int64_t kMinItems = 8;
 
-// A [B, S, H, d] view of a [B, S, row] tensor: element (b, s, h, i) at
-// data[b * batch_stride + s * row_stride + h * d + i].
+// A [B, S, H, d] view: element (b, s, h, i) at
+// data[b * batch_stride + s * row_stride + h * head_stride + i]. A [B, S, H*d] tensor has
+// row_stride H*d (or qkv's 3*H*d) and head_stride d; a [B, H, S, d] one row_stride d and
+// head_stride S*d.
 struct View {
   const float* data;
-  int64_t batch_stride, row_stride;
+  int64_t batch_stride, row_stride, head_stride;
 };
 
 struct Job {
@@ -561,7 +565,7 @@ std::vector<float>& panel_scratch() {
 // The key panel [dh, ld] of pair bh into `keys`.
 void pack_pair(const Job& job, int64_t bh, float* keys) {
   const int64_t b = bh / job.heads, h = bh % job.heads;
-  const float* k = job.k.data + b * job.k.batch_stride + h * job.dh;
+  const float* k = job.k.data + b * job.k.batch_stride + h * job.k.head_stride;
   // The bias's key block starts at column D = H * dh, as k's columns do in qkv.
   const float* k_bias = job.bias == nullptr ? nullptr : job.bias + job.heads * job.dh + h * job.dh;
 #if defined(__x86_64__)
@@ -591,8 +595,8 @@ void run_item(void* data, size_t index) {
   const int64_t r0 = block * job.block_rows;
   const int64_t rows = std::min(job.block_rows, job.sq - r0);
   if (rows <= 0) return;
-  const float* q = job.q.data + b * job.q.batch_stride + h * job.dh;
-  const float* v = job.v.data + b * job.v.batch_stride + h * job.dv;
+  const float* q = job.q.data + b * job.q.batch_stride + h * job.q.head_stride;
+  const float* v = job.v.data + b * job.v.batch_stride + h * job.v.head_stride;
   // One query block per pair (job.keys null): the item packs the pair's keys itself, into
   // per-thread scratch, so the call is a single thread-pool pass with no shared panel buffer.
   const float* keys = nullptr;
@@ -629,6 +633,7 @@ struct AttentionKernel {
   float scale = 1.0f;
   bool has_mask = false, packed = false, has_bias = false, avx2 = false;
   bool causal = false, nan_to_zero = false;
+  int64_t heads_first = 0;  // bit 0 q, 1 k, 2 v: that operand is [B, H, S, d]
   int64_t causal_max_queries = 0, causal_max_keys = 0;  // the causal mask constant's [R, C]
 };
 
@@ -661,6 +666,10 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       api.ReleaseStatus(st);
       nan_to_zero = 0;
     }
+    if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, "heads_first", &kernel->heads_first)) {
+      api.ReleaseStatus(st);  // optional: absent = 0
+      kernel->heads_first = 0;
+    }
     kernel->nan_to_zero = nan_to_zero != 0;
     kernel->has_mask = has_mask != 0;
     kernel->packed = packed != 0;
@@ -680,6 +689,9 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "num_heads must be positive").c_str());
     if (kernel->has_bias && !kernel->packed)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "has_bias needs qkv_packed = 1").c_str());
+    if (kernel->heads_first < 0 || kernel->heads_first > 7 || (kernel->heads_first != 0 && kernel->packed))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (w + "heads_first must be a mask of bits 0-2 (q, k, v), and 0 with qkv_packed").c_str());
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), w);
     const size_t want = (kernel->packed ? 1 : 3) + (kernel->has_mask ? 1 : 0) + (kernel->has_bias ? 1 : 0);
@@ -730,10 +742,10 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
     if (qd.size() != 3 || qd[2] % (3 * H) != 0)
       return invalid(api, w + "qkv of shape " + dims_text(qd) + " is not [B, S, 3 * " + std::to_string(H) + " * d]");
     const int64_t D = qd[2] / 3;
-    const View base{qkv, qd[1] * qd[2], qd[2]};
+    const View base{qkv, qd[1] * qd[2], qd[2], D / H};
     job.q = base;
-    job.k = View{qkv + D, base.batch_stride, base.row_stride};
-    job.v = View{qkv + 2 * D, base.batch_stride, base.row_stride};
+    job.k = View{qkv + D, base.batch_stride, base.row_stride, base.head_stride};
+    job.v = View{qkv + 2 * D, base.batch_stride, base.row_stride, base.head_stride};
     job.batch = qd[0];
     job.sq = job.sk = qd[1];
     job.dh = job.dv = D / H;
@@ -742,18 +754,34 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
     ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "q", &q, &qd), "");
     ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "k", &kk, &kd), "");
     ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "v", &v, &vd), "");
-    if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || qd[0] != kd[0] || kd[0] != vd[0] || kd[1] != vd[1] ||
-        qd[2] != kd[2] || qd[2] % H != 0 || vd[2] % H != 0)
+    // Each operand as [B, S, H, d] (its view) from [B, S, H*d] or, heads first, [B, H, S, d].
+    int64_t bsd[3][3] = {};  // per operand: B, S, d (-1 when the dims are neither form)
+    const std::vector<int64_t>* dims[3] = {&qd, &kd, &vd};
+    const float* data[3] = {q, kk, v};
+    View* views[3] = {&job.q, &job.k, &job.v};
+    for (int o = 0; o < 3; ++o) {
+      const std::vector<int64_t>& d = *dims[o];
+      int64_t* r = bsd[o];
+      if ((k->heads_first >> o) & 1) {
+        const bool ok = d.size() == 4 && d[1] == H;
+        r[0] = ok ? d[0] : -1, r[1] = ok ? d[2] : -1, r[2] = ok ? d[3] : -1;
+        if (ok) *views[o] = View{data[o], H * d[2] * d[3], d[3], d[2] * d[3]};
+      } else {
+        const bool ok = d.size() == 3 && d[2] % H == 0;
+        r[0] = ok ? d[0] : -1, r[1] = ok ? d[1] : -1, r[2] = ok ? d[2] / H : -1;
+        if (ok) *views[o] = View{data[o], d[1] * d[2], d[2], d[2] / H};
+      }
+    }
+    if (bsd[0][0] < 0 || bsd[1][0] < 0 || bsd[2][0] < 0 || bsd[0][0] != bsd[1][0] || bsd[1][0] != bsd[2][0] ||
+        bsd[1][1] != bsd[2][1] || bsd[0][2] != bsd[1][2])
       return invalid(api, w + "q " + dims_text(qd) + ", k " + dims_text(kd) + ", v " + dims_text(vd) +
-                              " are not [B, Sq, H*dh], [B, Sk, H*dh], [B, Sk, H*dv] with H = " + std::to_string(H));
-    job.q = View{q, qd[1] * qd[2], qd[2]};
-    job.k = View{kk, kd[1] * kd[2], kd[2]};
-    job.v = View{v, vd[1] * vd[2], vd[2]};
-    job.batch = qd[0];
-    job.sq = qd[1];
-    job.sk = kd[1];
-    job.dh = qd[2] / H;
-    job.dv = vd[2] / H;
+                              " are not [B, Sq, H*dh], [B, Sk, H*dh], [B, Sk, H*dv] (heads_first " +
+                              std::to_string(k->heads_first) + ": [B, H, S, d]) with H = " + std::to_string(H));
+    job.batch = bsd[0][0];
+    job.sq = bsd[0][1];
+    job.sk = bsd[1][1];
+    job.dh = bsd[0][2];
+    job.dv = bsd[2][2];
   }
   if (k->has_mask) {
     ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "mask", &job.mask, &md), "");

@@ -11,6 +11,11 @@ fuse-attention
                k as Transpose(0, 2, 3, 1) of its Reshape, or Transpose(0, 1, 3, 2) of
                Transpose(0, 2, 1, 3), optionally times a constant (the TorchScript exporter
                splits the scale as (q*c) @ (kT*c)); v as Transpose(0, 2, 1, 3) of its Reshape.
+               An operand that is not such a split (or not read by the chain alone) is read
+               heads first: q, v any float32 [B, H, S, d] tensor, k one through
+               Transpose(0, 1, 3, 2) (then optionally times a constant): whatever computes it
+               (partial or full rotary after the split, q/k norms, a last-axis Slice of GPT-NeoX's
+               per-head packed projection) stays in the graph, a region of its own.
                Two additive terms, (scores + a) + b (T5: the relative-position bias, then the
                padding mask), are one mask a + b (an Add in the main graph, one per pair of
                terms, shared by the blocks that read the same pair). When q, k, v
@@ -26,7 +31,8 @@ fuse-attention
                kernels implement it; its mask is never read as causal).
     condition: float32 throughout; every scale a finite constant scalar (Div by c, c != 0, is a
                scale of 1/c); the head Reshapes' targets constant, [0 or B, 0 or S, H, dh] with
-               H*dh (H*dv) the static last dim of q, k (v), one H for all three, and the
+               H*dh (H*dv) the static last dim of q, k (v) (heads first: H and d static dims 1
+               and 3, and the batch dims of q, k, v provably equal), one H for all three, and the
                merge Reshape's target [0 or B, 0 or Sq, H*dv] as a constant or the Shape of a
                tensor whose dims are provably [B, Sq, H*dv]; Softmax on the last axis (opset >=
                13); the mask of rank <= 4, each dim provably 1 or equal to its axis of
@@ -68,8 +74,10 @@ implement exactly this):
                              k = qkv[..., D:2D] + bias[D:2D], v = qkv[..., 2D:3D] + bias[2D:3D]
              mask: float32, additive, broadcastable (ONNX multidirectional, rank <= 4) to
                    [B, H, Sq, Sk]
+             heads_first (qkv_packed = 0): bit 0 set, q is [B, H, Sq, dh]; bit 1, k is
+                   [B, H, Sk, dh]; bit 2, v is [B, H, Sk, dv] (q[b, s, h, i] = q[b, h, s, i])
     attrs    num_heads INT H; scale FLOAT; has_mask INT 0/1 (whether the last input is a mask);
-             qkv_packed INT 0/1; has_bias INT 0/1, absent = 0 (whether the last input is a
+             qkv_packed INT 0/1; heads_first INT 0-7, absent = 0 (see inputs); has_bias INT 0/1, absent = 0 (whether the last input is a
              bias [3*H*dh] float32 added to qkv's columns; only with qkv_packed = 1);
              nan_to_zero INT 0/1, absent = 0 (not with causal): a query row whose probabilities
              are NaN (Softmax's row is NaN as a whole: all scores -inf, or a NaN or +inf score)
@@ -108,8 +116,8 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, broadcast_dims, head_split, keys_split, mask_fits,
-                                          merge_pins_rows, same_dim, scaled, transpose_perm)
+from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, broadcast_dims, keys_split, mask_fits, merge_pins_rows,
+                                          operand_split, same_dim, scaled, transpose_perm)
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.graph.transformer_forms import nan_to_zero_guard
@@ -195,7 +203,7 @@ def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: 
     sq, sk = ev.dim_symbols(q.source), ev.dim_symbols(k.source)
     if ends is None or ends.rank != 1 or len(ends.elems) != 2 or sq is None or sk is None:
         return None
-    want = {rank - 2: sq[1], rank - 1: sk[1]}
+    want = {rank - 2: sq[2 if q.heads_first else 1], rank - 1: sk[2 if k.heads_first else 1]}
     if any(e is None or e != want[a] for a, e in zip(axes, ends.elems)):
         return None
     return int(value.shape[-2]), int(value.shape[-1])
@@ -222,7 +230,7 @@ def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: b
     in causal mode faster than the chain at 512 keys too (untimed beyond: CPU_MAX_CAUSAL_KEYS).
     A symbolic key length is read as declared (optimize --dim, a zoo model's defaults), else as 1,
     the value verification uses."""
-    sk = shapes.dims(k.source)[1]
+    sk = k.rows(shapes)[1]
     if isinstance(sk, str):
         sk = ctx.options.dims.get(sk, 1)
     return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
@@ -296,14 +304,18 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     k_in, k_scale, k_scale_node = scaled(graph, qk.inputs[1])
     if k_scale_node is not None and not gu.is_private(graph, qk.inputs[1]):
         return _no(ctx, softmax, "the scaled k is read outside the attention chain")
-    q = head_split(graph, q_in, [HEADS_PERM], shapes) if gu.is_private(graph, q_in) else None
-    k = keys_split(graph, k_in, shapes) if gu.is_private(graph, k_in) else None
-    v = head_split(graph, pv.inputs[1], [HEADS_PERM], shapes) if gu.is_private(graph, pv.inputs[1]) else None
+    # Each of q, k, v: its head split, read in place, or (after a prologue: rotary, norms) the
+    # [B, H, S, d] tensor itself, which the node reads heads first.
+    q = operand_split(graph, q_in, shapes)
+    k = keys_split(graph, k_in, shapes)
+    v = operand_split(graph, pv.inputs[1], shapes)
     for name, heads in (("q", q), ("k", k), ("v", v)):
         if heads is None:
-            return _no(ctx, softmax, f"{name} is not a head split this pass proves: a Reshape [B, S, H, dh] with a"
+            return _no(ctx, softmax, f"{name} is neither a head split this pass proves (a Reshape [B, S, H, dh] with a"
                                      f" constant target, then Transpose to [B, H, S, dh]"
-                                     f"{' (k: [B, H, dh, S])' if name == 'k' else ''}, read by the chain alone")
+                                     f"{' (k: [B, H, dh, S])' if name == 'k' else ''}, read by the chain alone) nor"
+                                     f" a float32 [B, H, S, d] tensor with H and d known"
+                                     f"{' (k: transposed by Transpose(0, 1, 3, 2) read by the chain alone)' if name == 'k' else ''}")
     if qk.inputs[0] is qk.inputs[1]:
         return _no(ctx, softmax, "q and k are the same tensor")
     if not (q.heads == k.heads == v.heads and q.width == k.width):
@@ -324,9 +336,13 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     pinned = merge_pins_rows(merge, q, out_width, shapes)
     if pinned is None:
         return _no(ctx, softmax, f"the merge Reshape's target is not provably [B, Sq, {out_width}]")
-    qd, kd, vd = (shapes.dims(h.source) for h in (q, k, v))
-    if not pinned and not (same_dim(qd[0], kd[0]) and same_dim(kd[0], vd[0])):
-        # a batch broadcast between q, k and v would grow the output
+    qd, kd, vd = (h.rows(shapes) for h in (q, k, v))
+    if any(d is None for d in (qd, kd, vd)):
+        return _no(ctx, softmax, "the dims of q, k or v are unknown")
+    # A batch broadcast between q, k and v would grow the output (a pinned merge fails on it in the
+    # original too); a [B, H, S, d] operand's MatMul broadcasts its batch, which the kernel does not.
+    either_first = q.heads_first or k.heads_first or v.heads_first
+    if (not pinned or either_first) and not (same_dim(qd[0], kd[0]) and same_dim(kd[0], vd[0])):
         return _no(ctx, softmax, f"batch dims of q, k, v not provably equal ({qd[0]}, {kd[0]}, {vd[0]})")
     causal = None
     target = [qd[0], q.heads, qd[1], kd[1]]
@@ -356,6 +372,8 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
 
 def _packed_split(graph: gs.Graph, m: Match, shapes: facts.ShapeTable) -> gs.Node | None:
     """The Split whose outputs 0, 1, 2 are exactly q, k, v, in equal pieces on the last axis."""
+    if m.q.heads_first or m.k.heads_first or m.v.heads_first:
+        return None
     split = gu.producer(m.q.source)
     if not gu.is_op(split, "Split") or len(split.outputs) != 3:
         return None
@@ -477,6 +495,9 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -
         attrs["has_bias"] = 1
     if m.nan_to_zero:
         attrs["nan_to_zero"] = 1
+    first = sum(1 << i for i, h in enumerate((m.q, m.k, m.v)) if h.heads_first)
+    if first:
+        attrs["heads_first"] = first
     if m.causal is not None:
         attrs["causal"] = 1
         attrs["causal_max_queries"], attrs["causal_max_keys"] = (int(x) for x in m.causal)
@@ -548,6 +569,11 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
         from onnxfuse.cuda.attention_codegen import supported
 
         matches = [m for m in matches if supported(m.q.width, m.v.width)]
+        for m in [m for m in matches if m.q.heads_first or m.k.heads_first or m.v.heads_first]:
+            softmax = next(n for n in m.nodes if gu.is_op(n, "Softmax"))
+            _no(ctx, softmax, "q, k or v is read heads first ([B, H, S, d], after a prologue): the CUDA kernel"
+                              " reads head splits of [B, S, H*d] alone")
+        matches = [m for m in matches if not (m.q.heads_first or m.k.heads_first or m.v.heads_first)]
     sums: dict = {}  # summed mask terms, one Add per pair (_summed_mask)
     for m in matches:
         rewrite(graph, m, ctx, sums)

@@ -192,3 +192,82 @@ def packed_inputs(model, x):
     if bias:
         qkv = qkv + bias[0].astype(np.float64).reshape(-1)
     return np.split(qkv, 3, axis=2)
+
+
+def rotary_attention_model(layout="per_head", heads=2, dh=8, rotary_dim=4, qk_norm=False, nan_guard=True,
+                           v_first=False, seed=0):
+    """Attention whose q and k pass through a prologue after the head split, as GPT-NeoX's and
+    Phi-3's TorchScript exports write it: partial rotary over the first `rotary_dim` columns of
+    each head (x_rot * cos + rotate_half(x_rot) * sin, rotate_half(x) = Concat(-x[.., d/2:],
+    x[.., :d/2]), then Concat with the columns left), the scale split as (q * c) @ (k^T * c), an
+    additive padding mask [B, 1, 1, S] and (nan_guard) Where(IsNaN(p), 0, p) after the Softmax.
+
+    layout:  "per_head" x W -> Reshape [0, 0, H, 3*dh] -> Transpose -> last-axis Slices q, k, v
+             (GPT-NeoX: the projection's columns grouped per head); "split" x W -> Split -> a head
+             split each (Phi-3's packed projection)
+    qk_norm: LayerNormalization over each head's dh before the rotary (q/k norms)
+    v_first: v's head split also made a graph output (read outside the chain)
+    cos, sin are inputs [1, 1, S, rotary_dim]."""
+    rng = np.random.default_rng(seed)
+    D = heads * dh
+    nodes, inits = [], []
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", D]),
+              helper.make_tensor_value_info("mask", TensorProto.FLOAT, ["B", 1, 1, "S"]),
+              helper.make_tensor_value_info("cos", TensorProto.FLOAT, [1, 1, "S", rotary_dim]),
+              helper.make_tensor_value_info("sin", TensorProto.FLOAT, [1, 1, "S", rotary_dim])]
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(op, ins, out, **attrs):
+        nodes.append(helper.make_node(op, ins, [out], name=out, **attrs))
+        return out
+
+    def last_slice(t, start, end, name):
+        return node("Slice", [t, const(f"{name}_s", np.array([start], np.int64)), const(f"{name}_e", np.array([end], np.int64)),
+                              const(f"{name}_a", np.array([3], np.int64)), const(f"{name}_st", np.array([1], np.int64))], name)
+
+    const("w_qkv", (rng.standard_normal((D, 3 * D)) / np.sqrt(D)).astype(np.float32))
+    node("MatMul", ["x", "w_qkv"], "qkv")
+    if layout == "per_head":
+        node("Reshape", ["qkv", const("per_head", np.array([0, 0, heads, 3 * dh], np.int64))], "qkv4")
+        node("Transpose", ["qkv4"], "qkvh", perm=HEADS_PERM)
+        q, k, v = (last_slice("qkvh", i * dh, (i + 1) * dh, f"{n}h") for i, n in enumerate("qkv"))
+    else:
+        nodes.append(helper.make_node("Split", ["qkv", const("split", np.array([D] * 3, np.int64))], ["q", "k", "v"],
+                                      axis=2, name="split"))
+        split = const("heads", np.array([0, 0, heads, dh], np.int64))
+        q, k, v = (node("Transpose", [node("Reshape", [n, split], f"{n}4")], f"{n}h", perm=HEADS_PERM) for n in "qkv")
+
+    def prologue(t, n):
+        if qk_norm:
+            t = node("LayerNormalization", [t, const(f"{n}_ln_w", (1 + 0.1 * rng.standard_normal(dh)).astype(np.float32)),
+                                            const(f"{n}_ln_b", (0.1 * rng.standard_normal(dh)).astype(np.float32))],
+                     f"{n}_norm", axis=-1)
+        rot = last_slice(t, 0, rotary_dim, f"{n}_rot") if rotary_dim < dh else t
+        half = rotary_dim // 2
+        lo, hi = last_slice(rot, 0, half, f"{n}_lo"), last_slice(rot, half, 2**62, f"{n}_hi")
+        rh = node("Concat", [node("Neg", [hi], f"{n}_neg"), lo], f"{n}_rh", axis=-1)
+        rr = node("Add", [node("Mul", [rot, "cos"], f"{n}_cos"), node("Mul", [rh, "sin"], f"{n}_sin")], f"{n}_rr")
+        if rotary_dim == dh:
+            return rr
+        return node("Concat", [rr, last_slice(t, rotary_dim, 2**62, f"{n}_pass")], f"{n}_rope", axis=-1)
+
+    c = const("c", np.array(1 / np.sqrt(np.sqrt(dh)), np.float32))
+    qs = node("Mul", [prologue(q, "q"), c], "q_scaled")
+    kt = node("Mul", [node("Transpose", [prologue(k, "k")], "kt", perm=[0, 1, 3, 2]), c], "kt_scaled")
+    logits = node("Add", [node("MatMul", [qs, kt], "scores"), "mask"], "masked")
+    probs = node("Softmax", [logits], "probs", axis=-1)
+    if nan_guard:
+        probs = node("Where", [node("IsNaN", [probs], "isnan"), const("zero", np.array(0.0, np.float32)), probs], "guarded")
+    ctx = node("Transpose", [node("MatMul", [probs, v], "ctx")], "ctx_t", perm=HEADS_PERM)
+    node("Reshape", [ctx, const("merged", np.array([0, 0, D], np.int64))], "y")
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", D])]
+    if v_first:
+        outputs.append(helper.make_tensor_value_info(v, TensorProto.FLOAT, ["B", heads, "S", dh]))
+    graph = helper.make_graph(nodes, "rotary_attention", inputs, outputs, inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    onnx.checker.check_model(m)
+    return m

@@ -5,10 +5,11 @@ entirely, empty tensors."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 from attention_cases import CASES, CAUSAL_CASES, case_id, fused_model
-from attention_models import attention_model, packed_inputs, reference
+from attention_models import attention_model, packed_inputs, reference, rotary_attention_model
 from onnxfuse import runtime
 from test_pass_attention import PASS, feeds_for, fused
 from test_pass_matmul_batch import optimize
@@ -267,3 +268,28 @@ def test_causal_node_agrees_with_its_fallback_and_numpy(case, build):
     model = fused_model(case)
     feeds = case.feeds(seed=12)
     assert_kernel_and_fallback_close(model, feeds, case.reference(feeds))
+
+
+@pytest.mark.parametrize("heads,dh,rotary_dim", [(1, 4, 2), (3, 20, 8), (4, 32, 32)])
+@pytest.mark.parametrize("b,s", [(1, 1), (2, 33), (1, 70)])
+@pytest.mark.parametrize("layout", ["per_head", "split"])
+def test_heads_first_operands_match_the_original_and_the_fallback(heads, dh, rotary_dim, b, s, layout, build):
+    """q, k (and, per head packed, v) read as [B, H, S, d]: strided views with a head stride of
+    S*d, one query block per pair and several (s = 70 at one pair)."""
+    m = rotary_attention_model(layout=layout, heads=heads, dh=dh, rotary_dim=rotary_dim)
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    feeds = feeds_for(m, b, s, seed=heads * 100 + s)
+    want = runtime.make_session(m, threads=1, with_library=False).run(None, feeds)[0]
+    for got in run_three_ways(opt, feeds):
+        assert_close(got, want)
+
+
+def test_heads_first_operand_of_the_wrong_heads_is_an_error_naming_it():
+    m = rotary_attention_model(layout="split")
+    opt, _ = optimize(m, PASS)
+    [node] = [n for n in opt.graph.node if n.op_type == "Attention"]
+    node.attribute.extend([onnx.helper.make_attribute("num_heads", 4)])
+    del node.attribute[[a.name for a in node.attribute].index("num_heads")]
+    with pytest.raises(Exception, match="heads_first 3"):
+        runtime.make_session(opt, threads=1, with_library=True).run(None, feeds_for(m, 2, 5))

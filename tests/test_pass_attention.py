@@ -168,7 +168,7 @@ def test_split_pieces_in_another_order_are_read_unpacked():
         dict(merge="const", mask=("M0", "M1", "M2", "M3")),  # mask dims unknown, merge copies B and Sq
     ],
     ids=["wrong-q-perm", "non-constant-scale", "scores-used-elsewhere", "probs-used-elsewhere",
-         "q-heads-used-elsewhere", "softmax-axis-2", "opset-11", "mask-may-broadcast-up"],
+         "softmax-axis-2", "opset-11", "mask-may-broadcast-up"],
 )
 def test_near_misses_are_left_alone(options):
     m = attention_model(**options)

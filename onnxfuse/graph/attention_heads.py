@@ -23,13 +23,23 @@ LAST_TWO_PERM = [0, 1, 3, 2]
 
 @dataclass
 class Heads:
-    """x [B, S, H*d] -> Reshape [B, S, H, d] (-> Transpose ...): one operand's head split."""
+    """x [B, S, H*d] -> Reshape [B, S, H, d] (-> Transpose ...): one operand's head split; or,
+    heads_first, x itself [B, H, S, d], whatever computes it (a rotary or norm prologue after the
+    split: the fused node reads its output, the prologue stays a region of its own)."""
 
     source: gs.Tensor  # x
-    reshape: gs.Node
+    reshape: gs.Node | None
     heads: int
     width: int  # d
     nodes: list = field(default_factory=list)  # Reshape first, then its Transposes
+    heads_first: bool = False
+
+    def rows(self, shapes: facts.ShapeTable) -> list | None:
+        """[B, S]: the source's batch and sequence dims."""
+        d = shapes.dims(self.source)
+        if d is None:
+            return None
+        return [d[0], d[2]] if self.heads_first else [d[0], d[1]]
 
 
 def transpose_perm(node: gs.Node | None) -> list[int] | None:
@@ -105,8 +115,41 @@ def head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: fa
     return Heads(x, reshape, heads, width, list(reversed(nodes)))
 
 
+def heads_first(t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:
+    """t itself as the operand: float32 [B, H, S, d] with H and d static (the Attention node reads
+    it with heads_first). What computes t is left to the graph: any prologue after a head split
+    (full or partial rotary: last-axis Slices, Neg, Concat, Mul and Add with cos and sin; q/k
+    norms; a Slice of a per-head packed projection), which the pointwise pass makes a region."""
+    d = shapes.dims(t)
+    if t.dtype != np.float32 or d is None or len(d) != 4:
+        return None
+    if not (isinstance(d[1], int) and isinstance(d[3], int)) or d[1] <= 0 or d[3] <= 0:
+        return None
+    return Heads(t, None, d[1], d[3], [], heads_first=True)
+
+
+def operand_split(graph: gs.Graph, t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:
+    """q or v [B, H, S, d]: its head split (read in place from [B, S, H*d]) when t is private to
+    the chain, else t heads first."""
+    split = head_split(graph, t, [HEADS_PERM], shapes) if gu.is_private(graph, t) else None
+    return split or heads_first(t, shapes)
+
+
 def keys_split(graph: gs.Graph, t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:
-    return head_split(graph, t, [KEYS_PERM], shapes) or head_split(graph, t, [HEADS_PERM, LAST_TWO_PERM], shapes)
+    """k^T [B, H, dh, S]: a head split transposed (KEYS_PERM, or HEADS_PERM then LAST_TWO_PERM),
+    or Transpose(LAST_TWO_PERM) of k [B, H, S, dh] heads first (the Transpose in the chain)."""
+    if not gu.is_private(graph, t):
+        return None
+    split = head_split(graph, t, [KEYS_PERM], shapes) or head_split(graph, t, [HEADS_PERM, LAST_TWO_PERM], shapes)
+    if split is not None:
+        return split
+    node = gu.producer(t)
+    if transpose_perm(node) != LAST_TWO_PERM:
+        return None
+    k = heads_first(node.inputs[0], shapes)
+    if k is not None:
+        k.nodes.append(node)
+    return k
 
 
 def merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: facts.ShapeTable) -> bool | None:
@@ -115,7 +158,9 @@ def merge_pins_rows(merge: gs.Node, q: Heads, out_width: int, shapes: facts.Shap
     attention output, which a broadcast mask could have grown); False otherwise."""
     if not gu.is_op(merge, "Reshape") or len(merge.inputs) != 2 or int(gu.attr(merge, "allowzero", 0)) != 0:
         return None
-    qd = shapes.dims(q.source)
+    qd = q.rows(shapes)
+    if qd is None:
+        return None
     target = gu.constant_ints(merge.inputs[1])
     if target is not None:
         if len(target) != 3 or target[2] not in (out_width, -1):
