@@ -6,14 +6,15 @@
 Each architecture is built from transformers at a small configuration (hidden 64, 2 layers,
 4 heads, random weights), exported by both torch.onnx exporters the way models/corpus/build.py
 exports the corpus, optimized with the default CPU pipeline (verified, dims batch=2 seq=16), and
-reported with its kernels per inference before and after and `--explain fuse-attention`'s
-reason for every Softmax left. The exports need torch and transformers (never in CI), in this
+reported with its kernels per inference before and after, its latency against onnxruntime alone
+(1 thread, thread CPU time, the two sessions interleaved in mirrored rounds for about
+LATENCY_BUDGET_S seconds: the median per-round ratio and its 95% bootstrap interval) and
+`--explain fuse-attention`'s reason for every Softmax left. The exports need torch and transformers (never in CI), in this
 Python or in the one `--torch-python` names; writes bench/results/architectures.md.
 """
 from __future__ import annotations
 
 import datetime
-import platform
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ ARCHITECTURES = {
                                                              max_relative_positions=32, position_buckets=16)),
 }
 DIMS = {"batch": 2, "seq": 16}
+LATENCY_BUDGET_S = 6.0
 
 
 def _case(name: str):
@@ -74,10 +76,30 @@ def measure(name: str, exporter: str, workdir: Path, torch_python: str) -> dict:
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "export failed")
     result = optimize(str(path), dims=DIMS, threads=1)
     s = result.summary
-    return {"model": f"{name}_{exporter}", "kernels_before": s["kernels_before"], "kernels_after": s["kernels_after"],
+    latency = _latency(str(path), result.model)
+    return {"latency": latency, "model": f"{name}_{exporter}", "kernels_before": s["kernels_before"], "kernels_after": s["kernels_after"],
             "softmax_before": s["op_types_before"].get("Softmax", 0), "softmax_left": s["softmax_left"],
             "attention_ops": {k: v for k, v in s["op_types_after"].items() if "Attention" in k},
             "reasons": sorted({" / ".join(r) for r in s["unmatched"].get("fuse-attention", {}).values()})}
+
+
+def _latency(path: str, optimized) -> list[float]:
+    """[median, low, high] of the per-round ratio onnxfuse / onnxruntime alone, 1 thread."""
+    import onnx
+
+    from bench import harness
+    from onnxfuse import runtime
+    from onnxfuse.inputs import random_inputs
+
+    original = onnx.load(path)
+    feeds = random_inputs(original, DIMS, seed=0)
+    sessions = {"ort": runtime.make_session(original, threads=1, with_library=False),
+                "onnxfuse": runtime.make_session(optimized, threads=1, with_library=True)}
+    samples = harness.interleave({t: harness.session_run(s, feeds) for t, s in sessions.items()},
+                                 order="mirror", min_rounds=10, max_rounds=2000, budget_s=LATENCY_BUDGET_S,
+                                 warmup=5, sample_ms=3.0, cpu_clock=True)
+    c = samples.interval("ort", "onnxfuse", "cpu")
+    return [round(c["ratio"], 3), round(c["low"], 3), round(c["high"], 3)]
 
 
 @click.command(help=__doc__.splitlines()[0])
@@ -86,6 +108,8 @@ def measure(name: str, exporter: str, workdir: Path, torch_python: str) -> dict:
               help="The Python that has torch and transformers, for the exports.")
 def main(names, torch_python):
     import onnxruntime
+
+    from bench import harness
 
     versions = subprocess.run([torch_python, "-c", "import torch, transformers;"
                                " print(torch.__version__, transformers.__version__)"],
@@ -103,22 +127,26 @@ def main(names, torch_python):
     lines = [
         "# Attention on architectures outside the corpus",
         "",
-        f"`python -m bench.architectures` on {datetime.date.today()}: {platform.processor() or platform.machine()},"
+        f"`python -m bench.architectures --torch-python PY` on {datetime.date.today()} at commit"
+        f" {harness.commit_text()}: {harness.machine()},"
         f" onnxruntime {onnxruntime.__version__}, torch {versions[0]}, transformers {versions[1]};"
-        f" CPU provider, ORT_ENABLE_ALL, 1 thread, dims {DIMS}. Kernels per inference: onnxruntime alone ->"
-        " onnxfuse. Reasons: `optimize --explain fuse-attention` for the Softmax nodes left (each round's"
+        f" CPU provider, ORT_ENABLE_ALL, 1 thread, dims {DIMS}; a machine shared with other work."
+        " Kernels per inference: onnxruntime alone -> onnxfuse. Latency: onnxfuse / onnxruntime alone, thread"
+        f" CPU time, interleaved (mirrored rounds, about {LATENCY_BUDGET_S:g} s a model), median per-round"
+        " ratio [95% interval]. Reasons: `optimize --explain fuse-attention` for the Softmax nodes left (each round's"
         " reason, the first round's first).",
         "",
-        "| model | kernels | Softmax left | attention ops | why a Softmax is left |",
-        "|---|---|---|---|---|",
+        "| model | kernels | latency | Softmax left | attention ops | why a Softmax is left |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | export failed | | | {r['error']} |")
+            lines.append(f"| {r['model']} | export failed | | | | {r['error']} |")
             continue
         ops = ", ".join(f"{k} x{v}" for k, v in r["attention_ops"].items()) or "none"
+        lat = r["latency"]
         lines.append(f"| {r['model']} | {r['kernels_before']} -> {r['kernels_after']} |"
-                     f" {r['softmax_left']} of {r['softmax_before']} | {ops} | {'; '.join(r['reasons'])} |")
+                     f" {lat[0]:.3f} [{lat[1]:.3f}, {lat[2]:.3f}] | {r['softmax_left']} of {r['softmax_before']} | {ops} | {'; '.join(r['reasons'])} |")
     out = ROOT / "bench" / "results" / "architectures.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
