@@ -162,7 +162,6 @@ def test_split_pieces_in_another_order_are_read_unpacked():
         dict(scale="input"),  # scale not a constant
         dict(extra_output="scores"),  # scores used outside the chain
         dict(extra_output="probs"),
-        dict(extra_output="qh"),
         dict(softmax_axis=2),  # softmax over queries
         dict(opset=11, mask=None),  # Softmax before opset 13 flattens the trailing axes
         dict(merge="const", mask=("M0", "M1", "M2", "M3")),  # mask dims unknown, merge copies B and Sq
