@@ -254,10 +254,13 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     guard = nan_to_zero_guard(graph, probs)
     weights = guard[1].outputs[0] if guard is not None else probs
     if not gu.is_private(graph, weights):
-        return _no(ctx, softmax, "the probabilities are read by more than one node or are a graph output")
+        readers = ", ".join(sorted(n.op for n in weights.outputs)) or "nothing"
+        output = " and are a graph output" if any(weights is t for t in graph.outputs) else ""
+        return _no(ctx, softmax, f"the probabilities are read by {readers}{output}, not by MatMul(P, V) alone")
     pv = weights.outputs[0]
     if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not weights:
-        return _no(ctx, softmax, f"the probabilities are read by {pv.op}, not as the left operand of MatMul(P, V)")
+        merged = " (a reshape of P, such as 3-D attention over batch*heads, is not matched)" if gu.is_op(pv, "Reshape") else ""
+        return _no(ctx, softmax, f"the probabilities are read by {pv.op}, not as the left operand of MatMul(P, V){merged}")
     # Softmax input: ((scores * c) + mask) or (scores * c) or scores.
     logits = softmax.inputs[0]
     chain_before: list[gs.Node] = []

@@ -27,6 +27,12 @@ def test_keys_beyond_the_cpu_bound_are_left_with_the_measured_bound_as_reason():
     assert "key length" in why and "256 keys" in why
 
 
+def test_probabilities_read_outside_the_chain_name_their_readers():
+    result = optimize(attention_model(extra_output="probs"), passes=["fuse-attention"], dims={"B": 1, "S": 4})
+    ((why,),) = result.summary["unmatched"]["fuse-attention"].values()
+    assert why == "the probabilities are read by MatMul and are a graph output, not by MatMul(P, V) alone"
+
+
 def test_a_fused_attention_leaves_no_softmax_and_no_reason():
     result = optimize(attention_model(), dims={"B": 1, "S": 8})
     assert result.summary["softmax_left"] == 0
