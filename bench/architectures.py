@@ -2,6 +2,7 @@
 
     python -m bench.architectures                 # every architecture, both exporters
     python -m bench.architectures phi3 gpt_neox   # the named ones
+    python -m bench.architectures phi3 --dim seq=256 --out bench/results/architectures_seq256.md
 
 Each architecture is built from transformers at a small configuration (hidden 64, 2 layers,
 4 heads, random weights), exported by both torch.onnx exporters the way models/corpus/build.py
@@ -65,7 +66,7 @@ def export(name: str, exporter: str, path: str) -> None:
     onnx.save(model, path)
 
 
-def measure(name: str, exporter: str, workdir: Path, torch_python: str) -> dict:
+def measure(name: str, exporter: str, workdir: Path, torch_python: str, dims: dict = DIMS) -> dict:
     from onnxfuse.api import optimize
 
     path = workdir / f"{name}_{exporter}.onnx"
@@ -74,16 +75,16 @@ def measure(name: str, exporter: str, workdir: Path, torch_python: str) -> dict:
                            str(ROOT), name, exporter, str(path)], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "export failed")
-    result = optimize(str(path), dims=DIMS, threads=1)
+    result = optimize(str(path), dims=dims, threads=1)
     s = result.summary
-    latency = _latency(str(path), result.model)
+    latency = _latency(str(path), result.model, dims)
     return {"latency": latency, "model": f"{name}_{exporter}", "kernels_before": s["kernels_before"], "kernels_after": s["kernels_after"],
             "softmax_before": s["op_types_before"].get("Softmax", 0), "softmax_left": s["softmax_left"],
             "attention_ops": {k: v for k, v in s["op_types_after"].items() if "Attention" in k},
             "reasons": sorted({" / ".join(r) for r in s["unmatched"].get("fuse-attention", {}).values()})}
 
 
-def _latency(path: str, optimized) -> list[float]:
+def _latency(path: str, optimized, dims: dict) -> list[float]:
     """[median, low, high] of the per-round ratio onnxfuse / onnxruntime alone, 1 thread."""
     import onnx
 
@@ -92,7 +93,7 @@ def _latency(path: str, optimized) -> list[float]:
     from onnxfuse.inputs import random_inputs
 
     original = onnx.load(path)
-    feeds = random_inputs(original, DIMS, seed=0)
+    feeds = random_inputs(original, dims, seed=0)
     sessions = {"ort": runtime.make_session(original, threads=1, with_library=False),
                 "onnxfuse": runtime.make_session(optimized, threads=1, with_library=True)}
     samples = harness.interleave({t: harness.session_run(s, feeds) for t, s in sessions.items()},
@@ -106,7 +107,18 @@ def _latency(path: str, optimized) -> list[float]:
 @click.argument("names", nargs=-1)
 @click.option("--torch-python", default=sys.executable, show_default=True,
               help="The Python that has torch and transformers, for the exports.")
-def main(names, torch_python):
+@click.option("--dim", "dim_values", multiple=True, metavar="NAME=VALUE",
+              help=f"Override a dim of {DIMS} (repeatable).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="The report's path [default: bench/results/architectures.md].")
+def main(names, torch_python, dim_values, out):
+    dims = dict(DIMS)
+    for item in dim_values:
+        key, _, value = item.partition("=")
+        if key not in DIMS or not value.isdigit() or int(value) < 1:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE with NAME one of {sorted(DIMS)} and VALUE >= 1",
+                                     param_hint="--dim")
+        dims[key] = int(value)
     import onnxruntime
 
     from bench import harness
@@ -120,7 +132,7 @@ def main(names, torch_python):
         for name in names or ARCHITECTURES:
             for exporter in ("ts", "dynamo"):
                 try:
-                    rows.append(measure(name, exporter, Path(tmp), torch_python))
+                    rows.append(measure(name, exporter, Path(tmp), torch_python, dims))
                 except Exception as e:  # an export that fails is a row too
                     rows.append({"model": f"{name}_{exporter}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 print(rows[-1], flush=True)
@@ -130,7 +142,7 @@ def main(names, torch_python):
         f"`python -m bench.architectures --torch-python PY` on {datetime.date.today()} at commit"
         f" {harness.commit_text()}: {harness.machine()},"
         f" onnxruntime {onnxruntime.__version__}, torch {versions[0]}, transformers {versions[1]};"
-        f" CPU provider, ORT_ENABLE_ALL, 1 thread, dims {DIMS}; a machine shared with other work."
+        f" CPU provider, ORT_ENABLE_ALL, 1 thread, dims {dims}; a machine shared with other work."
         " Kernels per inference: onnxruntime alone -> onnxfuse. Latency: onnxfuse / onnxruntime alone, thread"
         f" CPU time, interleaved (mirrored rounds, about {LATENCY_BUDGET_S:g} s a model), median per-round"
         " ratio [95% interval]. Reasons: `optimize --explain fuse-attention` for the Softmax nodes left (each round's"
@@ -147,7 +159,7 @@ def main(names, torch_python):
         lat = r["latency"]
         lines.append(f"| {r['model']} | {r['kernels_before']} -> {r['kernels_after']} |"
                      f" {lat[0]:.3f} [{lat[1]:.3f}, {lat[2]:.3f}] | {r['softmax_left']} of {r['softmax_before']} | {ops} | {'; '.join(r['reasons'])} |")
-    out = ROOT / "bench" / "results" / "architectures.md"
+    out = Path(out) if out else ROOT / "bench" / "results" / "architectures.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 
