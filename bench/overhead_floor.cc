@@ -40,7 +40,8 @@ OrtStatus* compute(void* kernel, OrtKernelContext* ctx) noexcept {
 // the floor takes the path their calls take.
 constexpr char kOutputOnlyName[] = "OutputOnly";
 const OrtCustomOp kOutputOnly =
-    onnxfuse::float_variadic_op<kOutputOnlyName, onnxfuse::kCpuProvider, OutputOnlyKernel, 1>(create_kernel, compute);
+    onnxfuse::variadic_op<kOutputOnlyName, onnxfuse::kCpuProvider, OutputOnlyKernel,
+                          ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 0>(create_kernel, compute);
 
 }  // namespace
 

@@ -634,7 +634,7 @@ struct AttentionKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "Attention", "",
+      raw, info, fused_ops::Attention::kName, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<AttentionKernel>();
     kernel->api = api;
@@ -813,7 +813,7 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
 
 // Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
 // the bias when has_bias).
-const OrtCustomOp kAttentionCpuOp = float_variadic_op<kAttentionOp, kCpuProvider, AttentionKernel, 1>(
+const OrtCustomOp kAttentionCpuOp = fused_op<fused_ops::Attention, kCpuProvider, AttentionKernel>(
     create_kernel, compute_entry<AttentionKernel, run>);
 ONNXFUSE_REGISTER_OP(kAttentionCpuOp);
 

@@ -61,7 +61,7 @@ void copy_planes(void* data, size_t block) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "ChannelShuffle", "",
+      raw, info, fused_ops::ChannelShuffle::kName, "",
       [&](const OrtApiRef& api, const std::string&, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<ChannelShuffleKernel>();
     kernel->api = api;
@@ -150,7 +150,7 @@ OrtStatus* run(ChannelShuffleKernel* k, OrtKernelContext* ctx) {
 
 // Inputs X_1.. and outputs Y_1..: variadic float32 tensors, at least one of each.
 const OrtCustomOp kCpuChannelShuffleOp =
-    variadic_op<kChannelShuffleOp, kCpuProvider, ChannelShuffleKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 1>(
+    fused_op<fused_ops::ChannelShuffle, kCpuProvider, ChannelShuffleKernel>(
         create_kernel, compute_entry<ChannelShuffleKernel, run>);
 ONNXFUSE_REGISTER_OP(kCpuChannelShuffleOp);
 

@@ -59,7 +59,7 @@ bool parse_channels(const std::string& text, std::vector<int64_t>* out) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "ChannelShuffle", " (CUDA)",
+      raw, info, fused_ops::ChannelShuffle::kName, " (CUDA)",
       [&](const OrtApiRef& api, const std::string&, const std::string& where) -> OrtStatus* {
     const char* names[] = {"groups", "cuda_block", "cuda_abi"};
     int64_t v[3];
@@ -164,7 +164,7 @@ OrtStatus* run(CudaChannelShuffleKernel* k, OrtKernelContext* ctx) {
 // The schema of the CPU registration (channel_shuffle_cpu.cc): variadic float32 inputs and
 // outputs, at least one of each. Registered for CUDA sessions only (registry.cc).
 const OrtCustomOp kCudaChannelShuffleOp =
-    variadic_op<kChannelShuffleOp, kCudaProvider, CudaChannelShuffleKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 1>(
+    fused_op<fused_ops::ChannelShuffle, kCudaProvider, CudaChannelShuffleKernel>(
         create_kernel, compute_entry<CudaChannelShuffleKernel, run>);
 ONNXFUSE_REGISTER_OP(kCudaChannelShuffleOp);
 

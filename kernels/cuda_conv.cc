@@ -21,7 +21,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kConvBiasActOpName[] = "ConvBiasAct";
 
 struct CudaConvKernel {
   OrtApiRef api;
@@ -35,7 +34,7 @@ struct CudaConvKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "ConvBiasAct", " (CUDA)",
+      raw, info, fused_ops::ConvBiasAct::kName, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     // Launch constants (conv_codegen.Kernel.attrs).
     const char* names[] = {"cuda_block", "cuda_grid_cols", "cuda_cols_per_block", "cuda_grid_y", "cuda_grid_z",
@@ -121,21 +120,8 @@ OrtStatus* run(CudaConvKernel* k, OrtKernelContext* ctx) {
 // X, W, B and the optional residual Z, float32; one float32 output. Registered for CUDA sessions
 // only (registry.cc): a CPU session does not get this op, so its ConvBiasAct nodes run their
 // fallback functions there.
-OrtCustomOp conv_bias_act_op() {
-  OrtCustomOp op =
-      custom_op<kConvBiasActOpName, kCudaProvider, CudaConvKernel>(create_kernel, compute_entry<CudaConvKernel, run>);
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
-    return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
-  };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  return op;
-}
-
-const OrtCustomOp kCudaConvBiasActOp = conv_bias_act_op();
+const OrtCustomOp kCudaConvBiasActOp =
+    fused_op<fused_ops::ConvBiasAct, kCudaProvider, CudaConvKernel>(create_kernel, compute_entry<CudaConvKernel, run>);
 ONNXFUSE_REGISTER_OP(kCudaConvBiasActOp);
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "fused_ops.h"
 #include "ort_api.h"
 
 namespace onnxfuse {
@@ -120,11 +121,10 @@ inline bool use_avx2_fma() {
 #endif
 }
 
-// Op names and execution providers, as arrays: a template argument of custom_op.
+// Execution providers, as arrays: a template argument of custom_op. Op names come from
+// fused_ops.h (generated from onnxfuse/ops).
 inline constexpr char kCpuProvider[] = "CPUExecutionProvider";
 inline constexpr char kCudaProvider[] = "CUDAExecutionProvider";
-inline constexpr char kAttentionOp[] = "Attention";
-inline constexpr char kChannelShuffleOp[] = "ChannelShuffle";
 
 using CreateKernelFn = decltype(OrtCustomOp::CreateKernelV2);
 using ComputeKernelFn = decltype(OrtCustomOp::KernelComputeV2);
@@ -179,11 +179,35 @@ OrtCustomOp variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
   return op;
 }
 
-// A fused op whose inputs are variadic, homogeneous float32 tensors (at least MinInputs) and
-// whose one output is float32 (Attention, StackedMLP).
-template <const char* Name, const char* Provider, typename K, int MinInputs>
-OrtCustomOp float_variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
-  return variadic_op<Name, Provider, K, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, MinInputs, 1, 0>(create, compute);
+// The OrtCustomOp of fused op Op (a struct of fused_ops.h, generated from onnxfuse/ops) for one
+// provider: its name and its signature as the op's module declares it. Every registration goes
+// through here, so the registrations of one name share one schema and agree with the table.
+// Homogeneous ops take float32 tensors; the others (Pointwise) any element type.
+template <typename Op, const char* Provider, typename K>
+OrtCustomOp fused_op(CreateKernelFn create, ComputeKernelFn compute) {
+  constexpr ONNXTensorElementDataType T =
+      Op::kHomogeneous ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  static_assert(Op::kCpu || Provider != kCpuProvider, "the ops table registers no CPU kernel of this op");
+  static_assert(Op::kCuda || Provider != kCudaProvider, "the ops table registers no CUDA kernel of this op");
+  if constexpr (Op::kVariadicMinInputs > 0) {
+    static_assert(Op::kInputs == 1 && (Op::kVariadicMinOutputs > 0 || Op::kOutputs == 1), "variadic signature");
+    return variadic_op<Op::kName, Provider, K, T, Op::kVariadicMinInputs, Op::kHomogeneous, Op::kVariadicMinOutputs>(
+        create, compute);
+  } else {
+    static_assert(Op::kVariadicMinOutputs == 0, "variadic outputs need variadic inputs");
+    OrtCustomOp op = custom_op<Op::kName, Provider, K>(create, compute);
+    op.GetInputType = [](const OrtCustomOp*, size_t) { return T; };
+    op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return Op::kInputs; };
+    op.GetOutputType = [](const OrtCustomOp*, size_t) { return T; };
+    op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return Op::kOutputs; };
+    op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i < static_cast<size_t>(Op::kRequiredInputs) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
+    op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) {
+      return i < static_cast<size_t>(Op::kRequiredOutputs) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+    };
+    return op;
+  }
 }
 
 }  // namespace onnxfuse

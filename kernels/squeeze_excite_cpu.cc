@@ -38,7 +38,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kSqueezeExciteName[] = "SqueezeExcite";
 
 // An activation of the block as expression-program instructions (pointwise_plan.h), so that it
 // has the one meaning the Pointwise kernel gives it: none; one unary instruction of the same
@@ -296,7 +295,7 @@ float read_float(const OrtApiRef& api, const OrtKernelInfo* info, const char* na
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "SqueezeExcite", "",
+      raw, info, fused_ops::SqueezeExcite::kName, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<SqueezeExciteKernel>();
     kernel->api = api;
@@ -397,7 +396,7 @@ OrtStatus* run(SqueezeExciteKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs: X, W1, B1, W2, B2: five float32 tensors.
-const OrtCustomOp kSqueezeExciteOp = float_variadic_op<kSqueezeExciteName, kCpuProvider, SqueezeExciteKernel, 5>(
+const OrtCustomOp kSqueezeExciteOp = fused_op<fused_ops::SqueezeExcite, kCpuProvider, SqueezeExciteKernel>(
     create_kernel, compute_entry<SqueezeExciteKernel, run>);
 ONNXFUSE_REGISTER_OP(kSqueezeExciteOp);
 

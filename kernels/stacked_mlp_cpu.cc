@@ -37,7 +37,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kStackedMlpName[] = "StackedMLP";
 constexpr uint32_t kShapeReferenceApi = 24;  // GetTensorElementTypeAndShapeDataReference
 
 constexpr int64_t kPanel = 16;  // columns per packed weight panel (two AVX2 registers)
@@ -239,7 +238,7 @@ const std::string& where(const StackedMlpKernel* k) { return k->where; }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "StackedMLP", "",
+      raw, info, fused_ops::StackedMLP::kName, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<StackedMlpKernel>();
     kernel->api = api;
@@ -370,7 +369,7 @@ OrtStatus* run(StackedMlpKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs: X, then (W, b) per layer: at least three float32 tensors.
-const OrtCustomOp kStackedMlpOp = float_variadic_op<kStackedMlpName, kCpuProvider, StackedMlpKernel, 3>(
+const OrtCustomOp kStackedMlpOp = fused_op<fused_ops::StackedMLP, kCpuProvider, StackedMlpKernel>(
     create_kernel, compute_entry<StackedMlpKernel, run>);
 ONNXFUSE_REGISTER_OP(kStackedMlpOp);
 

@@ -39,15 +39,11 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
 from onnxfuse.graph.slices import normalize_axis, read_slice, slice_indices
+from onnxfuse.ops.channel_shuffle import MAX_CONCAT_INPUTS, OP
 from onnxfuse.pipeline import Context, Pass
 
 FLOAT = np.dtype(np.float32)
 SHUFFLE_PERM = [0, 2, 1, 3, 4]
-# A Concat that onnxruntime runs in its blocked NCHWc layout (of convolution outputs) is reordered
-# out of it once; the fused node reads plain NCHW, so each input gets its own reorder. Up to three
-# inputs that still saves kernels (the Concat, two Reshapes and the Transpose go); beyond, the
-# Concat stays and the node reads its output.
-MAX_CONCAT_INPUTS = 3
 
 x = Var("x")
 SHUFFLE = Rule(
@@ -206,7 +202,7 @@ def match_block(graph: gs.Graph, root: gs.Node, outs: set[str], shapes: facts.Sh
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not ctx.target.has_kernel("ChannelShuffle"):
+    if not ctx.target.has_kernel(OP.name):
         return 0
     outs = {t.name for t in graph.outputs}
     shapes: facts.ShapeTable | None = None
@@ -221,7 +217,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         if found is None:
             continue
         nodes, inputs, outputs, g = found
-        ctx.fuse(graph, "ChannelShuffle", nodes, inputs, outputs, {"groups": int(g)})
+        ctx.fuse(graph, OP.name, nodes, inputs, outputs, {"groups": int(g)})
         for t in outputs:
             if t.dtype is None:
                 t.dtype = np.float32
