@@ -634,7 +634,7 @@ struct AttentionKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::Attention::kName, "",
+      raw, info, fused_ops::Attention.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<AttentionKernel>();
     kernel->api = api;
@@ -813,9 +813,8 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
 
 // Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
 // the bias when has_bias).
-const OrtCustomOp kAttentionCpuOp = fused_op<fused_ops::Attention, kCpuProvider, AttentionKernel>(
-    create_kernel, compute_entry<AttentionKernel, run>);
-ONNXFUSE_REGISTER_OP(kAttentionCpuOp);
+ONNXFUSE_REGISTER_FUSED_OP(Attention, kCpuProvider, AttentionKernel, create_kernel,
+                           compute_entry<AttentionKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

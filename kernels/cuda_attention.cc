@@ -40,7 +40,7 @@ struct CudaAttentionKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::Attention::kName, " (CUDA)",
+      raw, info, fused_ops::Attention.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     const char* names[] = {"num_heads", "cuda_dh", "cuda_dv", "cuda_rows", "cuda_block", "cuda_abi"};
     int64_t v[6];
@@ -175,9 +175,8 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
 // attention_cpu.cc): float32 inputs, variadic and homogeneous (qkv or q, k, v, then the mask when
 // has_mask, then the bias when has_bias), one output. Registered for CUDA sessions only
 // (registry.cc).
-const OrtCustomOp kCudaAttentionOp = fused_op<fused_ops::Attention, kCudaProvider, CudaAttentionKernel>(
-    create_kernel, compute_entry<CudaAttentionKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaAttentionOp);
+ONNXFUSE_REGISTER_FUSED_OP(Attention, kCudaProvider, CudaAttentionKernel, create_kernel,
+                           compute_entry<CudaAttentionKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -59,7 +59,7 @@ bool parse_channels(const std::string& text, std::vector<int64_t>* out) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::ChannelShuffle::kName, " (CUDA)",
+      raw, info, fused_ops::ChannelShuffle.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string&, const std::string& where) -> OrtStatus* {
     const char* names[] = {"groups", "cuda_block", "cuda_abi"};
     int64_t v[3];
@@ -163,10 +163,8 @@ OrtStatus* run(CudaChannelShuffleKernel* k, OrtKernelContext* ctx) {
 
 // The schema of the CPU registration (channel_shuffle_cpu.cc): variadic float32 inputs and
 // outputs, at least one of each. Registered for CUDA sessions only (registry.cc).
-const OrtCustomOp kCudaChannelShuffleOp =
-    fused_op<fused_ops::ChannelShuffle, kCudaProvider, CudaChannelShuffleKernel>(
-        create_kernel, compute_entry<CudaChannelShuffleKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaChannelShuffleOp);
+ONNXFUSE_REGISTER_FUSED_OP(ChannelShuffle, kCudaProvider, CudaChannelShuffleKernel, create_kernel,
+                           compute_entry<CudaChannelShuffleKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -34,7 +34,7 @@ struct CudaConvKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::ConvBiasAct::kName, " (CUDA)",
+      raw, info, fused_ops::ConvBiasAct.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     // Launch constants (conv_codegen.Kernel.attrs).
     const char* names[] = {"cuda_block", "cuda_grid_cols", "cuda_cols_per_block", "cuda_grid_y", "cuda_grid_z",
@@ -120,9 +120,8 @@ OrtStatus* run(CudaConvKernel* k, OrtKernelContext* ctx) {
 // X, W, B and the optional residual Z, float32; one float32 output. Registered for CUDA sessions
 // only (registry.cc): a CPU session does not get this op, so its ConvBiasAct nodes run their
 // fallback functions there.
-const OrtCustomOp kCudaConvBiasActOp =
-    fused_op<fused_ops::ConvBiasAct, kCudaProvider, CudaConvKernel>(create_kernel, compute_entry<CudaConvKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaConvBiasActOp);
+ONNXFUSE_REGISTER_FUSED_OP(ConvBiasAct, kCudaProvider, CudaConvKernel, create_kernel,
+                           compute_entry<CudaConvKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

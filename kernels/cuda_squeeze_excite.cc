@@ -30,7 +30,7 @@ struct CudaSqueezeExciteKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::SqueezeExcite::kName, " (CUDA)",
+      raw, info, fused_ops::SqueezeExcite.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     // Launch constants (squeeze_excite_codegen.Kernel.attrs).
     const char* names[] = {"cuda_block", "cuda_c", "cuda_r", "cuda_abi"};
@@ -94,10 +94,8 @@ OrtStatus* run(CudaSqueezeExciteKernel* k, OrtKernelContext* ctx) {
 
 // The schema of the CPU kernel's registration (squeeze_excite_cpu.cc): five float32 inputs, one
 // float32 output. Registered for CUDA sessions only (registry.cc).
-const OrtCustomOp kCudaSqueezeExciteOp =
-    fused_op<fused_ops::SqueezeExcite, kCudaProvider, CudaSqueezeExciteKernel>(
-        create_kernel, compute_entry<CudaSqueezeExciteKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaSqueezeExciteOp);
+ONNXFUSE_REGISTER_FUSED_OP(SqueezeExcite, kCudaProvider, CudaSqueezeExciteKernel, create_kernel,
+                           compute_entry<CudaSqueezeExciteKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -295,7 +295,7 @@ float read_float(const OrtApiRef& api, const OrtKernelInfo* info, const char* na
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::SqueezeExcite::kName, "",
+      raw, info, fused_ops::SqueezeExcite.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<SqueezeExciteKernel>();
     kernel->api = api;
@@ -396,9 +396,8 @@ OrtStatus* run(SqueezeExciteKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs: X, W1, B1, W2, B2: five float32 tensors.
-const OrtCustomOp kSqueezeExciteOp = fused_op<fused_ops::SqueezeExcite, kCpuProvider, SqueezeExciteKernel>(
-    create_kernel, compute_entry<SqueezeExciteKernel, run>);
-ONNXFUSE_REGISTER_OP(kSqueezeExciteOp);
+ONNXFUSE_REGISTER_FUSED_OP(SqueezeExcite, kCpuProvider, SqueezeExciteKernel, create_kernel,
+                           compute_entry<SqueezeExciteKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

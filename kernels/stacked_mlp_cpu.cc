@@ -238,7 +238,7 @@ const std::string& where(const StackedMlpKernel* k) { return k->where; }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, fused_ops::StackedMLP::kName, "",
+      raw, info, fused_ops::StackedMLP.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<StackedMlpKernel>();
     kernel->api = api;
@@ -369,9 +369,8 @@ OrtStatus* run(StackedMlpKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs: X, then (W, b) per layer: at least three float32 tensors.
-const OrtCustomOp kStackedMlpOp = fused_op<fused_ops::StackedMLP, kCpuProvider, StackedMlpKernel>(
-    create_kernel, compute_entry<StackedMlpKernel, run>);
-ONNXFUSE_REGISTER_OP(kStackedMlpOp);
+ONNXFUSE_REGISTER_FUSED_OP(StackedMLP, kCpuProvider, StackedMlpKernel, create_kernel,
+                           compute_entry<StackedMlpKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -218,9 +218,6 @@ def run(graph: gs.Graph, ctx: Context) -> int:
             continue
         nodes, inputs, outputs, g = found
         ctx.fuse(graph, OP.name, nodes, inputs, outputs, {"groups": int(g)})
-        for t in outputs:
-            if t.dtype is None:
-                t.dtype = np.float32
         count += 1
     return count
 

@@ -241,11 +241,7 @@ def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.N
         "post_relu": int(m.epilogue.post_relu),
         **kernel.attrs(),
     }
-    out = m.output
-    node = ctx.fuse(graph, OP.name, m.nodes, inputs, [out], attrs)
-    if out.dtype is None:
-        out.dtype = np.float32
-    return node
+    return ctx.fuse(graph, OP.name, m.nodes, inputs, [m.output], attrs)
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:

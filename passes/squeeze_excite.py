@@ -240,10 +240,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
                 else:
                     conv.inputs[2] = zero
             inputs += [conv.inputs[1], conv.inputs[2]]
-        out = mul.outputs[0]
-        ctx.fuse(graph, OP.name, nodes, inputs, [out], spec["attrs"])
-        if out.dtype is None:
-            out.dtype = np.float32
+        ctx.fuse(graph, OP.name, nodes, inputs, [mul.outputs[0]], spec["attrs"])
         count += 1
     return count
 

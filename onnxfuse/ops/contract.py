@@ -110,6 +110,14 @@ class FusedOp:
         return len(ports), sum(1 for p in ports if not p.optional), variadic, homogeneous
 
 
+def activation_attributes(name: str, params: str, doc: str) -> tuple[Attribute, ...]:
+    """An activation the kernel applies: its program name (attribute `name`) and its two
+    parameters (`params`_alpha, `params`_beta), 0 where the activation takes fewer."""
+    return (Attribute(name, "string", f"{doc} (a program name, or none)"),
+            Attribute(f"{params}_alpha", "float", "its first parameter", 0.0),
+            Attribute(f"{params}_beta", "float", "its second parameter", 0.0))
+
+
 def text(v) -> str:
     """An attribute value as text (onnx gives strings as bytes)."""
     return v.decode() if isinstance(v, bytes) else str(v)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contract import CUDA, Attribute, FusedOp, Port, text
+from .contract import CUDA, Attribute, FusedOp, Port, activation_attributes, text
 
 # Where our kernel pays, as the per-layer table against onnxruntime's cuDNN Conv measured it
 # (bench/results/conv_cuda_layers.md: H100, batch 1, the default tiles). With those tiles (no
@@ -110,9 +110,7 @@ OP = FusedOp(
         Attribute("pads", "ints", "as Conv's: top, left, bottom, right"),
         Attribute("dilations", "ints", "as Conv's"),
         Attribute("group", "int", "as Conv's"),
-        Attribute("activation", "string", "the epilogue's activation (conv_plan.ACTIVATIONS)"),
-        Attribute("activation_alpha", "float", "its first parameter", 0.0),
-        Attribute("activation_beta", "float", "its second parameter", 0.0),
+        *activation_attributes("activation", "activation", "the epilogue's (conv_plan.ACTIVATIONS)"),
         Attribute("post_relu", "int", "a Relu after the residual", 0),
     ),
     pass_name="conv-bias-act",

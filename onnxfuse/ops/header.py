@@ -19,50 +19,45 @@ from .contract import CPU, CUDA, FusedOp
 HEADER = Path(__file__).resolve().parent.parent.parent / "kernels" / "fused_ops.h"
 
 
-def _ident(name: str) -> str:
-    return "".join(c for c in name if c.isalnum())
-
-
-def _op_block(op: FusedOp) -> list[str]:
-    n_in, req_in, var_in, homogeneous = op.signature("inputs")
-    n_out, req_out, var_out, _ = op.signature("outputs")
-    return [
-        f"// {op.name}: {op.summary} (onnxfuse/ops/{_module(op)}.py)",
-        f"struct {_ident(op.name)} {{",
-        f'  static constexpr char kName[] = "{op.name}";',
-        f"  static constexpr int kInputs = {n_in};  // declared input ports",
-        f"  static constexpr int kRequiredInputs = {req_in};",
-        f"  static constexpr int kVariadicMinInputs = {var_in};  // 0: not variadic",
-        f"  static constexpr int kOutputs = {n_out};",
-        f"  static constexpr int kRequiredOutputs = {req_out};",
-        f"  static constexpr int kVariadicMinOutputs = {var_out};",
-        f"  static constexpr int kHomogeneous = {homogeneous};  // 1: float32 tensors; 0: any element type",
-        f"  static constexpr bool kCpu = {'true' if CPU in op.providers else 'false'};",
-        f"  static constexpr bool kCuda = {'true' if CUDA in op.providers else 'false'};",
-        "};",
-    ]
-
-
 def _module(op: FusedOp) -> str:
     return op.reference.__module__.rsplit(".", 1)[-1] if op.reference is not None else "?"
+
+
+def _row(op: FusedOp) -> str:
+    cpp = {True: "true", False: "false"}
+    n_in, req_in, var_in, homogeneous = op.signature("inputs")
+    n_out, req_out, var_out, _ = op.signature("outputs")
+    return (f'inline constexpr FusedOpSignature {op.name}{{"{op.name}", {n_in}, {req_in}, {var_in}, {n_out}, {req_out}, '
+            f"{var_out}, {cpp[bool(homogeneous)]}, {cpp[CPU in op.providers]}, {cpp[CUDA in op.providers]}}};"
+            f"  // ops/{_module(op)}.py")
 
 
 def render() -> str:
     lines = [
         "// Generated from onnxfuse/ops (python -m onnxfuse.ops.header): do not edit.",
         "//",
-        "// The fused ops of the onnxfuse domain, one struct each: the name and the signature every",
-        "// registration of the op declares. tests/test_ops_table.py checks this file against the",
-        "// table and the built library's registrations against both.",
+        "// The fused ops of the onnxfuse domain: the name and the signature every registration of",
+        "// each declares (kernel_util.h: fused_op). tests/test_ops_table.py checks this file against",
+        "// the table, and the built library's registrations against both.",
         "#pragma once",
         "",
         "namespace onnxfuse {",
+        "",
+        "// Inputs, then outputs: ports, required ports, variadic minimum arity (0: not variadic)",
+        "// (onnxfuse/ops/contract.py: FusedOp.signature). Homogeneous: float32 tensors, otherwise",
+        "// any element type. cpu, cuda: the providers a kernel of ours is registered on.",
+        "struct FusedOpSignature {",
+        "  const char* name;",
+        "  int inputs, required_inputs, variadic_inputs;",
+        "  int outputs, required_outputs, variadic_outputs;",
+        "  bool homogeneous, cpu, cuda;",
+        "};",
+        "",
         "namespace fused_ops {",
         "",
     ]
-    for op in FUSED_OPS:
-        lines += _op_block(op) + [""]
-    lines += ["}  // namespace fused_ops", "}  // namespace onnxfuse", ""]
+    lines += [_row(op) for op in FUSED_OPS]
+    lines += ["", "}  // namespace fused_ops", "}  // namespace onnxfuse", ""]
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contract import CPU, CUDA, Attribute, FusedOp, Port, activation, text
+from .contract import CPU, CUDA, Attribute, FusedOp, Port, activation, activation_attributes, text
 
 # The largest H * W the node replaces the block at (the 64x64 corpus CNNs' largest, 32x32): in
 # whole models at 224x224 (bench/results/cnn224.md) the blocks on 56x56 and 112x112 maps are
@@ -61,12 +61,8 @@ OP = FusedOp(
     outputs=(Port("Y", "[N, C, H, W]"),),
     attributes=(
         Attribute("input_activation", "string", "none or silu: applied to X before the block"),
-        Attribute("hidden_activation", "string", "after the first 1x1 convolution (program name)"),
-        Attribute("hidden_alpha", "float", "its first parameter", 0.0),
-        Attribute("hidden_beta", "float", "its second parameter", 0.0),
-        Attribute("gate_activation", "string", "sigmoid or hardsigmoid, after the second"),
-        Attribute("gate_alpha", "float", "its first parameter", 0.0),
-        Attribute("gate_beta", "float", "its second parameter", 0.0),
+        *activation_attributes("hidden_activation", "hidden", "after the first 1x1 convolution"),
+        *activation_attributes("gate_activation", "gate", "sigmoid or hardsigmoid, after the second"),
     ),
     pass_name="squeeze-excite",
     kernel_sources=("kernels/squeeze_excite_cpu.cc", "kernels/cuda_squeeze_excite.cc"),
