@@ -636,10 +636,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   return create_guarded(
       raw, info, fused_ops::Attention.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    auto kernel = std::make_unique<AttentionKernel>();
-    kernel->api = api;
-    kernel->node_name = name;
-    kernel->where = where;
+    auto kernel = new_kernel<AttentionKernel>(api, name, where);
     const std::string& w = kernel->where;
     int64_t has_mask = 0, packed = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "num_heads", &kernel->heads), w + "attribute 'num_heads': ");

@@ -164,11 +164,8 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
                        mask_strides[1],
                        mask_strides[2],
                        mask_strides[3]};
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>(batch * H * row_blocks);
-  block.x = static_cast<unsigned int>(k->threads);
-  void* params[] = {words};
-  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(batch * H * row_blocks), k->threads, words,
+                                    where);
 }
 
 // The schema every registration of onnxfuse.Attention shares (the CPU kernel's in

@@ -153,12 +153,8 @@ OrtStatus* run(CudaChannelShuffleKernel* k, OrtKernelContext* ctx) {
   words[n_in + k->outputs] = hw;
   words[n_in + k->outputs + 1] = vec;
   words[n_in + k->outputs + 2] = span;
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>(n * total);
-  grid.y = static_cast<unsigned int>((vecs + span - 1) / span);
-  block.x = static_cast<unsigned int>(threads);
-  void* params[] = {words.data()};
-  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(n * total, (vecs + span - 1) / span), threads,
+                                    words.data(), where);
 }
 
 // The schema of the CPU registration (channel_shuffle_cpu.cc): variadic float32 inputs and

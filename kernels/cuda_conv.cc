@@ -102,19 +102,9 @@ OrtStatus* run(CudaConvKernel* k, OrtKernelContext* ctx) {
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(x)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(w)),
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(b)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(z)),
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(y)), n};
-  void* stream = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
-  auto cu_stream = static_cast<cuda::CUstream>(stream);
-  std::string error;
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block);
-  grid.y = static_cast<unsigned int>(k->grid_y);
-  grid.z = static_cast<unsigned int>(k->grid_z);
-  block.x = static_cast<unsigned int>(k->threads);
-  void* params[] = {words};
-  if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
-    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-  return nullptr;
+  const cuda::Dim3 grid = cuda::grid_of((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block, k->grid_y,
+                                        k->grid_z);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, k->threads, words, where);
 }
 
 // X, W, B and the optional residual Z, float32; one float32 output. Registered for CUDA sessions

@@ -85,11 +85,7 @@ OrtStatus* run(CudaSqueezeExciteKernel* k, OrtKernelContext* ctx) {
   words[5] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(y));
   words[6] = batch;
   words[7] = hw;
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>(batch);
-  block.x = static_cast<unsigned int>(k->threads);
-  void* params[] = {words};
-  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(batch), k->threads, words, where);
 }
 
 // The schema of the CPU kernel's registration (squeeze_excite_cpu.cc): five float32 inputs, one

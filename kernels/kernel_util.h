@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -76,6 +77,17 @@ OrtStatus* create_guarded(const OrtApi* raw, const OrtKernelInfo* info, const ch
 }  // namespace onnxfuse
 
 namespace onnxfuse {
+
+// A new kernel of type K (members api, node_name, where) for node `name`, `where` the prefix of
+// every message about it (create_guarded's).
+template <typename K>
+std::unique_ptr<K> new_kernel(const OrtApiRef& api, const std::string& name, const std::string& where) {
+  auto kernel = std::make_unique<K>();
+  kernel->api = api;
+  kernel->node_name = name;
+  kernel->where = where;
+  return kernel;
+}
 
 // A shape as error messages print it: [2, 32, 384].
 inline std::string dims_text(const std::vector<int64_t>& d) {

@@ -297,10 +297,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   return create_guarded(
       raw, info, fused_ops::SqueezeExcite.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    auto kernel = std::make_unique<SqueezeExciteKernel>();
-    kernel->api = api;
-    kernel->node_name = name;
-    kernel->where = where;
+    auto kernel = new_kernel<SqueezeExciteKernel>(api, name, where);
     const struct {
       const char* attr;
       const char* alpha;  // the attributes of its parameters (none for the input activation)

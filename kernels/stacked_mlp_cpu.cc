@@ -240,10 +240,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
   return create_guarded(
       raw, info, fused_ops::StackedMLP.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    auto kernel = std::make_unique<StackedMlpKernel>();
-    kernel->api = api;
-    kernel->node_name = name;
-    kernel->where = where;
+    auto kernel = new_kernel<StackedMlpKernel>(api, name, where);
     size_t size = 0;
     std::string text;
     OrtStatus* st = api.KernelInfoGetAttribute_string(info, "activations", nullptr, &size);

@@ -414,11 +414,20 @@ def _run_or_input_error(fn, loaded):
         raise
 
 
-@main.command("passes", epilog=LISTING_EXIT_HELP)
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="List only the passes of this target (default: all).")
-@json_option
-@debug_option
+def listing_command(name: str, *options):
+    """A command that lists something: its own `options` (in help order), then --json and
+    --debug, and the listing commands' exit codes."""
+
+    def wrap(fn):
+        for option in (debug_option, json_option, *reversed(options)):
+            fn = option(fn)
+        return main.command(name, epilog=LISTING_EXIT_HELP)(fn)
+
+    return wrap
+
+
+@listing_command("passes", click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None,
+                                        help="List only the passes of this target (default: all)."))
 def list_passes(target, as_json):
     """List the passes in pipeline order.
 
@@ -438,9 +447,7 @@ def list_passes(target, as_json):
     print_wrapped(passes_table(passes))
 
 
-@main.command("zoo", epilog=LISTING_EXIT_HELP)
-@json_option
-@debug_option
+@listing_command("zoo")
 def list_zoo(as_json):
     """List the bundled models.
 
@@ -477,9 +484,7 @@ def list_zoo(as_json):
     print_wrapped(zoo_table(entries))
 
 
-@main.command("info", epilog=LISTING_EXIT_HELP)
-@json_option
-@debug_option
+@listing_command("info")
 def info(as_json):
     """Show versions, the onnxruntime in use and the custom-op library.
 

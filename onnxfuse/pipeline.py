@@ -199,6 +199,12 @@ class Pass:
     default: bool = True
 
 
+def fused_op_pass(op: ops.FusedOp, order: int, summary: str, run: Callable[[gs.Graph, Context], int]) -> Pass:
+    """The pass that writes fused op `op`: named as the op's module says (op.pass_name), applied
+    on the targets with a kernel of the op (elsewhere its node would only run its fallback)."""
+    return Pass(name=op.pass_name, order=order, summary=summary, run=run, targets=op.targets)
+
+
 def all_passes() -> list[Pass]:
     """Every pass module in onnxfuse.passes defines PASS (or PASSES); sorted by order."""
     import importlib

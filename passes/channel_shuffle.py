@@ -40,7 +40,7 @@ from onnxfuse.graph import facts
 from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
 from onnxfuse.graph.slices import normalize_axis, read_slice, slice_indices
 from onnxfuse.ops.channel_shuffle import MAX_CONCAT_INPUTS, OP
-from onnxfuse.pipeline import Context, Pass
+from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
 SHUFFLE_PERM = [0, 2, 1, 3, 4]
@@ -205,14 +205,9 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     if not ctx.target.has_kernel(OP.name):
         return 0
     outs = {t.name for t in graph.outputs}
-    shapes: facts.ShapeTable | None = None
     opset = graph.opset
     count = 0
-    for node in list(graph.nodes):
-        if node.op != "Reshape" or not node.outputs or not gu.is_default_domain(node):
-            continue
-        if shapes is None:  # shape inference only for graphs with a Reshape to try
-            shapes = facts.ShapeTable(graph)
+    for node, shapes in facts.roots_with_shapes(graph, "Reshape"):
         found = match_block(graph, node, outs, shapes, opset)
         if found is None:
             continue
@@ -222,10 +217,5 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     return count
 
 
-PASS = Pass(
-    name="channel-shuffle",
-    order=340,
-    summary="Concat -> channel shuffle (Reshape, Transpose, Reshape) -> Split -> onnxfuse.ChannelShuffle",
-    run=run,
-    targets=("cpu", "cuda"),
-)
+PASS = fused_op_pass(OP, 340, run=run,
+                     summary="Concat -> channel shuffle (Reshape, Transpose, Reshape) -> Split -> onnxfuse.ChannelShuffle")

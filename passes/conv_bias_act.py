@@ -47,7 +47,7 @@ from onnxfuse.cuda.conv_codegen import Kernel, generate
 from onnxfuse.cuda.conv_plan import ConvShape, Epilogue, clusters_supported, heuristic_tile, tensor_cores_supported
 from onnxfuse.cuda.conv_tune import tune
 from onnxfuse.ops.conv_bias_act import OP, pays_on_cuda
-from onnxfuse.pipeline import Context, Pass
+from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
 
@@ -288,10 +288,5 @@ def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
     return out
 
 
-PASS = Pass(
-    name="conv-bias-act",
-    order=320,
-    summary="Conv + bias + activation (+ residual Add, + Relu) -> onnxfuse.ConvBiasAct with a generated CUDA kernel (cuda)",
-    run=run,
-    targets=("cuda",),
-)
+PASS = fused_op_pass(OP, 320, run=run,
+                     summary="Conv + bias + activation (+ residual Add, + Relu) -> onnxfuse.ConvBiasAct with a generated CUDA kernel (cuda)")

@@ -49,7 +49,7 @@ from onnxfuse.graph.activations import BY_OP
 from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, op
 from onnxfuse.ops.conv_bias_act import OP as CONV_BIAS_ACT
 from onnxfuse.ops.squeeze_excite import MAX_MAP, OP
-from onnxfuse.pipeline import Context, Pass
+from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
 
@@ -214,13 +214,8 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         return 0
     outs = {t.name for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
-    shapes: facts.ShapeTable | None = None
     count = 0
-    for mul in list(graph.nodes):
-        if mul.op != "Mul" or not mul.outputs or not gu.is_default_domain(mul):
-            continue
-        if shapes is None:  # shape inference only for graphs with a Mul to try
-            shapes = facts.ShapeTable(graph)
+    for mul, shapes in facts.roots_with_shapes(graph, "Mul"):
         # On cuda the SiLU stays the epilogue of the convolution before it (conv-bias-act's
         # depthwise kernel), so the block's kernel reads x once per pass instead of computing it twice.
         # MAX_MAP is a CPU measurement: the CUDA kernel is not timed yet (opt-in above).
@@ -245,10 +240,5 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     return count
 
 
-PASS = Pass(
-    name="squeeze-excite",
-    order=310,
-    summary="squeeze-and-excitation blocks (pool, two 1x1 Convs, activations, Mul) -> onnxfuse.SqueezeExcite",
-    run=run,
-    targets=("cpu", "cuda"),
-)
+PASS = fused_op_pass(OP, 310, run=run,
+                     summary="squeeze-and-excitation blocks (pool, two 1x1 Convs, activations, Mul) -> onnxfuse.SqueezeExcite")

@@ -100,15 +100,8 @@ def test_each_kernel_source_registers_its_op_through_the_header():
         made = re.findall(r"ONNXFUSE_REGISTER_FUSED_OP\((\w+), k(Cpu|Cuda)Provider,", text)
         for name, provider in made:
             found.add((name, ops.CPU if provider == "Cpu" else ops.CUDA, f"kernels/{path.name}"))
-    listed = {(op.name, p, src) for op in ops.FUSED_OPS for p, src in _sources_by_provider(op)}
+    listed = {(op.name, p, src) for op in ops.FUSED_OPS for p, src in op.kernels.items()}
     assert found == listed
-
-
-def _sources_by_provider(op):
-    # kernel_sources lists the CPU kernel's file first when there is one, then the CUDA kernel's.
-    providers = [p for p in (ops.CPU, ops.CUDA) if p in op.providers]
-    assert len(providers) == len(op.kernel_sources), op.name
-    return zip(providers, op.kernel_sources)
 
 
 def test_each_op_lives_in_its_own_module_with_a_model_and_a_form():
@@ -139,3 +132,13 @@ def test_cuda_compile_generates_a_kernel_for_each_op_whose_module_names_a_genera
     expected = {op.name: op.cuda_generator for op in ops.FUSED_OPS
                 if op.cuda_generator and op.name not in ("Pointwise", "ConvBiasAct")}
     assert spec_kernels == expected
+
+
+def test_each_op_is_written_on_every_target_with_a_kernel_of_it():
+    from onnxfuse.pipeline import all_passes
+
+    by_name = {p.name: p for p in all_passes()}
+    for op in ops.FUSED_OPS:
+        assert op.targets and set(op.targets) <= set(by_name[op.pass_name].targets), op.name
+    assert by_name["conv-bias-act"].targets == ("cuda",)
+    assert by_name["channel-shuffle"].targets == by_name["squeeze-excite"].targets == ("cpu", "cuda")

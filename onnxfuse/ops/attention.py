@@ -70,7 +70,7 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
 
 OP = FusedOp(
     "Attention", "softmax(Q K^T * scale + bias) V, with masks, scale forms and head layouts",
-    providers=frozenset({CPU, CUDA}),
+    kernels={CPU: "kernels/attention_cpu.cc", CUDA: "kernels/cuda_attention.cc"},
     inputs=(Port("inputs", "qkv or q, k, v; then the mask (has_mask), then the bias (has_bias)", variadic=True),),
     outputs=(Port("out", "[B, Sq, H*dv]"),),
     attributes=(
@@ -85,7 +85,6 @@ OP = FusedOp(
         Attribute("nan_to_zero", "int", "a row of NaN probabilities weighs v by 0", 0),
     ),
     pass_name="fuse-attention",
-    kernel_sources=("kernels/attention_cpu.cc", "kernels/cuda_attention.cc"),
     cuda_generator="onnxfuse.cuda.attention_codegen",
     reference=reference,
     form=form,

@@ -39,12 +39,11 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
 
 OP = FusedOp(
     "ChannelShuffle", "Concat -> Reshape -> Transpose -> Reshape -> Split as one plane copy",
-    providers=frozenset({CPU, CUDA}),
+    kernels={CPU: "kernels/channel_shuffle_cpu.cc", CUDA: "kernels/cuda_channel_shuffle.cc"},
     inputs=(Port("x", "X_1, X_2, ...: float32 [N, C_i, H, W], concatenated along the channels", variadic=True),),
     outputs=(Port("y", "Y_1, Y_2, ...: equal channel pieces of the shuffled tensor", variadic=True),),
     attributes=(Attribute("groups", "int", "g: the channels are read as [g, C/g] and written as [C/g, g]"),),
     pass_name="channel-shuffle",
-    kernel_sources=("kernels/channel_shuffle_cpu.cc", "kernels/cuda_channel_shuffle.cc"),
     cuda_generator="onnxfuse.cuda.shuffle_codegen",
     reference=reference,
     form=form,

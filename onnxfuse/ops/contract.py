@@ -22,6 +22,8 @@ from ..fused import DOMAIN, DOMAIN_VERSION
 # onnxruntime's names for the providers a custom op registers on.
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+# --target's names for them (onnxfuse/target.py).
+PROVIDER_OF_TARGET = {"cpu": CPU, "cuda": CUDA}
 
 # Attributes every fused node may carry besides its contract's: the op set it was written for
 # (fused.OPSET_ATTRIBUTE) and, on --target cuda, the compiled kernel and its launch description
@@ -56,14 +58,14 @@ class Attribute:
 class FusedOp:
     name: str
     summary: str
-    # Providers the native library registers a kernel on. Where none is registered the node runs
-    # its model-local fallback function (always correct, never faster than the original).
-    providers: frozenset[str]
+    # The kernel source registering the op on each provider that has one (kernels/*.cc). Where
+    # none is registered the node runs its model-local fallback function (always correct, never
+    # faster than the original).
+    kernels: dict[str, str] = field(compare=False)
     inputs: tuple[Port, ...]
     outputs: tuple[Port, ...]
     attributes: tuple[Attribute, ...] = ()
     pass_name: str = ""  # the pass that writes the op (passes/)
-    kernel_sources: tuple[str, ...] = ()  # kernels/*.cc registering it, one per provider
     cuda_generator: str | None = None  # the module generating its CUDA kernel (onnxfuse/cuda/)
     # numpy model: reference(inputs, attributes, number of outputs) -> the outputs, what a node
     # computes (its kernels may round differently where the fallback would too).
@@ -81,9 +83,19 @@ class FusedOp:
             optional = [p.optional for p in side]
             if any(a and not b for a, b in zip(optional, optional[1:])):
                 raise ValueError(f"{self.name}: a required port follows an optional one")
-        unknown = set(self.providers) - {CPU, CUDA}
+        unknown = set(self.kernels) - {CPU, CUDA}
         if unknown:
             raise ValueError(f"{self.name}: unknown providers {sorted(unknown)}")
+
+    @property
+    def providers(self) -> frozenset[str]:
+        """The providers the native library registers a kernel of the op on."""
+        return frozenset(self.kernels)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The --target values with a kernel of the op: where the pass writing it applies."""
+        return tuple(t for t, p in PROVIDER_OF_TARGET.items() if p in self.kernels)
 
     @property
     def cuda_kernel(self) -> bool:

@@ -100,7 +100,7 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
 
 OP = FusedOp(
     "ConvBiasAct", "Conv + bias + activation (+ residual) on CUDA; onnxruntime fuses it on the CPU",
-    providers=frozenset({CUDA}),
+    kernels={CUDA: "kernels/cuda_conv.cc"},
     inputs=(Port("X", "[N, C, H, W]"), Port("W", "[K, C / group, R, S]"), Port("B", "[K]"),
             Port("Z", "[N, K, P, Q]: the residual", optional=True)),
     outputs=(Port("Y", "[N, K, P, Q]"),),
@@ -114,7 +114,6 @@ OP = FusedOp(
         Attribute("post_relu", "int", "a Relu after the residual", 0),
     ),
     pass_name="conv-bias-act",
-    kernel_sources=("kernels/cuda_conv.cc",),
     cuda_generator="onnxfuse.cuda.conv_codegen",
     reference=reference,
     form=form,

@@ -46,12 +46,11 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
 
 OP = FusedOp(
     "Pointwise", "a region of elementwise ops as one expression program",
-    providers=frozenset({CPU, CUDA}),
+    kernels={CPU: "kernels/pointwise_cpu.cc", CUDA: "kernels/cuda_pointwise.cc"},
     inputs=(Port("x", "the program's inputs x0, x1, ... in order", variadic=True, dtype="any"),),
     outputs=(Port("y", "the program's outputs in order", variadic=True, dtype="any"),),
     attributes=(Attribute("program", "string", "the expression program (onnxfuse/program.py)"),),
     pass_name="pointwise",
-    kernel_sources=("kernels/pointwise_cpu.cc", "kernels/cuda_pointwise.cc"),
     cuda_generator="onnxfuse.cuda.codegen",
     reference=reference,
     form=form,

@@ -54,7 +54,7 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
 
 OP = FusedOp(
     "SqueezeExcite", "global pool, two 1x1 convs with activations, gate, scale",
-    providers=frozenset({CPU, CUDA}),
+    kernels={CPU: "kernels/squeeze_excite_cpu.cc", CUDA: "kernels/cuda_squeeze_excite.cc"},
     # X [N, C, H, W], W1 [R, C, 1, 1], B1 [R], W2 [C, R, 1, 1], B2 [C]: registered as five or more
     # float32 inputs (the kernels check the count and shapes when a session creates them).
     inputs=(Port("inputs", "X, W1, B1, W2, B2", variadic=True, min_arity=5),),
@@ -65,7 +65,6 @@ OP = FusedOp(
         *activation_attributes("gate_activation", "gate", "sigmoid or hardsigmoid, after the second"),
     ),
     pass_name="squeeze-excite",
-    kernel_sources=("kernels/squeeze_excite_cpu.cc", "kernels/cuda_squeeze_excite.cc"),
     cuda_generator="onnxfuse.cuda.squeeze_excite_codegen",
     reference=reference,
     form=form,

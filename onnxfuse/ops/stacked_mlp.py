@@ -63,12 +63,11 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
 
 OP = FusedOp(
     "StackedMLP", "K small MLPs on one input as one batched kernel",
-    providers=frozenset({CPU}),
+    kernels={CPU: "kernels/stacked_mlp_cpu.cc"},
     inputs=(Port("inputs", "X, then W_l (packed) and b_l per layer", variadic=True, min_arity=3),),
     outputs=(Port("Y", "[B, K * D_L]: the members' outputs side by side"),),
     attributes=(Attribute("activations", "string", "one program instruction per layer, comma-separated"),),
     pass_name="batch-ensemble",
-    kernel_sources=("kernels/stacked_mlp_cpu.cc",),
     reference=reference,
     form=form,
 )
