@@ -255,12 +255,16 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     OUT is written only when verification passes (or with --no-verify), and atomically:
     an existing OUT is never left half-written.
     """
-    if arch is not None and target != "cuda":
-        raise click.BadParameter("--arch applies to --target cuda only", param_hint="--arch")
-    if tune and target != "cuda":
-        raise click.BadParameter("--tune applies to --target cuda only", param_hint="--tune")
-    if arch is not None and not (arch.startswith("sm_") and arch[3:].isdigit()):
-        raise click.BadParameter(f"'{arch}': expected sm_NN, e.g. sm_90", param_hint="--arch")
+    from .optimize_options import OptimizeOptions, OptionError
+
+    settings = OptimizeOptions(
+        passes=tuple(pass_names) if pass_names is not None else None, target=target, arch=arch, tune=tune,
+        verify=verify, fallback_check=fallback_check, verify_mode=verify_mode, dims=dict(dims or {}), seed=seed,
+        threads=threads)
+    try:
+        settings.check()
+    except OptionError as e:
+        raise click.BadParameter(str(e), param_hint=e.option) from None
     if explain:
         from .pipeline import all_passes
 
@@ -268,7 +272,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
         for name in explain:
             if name not in known:
                 raise click.BadParameter(f"unknown pass '{name}' (`onnxfuse passes` lists them)", param_hint="--explain")
-    if target == "cuda" and (pass_names is None or "cuda-compile" in pass_names):
+    if settings.compiles_cuda:
         _check_cuda_compiler()
     if not _debug:
         from .environment import quiet_libraries
@@ -284,11 +288,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     t0 = time.perf_counter()
     with StageProgress(enabled=not as_json) as progress:
         try:
-            result = api.optimize(
-                source, passes=pass_names, target=target, arch=arch, verify_outputs=verify, dims=dims,
-                seed=seed, threads=threads, fallback_check=fallback_check, tune=tune, verify_mode=verify_mode,
-                progress=progress.stage,
-            )
+            result = api.optimize(source, settings=settings, progress=progress.stage)
         except VerificationError as e:
             raise MismatchExit(f"{e}; {dest} not written") from None
         progress.stage(f"saving {dest}")
