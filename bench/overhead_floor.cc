@@ -38,9 +38,9 @@ OrtStatus* compute(void* kernel, OrtKernelContext* ctx) noexcept {
 
 // The schema the library's fused ops use (variadic float32 inputs, one float32 output), so that
 // the floor takes the path their calls take.
-constexpr char kOutputOnlyName[] = "OutputOnly";
+constexpr onnxfuse::FusedOpSignature kOutputOnlyOp{"OutputOnly", 1, 1, 1, 1, 1, 0, true, true, false};
 const OrtCustomOp kOutputOnly =
-    onnxfuse::float_variadic_op<kOutputOnlyName, onnxfuse::kCpuProvider, OutputOnlyKernel, 1>(create_kernel, compute);
+    onnxfuse::fused_op<kOutputOnlyOp, onnxfuse::kCpuProvider, OutputOnlyKernel>(create_kernel, compute);
 
 }  // namespace
 

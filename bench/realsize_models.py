@@ -34,6 +34,26 @@ def _no_packed_sequence():
     masking_utils.find_packed_sequence_indices = lambda *a, **k: None
 
 
+def _whole_sequence(model, vocab: int, seq: int, pick, **call):
+    """(module, args, input names, dynamic axes) for `model` over a whole sequence of token ids
+    with its attention mask, its output `pick(model(...))`."""
+    import torch
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask):
+            return pick(self.m(input_ids=input_ids, attention_mask=attention_mask, **call))
+
+    args = (torch.randint(0, vocab, (1, seq)), torch.ones(1, seq, dtype=torch.int64))
+    names = ["input_ids", "attention_mask"]
+    axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    axes["out"] = {0: "batch", 1: "sequence"}
+    return Wrap(model), args, names, axes
+
+
 def _decoder_step(model, layers: int, kv_heads: int, head_dim: int, past: int):
     """(module, args, input names, dynamic axes) for one decode step with a cache of `past`."""
     import torch
@@ -85,36 +105,10 @@ def build(name: str, out: Path) -> None:
     out_names = ["out"]
     if name in ("bert_ts", "bert_dynamo"):
         m = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False)
-
-        class Wrap(torch.nn.Module):
-            def __init__(self, m):
-                super().__init__()
-                self.m = m
-
-            def forward(self, input_ids, attention_mask):
-                return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-        module = Wrap(m)
-        args = (torch.randint(0, 30522, (1, seq)), torch.ones(1, seq, dtype=torch.int64))
-        names = ["input_ids", "attention_mask"]
-        axes = {n: {0: "batch", 1: "sequence"} for n in names}
-        axes["out"] = {0: "batch", 1: "sequence"}
+        module, args, names, axes = _whole_sequence(m, 30522, seq, lambda o: o.last_hidden_state)
     elif name == "gpt2_ts":
         m = transformers.GPT2LMHeadModel(transformers.GPT2Config())
-
-        class Wrap(torch.nn.Module):
-            def __init__(self, m):
-                super().__init__()
-                self.m = m
-
-            def forward(self, input_ids, attention_mask):
-                return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
-        module = Wrap(m)
-        args = (torch.randint(0, 50257, (1, seq)), torch.ones(1, seq, dtype=torch.int64))
-        names = ["input_ids", "attention_mask"]
-        axes = {n: {0: "batch", 1: "sequence"} for n in names}
-        axes["out"] = {0: "batch", 1: "sequence"}
+        module, args, names, axes = _whole_sequence(m, 50257, seq, lambda o: o.logits, use_cache=False)
     elif name == "gpt2_decode_ts":
         cfg = transformers.GPT2Config()
         m = transformers.GPT2LMHeadModel(cfg)

@@ -639,12 +639,9 @@ struct AttentionKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "Attention", "",
+      raw, info, fused_ops::Attention.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    auto kernel = std::make_unique<AttentionKernel>();
-    kernel->api = api;
-    kernel->node_name = name;
-    kernel->where = where;
+    auto kernel = new_kernel<AttentionKernel>(api, name, where);
     const std::string& w = kernel->where;
     int64_t has_mask = 0, packed = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_int64(info, "num_heads", &kernel->heads), w + "attribute 'num_heads': ");
@@ -841,9 +838,8 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
 
 // Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
 // the bias when has_bias).
-const OrtCustomOp kAttentionCpuOp = float_variadic_op<kAttentionOp, kCpuProvider, AttentionKernel, 1>(
-    create_kernel, compute_entry<AttentionKernel, run>);
-ONNXFUSE_REGISTER_OP(kAttentionCpuOp);
+ONNXFUSE_REGISTER_FUSED_OP(Attention, kCpuProvider, AttentionKernel, create_kernel,
+                           compute_entry<AttentionKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

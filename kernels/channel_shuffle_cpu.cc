@@ -61,7 +61,7 @@ void copy_planes(void* data, size_t block) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "ChannelShuffle", "",
+      raw, info, fused_ops::ChannelShuffle.name, "",
       [&](const OrtApiRef& api, const std::string&, const std::string& where) -> OrtStatus* {
     auto kernel = std::make_unique<ChannelShuffleKernel>();
     kernel->api = api;
@@ -149,10 +149,8 @@ OrtStatus* run(ChannelShuffleKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs X_1.. and outputs Y_1..: variadic float32 tensors, at least one of each.
-const OrtCustomOp kCpuChannelShuffleOp =
-    variadic_op<kChannelShuffleOp, kCpuProvider, ChannelShuffleKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 1>(
-        create_kernel, compute_entry<ChannelShuffleKernel, run>);
-ONNXFUSE_REGISTER_OP(kCpuChannelShuffleOp);
+ONNXFUSE_REGISTER_FUSED_OP(ChannelShuffle, kCpuProvider, ChannelShuffleKernel, create_kernel,
+                           compute_entry<ChannelShuffleKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -40,7 +40,7 @@ struct CudaAttentionKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "Attention", " (CUDA)",
+      raw, info, fused_ops::Attention.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     const char* names[] = {"num_heads", "cuda_dh", "cuda_dv", "cuda_rows", "cuda_block", "cuda_abi"};
     int64_t v[6];
@@ -164,20 +164,16 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
                        mask_strides[1],
                        mask_strides[2],
                        mask_strides[3]};
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>(batch * H * row_blocks);
-  block.x = static_cast<unsigned int>(k->threads);
-  void* params[] = {words};
-  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(batch * H * row_blocks), k->threads, words,
+                                    where);
 }
 
 // The schema every registration of onnxfuse.Attention shares (the CPU kernel's in
 // attention_cpu.cc): float32 inputs, variadic and homogeneous (qkv or q, k, v, then the mask when
 // has_mask, then the bias when has_bias), one output. Registered for CUDA sessions only
 // (registry.cc).
-const OrtCustomOp kCudaAttentionOp = float_variadic_op<kAttentionOp, kCudaProvider, CudaAttentionKernel, 1>(
-    create_kernel, compute_entry<CudaAttentionKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaAttentionOp);
+ONNXFUSE_REGISTER_FUSED_OP(Attention, kCudaProvider, CudaAttentionKernel, create_kernel,
+                           compute_entry<CudaAttentionKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

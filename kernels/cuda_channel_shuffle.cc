@@ -59,7 +59,7 @@ bool parse_channels(const std::string& text, std::vector<int64_t>* out) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "ChannelShuffle", " (CUDA)",
+      raw, info, fused_ops::ChannelShuffle.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string&, const std::string& where) -> OrtStatus* {
     const char* names[] = {"groups", "cuda_block", "cuda_abi"};
     int64_t v[3];
@@ -153,20 +153,14 @@ OrtStatus* run(CudaChannelShuffleKernel* k, OrtKernelContext* ctx) {
   words[n_in + k->outputs] = hw;
   words[n_in + k->outputs + 1] = vec;
   words[n_in + k->outputs + 2] = span;
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>(n * total);
-  grid.y = static_cast<unsigned int>((vecs + span - 1) / span);
-  block.x = static_cast<unsigned int>(threads);
-  void* params[] = {words.data()};
-  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(n * total, (vecs + span - 1) / span), threads,
+                                    words.data(), where);
 }
 
 // The schema of the CPU registration (channel_shuffle_cpu.cc): variadic float32 inputs and
 // outputs, at least one of each. Registered for CUDA sessions only (registry.cc).
-const OrtCustomOp kCudaChannelShuffleOp =
-    variadic_op<kChannelShuffleOp, kCudaProvider, CudaChannelShuffleKernel, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 1, 1, 1>(
-        create_kernel, compute_entry<CudaChannelShuffleKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaChannelShuffleOp);
+ONNXFUSE_REGISTER_FUSED_OP(ChannelShuffle, kCudaProvider, CudaChannelShuffleKernel, create_kernel,
+                           compute_entry<CudaChannelShuffleKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

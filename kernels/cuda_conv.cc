@@ -21,7 +21,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kConvBiasActOpName[] = "ConvBiasAct";
 
 struct CudaConvKernel {
   OrtApiRef api;
@@ -35,7 +34,7 @@ struct CudaConvKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "ConvBiasAct", " (CUDA)",
+      raw, info, fused_ops::ConvBiasAct.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     // Launch constants (conv_codegen.Kernel.attrs).
     const char* names[] = {"cuda_block", "cuda_grid_cols", "cuda_cols_per_block", "cuda_grid_y", "cuda_grid_z",
@@ -103,40 +102,16 @@ OrtStatus* run(CudaConvKernel* k, OrtKernelContext* ctx) {
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(x)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(w)),
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(b)), static_cast<int64_t>(reinterpret_cast<uintptr_t>(z)),
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(y)), n};
-  void* stream = nullptr;
-  ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
-  auto cu_stream = static_cast<cuda::CUstream>(stream);
-  std::string error;
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block);
-  grid.y = static_cast<unsigned int>(k->grid_y);
-  grid.z = static_cast<unsigned int>(k->grid_z);
-  block.x = static_cast<unsigned int>(k->threads);
-  void* params[] = {words};
-  if (!k->kernel.launch(cu_stream, grid, block, 0, params, &error))
-    return api.CreateStatus(ORT_FAIL, (where + error).c_str());
-  return nullptr;
+  const cuda::Dim3 grid = cuda::grid_of((n * k->grid_cols + k->cols_per_block - 1) / k->cols_per_block, k->grid_y,
+                                        k->grid_z);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, k->threads, words, where);
 }
 
 // X, W, B and the optional residual Z, float32; one float32 output. Registered for CUDA sessions
 // only (registry.cc): a CPU session does not get this op, so its ConvBiasAct nodes run their
 // fallback functions there.
-OrtCustomOp conv_bias_act_op() {
-  OrtCustomOp op =
-      custom_op<kConvBiasActOpName, kCudaProvider, CudaConvKernel>(create_kernel, compute_entry<CudaConvKernel, run>);
-  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
-  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
-    return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
-  };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  return op;
-}
-
-const OrtCustomOp kCudaConvBiasActOp = conv_bias_act_op();
-ONNXFUSE_REGISTER_OP(kCudaConvBiasActOp);
+ONNXFUSE_REGISTER_FUSED_OP(ConvBiasAct, kCudaProvider, CudaConvKernel, create_kernel,
+                           compute_entry<CudaConvKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

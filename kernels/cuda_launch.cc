@@ -179,9 +179,11 @@ OrtStatus* read_checked_launch(const OrtApiRef& api, const OrtKernelInfo* info, 
 }
 
 OrtStatus* launch_on_ort_stream(const OrtApiRef& api, OrtKernelContext* ctx, StoredKernel& kernel, Dim3 grid,
-                                Dim3 block, void** params, const std::string& where) {
+                                int64_t threads, void* args, const std::string& where) {
   void* stream = nullptr;
   ONNXFUSE_RETURN_IF_ERROR(api.KernelContext_GetGPUComputeStream(ctx, &stream), where);
+  const Dim3 block = grid_of(threads);
+  void* params[] = {args};
   std::string error;
   if (!kernel.launch(static_cast<CUstream>(stream), grid, block, 0, params, &error))
     return api.CreateStatus(ORT_FAIL, (where + error).c_str());

@@ -66,6 +66,15 @@ struct Dim3 {
   unsigned int x = 1, y = 1, z = 1;
 };
 
+// A grid of x * y * z blocks (each extent fits in 32 bits: the callers check their sizes).
+inline Dim3 grid_of(int64_t x, int64_t y = 1, int64_t z = 1) {
+  Dim3 d;
+  d.x = static_cast<unsigned int>(x);
+  d.y = static_cast<unsigned int>(y);
+  d.z = static_cast<unsigned int>(z);
+  return d;
+}
+
 class StoredKernel {
  public:
   explicit StoredKernel(KernelImage image);
@@ -92,10 +101,11 @@ class StoredKernel {
   unsigned int shared_set_ = 48 * 1024;  // dynamic shared memory the function allows
 };
 
-// Launches `kernel` on onnxruntime's compute stream of `ctx`, no dynamic shared memory: nullptr,
-// or the failed status prefixed by `where`.
+// Launches `kernel` on onnxruntime's compute stream of `ctx` over `grid`, `threads` threads a
+// block, no dynamic shared memory, its one parameter the argument struct at `args`: nullptr, or
+// the failed status prefixed by `where`.
 OrtStatus* launch_on_ort_stream(const OrtApiRef& api, OrtKernelContext* ctx, StoredKernel& kernel, Dim3 grid,
-                                Dim3 block, void** params, const std::string& where);
+                                int64_t threads, void* args, const std::string& where);
 
 }  // namespace cuda
 }  // namespace onnxfuse

@@ -40,7 +40,7 @@ struct CudaPointwiseKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "Pointwise", " (CUDA)",
+      raw, info, fused_ops::Pointwise.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     std::string text;
     if (!cuda::string_attr(api, info, kProgramAttr, &text))
@@ -216,9 +216,8 @@ OrtStatus* run(CudaPointwiseKernel* k, OrtKernelContext* ctx) {
   return nullptr;
 }
 
-const OrtCustomOp kCudaPointwiseOp = pointwise_op<kCudaProvider, CudaPointwiseKernel>(
-    create_kernel, compute_entry<CudaPointwiseKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaPointwiseOp);
+ONNXFUSE_REGISTER_FUSED_OP(Pointwise, kCudaProvider, CudaPointwiseKernel, create_kernel,
+                           compute_entry<CudaPointwiseKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

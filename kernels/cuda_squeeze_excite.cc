@@ -19,7 +19,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kCudaSqueezeExciteName[] = "SqueezeExcite";
 constexpr int64_t kAbiVersion = 1;  // squeeze_excite_codegen.ABI_VERSION
 
 struct CudaSqueezeExciteKernel {
@@ -31,7 +30,7 @@ struct CudaSqueezeExciteKernel {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "SqueezeExcite", " (CUDA)",
+      raw, info, fused_ops::SqueezeExcite.name, " (CUDA)",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     // Launch constants (squeeze_excite_codegen.Kernel.attrs).
     const char* names[] = {"cuda_block", "cuda_c", "cuda_r", "cuda_abi"};
@@ -86,19 +85,13 @@ OrtStatus* run(CudaSqueezeExciteKernel* k, OrtKernelContext* ctx) {
   words[5] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(y));
   words[6] = batch;
   words[7] = hw;
-  cuda::Dim3 grid, block;
-  grid.x = static_cast<unsigned int>(batch);
-  block.x = static_cast<unsigned int>(k->threads);
-  void* params[] = {words};
-  return cuda::launch_on_ort_stream(api, ctx, k->kernel, grid, block, params, where);
+  return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(batch), k->threads, words, where);
 }
 
 // The schema of the CPU kernel's registration (squeeze_excite_cpu.cc): five float32 inputs, one
 // float32 output. Registered for CUDA sessions only (registry.cc).
-const OrtCustomOp kCudaSqueezeExciteOp =
-    float_variadic_op<kCudaSqueezeExciteName, kCudaProvider, CudaSqueezeExciteKernel, 5>(
-        create_kernel, compute_entry<CudaSqueezeExciteKernel, run>);
-ONNXFUSE_REGISTER_OP(kCudaSqueezeExciteOp);
+ONNXFUSE_REGISTER_FUSED_OP(SqueezeExcite, kCudaProvider, CudaSqueezeExciteKernel, create_kernel,
+                           compute_entry<CudaSqueezeExciteKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

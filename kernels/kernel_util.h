@@ -6,11 +6,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "fused_ops.h"
 #include "ort_api.h"
+#include "registry.h"
 
 namespace onnxfuse {
 
@@ -75,6 +78,17 @@ OrtStatus* create_guarded(const OrtApi* raw, const OrtKernelInfo* info, const ch
 
 namespace onnxfuse {
 
+// A new kernel of type K (members api, node_name, where) for node `name`, `where` the prefix of
+// every message about it (create_guarded's).
+template <typename K>
+std::unique_ptr<K> new_kernel(const OrtApiRef& api, const std::string& name, const std::string& where) {
+  auto kernel = std::make_unique<K>();
+  kernel->api = api;
+  kernel->node_name = name;
+  kernel->where = where;
+  return kernel;
+}
+
 // A shape as error messages print it: [2, 32, 384].
 inline std::string dims_text(const std::vector<int64_t>& d) {
   std::string s = "[";
@@ -120,11 +134,10 @@ inline bool use_avx2_fma() {
 #endif
 }
 
-// Op names and execution providers, as arrays: a template argument of custom_op.
+// Execution providers, as arrays: a template argument of fused_op. Op names and signatures come
+// from fused_ops.h (generated from onnxfuse/ops).
 inline constexpr char kCpuProvider[] = "CPUExecutionProvider";
 inline constexpr char kCudaProvider[] = "CUDAExecutionProvider";
-inline constexpr char kAttentionOp[] = "Attention";
-inline constexpr char kChannelShuffleOp[] = "ChannelShuffle";
 
 using CreateKernelFn = decltype(OrtCustomOp::CreateKernelV2);
 using ComputeKernelFn = decltype(OrtCustomOp::KernelComputeV2);
@@ -137,53 +150,61 @@ OrtStatus* compute_entry(void* kernel, OrtKernelContext* ctx) noexcept {
   return guarded(k->api, k->where, [&]() { return Run(k, ctx); });
 }
 
-// What every op of this library declares alike: its name and execution provider, inputs in
-// default memory, and its kernel type K (created by `create`, run by `compute`, deleted by
-// KernelDestroy). The caller adds the signature (types, counts, characteristics).
-template <const char* Name, const char* Provider, typename K>
-OrtCustomOp custom_op(CreateKernelFn create, ComputeKernelFn compute) {
+// The side of a signature a port is on: variadic, or required up to `required`, optional after.
+inline OrtCustomOpInputOutputCharacteristic port_characteristic(size_t i, int required, int variadic) {
+  if (variadic > 0) return INPUT_OUTPUT_VARIADIC;
+  return i < static_cast<size_t>(required) ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+
+// The OrtCustomOp of fused op Op (fused_ops.h, generated from onnxfuse/ops) on one provider, its
+// kernel type K created by `create`, run by `compute` and deleted by KernelDestroy, inputs in
+// default memory. Its name and signature are the table's: every registration goes through here,
+// so the registrations of one name share one schema (as onnxruntime requires) and agree with the
+// ops' modules. Homogeneous ops take float32 tensors; the others (Pointwise) any element type.
+template <const FusedOpSignature& Op, const char* Provider, typename K>
+OrtCustomOp fused_op(CreateKernelFn create, ComputeKernelFn compute) {
+  static_assert(Op.cpu || Provider != kCpuProvider, "the ops table registers no CPU kernel of this op");
+  static_assert(Op.cuda || Provider != kCudaProvider, "the ops table registers no CUDA kernel of this op");
+  static_assert(Op.variadic_inputs == 0 || Op.inputs == 1, "a variadic side has one port");
+  static_assert(Op.variadic_outputs == 0 || Op.outputs == 1, "a variadic side has one port");
+  constexpr ONNXTensorElementDataType T =
+      Op.homogeneous ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   OrtCustomOp op;
   std::memset(&op, 0, sizeof(op));
   op.version = kOrtApiVersion;
-  op.GetName = [](const OrtCustomOp*) { return static_cast<const char*>(Name); };
+  op.GetName = [](const OrtCustomOp*) { return Op.name; };
   op.GetExecutionProviderType = [](const OrtCustomOp*) { return static_cast<const char*>(Provider); };
   op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
   op.KernelDestroy = [](void* kernel) { delete static_cast<K*>(kernel); };
   op.CreateKernelV2 = create;
   op.KernelComputeV2 = compute;
-  return op;
-}
-
-// An op whose inputs are variadic: at least MinInputs, all of element type T when Homogeneous
-// (T UNDEFINED: any type). Its outputs are one of type T (MinOutputs 0), or variadic like the
-// inputs, at least MinOutputs. onnxruntime requires every provider's registration of one op name
-// to declare the same schema, so the CPU and CUDA kernels of an op build it from here.
-template <const char* Name, const char* Provider, typename K, ONNXTensorElementDataType T, int MinInputs,
-          int Homogeneous, int MinOutputs>
-OrtCustomOp variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
-  OrtCustomOp op = custom_op<Name, Provider, K>(create, compute);
   op.GetInputType = [](const OrtCustomOp*, size_t) { return T; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return Op.inputs; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return T; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) {
-    return MinOutputs > 0 ? INPUT_OUTPUT_VARIADIC : INPUT_OUTPUT_REQUIRED;
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return Op.outputs; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return port_characteristic(i, Op.required_inputs, Op.variadic_inputs);
   };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return MinInputs; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return Homogeneous; };
-  if (MinOutputs > 0) {
-    op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return MinOutputs; };
-    op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return Homogeneous; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return port_characteristic(i, Op.required_outputs, Op.variadic_outputs);
+  };
+  if (Op.variadic_inputs > 0) {
+    op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return Op.variadic_inputs; };
+    op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return Op.homogeneous ? 1 : 0; };
+  }
+  if (Op.variadic_outputs > 0) {
+    op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return Op.variadic_outputs; };
+    op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return Op.homogeneous ? 1 : 0; };
   }
   return op;
 }
 
-// A fused op whose inputs are variadic, homogeneous float32 tensors (at least MinInputs) and
-// whose one output is float32 (Attention, StackedMLP).
-template <const char* Name, const char* Provider, typename K, int MinInputs>
-OrtCustomOp float_variadic_op(CreateKernelFn create, ComputeKernelFn compute) {
-  return variadic_op<Name, Provider, K, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, MinInputs, 1, 0>(create, compute);
-}
-
 }  // namespace onnxfuse
+
+// Defines the OrtCustomOp of fused op Op (fused_ops::NAME) on Provider with kernel type K and
+// registers it when the library is loaded: the one registration statement of a kernel file.
+// The compute entry point is the last argument (it may hold commas: compute_entry<K, run>).
+#define ONNXFUSE_REGISTER_FUSED_OP(Op, Provider, K, create, ...)                                     \
+  const OrtCustomOp ONNXFUSE_CONCAT(onnxfuse_fused_op_, __LINE__) =                                \
+      ::onnxfuse::fused_op<::onnxfuse::fused_ops::Op, Provider, K>(create, __VA_ARGS__);          \
+  ONNXFUSE_REGISTER_OP(ONNXFUSE_CONCAT(onnxfuse_fused_op_, __LINE__))

@@ -385,7 +385,7 @@ std::string node_label(const std::string& name) {
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** kernel) noexcept {
   return create_guarded(
-      raw, info, "Pointwise", "",
+      raw, info, fused_ops::Pointwise.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
     size_t size = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_string(info, kProgramAttr, nullptr, &size),
@@ -683,8 +683,7 @@ OrtStatus* compute(void* kernel_ptr, OrtKernelContext* ctx) noexcept {
   }
 }
 
-const OrtCustomOp pointwise_cpu_op = pointwise_op<kCpuProvider, PointwiseKernel>(create_kernel, compute);
-ONNXFUSE_REGISTER_OP(pointwise_cpu_op);
+ONNXFUSE_REGISTER_FUSED_OP(Pointwise, kCpuProvider, PointwiseKernel, create_kernel, compute);
 
 }  // namespace
 }  // namespace onnxfuse

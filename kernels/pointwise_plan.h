@@ -24,19 +24,7 @@
 
 namespace onnxfuse {
 
-inline constexpr char kPointwiseOpName[] = "Pointwise";
 constexpr const char* kProgramAttr = "program";
-constexpr int kPointwiseMinInputs = 1;
-constexpr int kPointwiseMinOutputs = 1;
-
-// The OrtCustomOp of Pointwise for one execution provider. Every registration of the op is built
-// here, so all share one schema (variadic, heterogeneous inputs and outputs of any element type,
-// the minimum arities above), as onnxruntime requires of the registrations of one name.
-template <const char* Provider, typename K>
-OrtCustomOp pointwise_op(CreateKernelFn create, ComputeKernelFn compute) {
-  return variadic_op<kPointwiseOpName, Provider, K, ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, kPointwiseMinInputs, 0,
-                     kPointwiseMinOutputs>(create, compute);
-}
 
 enum class DType : uint8_t { F16, BF16, F32, F64, Bool };
 

@@ -109,17 +109,48 @@ std::string json_text(const std::string& s) {
   return out + "\"";
 }
 
-// The ops this build registers, as a JSON list of [op type, execution provider] pairs: what
-// tests hold against onnxfuse.ops' table, so that the Python side and the kernels cannot disagree.
-std::string registered_ops_json() {
+// A JSON list with item(op) for each registered op.
+template <typename Item>
+std::string registered_json(Item item) {
   size_t count = 0;
   const OrtCustomOp* const* ops = registered_ops(&count);
   std::string out = "[";
-  for (size_t i = 0; i < count; ++i) {
-    if (i) out += ", ";
-    out += "[" + json_text(ops[i]->GetName(ops[i])) + ", " + json_text(ops[i]->GetExecutionProviderType(ops[i])) + "]";
-  }
+  for (size_t i = 0; i < count; ++i) out += (i ? ", " : "") + item(ops[i]);
   return out + "]";
+}
+
+// [op type, execution provider]
+std::string op_json(const OrtCustomOp* op) {
+  return "[" + json_text(op->GetName(op)) + ", " + json_text(op->GetExecutionProviderType(op)) + "]";
+}
+
+// One side of a registered op's schema as onnxfuse/ops declares it (FusedOp.signature): [ports,
+// required ports, variadic minimum arity or 0, homogeneous].
+std::string side_json(const OrtCustomOp* op, bool inputs) {
+  const size_t ports = inputs ? op->GetInputTypeCount(op) : op->GetOutputTypeCount(op);
+  size_t required = 0;
+  bool variadic = false;
+  for (size_t i = 0; i < ports; ++i) {
+    const OrtCustomOpInputOutputCharacteristic c =
+        inputs ? op->GetInputCharacteristic(op, i) : op->GetOutputCharacteristic(op, i);
+    if (c == INPUT_OUTPUT_REQUIRED) ++required;
+    if (c == INPUT_OUTPUT_VARIADIC) variadic = true;
+  }
+  int min_arity = 0, homogeneous = 1;
+  if (variadic) {
+    ++required;
+    min_arity = inputs ? op->GetVariadicInputMinArity(op) : op->GetVariadicOutputMinArity(op);
+    homogeneous = inputs ? op->GetVariadicInputHomogeneity(op) : op->GetVariadicOutputHomogeneity(op);
+  }
+  return "[" + std::to_string(ports) + ", " + std::to_string(required) + ", " + std::to_string(min_arity) + ", " +
+         std::to_string(homogeneous) + "]";
+}
+
+// [op type, execution provider, inputs, outputs]: what tests hold against onnxfuse.ops' table,
+// so that the Python side and the kernels cannot disagree.
+std::string signature_json(const OrtCustomOp* op) {
+  return "[" + json_text(op->GetName(op)) + ", " + json_text(op->GetExecutionProviderType(op)) + ", " +
+         side_json(op, true) + ", " + side_json(op, false) + "]";
 }
 
 }  // namespace
@@ -150,7 +181,8 @@ extern "C" __attribute__((visibility("default"))) const char* OnnxfuseLibraryInf
 #else
            json_text("unknown") +
 #endif
-           ", \"kernels\": " + std::to_string(count) + ", \"ops\": " + registered_ops_json() +
+           ", \"kernels\": " + std::to_string(count) + ", \"ops\": " + registered_json(op_json) +
+           ", \"signatures\": " + registered_json(signature_json) +
            ", \"avx2_fma_kernels\": " + (avx2_built ? "true" : "false") +
            ", \"avx2_fma_used\": " + (use_avx2_fma() ? "true" : "false") +
            ", \"cuda_kernels\": true, \"cuda_driver_found\": " + (driver_found ? "true" : "false") +

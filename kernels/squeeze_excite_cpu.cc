@@ -38,7 +38,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kSqueezeExciteName[] = "SqueezeExcite";
 
 // An activation of the block as expression-program instructions (pointwise_plan.h), so that it
 // has the one meaning the Pointwise kernel gives it: none; one unary instruction of the same
@@ -296,12 +295,9 @@ float read_float(const OrtApiRef& api, const OrtKernelInfo* info, const char* na
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "SqueezeExcite", "",
+      raw, info, fused_ops::SqueezeExcite.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    auto kernel = std::make_unique<SqueezeExciteKernel>();
-    kernel->api = api;
-    kernel->node_name = name;
-    kernel->where = where;
+    auto kernel = new_kernel<SqueezeExciteKernel>(api, name, where);
     const struct {
       const char* attr;
       const char* alpha;  // the attributes of its parameters (none for the input activation)
@@ -397,9 +393,8 @@ OrtStatus* run(SqueezeExciteKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs: X, W1, B1, W2, B2: five float32 tensors.
-const OrtCustomOp kSqueezeExciteOp = float_variadic_op<kSqueezeExciteName, kCpuProvider, SqueezeExciteKernel, 5>(
-    create_kernel, compute_entry<SqueezeExciteKernel, run>);
-ONNXFUSE_REGISTER_OP(kSqueezeExciteOp);
+ONNXFUSE_REGISTER_FUSED_OP(SqueezeExcite, kCpuProvider, SqueezeExciteKernel, create_kernel,
+                           compute_entry<SqueezeExciteKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

@@ -37,7 +37,6 @@
 namespace onnxfuse {
 namespace {
 
-constexpr char kStackedMlpName[] = "StackedMLP";
 constexpr uint32_t kShapeReferenceApi = 24;  // GetTensorElementTypeAndShapeDataReference
 
 constexpr int64_t kPanel = 16;  // columns per packed weight panel (two AVX2 registers)
@@ -239,12 +238,9 @@ const std::string& where(const StackedMlpKernel* k) { return k->where; }
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
-      raw, info, "StackedMLP", "",
+      raw, info, fused_ops::StackedMLP.name, "",
       [&](const OrtApiRef& api, const std::string& name, const std::string& where) -> OrtStatus* {
-    auto kernel = std::make_unique<StackedMlpKernel>();
-    kernel->api = api;
-    kernel->node_name = name;
-    kernel->where = where;
+    auto kernel = new_kernel<StackedMlpKernel>(api, name, where);
     size_t size = 0;
     std::string text;
     OrtStatus* st = api.KernelInfoGetAttribute_string(info, "activations", nullptr, &size);
@@ -370,9 +366,8 @@ OrtStatus* run(StackedMlpKernel* k, OrtKernelContext* ctx) {
 }
 
 // Inputs: X, then (W, b) per layer: at least three float32 tensors.
-const OrtCustomOp kStackedMlpOp = float_variadic_op<kStackedMlpName, kCpuProvider, StackedMlpKernel, 3>(
-    create_kernel, compute_entry<StackedMlpKernel, run>);
-ONNXFUSE_REGISTER_OP(kStackedMlpOp);
+ONNXFUSE_REGISTER_FUSED_OP(StackedMLP, kCpuProvider, StackedMlpKernel, create_kernel,
+                           compute_entry<StackedMlpKernel, run>);
 
 }  // namespace
 }  // namespace onnxfuse

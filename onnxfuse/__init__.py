@@ -7,6 +7,7 @@ from .version import __version__
 _API = {
     "optimize": "api",
     "OptimizeResult": "api",
+    "OptimizeOptions": "optimize_options",
     "load": "api",
     "save": "api",
     "InputError": "modelio",

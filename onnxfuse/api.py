@@ -21,7 +21,8 @@ from .inputs import check_dims, effective_dims
 from .modelio import InputError, LoadedModel, check_model, parse_model
 from .modelsave import save_model
 from .normalize import normalize
-from .pipeline import TARGETS, Context, PassOptions, PassStats, run_passes, select_passes
+from .optimize_options import OptimizeOptions
+from .pipeline import Context, PassOptions, PassStats, run_passes, select_passes
 from .verify import Verification, VerificationError, choose_mode, verify
 from .zoo import ZooModel, resolve_input
 
@@ -97,9 +98,13 @@ def optimize(
     options: Mapping[str, object] | None = None,
     verify_mode: str = "auto",
     progress: Callable[[str], None] | None = None,
+    settings: OptimizeOptions | None = None,
 ) -> OptimizeResult:
     """Optimize a model (ModelProto, serialized bytes, a path or "zoo:NAME").
 
+    settings: what to do, as one OptimizeOptions (what the command line fills); when given, the
+        keyword arguments from `passes` to `verify_mode` are not read. Otherwise they are its
+        fields (verify_outputs is `verify`, options is `pass_options`).
     passes: pass names to run (default: the default pipeline for the target).
     verify_outputs: run original and optimized in onnxruntime on seeded random inputs
         (symbolic dims from `dims`, default 1) and raise VerificationError on a mismatch.
@@ -117,10 +122,16 @@ def optimize(
     """
     t_start = time.perf_counter()
     stage = progress or (lambda text: None)
-    if target not in TARGETS:
-        raise InputError(f"unknown target '{target}' (known: {', '.join(TARGETS)})")
-    if arch is not None and target != "cuda":
-        raise InputError("--arch applies to --target cuda only")
+    if settings is None:
+        settings = OptimizeOptions(
+            passes=tuple(passes) if passes is not None else None, target=target, arch=arch, tune=tune,
+            verify=verify_outputs, fallback_check=fallback_check, verify_mode=verify_mode, dims=dict(dims or {}),
+            seed=seed, threads=threads, count_kernels=count_kernels, pass_options=dict(options or {}))
+    settings.check()
+    o = settings
+    passes, target, arch, tune, verify_outputs, fallback_check, verify_mode = (
+        o.passes, o.target, o.arch, o.tune, o.verify, o.fallback_check, o.verify_mode)
+    dims, seed, threads, count_kernels, options = o.dims, o.seed, o.threads, o.count_kernels, o.pass_options
     try:
         chosen = select_passes(list(passes) if passes is not None else None, target)
     except ValueError as e:

@@ -255,12 +255,16 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     OUT is written only when verification passes (or with --no-verify), and atomically:
     an existing OUT is never left half-written.
     """
-    if arch is not None and target != "cuda":
-        raise click.BadParameter("--arch applies to --target cuda only", param_hint="--arch")
-    if tune and target != "cuda":
-        raise click.BadParameter("--tune applies to --target cuda only", param_hint="--tune")
-    if arch is not None and not (arch.startswith("sm_") and arch[3:].isdigit()):
-        raise click.BadParameter(f"'{arch}': expected sm_NN, e.g. sm_90", param_hint="--arch")
+    from .optimize_options import OptimizeOptions, OptionError
+
+    settings = OptimizeOptions(
+        passes=tuple(pass_names) if pass_names is not None else None, target=target, arch=arch, tune=tune,
+        verify=verify, fallback_check=fallback_check, verify_mode=verify_mode, dims=dict(dims or {}), seed=seed,
+        threads=threads)
+    try:
+        settings.check()
+    except OptionError as e:
+        raise click.BadParameter(str(e), param_hint=e.option) from None
     if explain:
         from .pipeline import all_passes
 
@@ -268,7 +272,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
         for name in explain:
             if name not in known:
                 raise click.BadParameter(f"unknown pass '{name}' (`onnxfuse passes` lists them)", param_hint="--explain")
-    if target == "cuda" and (pass_names is None or "cuda-compile" in pass_names):
+    if settings.compiles_cuda:
         _check_cuda_compiler()
     if not _debug:
         from .environment import quiet_libraries
@@ -284,11 +288,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     t0 = time.perf_counter()
     with StageProgress(enabled=not as_json) as progress:
         try:
-            result = api.optimize(
-                source, passes=pass_names, target=target, arch=arch, verify_outputs=verify, dims=dims,
-                seed=seed, threads=threads, fallback_check=fallback_check, tune=tune, verify_mode=verify_mode,
-                progress=progress.stage,
-            )
+            result = api.optimize(source, settings=settings, progress=progress.stage)
         except VerificationError as e:
             raise MismatchExit(f"{e}; {dest} not written") from None
         progress.stage(f"saving {dest}")
@@ -414,11 +414,20 @@ def _run_or_input_error(fn, loaded):
         raise
 
 
-@main.command("passes", epilog=LISTING_EXIT_HELP)
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="List only the passes of this target (default: all).")
-@json_option
-@debug_option
+def listing_command(name: str, *options):
+    """A command that lists something: its own `options` (in help order), then --json and
+    --debug, and the listing commands' exit codes."""
+
+    def wrap(fn):
+        for option in (debug_option, json_option, *reversed(options)):
+            fn = option(fn)
+        return main.command(name, epilog=LISTING_EXIT_HELP)(fn)
+
+    return wrap
+
+
+@listing_command("passes", click.option("--target", type=click.Choice(["cpu", "cuda"]), default=None,
+                                        help="List only the passes of this target (default: all)."))
 def list_passes(target, as_json):
     """List the passes in pipeline order.
 
@@ -438,9 +447,7 @@ def list_passes(target, as_json):
     print_wrapped(passes_table(passes))
 
 
-@main.command("zoo", epilog=LISTING_EXIT_HELP)
-@json_option
-@debug_option
+@listing_command("zoo")
 def list_zoo(as_json):
     """List the bundled models.
 
@@ -477,9 +484,7 @@ def list_zoo(as_json):
     print_wrapped(zoo_table(entries))
 
 
-@main.command("info", epilog=LISTING_EXIT_HELP)
-@json_option
-@debug_option
+@listing_command("info")
 def info(as_json):
     """Show versions, the onnxruntime in use and the custom-op library.
 

@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from . import runtime
+from . import ops, runtime
 from .fused import DOMAIN, FusedRegistry, attach_functions, make_fused_node
 from .graph.core import cleanup, constants_as_initializers, export_model, toposort
 from .modelfields import keep_model_fields
@@ -168,8 +169,15 @@ class Context:
         return None
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
-        """Replace a matched subgraph by one fused node with its fallback function."""
-        return make_fused_node(graph, self.registry, op_type, nodes, inputs, outputs, attrs)
+        """Replace a matched subgraph by one fused node with its fallback function. An output of
+        an op whose contract gives float32 outputs (onnxfuse/ops) gets that type where it had none."""
+        node = make_fused_node(graph, self.registry, op_type, nodes, inputs, outputs, attrs)
+        op = ops.BY_NAME.get(op_type)
+        if op is not None and all(p.dtype == "float32" for p in op.outputs):
+            for t in node.outputs:
+                if t.dtype is None:
+                    t.dtype = np.float32
+        return node
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,12 @@ class Pass:
     run: Callable[[gs.Graph, Context], int]
     targets: tuple[str, ...] = TARGETS
     default: bool = True
+
+
+def fused_op_pass(op: ops.FusedOp, order: int, summary: str, run: Callable[[gs.Graph, Context], int]) -> Pass:
+    """The pass that writes fused op `op`: named as the op's module says (op.pass_name), applied
+    on the targets with a kernel of the op (elsewhere its node would only run its fallback)."""
+    return Pass(name=op.pass_name, order=order, summary=summary, run=run, targets=op.targets)
 
 
 def all_passes() -> list[Pass]:

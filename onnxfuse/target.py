@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import ops
+from .ops.contract import PROVIDER_OF_TARGET
 
-NAMES = ("cpu", "cuda")
-
-_PROVIDERS = {"cpu": ops.CPU, "cuda": ops.CUDA}
+_PROVIDERS = PROVIDER_OF_TARGET
+NAMES = tuple(_PROVIDERS)
 
 
 @dataclass(frozen=True)

@@ -39,15 +39,11 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
 from onnxfuse.graph.slices import normalize_axis, read_slice, slice_indices
-from onnxfuse.pipeline import Context, Pass
+from onnxfuse.ops.channel_shuffle import MAX_CONCAT_INPUTS, OP
+from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
 SHUFFLE_PERM = [0, 2, 1, 3, 4]
-# A Concat that onnxruntime runs in its blocked NCHWc layout (of convolution outputs) is reordered
-# out of it once; the fused node reads plain NCHW, so each input gets its own reorder. Up to three
-# inputs that still saves kernels (the Concat, two Reshapes and the Transpose go); beyond, the
-# Concat stays and the node reads its output.
-MAX_CONCAT_INPUTS = 3
 
 x = Var("x")
 SHUFFLE = Rule(
@@ -206,33 +202,20 @@ def match_block(graph: gs.Graph, root: gs.Node, outs: set[str], shapes: facts.Sh
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not ctx.target.has_kernel("ChannelShuffle"):
+    if not ctx.target.has_kernel(OP.name):
         return 0
     outs = {t.name for t in graph.outputs}
-    shapes: facts.ShapeTable | None = None
     opset = graph.opset
     count = 0
-    for node in list(graph.nodes):
-        if node.op != "Reshape" or not node.outputs or not gu.is_default_domain(node):
-            continue
-        if shapes is None:  # shape inference only for graphs with a Reshape to try
-            shapes = facts.ShapeTable(graph)
+    for node, shapes in facts.roots_with_shapes(graph, "Reshape"):
         found = match_block(graph, node, outs, shapes, opset)
         if found is None:
             continue
         nodes, inputs, outputs, g = found
-        ctx.fuse(graph, "ChannelShuffle", nodes, inputs, outputs, {"groups": int(g)})
-        for t in outputs:
-            if t.dtype is None:
-                t.dtype = np.float32
+        ctx.fuse(graph, OP.name, nodes, inputs, outputs, {"groups": int(g)})
         count += 1
     return count
 
 
-PASS = Pass(
-    name="channel-shuffle",
-    order=340,
-    summary="Concat -> channel shuffle (Reshape, Transpose, Reshape) -> Split -> onnxfuse.ChannelShuffle",
-    run=run,
-    targets=("cpu", "cuda"),
-)
+PASS = fused_op_pass(OP, 340, run=run,
+                     summary="Concat -> channel shuffle (Reshape, Transpose, Reshape) -> Split -> onnxfuse.ChannelShuffle")

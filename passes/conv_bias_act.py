@@ -46,7 +46,8 @@ from onnxfuse.graph import facts
 from onnxfuse.cuda.conv_codegen import Kernel, generate
 from onnxfuse.cuda.conv_plan import ConvShape, Epilogue, clusters_supported, heuristic_tile, tensor_cores_supported
 from onnxfuse.cuda.conv_tune import tune
-from onnxfuse.pipeline import Context, Pass
+from onnxfuse.ops.conv_bias_act import OP, pays_on_cuda
+from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
 
@@ -202,27 +203,6 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch
     return m
 
 
-# Where our kernel pays, as the per-layer table against onnxruntime's cuDNN Conv measured it
-# (bench/results/conv_cuda_layers.md: H100, batch 1, the default tiles). With those tiles (no
-# split-K, CUDA cores: both alternatives are opt-in, see the options below, and have no per-layer
-# table yet) its time grows with the serial work of one thread, KRED x TM x TN multiply-adds with
-# the heuristic tile: the table shows it beating cuDNN on nearly every layer below this bound and
-# losing on nearly every layer above it, and depthwise layers (the direct kernel) beating it
-# throughout.
-MAX_SERIAL_FMAS = 1536
-
-
-def serial_fmas(shape: ConvShape, batch: int = 1) -> int:
-    """Multiply-adds one thread of the GEMM kernel performs in sequence (heuristic tile)."""
-    tile = heuristic_tile(shape, batch)
-    return shape.r * shape.s if shape.depthwise else shape.kred * tile.tm * tile.tn
-
-
-def pays_on_cuda(shape: ConvShape, batch: int = 1) -> bool:
-    """True when our kernel is expected to beat onnxruntime's cuDNN Conv on this layer."""
-    return shape.depthwise or serial_fmas(shape, batch) <= MAX_SERIAL_FMAS
-
-
 def _attach_kernel(graph: gs.Graph, m: ConvMatch, ctx: Context) -> Kernel:
     tile = None
     if ctx.options.tune and ctx.tune_unavailable is None:
@@ -261,15 +241,11 @@ def rewrite(graph: gs.Graph, m: ConvMatch, ctx: Context, kernel: Kernel) -> gs.N
         "post_relu": int(m.epilogue.post_relu),
         **kernel.attrs(),
     }
-    out = m.output
-    node = ctx.fuse(graph, "ConvBiasAct", m.nodes, inputs, [out], attrs)
-    if out.dtype is None:
-        out.dtype = np.float32
-    return node
+    return ctx.fuse(graph, OP.name, m.nodes, inputs, [m.output], attrs)
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not ctx.target.has_kernel("ConvBiasAct"):
+    if not ctx.target.has_kernel(OP.name):
         return 0
     shapes = facts.ShapeTable(graph)
     # "pays" (default): only layers where our kernel is expected to win; "always": every match
@@ -312,10 +288,5 @@ def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
     return out
 
 
-PASS = Pass(
-    name="conv-bias-act",
-    order=320,
-    summary="Conv + bias + activation (+ residual Add, + Relu) -> onnxfuse.ConvBiasAct with a generated CUDA kernel (cuda)",
-    run=run,
-    targets=("cuda",),
-)
+PASS = fused_op_pass(OP, 320, run=run,
+                     summary="Conv + bias + activation (+ residual Add, + Relu) -> onnxfuse.ConvBiasAct with a generated CUDA kernel (cuda)")

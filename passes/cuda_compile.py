@@ -31,6 +31,7 @@ from onnxfuse.cuda import attention_codegen, codegen, shuffle_codegen, squeeze_e
 from onnxfuse.cuda.compile import DEFAULT_ARCH, compile_many
 from onnxfuse import fused
 from onnxfuse.fused import DOMAIN
+from onnxfuse.ops import attention, channel_shuffle, pointwise, squeeze_excite
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.program import Program
 
@@ -112,9 +113,9 @@ def shuffle_spec(node: gs.Node, shapes: facts.ShapeTable) -> shuffle_codegen.Shu
 # Fused ops whose kernel is generated from a spec read off the node and the graph's shapes:
 # (the spec, None when the node cannot get a kernel; the generator).
 SPEC_KERNELS = {
-    "Attention": (attention_spec, attention_codegen.generate),
-    "ChannelShuffle": (shuffle_spec, shuffle_codegen.generate),
-    "SqueezeExcite": (squeeze_excite_codegen.spec_of_node, squeeze_excite_codegen.generate),
+    attention.OP.name: (attention_spec, attention_codegen.generate),
+    channel_shuffle.OP.name: (shuffle_spec, shuffle_codegen.generate),
+    squeeze_excite.OP.name: (squeeze_excite_codegen.spec_of_node, squeeze_excite_codegen.generate),
 }
 
 
@@ -127,7 +128,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     for node in graph.nodes:
         if node.domain != DOMAIN:
             continue
-        if node.op == "Pointwise":
+        if node.op == pointwise.OP.name:
             kernel = codegen.generate(Program.parse(node.attrs["program"]), iteration_rank(node))
             launch = {"cuda_rank": kernel.rank, "cuda_vec": kernel.vec, "cuda_block": kernel.block}
             jobs.append((node, kernel.source, kernel.entry, launch))

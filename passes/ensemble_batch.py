@@ -35,6 +35,9 @@ from onnxfuse.graph.activations import TABLE as ACTIVATION_TABLE
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph.patterns import ACTIVATIONS
+from onnxfuse.ops.stacked_mlp import MAX_BATCH as STACKED_MLP_MAX_BATCH
+from onnxfuse.ops.stacked_mlp import OP as STACKED_MLP_OP
+from onnxfuse.ops.stacked_mlp import PANEL, pack_panels
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.program import op_text
 
@@ -43,8 +46,6 @@ from onnxfuse.program import op_text
 # be large, so it is not applied then.
 CPU_MAX_BRANCH_WEIGHT = 32 * 32
 CPU_MAX_BATCH = 4
-# With our StackedMLP kernel (float32, Relu/Tanh/Sigmoid activations): see _stacked_mlp_pays.
-STACKED_MLP_MAX_BATCH = 64
 
 
 @dataclass
@@ -153,18 +154,6 @@ def _stacked_mlp_activations(layers: list[Layer]) -> list[str] | None:
     return acts
 
 
-PANEL = 16  # kernels/stacked_mlp_cpu.cc: kPanel
-
-
-def pack_panels(w: np.ndarray) -> np.ndarray:
-    """[K, D_in, D_out] -> [K, ceil(D_out / 16), D_in, 16]: 16-column panels, zero-padded."""
-    k, d_in, d_out = w.shape
-    panels = -(-d_out // PANEL)
-    padded = np.zeros((k, d_in, panels * PANEL), w.dtype)
-    padded[:, :, :d_out] = w
-    return np.ascontiguousarray(padded.reshape(k, d_in, panels, PANEL).transpose(0, 2, 1, 3))
-
-
 def _unpack_nodes(graph: gs.Graph, nodes: list[gs.Node], packed: gs.Tensor, shape: tuple, base: str) -> gs.Tensor:
     """Standard ops turning the packed weight back into [K, D_in, D_out] (for the fallback body)."""
     k, d_in, d_out = shape
@@ -241,7 +230,7 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
     if fused_acts is not None:
         if flat.dtype is None:
             flat.dtype = dtype
-        ctx.fuse(graph, "StackedMLP", nodes, fused_inputs, [flat], {"activations": ",".join(fused_acts)})
+        ctx.fuse(graph, STACKED_MLP_OP.name, nodes, fused_inputs, [flat], {"activations": ",".join(fused_acts)})
     else:
         graph.nodes.extend(nodes)
     if split is not None:
@@ -264,7 +253,7 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
             layers = _branches(graph, x, members)
             if len([l for l in layers if l.kind == "linear"]) < 2:
                 continue
-            fused_acts = _stacked_mlp_activations(layers) if ctx.target.has_kernel("StackedMLP") else None
+            fused_acts = _stacked_mlp_activations(layers) if ctx.target.has_kernel(STACKED_MLP_OP.name) else None
             if fused_acts is not None and (ctx.options.stacked_mlp == "always" or _stacked_mlp_pays(x, ctx)):
                 _rewrite(graph, x, layers, ctx, fused_acts)
                 rewrites += 1

@@ -21,6 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph.linear import write_output_of
 from onnxfuse.pipeline import Context, Pass
 
 # Shape-only ops whose constant inputs are folded when resolving a weight's value.
@@ -168,7 +169,6 @@ def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
         else:
             new_w = None
             new_b = b.astype(hi) + c
-    result = reader.outputs[0]
     base = conv.name or "conv"
     if new_w is not None:
         old_w = conv.inputs[1]
@@ -182,12 +182,7 @@ def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
     else:
         conv.inputs.append(bias)
     # The Conv now writes what the folded op wrote (its name may be a graph output).
-    gu.disconnect(reader)
-    conv.outputs[0] = result
-    if result.dtype is None:
-        result.dtype = out.dtype
-    if result.shape is None:
-        result.shape = out.shape
+    write_output_of(conv, reader)
     gu.release_names(graph, taken, dropped)
     return True
 

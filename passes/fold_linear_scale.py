@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.linear import FLOAT_KINDS, row_bias
+from onnxfuse.graph.linear import FLOAT_KINDS, row_bias, write_output_of
 from onnxfuse.graph.rules import Match, Rule, Var, apply, op
 from onnxfuse.pipeline import Context, Pass
 
@@ -116,15 +116,7 @@ def _fold(graph: gs.Graph, m: Match) -> bool:
         index = 0 if add.inputs[0] is m["b"] else 1
         add.inputs[index] = gu.make_constant(graph, f"{base}_B_scaled", scaled_bias)
     # The node before the Mul writes the Mul's output: readers and graph outputs keep the name.
-    before = m.nodes[-2]
-    result = scale_node.outputs[0]
-    dropped = before.outputs[0]
-    gu.disconnect(scale_node)
-    before.outputs[0] = result
-    if result.dtype is None:
-        result.dtype = dropped.dtype
-    if result.shape is None:
-        result.shape = dropped.shape
+    write_output_of(m.nodes[-2], scale_node)
     return True
 
 

@@ -39,6 +39,7 @@ from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.ort_fusions import preempted_from_runtime, reserved_for_runtime
 from onnxfuse.graph.index import GraphIndex
 from onnxfuse.graph.patterns import VIEW_OPS
+from onnxfuse.ops.pointwise import MIN_WORK, OP
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.regions import Analysis, Region, build_regions, work
 
@@ -49,7 +50,7 @@ def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
     if _copies_its_input(r):
         return False
     work_ops = work(r)
-    if work_ops >= 2:
+    if work_ops >= MIN_WORK:
         return True
     if work_ops == 0:
         return False
@@ -130,7 +131,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         extra = list(low.views_read) + [n for n in r.members.values() if n.op in VIEW_OPS] + low.constant_nodes
         nodes = sorted(body + extra, key=lambda n: a.index[id(n)])
         nodes = [_detached_copy(n) if any(n is e for e in extra) else n for n in nodes]
-        ctx.fuse(graph, "Pointwise", nodes, low.inputs, low.outputs, {"program": low.program.to_text()})
+        ctx.fuse(graph, OP.name, nodes, low.inputs, low.outputs, {"program": low.program.to_text()})
         count += 1
     return count
 

@@ -47,14 +47,11 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.activations import BY_OP
 from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, op
-from onnxfuse.pipeline import Context, Pass
+from onnxfuse.ops.conv_bias_act import OP as CONV_BIAS_ACT
+from onnxfuse.ops.squeeze_excite import MAX_MAP, OP
+from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
-# The largest H * W the node replaces the block at (the 64x64 corpus CNNs' largest, 32x32): in
-# whole models at 224x224 (bench/results/cnn224.md) the blocks on 56x56 and 112x112 maps are
-# slower as the node than as onnxruntime's kernels, those on 28x28 and smaller faster.
-# A symbolic H or W may be any size, so the block stays as it is there.
-MAX_MAP = 32 * 32
 
 x, h, y = Var("x"), Var("h"), Var("y")
 w1, w2 = Var("w1"), Var("w2")
@@ -217,17 +214,12 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         return 0
     outs = {t.name for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
-    shapes: facts.ShapeTable | None = None
     count = 0
-    for mul in list(graph.nodes):
-        if mul.op != "Mul" or not mul.outputs or not gu.is_default_domain(mul):
-            continue
-        if shapes is None:  # shape inference only for graphs with a Mul to try
-            shapes = facts.ShapeTable(graph)
+    for mul, shapes in facts.roots_with_shapes(graph, "Mul"):
         # On cuda the SiLU stays the epilogue of the convolution before it (conv-bias-act's
         # depthwise kernel), so the block's kernel reads x once per pass instead of computing it twice.
         # MAX_MAP is a CPU measurement: the CUDA kernel is not timed yet (opt-in above).
-        found = match_block(graph, mul, outs, shapes, take_input_silu=not ctx.target.has_kernel("ConvBiasAct"),
+        found = match_block(graph, mul, outs, shapes, take_input_silu=not ctx.target.has_kernel(CONV_BIAS_ACT.name),
                             max_map=MAX_MAP if ctx.target.measured else None)
         if found is None:
             continue
@@ -243,18 +235,10 @@ def run(graph: gs.Graph, ctx: Context) -> int:
                 else:
                     conv.inputs[2] = zero
             inputs += [conv.inputs[1], conv.inputs[2]]
-        out = mul.outputs[0]
-        ctx.fuse(graph, "SqueezeExcite", nodes, inputs, [out], spec["attrs"])
-        if out.dtype is None:
-            out.dtype = np.float32
+        ctx.fuse(graph, OP.name, nodes, inputs, [mul.outputs[0]], spec["attrs"])
         count += 1
     return count
 
 
-PASS = Pass(
-    name="squeeze-excite",
-    order=310,
-    summary="squeeze-and-excitation blocks (pool, two 1x1 Convs, activations, Mul) -> onnxfuse.SqueezeExcite",
-    run=run,
-    targets=("cpu", "cuda"),
-)
+PASS = fused_op_pass(OP, 310, run=run,
+                     summary="squeeze-and-excitation blocks (pool, two 1x1 Convs, activations, Mul) -> onnxfuse.SqueezeExcite")

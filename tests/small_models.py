@@ -4,9 +4,33 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.program import ONNX_ELEM, Program
+
+
+class GraphBuilder:
+    """Nodes and constants with fresh names, for test graphs written as the exporters write them."""
+
+    def __init__(self):
+        self.nodes, self.constants, self.count = [], {}, 0
+
+    def name(self, base: str) -> str:
+        self.count += 1
+        return f"{base}{self.count}"
+
+    def const(self, value) -> str:
+        name = self.name("c")
+        self.constants[name] = np.asarray(value)
+        return name
+
+    def node(self, op: str, inputs, **attrs) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, inputs, [out], name=self.name(op), **attrs))
+        return out
+
+    def initializers(self) -> list:
+        return [numpy_helper.from_array(v, k) for k, v in self.constants.items()]
 
 
 def float_model(name: str, nodes, inputs: dict, outputs: dict, inits=(), opset: int = 17) -> onnx.ModelProto:

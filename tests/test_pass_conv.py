@@ -365,7 +365,7 @@ def test_zoo_cnn_fuses_and_fallback_matches(name, policy, expected):
 def test_cuda_policy_fuses_only_layers_where_the_kernel_beat_cudnn():
     # The measured rule (bench/results/conv_cuda_layers.md): depthwise layers and layers whose
     # per-thread serial work is small are fused; resnet50's deep 3x3s and wide 1x1s are not.
-    from onnxfuse.passes.conv_bias_act import MAX_SERIAL_FMAS, pays_on_cuda, serial_fmas
+    from onnxfuse.ops.conv_bias_act import MAX_SERIAL_FMAS, pays_on_cuda, serial_fmas
 
     dw = ConvShape(240, 4, 4, 240, 5, 5, (1, 1), (2, 2, 2, 2), group=240)
     deep = ConvShape(512, 7, 7, 512, 3, 3, (1, 1), (1, 1, 1, 1))

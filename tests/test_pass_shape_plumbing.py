@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 from onnxfuse.pipeline import Context, run_passes, select_passes
 from onnxfuse.profile import count_kernels
 from onnxfuse.runtime import make_session
-from small_models import SIZES, assert_same_outputs, symbolic_feeds
+from small_models import SIZES, GraphBuilder, assert_same_outputs, symbolic_feeds
 
 GPT_STACK = Path(__file__).resolve().parents[1] / "models" / "gpt_stack.onnx"
 
@@ -24,25 +24,11 @@ def i64(*v):
     return np.array(v, dtype=np.int64)
 
 
-class Builder:
+class Builder(GraphBuilder):
     """Exporter-style graphs: every x.size(i) is its own Shape -> Gather."""
 
-    def __init__(self):
-        self.nodes, self.inits, self.n = [], {}, 0
-
-    def _name(self, p):
-        self.n += 1
-        return f"{p}{self.n}"
-
-    def const(self, value):
-        name = self._name("c")
-        self.inits[name] = np.asarray(value)
-        return name
-
     def op(self, op, ins, **kw):
-        out = self._name(op.lower())
-        self.nodes.append(helper.make_node(op, ins, [out], name=self._name(op), **kw))
-        return out
+        return self.node(op, ins, **kw)
 
     def size(self, t, i):
         return self.op("Gather", [self.op("Shape", [t]), self.const(np.array(i, np.int64))], axis=0)
@@ -60,7 +46,7 @@ class Builder:
             self.nodes, "g",
             [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
             [helper.make_tensor_value_info(output, TensorProto.FLOAT, None)],
-            [onnx.numpy_helper.from_array(v, k) for k, v in self.inits.items()],
+            self.initializers(),
         )
         m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
         m.ir_version = 10

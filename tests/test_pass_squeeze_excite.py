@@ -10,31 +10,18 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
 from onnxfuse.runtime import make_session
+from small_models import GraphBuilder
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(2024)
 
 
-class Block:
+class Block(GraphBuilder):
     """X [N, C, H, W] -> [SiLU] -> squeeze-and-excitation -> Y, written as the exporters write it."""
 
     def __init__(self, c=16, r=4, hw=5, opset=17):
+        super().__init__()
         self.c, self.r, self.hw, self.opset = c, r, hw, opset
-        self.nodes, self.inits, self.count = [], [], 0
-
-    def name(self, base):
-        self.count += 1
-        return f"{base}{self.count}"
-
-    def const(self, arr):
-        n = self.name("c")
-        self.inits.append(numpy_helper.from_array(np.asarray(arr), n))
-        return n
-
-    def node(self, op, inputs, **attrs):
-        out = self.name(op.lower())
-        self.nodes.append(helper.make_node(op, inputs, [out], name=self.name(op), **attrs))
-        return out
 
     def act(self, kind, v):
         if kind == "silu":
@@ -68,7 +55,7 @@ class Block:
         outs = [y] + ([{"h": h, "g": g}[extra_reader]] if extra_reader else [])
         graph = helper.make_graph(
             self.nodes, "se", [helper.make_tensor_value_info("X", F, ["batch", self.c, self.hw, self.hw])],
-            [helper.make_tensor_value_info(o, F, None) for o in outs], self.inits)
+            [helper.make_tensor_value_info(o, F, None) for o in outs], self.initializers())
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)])
         model.ir_version = 8
         return model

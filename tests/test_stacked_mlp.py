@@ -8,7 +8,8 @@ import pytest
 from onnx import helper
 
 from onnxfuse import runtime
-from onnxfuse.passes.ensemble_batch import STACKED_MLP_MAX_BATCH, pack_panels
+from onnxfuse.ops.stacked_mlp import MAX_BATCH as STACKED_MLP_MAX_BATCH
+from onnxfuse.ops.stacked_mlp import pack_panels
 from test_pass_matmul_batch import F, assert_same, drop_final_concat, ensemble_model, ops, optimize, x_feeds
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
+from .. import ops
 from ..fused import DOMAIN
-from ..program import Program
 from .compile import CompileError, PtxasInfo, check_ptx, parse_arch
 
 # com.microsoft ops with a CUDA-provider kernel for float32 (onnxruntime's docs/OperatorKernels.md,
@@ -63,89 +63,12 @@ def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def pointwise_form(program_text: str) -> str:
-    """What a Pointwise kernel specialises on: instructions, inputs (how many read a view),
-    outputs, dtypes and compute type."""
-    prog = Program.parse(program_text)
-    views = sum(1 for i in prog.inputs if i.view)
-    dtypes = sorted({t.dtype for t in [*prog.inputs, *prog.outputs]})
-    form = f"{len(prog.instrs)} instr, {len(prog.inputs)} in"
-    if views:
-        form += f" ({views} view{'s' if views > 1 else ''})"
-    form += f", {len(prog.outputs)} out, {'/'.join(dtypes)}"
-    if prog.compute_dtype != "f32":
-        form += f", compute {prog.compute_dtype}"
-    return form
-
-
-def conv_form(a: dict) -> str:
-    """A ConvBiasAct's layer and epilogue: kernel kind, window, stride, groups, activation,
-    residual."""
-    kh, kw = a.get("kernel_shape", [0, 0])
-    stride = a.get("strides", [1, 1])
-    group = int(a.get("group", 1))
-    kind = _text(a.get("cuda_kind", "?"))
-    parts = [kind, f"{kh}x{kw}"]
-    if list(stride) != [1, 1]:
-        parts.append(f"s{stride[0]}")
-    if group > 1:
-        parts.append(f"g{group}")
-    act = _text(a.get("activation", "none"))
-    parts.append(act if act else "none")
-    if "cuda_residual" in a and int(a["cuda_residual"]):
-        parts.append("+residual")
-    if int(a.get("post_relu", 0)):
-        parts.append("+relu")
-    return " ".join(parts)
-
-
-def attention_form(a: dict, n_inputs: int) -> str:
-    parts = [f"H={int(a.get('num_heads', 0))}"]
-    if "cuda_dh" in a:
-        parts.append(f"dh={int(a['cuda_dh'])}")
-    parts.append("packed qkv" if int(a.get("qkv_packed", 0)) else "q,k,v")
-    if int(a.get("has_bias", 0)):
-        parts.append("+bias")
-    if int(a.get("has_mask", 0)):
-        parts.append("+mask")
-    if int(a.get("causal", 0)):
-        parts.append("causal")
-    if int(a.get("nan_to_zero", 0)):
-        parts.append("nan_to_zero")
-    scale = float(a.get("scale", 1.0))
-    parts.append(f"scale={scale:.4g}")
-    return " ".join(parts)
-
-
-def squeeze_excite_form(a: dict) -> str:
-    """A SqueezeExcite block: channels C and R (when cuda-compile stored them) and its
-    activations, with their parameters where they have any."""
-    parts = [f"C={int(a['cuda_c'])} R={int(a['cuda_r'])}"] if "cuda_c" in a and "cuda_r" in a else []
-    if _text(a.get("input_activation", "none")) != "none":
-        parts.append(f"input {_text(a['input_activation'])}")
-    for which in ("hidden", "gate"):
-        act = _text(a.get(f"{which}_activation", "none"))
-        params = [float(a.get(f"{which}_{p}", 0.0)) for p in ("alpha", "beta")]
-        parts.append(f"{which} {act}" + (f"({params[0]:.4g}, {params[1]:.4g})" if any(params) else ""))
-    return " ".join(parts)
-
-
 def node_form(node: onnx.NodeProto) -> str:
-    a = _attrs(node)
-    if node.op_type == "Pointwise" and "program" in a:
-        return pointwise_form(_text(a["program"]))
-    if node.op_type == "ConvBiasAct":
-        return conv_form(a)
-    if node.op_type == "Attention":
-        return attention_form(a, len(node.input))
-    if node.op_type == "ChannelShuffle":
-        channels = _text(a.get("cuda_channels", "")) or "?"
-        return f"g={int(a.get('groups', 0))}, channels {channels.replace(',', '+')}, {len(node.output)} out"
-    if node.op_type == "SqueezeExcite":
-        return squeeze_excite_form(a)
-    if node.op_type == "StackedMLP":
-        return f"activations {_text(a.get('activations', ''))}"
-    return f"{len(node.input)} in, {len(node.output)} out"
+    """What the node's kernel specialises on, as its op's module describes it (onnxfuse/ops)."""
+    op = ops.BY_NAME.get(node.op_type)
+    if op is None or op.form is None:
+        return f"{len(node.input)} in, {len(node.output)} out"
+    return op.form(_attrs(node), len(node.input), len(node.output))
 
 
 def foreign_ops_without_cuda_kernel(model: onnx.ModelProto) -> list[str]:

@@ -178,6 +178,21 @@ def _warp_sum(v: str, indent: str) -> list[str]:
     ]
 
 
+def _warp_rows(comment: str, row: str, rows: str, width: str, table: str, layer: int, vec: str, act: Act,
+               prefix: str, dst: str) -> list[str]:
+    """A 1x1 convolution on the block's vector, a warp per output row: the lanes' strided dot of
+    W{layer} with `vec` over `width` columns, the butterfly, then lane 0 adds the bias, applies
+    `act` and writes dst[row]."""
+    L = [f"  // {comment}", f"  for (int {row} = warp; {row} < {rows}; {row} += WARPS) {{", "    float dot = 0.0f;",
+         f"    for (int k = lane; k < {width}; k += 32) {{"]
+    L += _c_lines(table, "      ")
+    L += [f"      dot += a.w{layer}[w{layer}_src] * {vec}[k];", "    }"]
+    L += _warp_sum("dot", "    ")
+    L += ["    if (lane == 0) {", f"      float v = dot + a.b{layer}[{row}];"]
+    L += _act_lines(act, "v", "      ", prefix)
+    return L + [f"      {dst}[{row}] = v;", "    }", "  }", "  __syncthreads();"]
+
+
 def generate(spec: SqueezeExciteSpec) -> Kernel:
     entry = entry_name(spec)
     consts = ", ".join(f"{k} = {v}" for k, v in spec.constants().items())
@@ -229,36 +244,11 @@ def generate(spec: SqueezeExciteSpec) -> Kernel:
         "    if (lane == 0) means[c] = sum / (float)hw;",
         "  }",
         "  __syncthreads();",
-        "  // 2. hidden = act_h(W1 means + B1)",
-        "  for (int r = warp; r < R; r += WARPS) {",
-        "    float dot = 0.0f;",
-        "    for (int k = lane; k < C; k += 32) {",
     ]
-    L += _c_lines("hidden", "      ")
-    L += ["      dot += a.w1[w1_src] * means[k];", "    }"]
-    L += _warp_sum("dot", "    ")
-    L += ["    if (lane == 0) {", "      float v = dot + a.b1[r];"]
-    L += _act_lines(spec.hidden, "v", "      ", "h_")
+    L += _warp_rows("2. hidden = act_h(W1 means + B1)", "r", "R", "C", "hidden", 1, "means", spec.hidden, "h_", "hidden")
+    L += _warp_rows("3. gates = act_g(W2 hidden + B2), over the means (read by phase 2 only)", "c", "C", "R", "gate", 2,
+                    "hidden", spec.gate, "g_", "means")
     L += [
-        "      hidden[r] = v;",
-        "    }",
-        "  }",
-        "  __syncthreads();",
-        "  // 3. gates = act_g(W2 hidden + B2), over the means (read by phase 2 only)",
-        "  for (int c = warp; c < C; c += WARPS) {",
-        "    float dot = 0.0f;",
-        "    for (int k = lane; k < R; k += 32) {",
-    ]
-    L += _c_lines("gate", "      ")
-    L += ["      dot += a.w2[w2_src] * hidden[k];", "    }"]
-    L += _warp_sum("dot", "    ")
-    L += ["    if (lane == 0) {", "      float v = dot + a.b2[c];"]
-    L += _act_lines(spec.gate, "v", "      ", "g_")
-    L += [
-        "      means[c] = v;",
-        "    }",
-        "  }",
-        "  __syncthreads();",
         "  // 4. excite: Y = A * gate of its channel",
         "  const long long total = C * hw;",
         "  if (total <= 0xffffffffLL)",

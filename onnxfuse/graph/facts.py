@@ -225,3 +225,17 @@ def refresh_shapes(graph: gs.Graph) -> None:
             tensors[name].shape = shape
         else:
             tensors[name].shape = [o if _vague([d]) or not _vague([o]) else d for o, d in zip(shape, new)]
+
+
+def roots_with_shapes(graph: gs.Graph, op_type: str):
+    """Each node of `op_type` (default domain) that still writes something, in the graph's order
+    when the iteration starts (a rewrite may take later ones, which are then skipped), with the
+    graph's ShapeTable, built at the first such node: shape inference only for a graph with a
+    candidate."""
+    shapes = None
+    for node in list(graph.nodes):
+        if node.op != op_type or not node.outputs or not gu.is_default_domain(node):
+            continue
+        if shapes is None:
+            shapes = ShapeTable(graph)
+        yield node, shapes

@@ -97,3 +97,18 @@ def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
                 out = reader.outputs[0]
     bias_key = None if bias is None else (bias.shape, bias.tobytes())
     return Linear(nodes, w, bias, out, key + (bias_key,))
+
+
+def write_output_of(writer: gs.Node, folded: gs.Node) -> gs.Tensor:
+    """`folded` (the Mul or Add whose constant went into `writer`'s weights) leaves the graph and
+    `writer` writes its output, so its readers and a graph output keep the name; the output keeps
+    the type and shape `writer`'s own had where it had none. Returns `writer`'s former output."""
+    result = folded.outputs[0]
+    dropped = writer.outputs[0]
+    gu.disconnect(folded)
+    writer.outputs[0] = result
+    if result.dtype is None:
+        result.dtype = dropped.dtype
+    if result.shape is None:
+        result.shape = dropped.shape
+    return dropped

@@ -1,47 +1,31 @@
-"""The fused ops onnxfuse writes, as one data-only table.
+"""The fused ops onnxfuse writes: one module each, and the one table built from them.
 
-Every other list of fused ops derives from this one: runtime (which ops bind a CUDA kernel that
-needs a compiled kernel on the node), the CUDA audit, the docs. tests/test_ops_table.py holds it
-against what the native library actually registers (OnnxfuseLibraryInfo's "ops"), so the Python
-side and the kernels cannot disagree.
+A fused op's module (pointwise.py, attention.py, ...) holds its contract (onnxfuse/ops/contract.py:
+name, domain and op set, attributes, inputs and outputs), its numpy model, where its CPU and CUDA
+kernels and its CUDA generator live, and the figures that decide when it pays, which its pass
+reads. The table at the bottom is data built from the modules; every other list derives from
+it: runtime (which ops bind a CUDA kernel that needs a compiled kernel on the node), target
+(which ops have a kernel where), the CUDA audit (each op's form), cuda-compile (the generators)
+and the C++ header kernels/fused_ops.h (names and signatures the kernels register, written by
+`python -m onnxfuse.ops.header`). tests/test_ops_table.py holds the table against the header,
+the kernels' sources and what the built library registers (OnnxfuseLibraryInfo's "ops").
 
-Each op's pass, numpy model and kernels live in their own modules today; this table is the one
-place that says which ops exist and where each has a kernel.
+Adding a fused op: a new module here with its OP, a line in the table, and its kernel source.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from . import attention, channel_shuffle, conv_bias_act, pointwise, squeeze_excite, stacked_mlp
+from .contract import CPU, CUDA, Attribute, FusedOp, Port
 
-# onnxruntime's names for the providers a custom op registers on.
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
-
-
-@dataclass(frozen=True)
-class FusedOp:
-    name: str
-    summary: str
-    # Providers the native library registers a kernel on. Where none is registered the node runs
-    # its model-local fallback function (always correct, never faster than the original).
-    providers: frozenset[str]
-
-    @property
-    def cuda_kernel(self) -> bool:
-        # A CUDA kernel of ours launches the kernel compiled and stored with the node
-        # (--target cuda); a node without one must run its fallback function instead.
-        return CUDA in self.providers
-
+__all__ = ["CPU", "CUDA", "Attribute", "FusedOp", "Port", "FUSED_OPS", "BY_NAME", "CUDA_KERNELS"]
 
 FUSED_OPS: tuple[FusedOp, ...] = (
-    FusedOp("Pointwise", "a region of elementwise ops as one expression program", frozenset({CPU, CUDA})),
-    FusedOp("ConvBiasAct", "Conv + bias + activation (+ residual) on CUDA; onnxruntime fuses it on the CPU",
-            frozenset({CUDA})),
-    FusedOp("Attention", "softmax(Q K^T * scale + bias) V, with masks, scale forms and head layouts",
-            frozenset({CPU, CUDA})),
-    FusedOp("ChannelShuffle", "Concat -> Reshape -> Transpose -> Reshape -> Split as one plane copy",
-            frozenset({CPU, CUDA})),
-    FusedOp("SqueezeExcite", "global pool, two 1x1 convs with activations, gate, scale", frozenset({CPU, CUDA})),
-    FusedOp("StackedMLP", "K small MLPs on one input as one batched kernel", frozenset({CPU})),
+    pointwise.OP,
+    conv_bias_act.OP,
+    attention.OP,
+    channel_shuffle.OP,
+    squeeze_excite.OP,
+    stacked_mlp.OP,
 )
 
 BY_NAME = {op.name: op for op in FUSED_OPS}

@@ -7,24 +7,20 @@ import os
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 
 from onnxfuse.runtime import make_session
+from small_models import pointwise_model
 
 
 @pytest.mark.parametrize("no_avx2", ["", "1"])
 def test_erf_near_one_is_correctly_rounded(no_avx2, monkeypatch):
     if no_avx2:
         monkeypatch.setenv("ONNXFUSE_NO_AVX2", "1")
-    node = helper.make_node("Pointwise", ["x"], ["y"], domain="onnxfuse", program="in x0 f32\nt0 = erf x0\nout t0 f32\n")
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse", 1)])
-    m.ir_version = 10
+    m = pointwise_model("in x0 f32\nt0 = erf x0\nout t0 f32\n")
     x = np.concatenate([np.array([-3.7652209, -3.934122, -3.7850935, -3.884551], np.float32),
                         np.linspace(3.0, 4.5, 3001, dtype=np.float32)])
     x = np.concatenate([x, -x, np.array([np.inf, -np.inf, np.nan], np.float32)])
-    y = make_session(m).run(None, {"x": x})[0]
+    y = make_session(m).run(None, {"in0": x})[0]
     want = np.array([math.erf(v) if np.isfinite(v) else (np.sign(v) if not np.isnan(v) else np.nan)
                      for v in x.astype(np.float64)]).astype(np.float32)
     finite = np.isfinite(x)
