@@ -504,7 +504,7 @@ def decode_mask(graph: gs.Graph, ctx: Context) -> int:
 
 PASS = Pass(
     "decode-mask",
-    201,
+    480,
     "a decode step's causal mask proved all-true dropped from its And; a padding mask gathered by a flat "
     "index grid read as a Slice",
     decode_mask,
