@@ -65,10 +65,9 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.gqa_inputs import GQAInputs
+from onnxfuse.graph.gqa_inputs import GQAInputs, name_output_dims
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, rotary
-from onnxfuse.fused import DOMAIN as FUSED_DOMAIN
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
@@ -528,48 +527,9 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
             t.shape = list(q_shape)
 
 
-def _output_dims(graph: gs.Graph) -> None:
-    """Give each GroupQueryAttention output (and its NaN guard's) [B, S, H*d] where inference
-    knows q's S and width: the inference onnxfuse runs gives the contrib op's output made-up dims
-    (unk__N), and with them nothing downstream has a shape (gemm-as-matmul cannot prove GPT-2's
-    Conv1D projections after it). B is the past's batch dim by name (the op, like the original's
-    Concat(past, new), takes q's batch only when it is the past's), so that the dims, named, hold
-    across inference refreshes."""
-    ops = [n for n in graph.nodes if n.op == "GroupQueryAttention" and n.domain == CONTRIB_DOMAIN]
-    if not ops:
-        return
-    refresh_shapes(graph)
-    shapes = facts.ShapeTable(graph)
-    for node in ops:
-        q, out = node.inputs[0], node.outputs[0]
-        qd = shapes.dims(q)
-        past = shapes.dims(node.inputs[3]) if len(node.inputs) > 3 and gu.is_present(node.inputs[3]) else None
-        heads, kv_heads = int(gu.attr(node, "num_heads", 0)), int(gu.attr(node, "kv_num_heads", 0))
-        if qd is None or len(qd) != 3 or not isinstance(qd[1], int) or not isinstance(qd[2], int) or heads <= 0:
-            continue
-        if past is None or len(past) != 4 or not isinstance(past[0], str) or past[0].startswith("unk__"):
-            continue
-        packed = not (len(node.inputs) > 1 and gu.is_present(node.inputs[1]))
-        per = heads + 2 * kv_heads if packed else heads
-        if qd[2] % per:
-            continue
-        dims = [past[0], qd[1], heads * (qd[2] // per)]
-        out.shape = list(dims)
-        # the NaN guard after the op: Where(IsNaN(out), 0, out), elementwise on out
-        for reader in out.outputs:
-            # a one-input Pointwise (the guard as the pointwise pass wrote it) is elementwise on out
-            one_input = (reader.op == "Pointwise" and reader.domain == FUSED_DOMAIN and len(reader.inputs) == 1
-                         and len(reader.outputs) == 1)
-            if gu.is_op(reader, "IsNaN") or (gu.is_op(reader, "Where") and reader.inputs[2] is out) or one_input:
-                reader.outputs[0].shape = list(dims)
-                for r2 in reader.outputs[0].outputs:
-                    if gu.is_op(r2, "Where") and r2.inputs[2] is out:
-                        r2.outputs[0].shape = list(dims)
-
-
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
     if ctx.target.float32_group_query_attention:
-        _output_dims(graph)
+        name_output_dims(graph)
     if not ctx.target.float32_group_query_attention or not any(gu.is_op(n, "Expand") or gu.is_op(n, "Concat")
                                                                 for n in graph.nodes):
         return 0
