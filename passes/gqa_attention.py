@@ -65,7 +65,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.gqa_inputs import GQAInputs
+from onnxfuse.graph.gqa_inputs import GQAInputs, name_output_dims
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, rotary
 from onnxfuse.pipeline import Context, Pass
@@ -528,6 +528,8 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
 
 
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
+    if ctx.target.float32_group_query_attention:
+        name_output_dims(graph)
     if not ctx.target.float32_group_query_attention or not any(gu.is_op(n, "Expand") or gu.is_op(n, "Concat")
                                                                 for n in graph.nodes):
         return 0

@@ -331,3 +331,25 @@ def test_cpu_leaves_a_lone_residual_add_when_nothing_pays_its_kernel(written_out
 def test_cuda_leaves_the_residual_add_to_skip_layernorm():
     out = fuse(residual_layernorm(False), "cuda")
     assert "Pointwise" not in ops(out)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_gated_silu_is_one_region_not_quickgelu(packed):
+    """SwiGLU, silu(gate) * up: onnxruntime runs QuickGelu and the Mul (and the Split of a packed
+    gate/up projection) as separate kernels; the gated SiLU is left to the pointwise pass, which
+    writes all of it as one region. A lone SiLU stays onnxruntime's QuickGelu."""
+    if packed:
+        nodes, inputs = [node("Split", ["x"], ["g", "u"], axis=-1, num_outputs=2)], [("x", [2, 1, 32])]
+    else:
+        nodes, inputs = [], [("g", [2, 1, 16]), ("u", [2, 1, 16])]
+    nodes += [node("Sigmoid", ["g"], ["s"]), node("Mul", ["g", "s"], ["a"]), node("Mul", ["a", "u"], ["y"])]
+    m = model(nodes, inputs, [("y", [2, 1, 16])], opset=18)
+    before = ort_kernels(m)
+    assert "QuickGelu" in before  # the premise: onnxruntime fuses the SiLU alone
+    out = fuse(m, "cpu")
+    assert ops(out) == ["Pointwise"]
+    assert len(ort_kernels(out, with_library=True)) == 1 < len(before)
+    check_equivalent(m, out)
+    if not packed:
+        lone = model(nodes[:-1], inputs[:1], [("a", [2, 1, 16])], opset=18)
+        assert "QuickGelu" in ort_kernels(fuse(lone, "cpu"), with_library=True)

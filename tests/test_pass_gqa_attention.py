@@ -192,3 +192,16 @@ def test_decode_nan_guard_after_the_op_is_one_pointwise_region():
     assert len(gqa_nodes(out)) == 2
     assert not [n for n in out.graph.node if n.op_type == "IsNaN"]
     assert_same(m, out, decode_feeds_for(4)[:2])
+
+
+def test_decode_op_output_dims_let_gpt2_projections_become_matmuls():
+    # onnxfuse's shape inference gives the contrib op's output made-up dims; fuse-gqa names them
+    # [past's batch, S, H*d] (its NaN guard's too), so that gemm-as-matmul proves GPT-2's Conv1D
+    # projections after the first attention (Reshape -> Gemm -> Reshape) as MatMuls
+    from onnxfuse.api import optimize as optimize_model
+
+    m = llama("gpt2_decode_ts")
+    out = optimize_model(m, dims={"batch": 1, "past": 8, "total": 9}, threads=1, count_kernels=False).model
+    assert len(gqa_nodes(out)) == 2
+    assert not [n for n in out.graph.node if n.op_type == "Gemm"]
+    assert_same(m, out, decode_feeds_for(4))

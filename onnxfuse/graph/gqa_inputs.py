@@ -9,7 +9,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from onnxfuse.fused import DOMAIN as FUSED_DOMAIN
+
 from . import core as gu
+from . import facts
+from .facts import _vague, refresh_shapes
 
 
 class GQAInputs:
@@ -172,3 +176,57 @@ class GQAInputs:
                 caches.append(c)
             self.caches[key] = tuple(caches)
         return self.caches[key]
+
+
+def name_output_dims(graph: gs.Graph) -> None:
+    """Give each GroupQueryAttention output (and its NaN guard's) [B, S, H*d] where inference
+    knows q's S and width: the inference onnxfuse runs gives the contrib op's output made-up dims
+    (unk__N), and with them nothing downstream has a shape (gemm-as-matmul cannot prove GPT-2's
+    Conv1D projections after it). B is the past's batch dim by name (the op, like the original's
+    Concat(past, new), takes q's batch only when it is the past's), so that the dims, named, hold
+    across inference refreshes; then the same for the Pointwise regions (no views) whose inputs all
+    have one named shape, as the residual Adds after the op (else a second optimize finds more)."""
+    ops = [n for n in graph.nodes if n.op == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    if not ops:
+        return
+    refresh_shapes(graph)
+    shapes = facts.ShapeTable(graph)
+    for node in ops:
+        q, out = node.inputs[0], node.outputs[0]
+        qd = shapes.dims(q)
+        past = shapes.dims(node.inputs[3]) if len(node.inputs) > 3 and gu.is_present(node.inputs[3]) else None
+        heads, kv_heads = int(gu.attr(node, "num_heads", 0)), int(gu.attr(node, "kv_num_heads", 0))
+        if qd is None or len(qd) != 3 or not isinstance(qd[1], int) or not isinstance(qd[2], int) or heads <= 0:
+            continue
+        if past is None or len(past) != 4 or not isinstance(past[0], str) or past[0].startswith("unk__"):
+            continue
+        packed = not (len(node.inputs) > 1 and gu.is_present(node.inputs[1]))
+        per = heads + 2 * kv_heads if packed else heads
+        if qd[2] % per:
+            continue
+        dims = [past[0], qd[1], heads * (qd[2] // per)]
+        out.shape = list(dims)
+        # the NaN guard after the op: Where(IsNaN(out), 0, out), elementwise on out
+        for reader in out.outputs:
+            # a one-input Pointwise (the guard as the pointwise pass wrote it) is elementwise on out
+            one_input = _whole_pointwise(reader) and len(reader.inputs) == 1
+            if gu.is_op(reader, "IsNaN") or (gu.is_op(reader, "Where") and reader.inputs[2] is out) or one_input:
+                reader.outputs[0].shape = list(dims)
+                for r2 in reader.outputs[0].outputs:
+                    if gu.is_op(r2, "Where") and r2.inputs[2] is out:
+                        r2.outputs[0].shape = list(dims)
+    # Pointwise regions (inference does not know them either) on equal-shaped inputs now named:
+    # without views, a region's output has its inputs' shape
+    for node in graph.nodes:
+        ins = [shapes.dims(t) if t.shape is None else t.shape for t in node.inputs if not isinstance(t, gs.Constant)]
+        if _whole_pointwise(node) and ins and all(d == ins[0] for d in ins) and not _vague(ins[0]) \
+                and _vague(node.outputs[0].shape):
+            node.outputs[0].shape = list(ins[0])
+
+
+def _whole_pointwise(node: gs.Node) -> bool:
+    """An onnxfuse Pointwise of one output that reads every input whole (no Slice/Split views):
+    elementwise, its output has its inputs' broadcast shape."""
+    program = node.attrs.get("program", "")
+    program = program.decode() if isinstance(program, bytes) else str(program)
+    return node.op == "Pointwise" and node.domain == FUSED_DOMAIN and len(node.outputs) == 1 and "view=" not in program

@@ -307,17 +307,32 @@ def _bias_add(a: GraphIndex, x: gs.Tensor, pattern_readers: int) -> gs.Node | No
     return None
 
 
+def _gates(a: GraphIndex, n: gs.Node) -> bool:
+    """The activation `n` writes is read by one Mul alone, by a computed tensor (a gated linear
+    unit: SwiGLU's silu(gate) * up). onnxruntime runs QuickGelu and that Mul as two kernels (three
+    with the Split of a packed gate/up projection); a Pointwise region holds all of them as one."""
+    out = n.outputs[0]
+    readers = a.consumers.get(id(n), [])
+    if out.name in a.graph_outputs or len(readers) != 1 or not gu.is_op(readers[0], "Mul"):
+        return False
+    other = [t for t in readers[0].inputs if t is not out]
+    return len(other) == 1 and gu.constant_value(other[0]) is None
+
+
 def match_gelu(a: GraphIndex) -> Iterable[gs.Node]:
     """GELU written out (patterns.GELU_FORMS): with Erf (Gelu, BiasGelu with a bias Add before
     it), with Tanh and x^3 (FastGelu, bias included), and x * Sigmoid(alpha * x) (QuickGelu;
-    SiLU is alpha 1)."""
+    SiLU is alpha 1), except a sigmoid form that gates (_gates: the pointwise pass takes it
+    with its Mul)."""
     for n in a.nodes:
         if n.op != "Mul":
             continue
-        for _, form in GELU_FORMS:
+        for kind, form in GELU_FORMS:
             m = rules.match(form, n, a.graph_outputs, private=False)
             if m is None:
                 continue
+            if kind == "sigmoid" and _gates(a, n):
+                break
             yield from m.nodes
             x = m["x"]
             bias = _bias_add(a, x, sum(1 for r in x.outputs if m.holds(r)))
