@@ -219,13 +219,16 @@ class DimResolver:
         return {n: values[n] for n in self.names}
 
 
-def _relations(free: list[str], base: dict[str, int]) -> list[tuple[dict[str, int], str]]:
-    """Assignments with one dim tied to another (y = x + k), then two such ties."""
+def _relations(free: list[str], base: dict[str, int], batch_like: set[str]) -> list[tuple[dict[str, int], str]]:
+    """Assignments with one dim tied to another (y = x + k), then two such ties; ties between
+    two dims of one kind (both batch-like or both not) first: each candidate that fails costs
+    a run of the model."""
     singles = []
-    for k in RELATION_OFFSETS:
-        for x, y in itertools.permutations(free, 2):
-            if base[x] + k >= 2:
-                singles.append(((x, y, k), {**base, y: base[x] + k}))
+    for same_kind in (True, False):
+        for k in RELATION_OFFSETS:
+            for x, y in itertools.permutations(free, 2):
+                if ((x in batch_like) == (y in batch_like)) == same_kind and base[x] + k >= 2:
+                    singles.append(((x, y, k), {**base, y: base[x] + k}))
     out = [(values, _relation_text(y, x, k)) for (x, y, k), values in singles]
     for ((x1, y1, k1), _), ((x2, y2, k2), _) in itertools.combinations(singles, 2):
         if len({y1, y2}) < 2 or y1 == x2 or y2 == x1:
@@ -292,7 +295,7 @@ def choose_dims(model: onnx.ModelProto, given: Mapping[str, int] | None = None,
 
     candidates: list[tuple[dict[str, int], str | None]] = [(base, None)]
     if runs is not None and resolver.free:
-        candidates += _relations(resolver.free, base)
+        candidates += _relations(resolver.free, base, resolver.batch_like)
         for v in sorted({*base.values(), 2}, reverse=True):
             candidates.append(({n: v for n in resolver.free}, "all unset dims equal" if len(resolver.free) > 1 else None))
     probes = 0
@@ -311,7 +314,7 @@ def choose_dims(model: onnx.ModelProto, given: Mapping[str, int] | None = None,
         for name in resolver.free:
             how[name] = "chosen"
         for name in resolver.derived:
-            how[name] = f"= {name}, by its name"
+            how[name] = "computed from its expression"
         if relation:
             for part in relation.split(", "):
                 if " = " in part:
@@ -366,7 +369,9 @@ def _text(dims: Mapping[str, int]) -> str:
 def probe_runner(source, model: onnx.ModelProto, seed: int = 0, threads: int | None = None
                  ) -> Callable[[dict[str, int]], bool]:
     """runs(dims) for choose_dims: one onnxruntime session of the original (no graph
-    optimization: a quick load), run on seeded random inputs at each candidate."""
+    optimization, no weight packing: a quick start), run on seeded random inputs at each
+    candidate; a candidate runs when onnxruntime runs it and the outputs have their declared
+    sizes (outputs_match_declared)."""
     import onnxruntime as ort
 
     from .runtime import _session_source, session_options
@@ -381,6 +386,9 @@ def probe_runner(source, model: onnx.ModelProto, seed: int = 0, threads: int | N
             if session is None:
                 so = session_options(with_library=False, threads=threads, level="disable")
                 so.log_severity_level = 4
+                # Packing the MatMul weights is most of a session's start (4 s of 4.5 for
+                # BERT-base); a probe runs a few small batches and does without it.
+                so.add_session_config_entry("session.disable_prepacking", "1")
                 with _session_source(source, "cpu") as (data, _):
                     session = ort.InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
             feeds = random_inputs(model, dims, seed)
