@@ -103,7 +103,8 @@ def optimize(
 
     passes: pass names to run (default: the default pipeline for the target).
     verify_outputs: run original and optimized in onnxruntime on seeded random inputs
-        (symbolic dims from `dims`, default 1) and raise VerificationError on a mismatch.
+        (symbolic dims from `dims`; unset ones at values chosen to exercise the model, see
+        dimchoice.py, named in summary["dims_chosen"]) and raise VerificationError on a mismatch.
     count_kernels: put kernels per inference before/after (onnxruntime profiler, CPU,
         ORT_ENABLE_ALL) into the summary.
     tune: --target cuda: choose each Conv layer's tile by timing the candidates on this

@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 import numpy as np
 import onnx
 
-from .inputs import DEFAULT_DIM, input_shape, random_inputs, symbolic_dims
+from .inputs import DEFAULT_DIM, random_inputs, symbolic_dims
 
 # Values an unset dimension takes, largest first: 17 is odd and above a 16-wide vector, 8 a
 # power of two, 3 and 2 small and distinct. More dims than values take EXTRA_VALUES.
@@ -420,12 +420,6 @@ def outputs_match_declared(model: onnx.ModelProto, dims: Mapping[str, int], outp
                 if want is not None and want != actual:
                     return False
     return True
-
-
-def shapes_text(model: onnx.ModelProto, dims: Mapping[str, int]) -> dict[str, list[int]]:
-    """Input name -> shape at `dims` (for messages)."""
-    init = {t.name for t in model.graph.initializer}
-    return {v.name: list(input_shape(v, dims)) for v in model.graph.input if v.name not in init}
 
 
 def choose_verify_dims(model: onnx.ModelProto, given: Mapping[str, int], seed: int = 0,

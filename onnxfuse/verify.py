@@ -1,7 +1,8 @@
 """Checking an optimized model against its original in onnxruntime on seeded random inputs.
 
 Both models run on the same inputs (inputs.py: drawn from a seeded generator with the declared
-shapes, symbolic dimensions from `dims`, default 1); every output is compared with a tolerance
+shapes, symbolic dimensions from `dims`: the caller's, with dimchoice.py's values for the ones
+the caller left unset); every output is compared with a tolerance
 that depends on its element type (compare.py). The optimized model runs with our custom-op
 library when it holds fused ops, and once more without it, so the fallback functions are
 checked too. A model too large to run whole is checked region by region instead

@@ -180,3 +180,22 @@ def test_probe_rejects_a_run_whose_outputs_do_not_have_their_declared_sizes():
                     helper.make_tensor_value_info("m", TensorProto.FLOAT, [2, "total"])])
     runs = probe_runner(model, model)
     assert not runs({"past": 3, "total": 9}) and runs({"past": 3, "total": 4})
+
+
+TRANSFORMERS = [m.name for m in zoo.list_models() if m.source == "corpus" and m.family == "transformer"]
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_no_corpus_transformer_is_verified_at_one_without_dim(name):
+    """Every unset dim of every corpus transformer (both exporters, the decode steps) gets a
+    value above 1, distinct from the others where no relation ties them, at which it runs."""
+    from onnxfuse.normalize import normalize
+
+    model = normalize(zoo.resolve_input(_corpus_file(name))).model
+    choice = choose_verify_dims(model, {})
+    assert choice.note is None
+    for dims in choice.settings:
+        assert all(v > 1 for v in dims.values()), dims
+        assert probe_runner(model, model)(dims)
+    tied = {n for n, h in choice.how.items() if "found by running" in h}
+    assert len({v for n, v in choice.dims.items() if n not in tied}) == len(choice.dims) - len(tied)
