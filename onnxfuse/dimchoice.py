@@ -23,13 +23,14 @@ from __future__ import annotations
 import ast
 import itertools
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 import onnx
 
-from .inputs import DEFAULT_DIM, random_inputs, symbolic_dims
+from .inputs import DEFAULT_DIM, UnfeedableInputError, random_inputs, symbolic_dims
 
 # Values an unset dimension takes, largest first: 17 is odd and above a 16-wide vector, 8 a
 # power of two, 3 and 2 small and distinct. More dims than values take EXTRA_VALUES.
@@ -47,8 +48,15 @@ SECOND_SETTING_MAX_WEIGHT_BYTES = 64 << 20
 SECOND_VALUES = (3, 2, 5, 7, 4, 6, 9, 11)
 # Offsets tried between two dims (other = dim + k) when the distinct assignment does not run.
 RELATION_OFFSETS = (1, 0, -1)
-# At most this many candidate assignments are run on the original.
+# At most this many candidate assignments are run on the original, and none is started after
+# PROBE_SECONDS of them.
 MAX_PROBES = 48
+PROBE_SECONDS = 30.0
+
+
+class ProbeUnavailable(Exception):
+    """The original cannot be run at all (its inputs cannot be fed, onnxruntime refuses it):
+    no candidate can be tried, and verification reports why."""
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Mod: operator.mod}
@@ -300,17 +308,21 @@ def choose_dims(model: onnx.ModelProto, given: Mapping[str, int] | None = None,
             candidates.append(({n: v for n in resolver.free}, "all unset dims equal" if len(resolver.free) > 1 else None))
     probes = 0
     tried: list[dict] = []
+    start = time.perf_counter()
     for values, relation in candidates:
         complete = resolver.complete(values)
         if complete is None or complete in tried:
             continue
         tried.append(complete)
         if runs is not None:
-            if probes >= MAX_PROBES:
+            if probes >= MAX_PROBES or time.perf_counter() - start > PROBE_SECONDS:
                 break
             probes += 1
-            if not runs(complete):
-                continue
+            try:
+                if not runs(complete):
+                    continue
+            except ProbeUnavailable:
+                return _fallback(resolver, how, probes, None, "1 (the original cannot be run to try others)")
         for name in resolver.free:
             how[name] = "chosen"
         for name in resolver.derived:
@@ -326,20 +338,33 @@ def choose_dims(model: onnx.ModelProto, given: Mapping[str, int] | None = None,
         if second:
             tie = _tie(relation, values) if relation else None
             alt = _second(resolver, values, tie)
-            if alt is not None and alt != complete and (runs is None or runs(alt)):
+            if alt is not None and alt != complete and (runs is None or _runs(runs, alt)):
                 settings.append(alt)
             elif alt is not None and alt != complete:
                 note = f"second setting {_text(alt)} does not run on the original: not verified there"
             if runs is not None and alt is not None and alt != complete:
                 probes += 1
         return DimChoice(settings, how, note, probes)
+    unset = ", ".join(resolver.free + list(resolver.derived))
+    return _fallback(resolver, how, probes, f"the original runs at none of {probes} settings of {unset} above 1:"
+                     " verified at 1 (--dim sets them)", "1 (no other values run)")
+
+
+def _fallback(resolver: DimResolver, how: dict, probes: int, note: str | None, why: str) -> DimChoice:
+    """The old default: every unset dim at 1."""
     fallback = resolver.complete({n: DEFAULT_DIM for n in resolver.free}) or {
         n: resolver.given.get(n, DEFAULT_DIM) for n in resolver.names}
-    for name in resolver.free:
-        how[name] = "1 (no other values run)"
-    return DimChoice([fallback], how, note=(
-        f"the original runs at none of {probes} settings of {', '.join(resolver.free)} above 1: verified at 1"
-        " (--dim sets them)"), probes=probes)
+    for name in resolver.names:
+        if name not in resolver.given:
+            how[name] = why
+    return DimChoice([fallback], how, note=note, probes=probes)
+
+
+def _runs(runs: Callable[[dict[str, int]], bool], dims: dict[str, int]) -> bool:
+    try:
+        return runs(dims)
+    except ProbeUnavailable:
+        return False
 
 
 def _tie(relation: str, values: dict[str, int]) -> Callable[[dict], dict]:
@@ -376,6 +401,8 @@ def probe_runner(source, model: onnx.ModelProto, seed: int = 0, threads: int | N
 
     from .runtime import _session_source, session_options
 
+    from .runtime import LibraryError
+
     session = None
     quiet = ort.RunOptions()
     quiet.log_severity_level = 4  # a candidate that does not run is expected, not an error to print
@@ -383,15 +410,23 @@ def probe_runner(source, model: onnx.ModelProto, seed: int = 0, threads: int | N
     def runs(dims: dict[str, int]) -> bool:
         nonlocal session
         try:
-            if session is None:
-                so = session_options(with_library=False, threads=threads, level="disable")
-                so.log_severity_level = 4
-                # Packing the MatMul weights is most of a session's start (4 s of 4.5 for
-                # BERT-base); a probe runs a few small batches and does without it.
-                so.add_session_config_entry("session.disable_prepacking", "1")
+            feeds = random_inputs(model, dims, seed)
+        except UnfeedableInputError as e:
+            raise ProbeUnavailable(str(e)) from None
+        if session is None:
+            so = session_options(with_library=False, threads=threads, level="disable")
+            so.log_severity_level = 4
+            # Packing the MatMul weights is most of a session's start (4 s of 4.5 for
+            # BERT-base); a probe runs a few small batches and does without it.
+            so.add_session_config_entry("session.disable_prepacking", "1")
+            try:
                 with _session_source(source, "cpu") as (data, _):
                     session = ort.InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
-            feeds = random_inputs(model, dims, seed)
+            except LibraryError:
+                raise
+            except Exception as e:  # onnxruntime's exception types: verification reports it
+                raise ProbeUnavailable(str(e)) from None
+        try:
             outputs = session.run(None, feeds, quiet)
         except Exception:  # onnxruntime's exception types: a shape that does not fit, an index out of range
             return False

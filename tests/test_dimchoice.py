@@ -199,3 +199,11 @@ def test_no_corpus_transformer_is_verified_at_one_without_dim(name):
         assert probe_runner(model, model)(dims)
     tied = {n for n, h in choice.how.items() if "found by running" in h}
     assert len({v for n, v in choice.dims.items() if n not in tied}) == len(choice.dims) - len(tied)
+
+
+def test_a_model_that_cannot_be_fed_keeps_the_old_default_and_its_own_error():
+    model = _model([helper.make_node("Identity", ["x"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["n", 4])],
+                   [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["n", 4])])
+    choice = choose_verify_dims(model, {})
+    assert choice.dims == {"n": 1} and choice.note is None and choice.probes == 1
