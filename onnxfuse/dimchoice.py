@@ -4,7 +4,8 @@ A dimension at 1 makes attention, masks and rotary trivial, and a size baked int
 model (batch * heads as a constant) passes by accident when every dim is 1, or when two dims
 share a value. So each unset dimension gets a value from DIM_VALUES, distinct per dimension where
 possible: dims that appear only as the first axis of the inputs (batch-like) the smallest,
-the others (sequence-like) the largest that keeps the estimated activations within a budget.
+the others (sequence-like) the largest that keeps the estimated activations within a budget
+(and at most LARGE_MODEL_LARGEST_DIM for a model too large for a cheap run).
 
 Dims are often related (a decode step's mask covers the past and the new token: total = past
 + 1). Relations are found, not guessed by name:
@@ -44,6 +45,10 @@ ACTIVATION_SHARE = 0.1
 # "Cheap" for a second verification setting: it opens each session again, which costs about the
 # weights' size in reading and packing, so a model of at most this many bytes of weights.
 SECOND_SETTING_MAX_WEIGHT_BYTES = 64 << 20
+# A model above SECOND_SETTING_MAX_WEIGHT_BYTES takes no value above this: each of the five
+# runs of a verification costs about the weights times the tokens (BERT-base, 2 cores: 0.5 s a
+# run at batch 1 x seq 1, 1.0 s at 2 x 8, 1.5 s at 2 x 17).
+LARGE_MODEL_LARGEST_DIM = 8
 # Values of the free dims in the second setting (see _second).
 SECOND_VALUES = (3, 2, 5, 7, 4, 6, 9, 11)
 # Offsets tried between two dims (other = dim + k) when the distinct assignment does not run.
@@ -166,18 +171,20 @@ def activation_bytes(model: onnx.ModelProto, dims: Mapping[str, int]) -> int:
     return total
 
 
-def _pool(count: int) -> list[int]:
-    values = list(DIM_VALUES)
-    for v in EXTRA_VALUES:
+def _pool(count: int, largest: int | None = None) -> list[int]:
+    fits = [v for v in (*DIM_VALUES, *EXTRA_VALUES) if largest is None or v <= largest]
+    values = [v for v in DIM_VALUES if v in fits]
+    for v in fits:
         if len(values) >= count:
             break
-        values.append(v)
+        if v not in values:
+            values.append(v)
     return values
 
 
-def _assign(free: list[str], batch_like: set[str], taken: set[int]) -> dict[str, int]:
+def _assign(free: list[str], batch_like: set[str], taken: set[int], largest: int | None = None) -> dict[str, int]:
     """Distinct values: sequence-like dims the largest, batch-like ones the smallest."""
-    pool = [v for v in _pool(len(free) + len(taken)) if v not in taken]
+    pool = [v for v in _pool(len(free) + len(taken), largest) if v not in taken]
     if len(pool) < len(free):
         pool += [v for v in _pool(len(free) + len(taken)) if v not in pool][: len(free) - len(pool)]
     order = sorted(pool, reverse=True)
@@ -274,18 +281,19 @@ def _second(resolver: DimResolver, first: dict[str, int], relation: Callable[[di
 
 def choose_dims(model: onnx.ModelProto, given: Mapping[str, int] | None = None,
                 runs: Callable[[dict[str, int]], bool] | None = None,
-                budget: int | None = None, second: bool = False) -> DimChoice:
+                budget: int | None = None, second: bool = False, largest: int | None = None) -> DimChoice:
     """The settings to verify `model` at (see the module's docstring).
 
     runs(dims) says whether the original model runs at those dims (None: assume it does);
     budget: activation bytes one run may take (default: ACTIVATION_BUDGET_BYTES);
-    second: also choose a second setting (the caller decides whether it is cheap)."""
+    second: also choose a second setting (the caller decides whether it is cheap);
+    largest: no unset dim above this value (where enough values below it remain)."""
     resolver = DimResolver(model, dict(given or {}))
     how = {n: "given" for n in resolver.given}
     if not resolver.free and not resolver.derived:
         return DimChoice([dict(resolver.given)], how)
     budget = ACTIVATION_BUDGET_BYTES if budget is None else budget
-    base = _assign(resolver.free, resolver.batch_like, set(resolver.given.values()))
+    base = _assign(resolver.free, resolver.batch_like, set(resolver.given.values()), largest)
     # Within the budget: lower the largest free value that can go lower (to a value no other
     # dim has, 2 at least) until the estimate fits.
     while True:
@@ -471,4 +479,5 @@ def choose_verify_dims(model: onnx.ModelProto, given: Mapping[str, int], seed: i
     budget = ACTIVATION_BUDGET_BYTES if available is None else min(ACTIVATION_BUDGET_BYTES,
                                                                   int(available * ACTIVATION_SHARE))
     cheap = weight_bytes(model) <= SECOND_SETTING_MAX_WEIGHT_BYTES
-    return choose_dims(model, given, runs=probe_runner(model, model, seed, threads), budget=budget, second=cheap)
+    return choose_dims(model, given, runs=probe_runner(model, model, seed, threads), budget=budget, second=cheap,
+                       largest=None if cheap else LARGE_MODEL_LARGEST_DIM)

@@ -207,3 +207,9 @@ def test_a_model_that_cannot_be_fed_keeps_the_old_default_and_its_own_error():
                    [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["n", 4])])
     choice = choose_verify_dims(model, {})
     assert choice.dims == {"n": 1} and choice.note is None and choice.probes == 1
+
+
+def test_a_large_model_takes_smaller_values_still_distinct_and_above_one():
+    model = decode_model(mask_dim="total", past="past", batch="batch")
+    choice = choose_dims(model, {}, runs=probe_runner(model, model), largest=8)
+    assert choice.dims == {"batch": 2, "past": 8, "total": 9}  # total = past + 1 over the cap, as found
