@@ -344,7 +344,7 @@ def choose_dims(model: onnx.ModelProto, given: Mapping[str, int] | None = None,
         settings = [complete]
         note = None
         if second:
-            tie = _tie(relation, values) if relation else None
+            tie = _tie(relation) if relation else None
             alt = _second(resolver, values, tie)
             if alt is not None and alt != complete and (runs is None or _runs(runs, alt)):
                 settings.append(alt)
@@ -375,7 +375,7 @@ def _runs(runs: Callable[[dict[str, int]], bool], dims: dict[str, int]) -> bool:
         return False
 
 
-def _tie(relation: str, values: dict[str, int]) -> Callable[[dict], dict]:
+def _tie(relation: str) -> Callable[[dict], dict]:
     """A function re-applying the ties of `relation` ("y = x + 1, ...") to other free values."""
     parts = []
     for part in relation.split(", "):
