@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Sequence
 import onnx
 
 from .fused import DOMAIN
+from .dimchoice import DimChoice, choose_verify_dims
 from .inputs import check_dims, effective_dims
 from .modelio import InputError, LoadedModel, check_model, parse_model
 from .modelsave import save_model
@@ -107,7 +108,8 @@ def optimize(
         fields (verify_outputs is `verify`, options is `pass_options`).
     passes: pass names to run (default: the default pipeline for the target).
     verify_outputs: run original and optimized in onnxruntime on seeded random inputs
-        (symbolic dims from `dims`, default 1) and raise VerificationError on a mismatch.
+        (symbolic dims from `dims`; unset ones at values chosen to exercise the model, see
+        dimchoice.py, named in summary["dims_chosen"]) and raise VerificationError on a mismatch.
     count_kernels: put kernels per inference before/after (onnxruntime profiler, CPU,
         ORT_ENABLE_ALL) into the summary.
     tune: --target cuda: choose each Conv layer's tile by timing the candidates on this
@@ -139,12 +141,14 @@ def optimize(
     stage(f"loading {label or (model if isinstance(model, str) else 'the model')}")
     loaded = normalize(_as_loaded(model, label))
     check_dims(dict(dims or {}), [loaded.model])
-    merged_dims = effective_dims([loaded.model], {**loaded.dims, **dict(dims or {})})
+    given_dims = {**loaded.dims, **dict(dims or {})}
+    merged_dims = effective_dims([loaded.model], given_dims)
     original = loaded.model
     t_loaded = time.perf_counter()
 
     # Passes whose rule depends on a size read symbolic dims as the caller declared them
-    # (--dim; a zoo model's defaults), 1 otherwise, as verification does.
+    # (--dim; a zoo model's defaults), 1 otherwise: a size verification picks to exercise the
+    # model (dimchoice.py) says nothing about the size it will run at.
     try:
         pass_options = PassOptions.from_mapping({"dims": dict(merged_dims), **dict(options or {}),
                                                  **({"tune": True} if tune else {})})
@@ -171,32 +175,48 @@ def optimize(
             verify_provider = "cuda"
         else:
             kernel_note = "no usable GPU here: kernels counted and outputs checked on the CPU provider"
+    choice = None
+    too_large = _too_large_to_count(original, optimized) if count_kernels and not verify_outputs else None
     if verify_outputs:
         mode, why = choose_mode(original, optimized, verify_mode)
+    if (verify_outputs and mode == "whole") or (count_kernels and not verify_outputs and not too_large):
+        stage("choosing the symbolic dims to run at")
+        choice = choose_verify_dims(original, given_dims, seed, threads)
+    elif verify_outputs:  # regions: each region's shapes at the dims as declared, 1 where unset
+        choice = DimChoice([merged_dims], {n: "given" if n in given_dims else "1 (region-level verification)"
+                                           for n in merged_dims})
+    run_dims = choice.dims if choice else merged_dims
+    if verify_outputs:
         stage("verifying against the original in onnxruntime" if mode == "whole"
               else "verifying each fused node against its fallback body")
         verification = verify(
-            original, optimized, merged_dims, seed, provider=verify_provider, threads=threads,
+            original, optimized, run_dims, seed, provider=verify_provider, threads=threads,
             fallback=fallback_check, original_label=loaded.label, mode=mode,
         )
+        for other in choice.settings[1:] if verification.ok else []:
+            stage(f"verifying at {', '.join(f'{k}={v}' for k, v in other.items())}")
+            verification.more.append(verify(
+                original, optimized, other, seed, provider=verify_provider, threads=threads,
+                fallback=fallback_check, original_label=loaded.label, mode=mode))
         if mode == "regions":
             kernel_note = kernel_note or "kernels not counted (region-level verification: the whole model was not run)"
         verification.mode_reason = why
         if verify_provider == "cpu":
             kernels_before = verification.original_profile
             kernels_after = verification.optimized_profile
-    too_large = _too_large_to_count(original, optimized) if count_kernels and verification is None else None
     if too_large:
         kernel_note = too_large
     elif count_kernels and kernels_before is None and (verification is None or verification.mode == "whole") and (
             verification is None or verification.ok):
         stage("counting kernels")
         kernels_before, kernels_after, note = _count_before_after(
-            original, optimized, loaded.label, merged_dims, seed, threads)
+            original, optimized, loaded.label, run_dims, seed, threads)
         kernel_note = note or kernel_note
     t_verified = time.perf_counter()
 
     notes = list(loaded.notes)
+    if choice and choice.note:
+        notes.append(choice.note)
     if ctx.tune_unavailable:
         notes.append(f"--tune: heuristic tiles used ({ctx.tune_unavailable})")
     summary = {
@@ -219,7 +239,8 @@ def optimize(
         "kernels_by_op_after": kernels_after.by_op_type if kernels_after else None,
         "library_loaded": kernels_after.library_loaded if kernels_after else None,
         "kernel_note": kernel_note,
-        "dims": merged_dims,
+        "dims": run_dims,
+        "dims_chosen": choice.as_dict() if choice else None,
         "verification": verification.as_dict() if verification else None,
         "notes": notes,
         "seconds": {

@@ -184,7 +184,8 @@ def _parse_passes(ctx, param, value):
 
 dim_option = click.option(
     "--dim", "dims", multiple=True, callback=_parse_dims, metavar="NAME=VALUE",
-    help="Value of a symbolic input dimension (repeatable); unnamed ones default to 1.",
+    help="Value of a symbolic input dimension (repeatable). optimize verifies unset ones at values chosen to"
+         " exercise the model (the summary names them); profile runs them at 1.",
 )
 threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
                               help="onnxruntime intra-op threads (default: onnxruntime's choice).")

@@ -54,6 +54,19 @@ def dims_text(dims: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in dims.items()) or "all static"
 
 
+def dims_chosen_text(chosen: dict | None) -> str | None:
+    """How the symbolic dims not set by --dim got their values, and the settings verified at;
+    None when the caller set them all."""
+    if not chosen or all(h == "given" for h in chosen["how"].values()):
+        return None
+    first = chosen["settings"][0]
+    parts = [f"{k}={first[k]}" + ("" if h in ("given", "chosen") else f" ({h})") for k, h in chosen["how"].items()]
+    text = f"{', '.join(parts)} (where not set by --dim: chosen to exercise the model)"
+    if len(chosen["settings"]) > 1:
+        text += "; also verified at " + "; ".join(dims_text(d) for d in chosen["settings"][1:])
+    return text
+
+
 class StageProgress:
     """A spinner on stderr naming the stage under way (loading, a pass, verifying, saving),
     shown only on a terminal and only once a stage has run for PROGRESS_DELAY_S: short runs,
@@ -228,6 +241,9 @@ def optimize_text(s: dict) -> str:
                      f" (onnxruntime CPU, ORT_ENABLE_ALL{lib})")
     if s.get("kernel_note"):
         lines.append(f"  note       {s['kernel_note']}")
+    chosen = dims_chosen_text(s.get("dims_chosen"))
+    if chosen:
+        lines.append(f"  dims       {chosen}")
     v = s.get("verification")
     if v is None:
         lines.append("  verified   no (--no-verify)")

@@ -1,7 +1,8 @@
 """Checking an optimized model against its original in onnxruntime on seeded random inputs.
 
 Both models run on the same inputs (inputs.py: drawn from a seeded generator with the declared
-shapes, symbolic dimensions from `dims`, default 1); every output is compared with a tolerance
+shapes, symbolic dimensions from `dims`: the caller's, with dimchoice.py's values for the ones
+the caller left unset); every output is compared with a tolerance
 that depends on its element type (compare.py). The optimized model runs with our custom-op
 library when it holds fused ops, and once more without it, so the fallback functions are
 checked too. A model too large to run whole is checked region by region instead
@@ -94,6 +95,9 @@ class Verification:
     # NaN and infinity positions must match; None when no input is a float tensor.
     special: RunCheck | None = None
     special_positions: int = 0
+    # The same verification at further settings of the symbolic dims (dimchoice.py: a second
+    # setting where a run is cheap); kernels are counted at `dims` alone.
+    more: list["Verification"] = field(default_factory=list)
 
     def _all_runs(self) -> list[RunCheck]:
         return self.runs + (self.input_dependence.runs if self.input_dependence else [])
@@ -101,11 +105,12 @@ class Verification:
     @property
     def ok(self) -> bool:
         return (all(r.ok for r in self._all_runs()) and all(r.ok for r in self.regions)
-                and (self.special is None or self.special.ok))
+                and (self.special is None or self.special.ok) and all(m.ok for m in self.more))
 
     @property
     def outputs(self) -> list[OutputCheck]:
-        return [o for r in self._all_runs() for o in r.outputs] + [o for r in self.regions for o in r.outputs]
+        return ([o for r in self._all_runs() for o in r.outputs] + [o for r in self.regions for o in r.outputs]
+                + [o for m in self.more for o in m.outputs])
 
     @property
     def max_abs(self) -> float:
@@ -136,6 +141,10 @@ class Verification:
             for o in g.outputs:
                 if not o.ok:
                     return f"{what} '{g.node}' ({g.op_type}), output '{o.name}' against {against}: {o.problem}"
+        for m in self.more:
+            problem = m.first_problem()
+            if problem:
+                return f"at dims {', '.join(f'{k}={v}' for k, v in m.dims.items())}: {problem}"
         return None
 
     def as_dict(self) -> dict:
@@ -146,6 +155,7 @@ class Verification:
             "input_dependence": self.input_dependence.as_dict() if self.input_dependence else None,
             "special_values": None if self.special is None else {
                 "positions": self.special_positions, **self.special.as_dict()},
+            **({"more_settings": [m.as_dict() for m in self.more]} if self.more else {}),
         }
 
 

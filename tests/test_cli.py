@@ -64,7 +64,11 @@ def test_json_summary_and_report_file(chain_path, tmp_path, cli):
     summary = json.loads(result.stdout)
     assert summary["nodes_before"] == 3 and summary["kernels_before"] == 3
     assert summary["output"] == str(out) and summary["verification"]["ok"] is True
-    assert summary["verification"]["seed"] == 11 and summary["dims"] == {"batch": 1}
+    # batch is unset: verified at a value above 1 (dimchoice.py), and at a second one (a cheap model)
+    assert summary["verification"]["seed"] == 11 and summary["dims"] == {"batch": 2}
+    assert summary["dims_chosen"]["how"] == {"batch": "chosen"}
+    assert summary["dims_chosen"]["settings"] == [{"batch": 2}, {"batch": 3}]
+    assert [m["dims"] for m in summary["verification"]["more_settings"]] == [{"batch": 3}]
     saved = json.loads(report.read_text())
     assert saved["summary"] == summary
     expected_passes = [p.name for p in pipeline.select_passes(None, "cpu")]

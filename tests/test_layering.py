@@ -24,7 +24,8 @@ LAYERS = [
      "onnxfuse.modelsave", "onnxfuse.modelfields", "onnxfuse.errors", "onnxfuse.weights", "onnxfuse.outfiles",
      "onnxfuse.records", "onnxfuse.protowire",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort
-    {"onnxfuse.inputs", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify", "onnxfuse.profile",
+    {"onnxfuse.inputs", "onnxfuse.dimchoice", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify",
+     "onnxfuse.profile",
      "onnxfuse.zoo"},
     {"onnxfuse.api", "onnxfuse.cli", "onnxfuse.display"},
 ]
