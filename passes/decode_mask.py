@@ -440,9 +440,9 @@ def _flat_gather(graph: gs.Graph, shapes: facts.ShapeTable, known: dict) -> int:
             if shapes.rank(data) != 2 or int(gu.attr(flat, "axis", 1)) != 2:  # [R * T, 1]
                 continue
         elif gu.is_op(flat, "Reshape"):
-            target = gu.constant_ints(flat.inputs[1])
+            flat_shape = gu.constant_ints(flat.inputs[1])
             data = flat.inputs[0]
-            if target not in ([-1, 1], [-1]) or shapes.rank(data) != 2:
+            if flat_shape not in ([-1, 1], [-1]) or shapes.rank(data) != 2:
                 continue
         else:
             continue
