@@ -104,7 +104,15 @@ def _chains(k: int, length: int = 10) -> onnx.ModelProto:
 @pytest.mark.slow
 def test_pass_time_grows_about_linearly_with_nodes():
     """Before: 4.3 s at 6,250 nodes, 184 s at 25,000 (a map of regions copied per attempt, the
-    graph outputs scanned per node). CPU time, so that other jobs on the machine count less."""
+    graph outputs scanned per node), then 14.8x from 2,500 to 25,000 nodes (the set of graph
+    outputs copied per match, shape inference in passes with nothing to match). CPU time, so that
+    other jobs on the machine count less.
+
+    The bound: measured 11-12x on a shared 2-core machine at load 8-9 (bench/results/realsize.md),
+    where every pass's per-node time grows about 1.2x from the working set alone (a linear walk
+    of the graph calling constant_value: 1.25x slower per node at 25,000 nodes than at 2,500).
+    13x leaves room for that noise and fails for any pass that turns quadratic again; the
+    issue's 10x is not reached yet."""
     from onnxfuse.api import optimize
 
     def cpu_seconds(k):
@@ -115,7 +123,7 @@ def test_pass_time_grows_about_linearly_with_nodes():
 
     cpu_seconds(25)  # imports, first sessions
     small, large = cpu_seconds(250), cpu_seconds(2500)
-    assert large <= 16 * small, (small, large)
+    assert large <= 13 * small, (small, large)
 
 
 def test_matching_reads_the_callers_set_of_graph_outputs_without_copying(monkeypatch):
@@ -138,6 +146,21 @@ def test_matching_reads_the_callers_set_of_graph_outputs_without_copying(monkeyp
     relu = gs.Node("Relu", inputs=[x], outputs=[y])
     assert rules.match(rules.op.Relu(rules.Var("a")), relu, outs) is not None
     assert seen and all(s is outs for s in seen)
+
+
+def test_squeeze_excite_infers_shapes_only_for_a_block_it_matched(monkeypatch):
+    """Before: any graph with a Mul paid shape inference over the whole graph (2.5 s of pointwise
+    chains of 25,000 nodes) before its first block was matched."""
+    from onnxfuse.graph import facts
+    from onnxfuse.normalize import normalize
+    from onnxfuse.pipeline import Context, import_graph, select_passes
+
+    ctx = Context()
+    graph, _, _ = import_graph(normalize(modelio.LoadedModel(_chains(3), "m")).model, ctx)
+    (p,) = select_passes(["squeeze-excite"], "cpu")
+    made = []
+    monkeypatch.setattr(facts, "ShapeTable", lambda *a, **k: made.append(1))
+    assert p.run(graph, ctx) == 0 and not made
 
 
 @pytest.mark.parametrize("name", ["batch-sibling-matmul", "batch-ensemble", "batch-shared-weight-matmul",
