@@ -59,14 +59,6 @@ MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulInteger", "At
 
 
 def _worker(tool: str, src: str, out: str, name: str) -> dict:
-    _, _, model_type, heads, hidden = MODELS[name]
-    if tool == "ort_transformers":
-        from onnxruntime.transformers.optimizer import optimize_model
-
-        t0 = time.perf_counter()
-        m = optimize_model(src, model_type=model_type, num_heads=heads, hidden_size=hidden, use_gpu=False)
-        m.save_model_to_file(out, use_external_data_format=os.path.exists(src + ".data"))
-        return {"seconds": time.perf_counter() - t0}
     if tool == "onnxscript":
         import onnx_ir as ir
         from onnxscript import optimizer
@@ -84,8 +76,20 @@ def _worker(tool: str, src: str, out: str, name: str) -> dict:
     raise ValueError(f"unknown tool {tool}")
 
 
-def _child(cmd: list[str], timeout: float) -> tuple[int, str, float, float]:
-    """(exit status, stdout, wall seconds, peak resident GiB) of a child process."""
+# onnxruntime.transformers' optimizer imports torch: it runs in the Python that has it.
+ORT_TRANSFORMERS = """
+import json, os, sys, time
+from onnxruntime.transformers.optimizer import optimize_model
+src, out, model_type, heads, hidden = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+t0 = time.perf_counter()
+m = optimize_model(src, model_type=model_type, num_heads=heads, hidden_size=hidden, use_gpu=False)
+m.save_model_to_file(out, use_external_data_format=os.path.exists(src + ".data"))
+print(sys.argv[6] + json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
+"""
+
+
+def _child(cmd: list[str], timeout: float) -> tuple[int, str, float, float, float]:
+    """(exit status, stdout, wall seconds, peak resident GiB, CPU seconds) of a child process."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=str(harness.ROOT))
@@ -102,17 +106,22 @@ def _child(cmd: list[str], timeout: float) -> tuple[int, str, float, float]:
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         text = out.read()
-    return proc.returncode, text, time.perf_counter() - t0, usage.ru_maxrss / (1 << 20)
+    return proc.returncode, text, time.perf_counter() - t0, usage.ru_maxrss / (1 << 20), usage.ru_utime + usage.ru_stime
 
 
-def optimize(tool: str, src: Path, out: Path, name: str, timeout: float) -> dict:
-    if tool == "onnxfuse":
+def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_python: str) -> dict:
+    if tool == "ort_transformers":
+        _, _, model_type, heads, hidden = MODELS[name]
+        cmd = [torch_python, "-c", ORT_TRANSFORMERS, str(src), str(out), model_type, str(heads), str(hidden),
+               RESULT_MARK]
+    elif tool == "onnxfuse":
         report = out.with_suffix(".report.json")
         cmd = [sys.executable, "-m", "onnxfuse", "optimize", str(src), str(out), "--report", str(report)]
     else:
         cmd = [sys.executable, "-m", "bench.realsize", "--worker", json.dumps([tool, str(src), str(out), name])]
-    status, text, wall, peak = _child(cmd, timeout)
-    result = {"status": "ok" if status == 0 else "failed", "wall_s": round(wall, 2), "peak_gib": round(peak, 2)}
+    status, text, wall, peak, cpu = _child(cmd, timeout)
+    result = {"status": "ok" if status == 0 else "failed", "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+              "peak_gib": round(peak, 2)}
     if status != 0:
         result["error"] = " ".join(text.strip().splitlines()[-1:])[:300]
         return result
@@ -147,7 +156,7 @@ def measure(name: str, src: Path, workdir: Path, args) -> dict:
     for tool in args.tools:
         out = workdir / f"{name}.{tool}.onnx"
         harness.log(f"{name}: optimizing with {tool}")
-        info = optimize(tool, src, out, name, args.tool_timeout)
+        info = optimize(tool, src, out, name, args.tool_timeout, args.torch_python)
         info["path"] = str(out)
         entry["variants"][tool] = info
         harness.log(f"  {tool}: {info['status']} {info.get('optimize_s')} s, peak {info['peak_gib']} GiB "
@@ -197,9 +206,9 @@ def render(entries: list[dict], stamp: harness.RunStamp, torch_versions: str) ->
     lines += [f"Exports: {torch_versions}; random weights at the published configurations (bench/realsize_models.py).",
               "The machine was shared with other engineers' jobs while this ran: latency figures are interleaved "
               "ratios (per-round model / onnxruntime alone, median; below 1 is faster), optimize times are wall "
-              "seconds of a child process and grow with the load.", ""]
+              "seconds of a child process and grow with the load (its CPU seconds, user + system, much less).", ""]
     head = ["model", "file MiB", "nodes", "matmul share", "variant", "kernels", "ratio 1 thread", "ratio 2 threads",
-            "optimize s", "peak GiB"]
+            "optimize s", "optimize CPU s", "peak GiB"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         first = True
@@ -208,11 +217,12 @@ def render(entries: list[dict], stamp: harness.RunStamp, torch_versions: str) ->
                     f"{e.get('matmul_share', 0) * 100:.0f}%"] if first else ["", "", "", ""]
             first = False
             if info["status"] != "ok":
-                lines.append("| " + " | ".join(lead + [v, "failed: " + info.get("error", "")[:120], "", "", "", ""]) + " |")
+                lines.append("| " + " | ".join(lead + [v, "failed: " + info.get("error", "")[:120], "", "", "", "", ""]) + " |")
                 continue
             fmt = lambda x, f="{:.3f}": f.format(x) if isinstance(x, (int, float)) else "-"  # noqa: E731
             lines.append("| " + " | ".join(lead + [v, str(info.get("kernels", "-")), fmt(info.get("ratio_1t")),
                                                    fmt(info.get("ratio_2t")), fmt(info.get("optimize_s"), "{:.1f}"),
+                                                   fmt(info.get("cpu_s"), "{:.1f}"),
                                                    fmt(info.get("peak_gib"), "{:.2f}")]) + " |")
     lines += ["", "onnxfuse's optimize time is `onnxfuse optimize` as a user runs it (load, passes, verification "
               "against onnxruntime at the dims it picks, save); kernels are per inference at the dims above."]
