@@ -134,6 +134,9 @@ def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_p
     elif tool == "onnxfuse":
         report = out.with_suffix(".report.json")
         cmd = [sys.executable, "-m", "onnxfuse", "optimize", str(src), str(out), "--report", str(report)]
+        dims = MODELS[name][1]
+        if "past_sequence" in dims:  # a decode step: its cache and mask lengths must agree (1 and 1 do not)
+            cmd += [f"--dim={k}={v}" for k, v in dims.items()]
     else:
         cmd = [sys.executable, "-m", "bench.realsize", "--worker", json.dumps([tool, str(src), str(out), name])]
     status, text, wall, peak, cpu = _child(cmd, timeout)
