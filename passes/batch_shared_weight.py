@@ -80,6 +80,8 @@ def _independent(members: list[tuple[gs.Tensor, Linear]]) -> list[tuple[gs.Tenso
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+        return 0  # nothing to batch: no shape inference paid
     refresh_shapes(graph)
     made = 0
     for key, members in _members(graph).items():

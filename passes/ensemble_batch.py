@@ -238,6 +238,8 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
 
 
 def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+        return 0  # nothing to batch: no shape inference paid
     refresh_shapes(graph)
     rewrites = 0
     for x in list(graph.tensors().values()):

@@ -188,6 +188,8 @@ def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "Conv") for n in graph.nodes):
+        return 0  # no Conv to fold into: the names in use are not collected
     folds = 0
     # Names in use are collected once and kept current (collecting them for every new tensor
     # was most of the pass's time on densenet121: 877 walks over the whole graph).

@@ -54,6 +54,8 @@ def _member(graph: gs.Graph, node: gs.Node) -> tuple[gs.Tensor, int, int] | None
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "Gather") for n in graph.nodes):
+        return 0  # no Gather: no shape inference paid
     refresh_shapes(graph)
     groups: dict[tuple[int, int], list[tuple[gs.Node, int]]] = defaultdict(list)
     sources: dict[tuple[int, int], gs.Tensor] = {}

@@ -55,6 +55,8 @@ def _gather_member(graph: gs.Graph, mm: gs.Node):
 
 
 def hoist_matmul_over_gather(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "Gather") for n in graph.nodes):
+        return 0  # no MatMul over a Gather: no shape inference paid
     refresh_shapes(graph)
     groups: dict[tuple, list] = {}
     for node in list(graph.nodes):

@@ -161,6 +161,8 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
 
 
 def batch_sibling_matmul(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+        return 0  # nothing to batch: no shape inference paid
     refresh_shapes(graph)
     rewrites = 0
     changed = True

@@ -64,6 +64,8 @@ def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
 def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
     if ctx.options.pointwise_fusion_runs():
         return 0
+    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+        return 0
     refresh_shapes(graph)
     rewrites = 0
     for root in list(graph.nodes):

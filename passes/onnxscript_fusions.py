@@ -39,13 +39,12 @@ after it on what it leaves.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph.onnxscript_matching import linear_matching
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.target import CPU, Target
 
@@ -361,124 +360,114 @@ def _groups(target: Target = CPU):
     return groups if target.measured else [g for g in groups if g[0] in CUDA_GROUPS]
 
 
-class _Readers:
-    """What onnxscript's multi-output matcher iterates instead of the whole graph: the nodes
-    that read one value, in graph order; `graph` is the graph itself."""
-
-    def __init__(self, graph, nodes):
-        self.graph = graph
-        self._nodes = nodes
-
-    def __iter__(self):
-        return iter(self._nodes)
+class _PreparedRejected(Exception):
+    """The prepared graph runs more kernels than the stage's input: the groups start over from
+    the input."""
 
 
-def _shared_input_matcher(base):
-    """A subclass of onnxscript's SimplePatternMatcher for patterns whose output nodes all read
-    one pattern input first (SlicesSplit: Slice(x, ..), Slice(x, ..)). onnxscript matches such a
-    pattern at each candidate node by listing every node of the graph, and pairing the candidate
-    with each node of the other output's op type: nodes x candidates, quadratic in the graph.
-    A match has every output node reading the candidate's first input, so the nodes listed are
-    that value's readers, in graph order: the same matches, found in the same order."""
-
-    class SharedInputMatcher(base):
-        # Positions of the graph's nodes, kept while they hold for the nodes asked about:
-        # inserting or removing nodes leaves the order of the others as it was.
-        _order: tuple = (None, {})
-
-        def match(self, model, graph_or_function, node, **kwargs):
-            x = node.inputs[0] if node.inputs else None
-            if x is None:
-                return super().match(model, graph_or_function, node, **kwargs)
-            graph = graph_or_function if isinstance(graph_or_function, _ir().Graph) else graph_or_function.graph
-            readers = list(dict.fromkeys(use.node for use in x.uses() if use.node.graph is graph))
-            if len(readers) > 2:  # which of them comes first decides the match: graph order
-                owner, rank = self._order
-                if owner is not graph_or_function or any(n not in rank for n in readers):
-                    rank = {n: i for i, n in enumerate(graph_or_function)}
-                    self._order = (graph_or_function, rank)
-                readers.sort(key=rank.__getitem__)
-            return super().match(model, _Readers(graph, readers), node, **kwargs)
-
-    return SharedInputMatcher
+_NO_MATCH = object()
 
 
-def _ir():
+def _attempt(variant, start: onnx.ModelProto):
+    """A group variant on a fresh copy of `start`: (its model, rewrites), _NO_MATCH when it
+    rewrote nothing, None when it failed or lost a weight held by reference."""
     import onnx_ir as ir
 
-    return ir
+    from onnxfuse.weights import all_tensors, region_of
 
-
-@contextmanager
-def _linear_matching():
-    """onnxscript's default rewrite rules (its optimizer's) with _shared_input_matcher for the
-    multi-output patterns it applies to, while the stage runs; restored after."""
-    swapped = []
     try:
-        from onnxscript import rewriter
-        from onnxscript.rewriter import _matcher
+        # A fresh copy: onnx_ir wraps the proto's tensors, and its passes can edit them.
+        m = ir.from_proto(onnx.ModelProto.FromString(start.SerializeToString()))
+        done = variant(m)
+        if not done:
+            return _NO_MATCH
+        out = ir.to_proto(m)
+        if any(t.data_location == onnx.TensorProto.EXTERNAL and region_of(t) is None for t in all_tensors(out)):
+            return None  # a weight held by reference that lost its file: not taken
+    except Exception:  # noqa: BLE001 - a rule failing on an unusual graph leaves it as it was
+        return None
+    out.ir_version = min(out.ir_version, start.ir_version)
+    return out, done
 
-        for rule in getattr(rewriter, "_DEFAULT_REWRITE_RULES", ()):
-            pattern, matcher = getattr(rule, "_target_pattern", None), getattr(rule, "_matcher", None)
-            if pattern is None or type(matcher) is not _matcher.SimplePatternMatcher or pattern.has_single_output_node:
+
+def _run_groups(start: onnx.ModelProto, groups, nodes_of, settle=None):
+    """(best model, rewrites, names of the groups kept) of `groups` run in turn from `start`,
+    or None when onnxruntime cannot load `start`. A variant that fails is followed by the
+    next; a group is kept when onnxruntime executes fewer nodes for its result than for the
+    model before it. settle() is called before the first result is counted."""
+    best, total, kept = start, 0, []
+    for name, variants in groups:
+        for variant in variants:
+            result = _attempt(variant, best)
+            if result is None:
                 continue
-            firsts = [n.inputs[0] if n.inputs else None for n in pattern.output_nodes]
-            if firsts[0] is None or any(f is not firsts[0] for f in firsts):
+            if result is _NO_MATCH:
+                break
+            if settle is not None:
+                settle()
+                settle = None
+            best_nodes = nodes_of(best)
+            if best_nodes is None:
+                return None
+            out, done = result
+            nodes = nodes_of(out)
+            if nodes is None:
                 continue
-            swapped.append((rule, matcher))
-            rule._matcher = _shared_input_matcher(_matcher.SimplePatternMatcher)(pattern)
-    except (ImportError, AttributeError):  # another onnxscript: its own matching
-        pass
-    try:
-        yield
-    finally:
-        for rule, matcher in swapped:
-            rule._matcher = matcher
+            if nodes < best_nodes:
+                kept.append(name)
+                best, total = out, total + done
+            break
+    return best, total, kept
 
 
 def _ort_fused(model: onnx.ModelProto, executed_graph,
                target: Target = CPU) -> tuple[onnx.ModelProto, int, list[str]] | None:
     """(the model through onnxscript's groups of fusions, rewrites kept, names of the groups
-    kept), or None when onnxscript is missing. A group is kept when onnxruntime loads its result
-    and executes fewer nodes for it than for the model before it (the prepare group: no more);
-    a group that fails or does not pay is undone, and the next starts from the model before it."""
-    import onnx_ir as ir
-
-    from onnxfuse.weights import all_tensors, region_of
-
+    kept), or None when onnxscript is missing or onnxruntime cannot load the model. The groups
+    run on the prepared graph (the prepare group); a group is kept when onnxruntime loads its
+    result and executes fewer nodes for it than for the model before it; a group that fails or
+    does not pay is undone, and the next starts from the model before it. onnxruntime is asked
+    only once some group rewrites: about the stage's input, the prepared graph and each result.
+    The prepared graph stands when it executes no more nodes than the input; otherwise the
+    groups start over from the input. (When no group rewrites the prepared graph, the stage
+    leaves the graph as it was without asking onnxruntime.)"""
     groups = _groups(target)
     if groups is None:
         return None
-    best = model
-    best_nodes = _executed_nodes(model, executed_graph)
-    if best_nodes is None:
+    counts: dict[int, tuple[onnx.ModelProto, int | None]] = {}
+
+    def nodes_of(m: onnx.ModelProto) -> int | None:
+        if id(m) not in counts:
+            counts[id(m)] = (m, _executed_nodes(m, executed_graph))
+        return counts[id(m)][1]
+
+    prepare = [variants for name, variants in groups if name == "prepare"]
+    rest = [g for g in groups if g[0] != "prepare"]
+    prepared = None
+    for variant in prepare[0] if prepare else ():
+        result = _attempt(variant, model)
+        if result is None:
+            continue
+        if result is not _NO_MATCH:
+            prepared, prepared_done = result
+        break
+    if prepared is None:
+        return _run_groups(model, rest, nodes_of)
+
+    def settle():
+        base = nodes_of(model)
+        nodes = nodes_of(prepared) if base is not None else None
+        if nodes is None or nodes > base:
+            raise _PreparedRejected
+
+    try:
+        fused = _run_groups(prepared, rest, nodes_of, settle)
+    except _PreparedRejected:
+        return _run_groups(model, rest, nodes_of)
+    if fused is None:
         return None
-    kept, total = [], 0
-    for name, variants in groups:
-        for variant in variants:
-            try:
-                # A fresh copy: onnx_ir wraps the proto's tensors, and its passes can edit them.
-                m = ir.from_proto(onnx.ModelProto.FromString(best.SerializeToString()))
-                done = variant(m)
-                if not done:
-                    break
-                out = ir.to_proto(m)
-                if any(t.data_location == onnx.TensorProto.EXTERNAL and region_of(t) is None
-                       for t in all_tensors(out)):
-                    continue  # a weight held by reference that lost its file: not taken
-            except Exception:  # noqa: BLE001 - a rule failing on an unusual graph leaves it as it was
-                continue
-            out.ir_version = min(out.ir_version, model.ir_version)
-            nodes = _executed_nodes(out, executed_graph)
-            if nodes is None:
-                continue
-            if nodes < best_nodes or (name == "prepare" and nodes == best_nodes):
-                if nodes < best_nodes:
-                    kept.append(name)
-                best, best_nodes = out, nodes
-                total += done
-            break
-    return best, total, kept
+    best, total, kept = fused  # kept: settle() found the input and the prepared graph loaded
+    return (best, total + prepared_done, kept) if kept else (model, 0, [])
 
 
 def _replace(graph: gs.Graph, model: onnx.ModelProto) -> None:
@@ -544,7 +533,7 @@ def onnxscript_fusions(graph: gs.Graph, ctx: Context) -> int:
         # External data files: onnx_ir writes some of their tensors back without a location
         # (tests/test_large_models.py); left to the passes after, as before.
         return 0
-    with _linear_matching():
+    with linear_matching():
         fused = _ort_fused(before, ctx.executed_graph, ctx.target)
     if fused is None:
         return 0

@@ -261,3 +261,81 @@ def test_on_cuda_an_optimized_model_with_stored_kernels_skips_the_stage():
     assert onnxscript_fusions.onnxscript_fusions(graph, ctx) == 0 and not asked
     del graph.nodes[0].attrs["cuda_cubin"]  # the same graph before cuda-compile: the stage runs
     assert onnxscript_fusions.onnxscript_fusions(graph, ctx) > 0 and asked
+
+
+def _mlp_with_layernorm():
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    s = numpy_helper.from_array(np.ones(8, np.float32), "s")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("LayerNormalization", ["r", "s"], ["y"], axis=-1)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])], [w, s])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def test_stage_asks_onnxruntime_nothing_when_no_group_rewrites():
+    """Before: the input and the prepared graph were each loaded in an onnxruntime session
+    (GPT-2 small: about a second each, every round) before any group had rewritten anything."""
+    from onnxfuse.pipeline import Context, run_passes, select_passes
+
+    asked = []
+    ctx = Context(target="cpu", executed_graph=lambda model: asked.append(model) or model)
+    _, stats = run_passes(_mlp_with_layernorm(), select_passes(["onnxscript-fusions"], "cpu"), ctx)
+    assert stats[0].matches == 0 and not asked
+
+
+def test_a_kept_group_is_counted_against_the_input_and_the_prepared_graph(torchscript=False):
+    from onnxfuse.pipeline import Context, run_passes, select_passes
+    from onnxfuse.runtime import executed_graph
+
+    asked = []
+
+    def counting(model):
+        asked.append(len(model.graph.node))
+        return executed_graph(model)
+
+    ctx = Context(target="cpu", executed_graph=counting)
+    out, stats = run_passes(encoder_block(mask=True), select_passes(["onnxscript-fusions"], "cpu"), ctx)
+    assert contrib_ops(out) and stats[0].matches
+    # round 1: the input, the prepared graph, each group that rewrote; round 2: nothing rewrote
+    assert 3 <= len(asked) <= 2 + len(onnxscript_fusions._groups()), asked
+
+
+def test_onnxscript_rules_are_asked_only_at_nodes_of_their_root_op():
+    """Before: onnxscript asked every rule at every node (GPT-2 small: 400,000 asks in the stage,
+    most of its time); the answer at a node of another op type is known without the matcher."""
+    import onnx_ir as ir
+    from onnxscript.rewriter import _matcher, pattern
+
+    from onnxfuse.graph.onnxscript_matching import linear_matching
+
+    def add_zero(op, x):
+        return op.Add(x, op.Constant(value_float=0.0))
+
+    rule = pattern.RewriteRule(add_zero, lambda op, x: op.Identity(x))
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"]) for i in range(50)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("t50", TensorProto.FLOAT, [4])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    calls = []
+    original = _matcher.SimplePatternMatcher.match
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return original(self, *a, **k)
+
+    _matcher.SimplePatternMatcher.match = counted
+    try:
+        assert pattern.RewriteRuleSet([rule]).apply_to_model(ir.from_proto(model)) == 0
+        unfiltered = len(calls)
+        calls.clear()
+        with linear_matching():
+            assert pattern.RewriteRuleSet([rule]).apply_to_model(ir.from_proto(model)) == 0
+    finally:
+        _matcher.SimplePatternMatcher.match = original
+    assert unfiltered == 50 and not calls

@@ -234,7 +234,9 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
     that satisfies `condition`; `bind` fixes some names beforehand (a Var to a given tensor)."""
     bound = dict(bind or {})
     nodes: list[gs.Node] = []
-    matcher = _Matcher(set(graph_outputs))
+    # A set the caller holds is read as it is: copying it per match costs the graph's outputs
+    # per candidate (quadratic in a graph whose outputs grow with it).
+    matcher = _Matcher(graph_outputs if isinstance(graph_outputs, (set, frozenset)) else set(graph_outputs))
     for _ in matcher.node(pattern, root, bound, nodes):
         m = Match(list(nodes), dict(bound), root.outputs[0])
         if private and not _private(m, matcher.graph_outputs):
