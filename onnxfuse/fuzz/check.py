@@ -10,7 +10,7 @@ from onnx import TensorProto, numpy_helper
 
 from .cases import build_case
 from .generate import F16, F64
-from .variants import float16_in_float32, node_by_node
+from .variants import casts_double_to_half, float16_in_float32, node_by_node
 
 
 
@@ -80,7 +80,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
 
     A position is explained when the original itself moves there: run in onnxruntime with its
     graph rewrites, with every value a graph output, with each Relu on its input flattened, as
-    one model-local function (with its graph rewrites), or node by node with each value in its declared type (onnxruntime's other answers for the same
+    one model-local function (with its graph rewrites), or node by node with each value in its declared type
+    (also with each Cast of a double to float16 rounded once, as Cast is defined) (onnxruntime's other answers for the same
     computation), or on inputs
     moved by a few ulps or by rounding noise, or with the operands of its jump operators (Ceil,
     comparisons, Cast...) moved by rounding noise (relative moves: exact zeros, infinities and
@@ -124,6 +125,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
     # them, so a float16 value may reach its consumer unrounded: run node by node, each value
     # rounded to its type as the graph says, it gives the graph's answer (seed 6581).
     runs.append((None, feeds, "disable"))
+    if casts_double_to_half(model):
+        runs.append(("half casts rounded once", feeds, "disable"))
     if without_library:
         # Without our library the optimized model is the original's nodes in model-local
         # functions, and onnxruntime's float16 emulation, inlining them, drops Cast pairs the main
@@ -137,6 +140,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
         try:
             if variant is None:
                 again = node_by_node(model, moved)
+            elif variant == "half casts rounded once":
+                again = node_by_node(model, moved, half_casts_rounded_once=True)
             elif variant == "float32":
                 again = float16_in_float32(model, moved)
                 if again is None:

@@ -1,7 +1,8 @@
 """The eight output differences of the 50,000-case run on unseen seeds (9,000,000-9,049,999,
-bench/results/fuzz.md): each is onnxruntime giving another answer for the same computation, or a
-tie or ill-conditioned position, which the checker did not recognize. Each rule explains its seeds
-and leaves a difference it does not explain a failure."""
+bench/results/fuzz.md), and 9059180 of the run on 9,050,000-9,099,999: each is onnxruntime giving
+another answer for the same computation, or a tie or ill-conditioned position, which the checker
+did not recognize. Each rule explains its seeds and leaves a difference it does not explain a
+failure."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
@@ -20,7 +21,7 @@ def _vi(name, elem, shape):
     return helper.make_tensor_value_info(name, elem, shape)
 
 
-@pytest.mark.parametrize("seed", [9008093, 9018599, 9021200, 9033095, 9007059, 9013880, 9016634, 9035544])
+@pytest.mark.parametrize("seed", [9008093, 9018599, 9021200, 9033095, 9007059, 9013880, 9016634, 9035544, 9059180])
 def test_the_unseen_seeds_are_explained(seed):
     outcome = fuzz.run_case(seed)
     assert outcome.status == "tie", outcome.message
@@ -114,3 +115,28 @@ def test_ill_conditioned_value_between_the_originals_own_answers():
     outside = {k: v.copy() for k, v in got.items()}
     outside["v44"].reshape(-1)[541] = ref["v44"].reshape(-1)[541] * np.float32(1.05)
     assert "1 position" in fuzz.unexplained(case.model, case.feeds, ref, outside, case.dtype)
+
+
+def test_a_double_cast_to_float16_rounded_once_is_explained(monkeypatch):
+    """seed 9059180: Cast(double -> float16) of a value within 2^-24 of a float16 midpoint, read
+    back as double by a MatMul with a double output (tolerance 1e-4). onnxruntime rounds through
+    float, twice (1.00048828125 + 2^-30 becomes the midpoint, then 1.0 by ties-to-even); ours
+    rounds once (1.0009765625), as Cast is defined (tests/test_dtypes.py). The original node by
+    node with such Casts rounded once explains it; any other value stays a failure. The float64
+    result would explain it here too; in the seed it does not (the reference evaluator's double
+    Sigmoid and Tanh before the Cast land elsewhere), so it is left out."""
+    from onnxfuse.fuzz import check
+
+    monkeypatch.setattr(check, "_float64_outputs", lambda model, feeds: None)
+    f64 = TensorProto.DOUBLE
+    model = _model([helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+                    helper.make_node("Cast", ["h"], ["d"], to=f64), helper.make_node("Mul", ["d", "x"], ["y"])],
+                   [_vi("x", f64, [2])], [_vi("y", f64, [2])])
+    x = np.array([1.00048828125 + 2.0 ** -30, 0.3], np.float64)
+    ref = fuzz._run(model, {"x": x}, with_library=False, level="disable")
+    assert ref["y"][0] == x[0]  # rounded to 1.0 through float
+    once = {"y": x.astype(np.float16).astype(np.float64) * x}
+    assert once["y"][0] != ref["y"][0]
+    assert fuzz.unexplained(model, {"x": x}, ref, once, f64) is None
+    other = {"y": once["y"] * np.array([1.0, 1.001])}
+    assert "1 position" in fuzz.unexplained(model, {"x": x}, ref, other, f64)
