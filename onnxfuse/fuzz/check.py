@@ -268,6 +268,12 @@ def jump_variants(model: onnx.ModelProto, dtype: int):
                         factor = f"{name}__jump_factor_{k}_{len(new_nodes)}"
                         moved = f"{name}__jump_moved_{k}_{len(new_nodes)}"
                         step = -sign * scale if apart and k == 1 else sign * scale
+                        if np_type(1 + step) == 1:
+                            # No move in this type (float16 at float32's noise), and a Mul of a
+                            # float16 value is one more node onnxruntime computes in float32, its
+                            # Cast pair dropped: Cast(Cast(x, float16), float) lost its rounding
+                            # (seed 9067949). Left as it is.
+                            continue
                         graph.initializer.append(numpy_helper.from_array(np.array(1 + step, np_type), factor))
                         new_nodes.append(onnx.helper.make_node("Mul", [name, factor], [moved]))
                         n.input[k] = moved
