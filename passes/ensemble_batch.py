@@ -196,7 +196,9 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
             cur = y
             if fused_acts is not None or any(m.bias is not None for m in layer.members):
                 n = w.shape[2]
-                b = np.stack([m.bias if m.bias is not None else np.zeros(n, dtype) for m in layer.members])[:, None, :]
+                # -0 for a member without a bias: x + -0 is x, -0 included (matmul_batch.py)
+                b = np.stack([m.bias if m.bias is not None else np.full(n, -0.0, dtype)
+                              for m in layer.members])[:, None, :]
                 b_t = gu.make_constant(graph, f"{base}_l{i}_bias", b.astype(dtype))
                 y = gs.Variable(f"{base}_l{i}_add", dtype=dtype)
                 nodes.append(gs.Node("Add", name=f"{base}/l{i}/Add", inputs=[cur, b_t], outputs=[y]))

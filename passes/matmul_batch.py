@@ -129,7 +129,10 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
     new_nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cur, w_t], outputs=[y]))
     cur = y
     if any(b.bias is not None for b in blocks):
-        bias = np.concatenate([b.bias if b.bias is not None else np.zeros(b.weight.shape[1], dtype) for b in blocks])
+        # A member without a bias gets -0, not +0: x + -0 is x for every x, where -0 + +0 is +0
+        # (a MatMul's exact -0 divided into a number gave +inf for -inf: fuzz seed 9064573).
+        bias = np.concatenate([b.bias if b.bias is not None else np.full(b.weight.shape[1], -0.0, dtype)
+                               for b in blocks])
         b_t = gu.make_constant(graph, f"{base}_bias", bias.astype(dtype))
         y = gs.Variable(f"{base}_add", dtype=dtype)
         new_nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[cur, b_t], outputs=[y]))

@@ -25,8 +25,10 @@ near 0; Pow with a large exponent). A difference is excused only position by pos
 on inputs moved by a few ulps or by rounding noise, or in another way that computes the same
 (its graph rewrites on; every value a graph output; each Relu on its input flattened, as its
 float16 Relu picks the sign of a zero by shape; node by node, each value rounded to its declared
-type, as its float16 emulation skips such roundings), gives our value, or our value is at least as
-close to the float64 result as onnxruntime's. The moves are relative, so zeros, infinities and NaNs
+type, as its float16 emulation skips such roundings; without our library, a float16 original
+computed in float32 throughout), gives our value, or the operands of a comparison within rounding
+noise of each other move apart, or its runs on moved inputs give finite values on both sides of
+ours, or our value is at least as close to the float64 result as onnxruntime's. The moves are relative, so zeros, infinities and NaNs
 stay what they are: a difference that a special value causes deterministically is a failure.
 Excused cases are counted and listed ("tie-sensitive"); anything else is a failure.
 
