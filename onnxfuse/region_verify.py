@@ -158,6 +158,12 @@ def rewrites(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[Rewr
                if n.domain != DOMAIN and (_node_key(n) not in original_keys or set(n.input) & changed_inits)]
     if not changed:
         return []
+    # A fused node that reads what a rewrite made and the original never had (the Split of
+    # batched gate/up MatMuls taken into the gated activation's Pointwise) joins the rewrite:
+    # the two together compute tensors the original has.
+    original_tensors = {o for n in original.graph.node for o in n.output} | {v.name for v in original.graph.input}
+    new_tensors = {o for n in changed for o in n.output if o and o not in original_tensors}
+    changed += [n for n in optimized.graph.node if n.domain == DOMAIN and set(n.input) & new_tensors]
     # Connected components over the tensors changed nodes write and read.
     parent = list(range(len(changed)))
 
