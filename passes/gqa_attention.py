@@ -26,8 +26,10 @@ fuse-gqa
                score, as the original does). Positions: with no past and no position_ids the
                op rotates token s by cache row s, which is the original's position s when
                S' = S; an S' of 1 (one row for all positions) is expanded to S rows. The
-               NaN-to-zero form gets Where(IsNaN(out), 0, out) after the op: a row whose
-               probabilities were NaN gave 0 in the original.
+               NaN-to-zero form gets Where(IsNaN(out), Z, out) after the op: a row whose
+               probabilities were NaN gave 0 . V in the original, Z (gqa_inputs: 0 where the
+               head's value column is finite at every position, NaN where not); a NaN the op
+               gives with finite probabilities (0 * inf at a masked position) is NaN there too.
     decode:    a decode step's k and v are Concat(past, new) on the sequence axis ([B, Hkv, P, d]
                pasts; the Concats are the model's present outputs), the rotary and head splits
                on the new token. The op takes past_key/past_value and writes the Concats as its
@@ -501,6 +503,9 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
     attention_out = out
     if layer.nan_to_zero:
         attention_out = gs.Variable(gu.unique_name(graph, f"{out.name}_gqa"), dtype=np.float32)
+        if not presents:  # the guard reads the values the op holds: its present outputs
+            presents = [gs.Variable(gu.unique_name(graph, f"{out.name}_present_{kind}"), dtype=np.float32)
+                        for kind in ("key", "value")]
     node = gs.Node("GroupQueryAttention", domain=CONTRIB_DOMAIN, name=gu.unique_name(graph, f"{out.name}_GroupQueryAttention"),
                    inputs=[*qkv, *past, seqlens, total, cos, sin, gs.Variable.empty(), mask],
                    outputs=[attention_out, *presents],
@@ -509,7 +514,7 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
     graph.nodes.append(node)
     if layer.nan_to_zero:
         isnan = gs.Variable(gu.unique_name(graph, f"{out.name}_isnan"), dtype=np.bool_)
-        zero = gu.make_constant(graph, "gqa_nan_zero", np.array(0.0, np.float32))
+        zero = shared.zero_probs_output(layer, presents[1])
         graph.nodes += [
             gs.Node("IsNaN", name=isnan.name, inputs=[attention_out], outputs=[isnan]),
             gs.Node("Where", name=gu.unique_name(graph, f"{out.name}_nan_to_zero"), inputs=[isnan, zero, attention_out],
@@ -525,6 +530,8 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
         t.dtype = np.float32
         if merged and (t.shape is None or layer.nan_to_zero):
             t.shape = list(q_shape)
+        if merged and layer.nan_to_zero:  # the guard's Z: [B, 1, H*d]
+            zero.shape = [q_shape[0], 1, q_shape[2]]
 
 
 def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:

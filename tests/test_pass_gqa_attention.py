@@ -10,7 +10,7 @@ import pytest
 from onnx import helper
 
 from onnxfuse import zoo
-from test_pass_matmul_batch import assert_same, optimize
+from test_pass_matmul_batch import assert_same, optimize, run
 
 EXPORTS = ["llama_ts", "llama_dynamo"]
 # The passes that run before fuse-gqa in the default pipeline and shape what it sees (the
@@ -192,6 +192,42 @@ def test_decode_nan_guard_after_the_op_is_one_pointwise_region():
     assert len(gqa_nodes(out)) == 2
     assert not [n for n in out.graph.node if n.op_type == "IsNaN"]
     assert_same(m, out, decode_feeds_for(4)[:2])
+
+
+def decode_special_feeds(kv_heads: int) -> list:
+    # one sequence attends to its new token only (mask 0, 0, 0, 3: any nonzero value attends),
+    # and a masked past value of one head is infinite or NaN: the original's probability 0 of
+    # that position times it is NaN in that column (the NaN guard is before P.V); a head whose
+    # keys give NaN scores has its probabilities guarded to 0 and gives 0 . V
+    out = []
+    for bad in (-np.inf, np.inf, np.nan):
+        f = decode_feeds(5, 2, 3, kv_heads)
+        f["attention_mask"] = np.array([[2, 1, 1, 0], [0, 0, 0, 3]], np.int64)
+        f["past_value_0"][1, 1, 0, 5] = bad
+        f["past_key_1"][1, 0, 1, 7] = np.nan
+        f["past_value_1"][1, 1, 2, 3] = bad
+        out.append(f)
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2_decode_ts", "llama_decode_dynamo"])
+def test_decode_nan_guard_keeps_nan_from_masked_non_finite_values(name):
+    # the default pipeline (verified with special values at these dims: it failed there before)
+    from onnxfuse.api import optimize as optimize_model
+
+    m = llama(name)
+    out = optimize_model(m, dims={"batch": 2, "past": 3, "total": 4}, threads=1, count_kernels=False).model
+    assert len(gqa_nodes(out)) == 2
+    feeds_list = decode_special_feeds(DECODE[name][0])
+    ref = run(m, feeds_list[0])
+    assert np.isnan(ref[0][1]).all() and not np.isnan(ref[0][0]).any()
+    for feeds in feeds_list:
+        for want, got in zip(run(m, feeds), run(out, feeds)):
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+            ok = np.isfinite(want)
+            np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-5 * max(float(np.abs(want[ok]).max()), 1e-30))
 
 
 def test_decode_op_output_dims_let_gpt2_projections_become_matmuls():

@@ -136,6 +136,32 @@ class GQAInputs:
             self.masks[key] = out
         return self.masks[key]
 
+    def zero_probs_output(self, layer, values: gs.Tensor) -> gs.Tensor:
+        """What the original's attention gives for a row whose probabilities were NaN (its
+        Where(IsNaN(p), 0, p) makes them 0): 0 . V, which is 0 where every value of the head's
+        column j (all T positions) is finite and NaN where one is not (0 * inf, 0 * NaN), as
+        [B, 1, H*d] from the op's present values [B, Hkv, T, d]: ReduceSum over T of V - V
+        (+0 for a finite value, NaN else; no overflow, unlike a sum of V) to [B, Hkv, 1, d], each
+        kv head repeated H/Hkv times as repeat_kv does, the heads merged as the output's
+        [B, 1, H*d] (h * d + j), which broadcasts over the query rows."""
+        g = self.graph
+        n = layer.heads // layer.kv_heads
+        finite, heads = self._var("gqa_values_nonfinite", np.float32), self._var("gqa_values_nonfinite_heads", np.float32)
+        g.nodes += [
+            gs.Node("Sub", name=finite.name, inputs=[values, values], outputs=[finite]),
+            gs.Node("ReduceSum", name=heads.name, inputs=[finite, self._const("gqa_axis2", np.array([2], np.int64))],
+                    outputs=[heads], attrs={"keepdims": 1}),
+        ]
+        if n > 1:  # [B, Hkv, 1, d] -> [B, Hkv, n, d]
+            grouped = self._var("gqa_values_nonfinite_grouped", np.float32)
+            g.nodes.append(gs.Node("Expand", name=grouped.name, inputs=[heads, self._const(f"gqa_repeat_{n}", np.array([1, 1, n, 1], np.int64))],
+                                   outputs=[grouped]))
+            heads = grouped
+        out = self._var("gqa_zero_probs_output", np.float32)
+        g.nodes.append(gs.Node("Reshape", name=out.name, inputs=[heads, self._const("gqa_merge_heads", np.array([0, 1, -1], np.int64))],
+                               outputs=[out]))
+        return out
+
     def caches_for(self, layer, seq: gs.Tensor, past_len: gs.Tensor | None = None):
         key = (id(layer.freqs), layer.seq, layer.rows_proved, id(past_len))
         if key not in self.caches:
