@@ -163,12 +163,14 @@ def _relu_apart_from_clip(body: list[onnx.NodeProto], nodes: Sequence[gs.Node],
     such a Relu is written as Clip(x, 0, max of its type), which is Relu bit for bit (NaN, -0
     and +inf kept) and which the fusion does not match."""
     dtypes = {t.name: t.dtype for n in nodes for t in list(n.inputs) + list(n.outputs) if t.name}
-    hazards = {n.input[0] for n in body
+    # Relu output -> the element type of the Clip it feeds (Clip's min has its input's type).
+    hazards = {n.input[0]: dtypes.get(n.input[1]) if dtypes.get(n.input[1]) is not None else dtypes.get(n.input[0])
+               for n in body
                if n.op_type == "Clip" and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1]
                and _onnx_type(dtypes.get(n.input[1])) not in _RELU_CLIP_MIN_TYPES}
     out: list[onnx.NodeProto] = []
     for n in body:
-        np_type = dtypes.get(n.output[0]) if n.output else None
+        np_type = hazards.get(n.output[0]) if n.output else None
         if (n.op_type != "Relu" or n.domain not in ("", "ai.onnx") or n.output[0] not in hazards
                 or _onnx_type(np_type) in (None, *_RELU_CLIP_MIN_TYPES)):
             out.append(n)
