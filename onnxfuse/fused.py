@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper
+from onnx import helper, numpy_helper
 
 DOMAIN = "onnxfuse"
 # The op set of the domain: what the fused ops and their attributes mean. A change of meaning
@@ -118,6 +119,7 @@ def make_fused_node(
             defined.add(t.name)
         body.append(_export_node(n))
         defined.update(t.name for t in n.outputs if t.name)
+    body = _relu_apart_from_clip(body, nodes, defined)
     if opset is None:
         opset = graph.opset
     overload = registry.new_overload(op_type)
@@ -146,6 +148,55 @@ def make_fused_node(
     graph.nodes.append(node)
     registry.by_node[name] = FusedRecord(op_type, overload, fn)
     return node
+
+
+# Clip min types onnxruntime's Relu+Clip fusion (relu_clip_fusion.cc) can read; on any other it
+# throws while the session loads (seed 3202 in the original; 9081087 in a fallback body).
+_RELU_CLIP_MIN_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+def _relu_apart_from_clip(body: list[onnx.NodeProto], nodes: Sequence[gs.Node],
+                          defined: set[str]) -> list[onnx.NodeProto]:
+    """A fallback body must load wherever its original did. onnxruntime, inlining the body,
+    fuses a Relu into a Clip it feeds, and throws when that Clip's min is neither float nor
+    float16. A region can bring such a pair together (a no-op Slice between them removed), so
+    such a Relu is written as Clip(x, 0, max of its type), which is Relu bit for bit (NaN, -0
+    and +inf kept) and which the fusion does not match."""
+    dtypes = {t.name: t.dtype for n in nodes for t in list(n.inputs) + list(n.outputs) if t.name}
+    # Relu output -> the element type of the Clip it feeds (Clip's min has its input's type).
+    hazards = {n.input[0]: dtypes.get(n.input[1]) if dtypes.get(n.input[1]) is not None else dtypes.get(n.input[0])
+               for n in body
+               if n.op_type == "Clip" and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1]
+               and _onnx_type(dtypes.get(n.input[1])) not in _RELU_CLIP_MIN_TYPES}
+    out: list[onnx.NodeProto] = []
+    for n in body:
+        np_type = hazards.get(n.output[0]) if n.output else None
+        if (n.op_type != "Relu" or n.domain not in ("", "ai.onnx") or n.output[0] not in hazards
+                or _onnx_type(np_type) in (None, *_RELU_CLIP_MIN_TYPES)):
+            out.append(n)
+            continue
+        dtype = np.dtype(np_type)
+        top = np.inf if dtype.kind == "f" else np.iinfo(dtype).max
+        bounds = []
+        for what, value in (("zero", 0), ("top", top)):
+            name = f"{n.output[0]}__relu_{what}"
+            while name in defined:
+                name += "_"
+            defined.add(name)
+            out.append(helper.make_node("Constant", [], [name], name=f"{name}__const",
+                                        value=numpy_helper.from_array(np.array(value, dtype=dtype), name)))
+            bounds.append(name)
+        out.append(helper.make_node("Clip", [n.input[0], *bounds], list(n.output), name=n.name))
+    return out
+
+
+def _onnx_type(dtype) -> int | None:
+    if dtype is None:
+        return None
+    try:
+        return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _constant_producer(t: gs.Tensor) -> gs.Node | None:

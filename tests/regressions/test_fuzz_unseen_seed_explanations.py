@@ -1,5 +1,5 @@
 """The eight output differences of the 50,000-case run on unseen seeds (9,000,000-9,049,999,
-bench/results/fuzz.md), and 9059180 and 9067949 of the run on 9,050,000-9,099,999: each is onnxruntime giving
+bench/results/fuzz.md), and 9059180, 9067949 and 9094634 of the run on 9,050,000-9,099,999: each is onnxruntime giving
 another answer for the same computation, or a tie or ill-conditioned position, which the checker
 did not recognize. Each rule explains its seeds and leaves a difference it does not explain a
 failure."""
@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnxfuse import fuzz
+from onnxfuse.fuzz.check import jump_variants
 from onnxfuse.fuzz.variants import node_by_node
 
 
@@ -21,7 +22,8 @@ def _vi(name, elem, shape):
     return helper.make_tensor_value_info(name, elem, shape)
 
 
-@pytest.mark.parametrize("seed", [9008093, 9018599, 9021200, 9033095, 9007059, 9013880, 9016634, 9035544, 9059180, 9067949])
+@pytest.mark.parametrize("seed", [9008093, 9018599, 9021200, 9033095, 9007059, 9013880, 9016634, 9035544, 9059180, 9067949,
+                                  9094634])
 def test_the_unseen_seeds_are_explained(seed):
     outcome = fuzz.run_case(seed)
     assert outcome.status == "tie", outcome.message
@@ -164,3 +166,38 @@ def test_a_float16_midpoint_cast_is_moved_without_a_float16_mul():
     assert fuzz.unexplained(model, {"x": x}, ref, up, f32) is None
     far = {"y": np.array([1710 / 2048, 1708 / 2048], np.float32)}
     assert "1 position" in fuzz.unexplained(model, {"x": x}, ref, far, f32)
+
+
+def test_each_jump_moved_alone_explains_a_float16_midpoint_before_a_pow():
+    """seed 9094634: Sin(Pow(Cast(Cast(Sigmoid(x), float16), float), x)) at x = -8.920379.
+    onnxruntime's float32 Sigmoid there is 0.00013357401, exactly a float16 midpoint (ties to
+    even: down); ours, closer to the exact 0.00013361977, rounds up. Pow(., -8.92) is 3.6e34,
+    and Sin of it follows every ulp. Moving every jump operand at once also moved the Pow's
+    exponent; the Cast's operand moved alone gives our value. A NaN there stays a failure."""
+    x = np.array([-8.920379, 0.5, -0.25, 3.0], np.float32)
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["h"], to=TensorProto.FLOAT16),
+             helper.make_node("Cast", ["h"], ["f"], to=TensorProto.FLOAT), helper.make_node("Pow", ["f", "x"], ["p"]),
+             helper.make_node("Sin", ["p"], ["y"])]
+    io = ([_vi("x", TensorProto.FLOAT, [4])], [_vi("y", TensorProto.FLOAT, [4])])
+    model = _model(nodes, *io)
+    feeds = {"x": x}
+    ref = fuzz._run(model, feeds, with_library=False, level="disable")
+    s = fuzz._run(_model(nodes[:1], io[0], [_vi("s", TensorProto.FLOAT, [4])]), feeds, False, "disable")["s"][0]
+    below = np.float16(s)
+    above = np.nextafter(below, np.float16(1))
+    assert float(s) == (float(below) + float(above)) / 2  # onnxruntime's Sigmoid on the midpoint
+    # Ours: the same graph with the Sigmoid's float16 rounding an ulp up at x[0].
+    up = _model([helper.make_node("Constant", [], ["f"], value=helper.make_tensor(
+        "f", TensorProto.FLOAT, [4], [float(above), 1.0, 1.0, 1.0]))] + nodes[3:], *io)
+    ours = {"y": ref["y"].copy()}
+    ours["y"][0] = fuzz._run(up, feeds, False, "disable")["y"][0]
+    assert ours["y"][0] != ref["y"][0]
+    assert fuzz.unexplained(model, feeds, ref, ours, TensorProto.FLOAT) is None
+    # Every jump operand moved at once misses our value; the Cast's operand moved alone gives it.
+    gives_ours = lambda v: fuzz._run(v, feeds, False, "disable")["y"][0] == ours["y"][0]  # noqa: E731
+    assert not any(gives_ours(v) for v in jump_variants(model, TensorProto.FLOAT))
+    assert any(gives_ours(v) for v in jump_variants(model, TensorProto.FLOAT, alone=0))
+    assert not any(gives_ours(v) for v in jump_variants(model, TensorProto.FLOAT, alone=2))  # the Pow's
+    far = {"y": ref["y"].copy()}
+    far["y"][0] = np.nan
+    assert "1 position" in fuzz.unexplained(model, feeds, ref, far, TensorProto.FLOAT)
