@@ -161,8 +161,9 @@ def rewrites(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[Rewr
     # A fused node that reads what a rewrite made and the original never had (the Split of
     # batched gate/up MatMuls taken into the gated activation's Pointwise) joins the rewrite:
     # the two together compute tensors the original has.
-    original_tensors = {o for n in original.graph.node for o in n.output} | {v.name for v in original.graph.input}
-    new_tensors = {o for n in changed for o in n.output if o and o not in original_tensors}
+    original_producer = {o: n for n in original.graph.node for o in n.output if o}
+    original_inputs = {v.name for v in original.graph.input}
+    new_tensors = {o for n in changed for o in n.output if o and o not in original_producer and o not in original_inputs}
     changed += [n for n in optimized.graph.node if n.domain == DOMAIN and set(n.input) & new_tensors]
     # Connected components over the tensors changed nodes write and read.
     parent = list(range(len(changed)))
@@ -187,8 +188,6 @@ def rewrites(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[Rewr
         for name in n.input:
             readers[name] = readers.get(name, 0) + 1
     graph_outputs = {o.name for o in optimized.graph.output}
-    original_producer = {o: n for n in original.graph.node for o in n.output if o}
-    original_inputs = {v.name for v in original.graph.input}
     found = []
     for nodes in groups.values():
         made = {o for n in nodes for o in n.output if o}
