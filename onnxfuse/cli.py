@@ -261,7 +261,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     settings = OptimizeOptions(
         passes=tuple(pass_names) if pass_names is not None else None, target=target, arch=arch, tune=tune,
         verify=verify, fallback_check=fallback_check, verify_mode=verify_mode, dims=dict(dims or {}), seed=seed,
-        threads=threads)
+        threads=threads, explain=tuple(explain))
     try:
         settings.check()
     except OptionError as e:

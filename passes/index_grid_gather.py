@@ -123,7 +123,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
     rule = Rule("gather-by-index-grid", INDEX_GRID_GATHER, rewrite=partial(_unsqueeze_data, shapes),
                 condition=partial(_condition, shapes))
-    return rules.apply(graph, [rule])
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 PASS = Pass(

@@ -249,7 +249,7 @@ def attention_batch_first(graph: gs.Graph, ctx: Context) -> int:
     if not any(gu.is_op(n, "Squeeze") for n in graph.nodes) or graph.opset < 13:
         return 0
     refresh_shapes(graph)
-    count = rules.apply(graph, _rules(ShapeEvaluator(graph, facts.ShapeTable(graph))))
+    count = rules.apply(graph, _rules(ShapeEvaluator(graph, facts.ShapeTable(graph))), ctx.explainer)
     if count:
         gu.toposort(graph)
     return count

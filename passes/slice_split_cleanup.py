@@ -163,7 +163,7 @@ def merge_slices(graph: gs.Graph, ctx: Context) -> int:
         return 0
     shapes, opset = facts.ShapeTable(graph), graph.opset or 1
     rule = Rule("merge-slices", SLICE_OF_SLICE, rewrite=lambda g, m: _merge(g, m, shapes, opset))
-    return rules.apply(graph, [rule])
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 def _split_axis(node: gs.Node, rank: int | None) -> int | None:
