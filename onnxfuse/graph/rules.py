@@ -486,6 +486,29 @@ def explain_failures(explain: Explain | None, node: gs.Node, tried: list[tuple[s
     explain(node, tried[0][1] if len(tried) == 1 else "; ".join(f"{name}: {why}" for name, why in tried))
 
 
+def find_all(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None) -> list[tuple[Rule, Match]]:
+    """Every node, in the graph's order, matched against each rule with its op: the first
+    matching rule's match per node, for passes that rewrite matches together (siblings that
+    share an input); explain(node, reason) for each candidate root none matched. The rewrites
+    come after, so the matches see the graph as it was."""
+    table = by_root_op(rules)
+    outs = {t.name for t in graph.outputs}
+    found = []
+    for node in graph.nodes:
+        tried: list[tuple[str, str]] = []
+        for rule in table.get(node.op, ()):
+            why: list[str] | None = [] if explain is not None else None
+            m = rule.match(graph, node, outs, why=why)
+            if m is not None:
+                found.append((rule, m))
+                tried = []
+                break
+            if why:
+                tried.append((rule.name, why[0]))
+        explain_failures(explain, node, tried)
+    return found
+
+
 def apply(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None) -> int:
     """The pass loop: every node, in the graph's order, as the root of each rule with its op;
     the first rule that matches and rewrites wins. Returns the number of rewrites.
