@@ -403,7 +403,8 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
 class Rule:
     """name: what reports call it; pattern: the subgraph, rooted at the op that computes its
     value; condition(match, graph) -> whether to rewrite; rewrite(graph, match) -> whether it
-    rewrote; private: intermediates must be read inside the match only."""
+    rewrote (or how many rewrites it made); private: intermediates must be read inside the match
+    only. A condition or rewrite that declines may say why: fail("reason")."""
 
     name: str
     pattern: OpPattern
@@ -532,7 +533,7 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None
                 continue
             done = rule.rewrite(graph, m)
             if done:
-                count += 1
+                count += int(done)  # True, or how many rewrites it made
                 tried = []
                 break
             if explain is not None:
