@@ -129,6 +129,7 @@ class OnnxfuseGroup(click.Group):
                                                            " address space: ulimit -v); raise the limit, or"
                                                            if limit else ";") + " run it on a machine with more memory")
         except Exception as e:
+            from .errors import CompileError
             from .runtime import LibraryError
 
             if _debug:
@@ -137,7 +138,7 @@ class OnnxfuseGroup(click.Group):
                 traceback.print_exc()
             if isinstance(e, LibraryError):
                 _fail(EXIT_INTERNAL, f"error: {e}")
-            if type(e).__name__ == "CompileError":  # onnxfuse.cuda.compile: nvcc missing or failing
+            if isinstance(e, CompileError):  # onnxfuse.cuda.compile: nvcc missing or failing
                 _fail(EXIT_INTERNAL, f"error: CUDA compilation failed: {str(e).strip().splitlines()[0]}")
             text = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _fail(EXIT_INTERNAL, f"internal error: {type(e).__name__}{': ' + text if text else ''}"
