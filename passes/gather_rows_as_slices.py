@@ -62,7 +62,7 @@ ROW = Rule("gather-rows-as-slices", op.Gather(Var("y"), Var("i")), condition=_ro
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not any(gu.is_op(n, "Gather") for n in graph.nodes):
+    if not rules.any_root(graph, [ROW]):
         return 0  # no Gather: no shape inference paid
     refresh_shapes(graph)
     groups: dict[tuple[int, int], list[Match]] = defaultdict(list)

@@ -487,6 +487,13 @@ def explain_failures(explain: Explain | None, node: gs.Node, tried: list[tuple[s
     explain(node, tried[0][1] if len(tried) == 1 else "; ".join(f"{name}: {why}" for name, why in tried))
 
 
+def any_root(graph: gs.Graph, rules: Sequence[Rule]) -> bool:
+    """Whether some node has the root op of one of `rules` (a pass skips its set-up, shape
+    inference, when none does)."""
+    table = by_root_op(rules)
+    return any(n.op in table and any(_in_domain(n, r.pattern.domain) for r in table[n.op]) for n in graph.nodes)
+
+
 def find_all(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None) -> list[tuple[Rule, Match]]:
     """Every node, in the graph's order, matched against each rule with its op: the first
     matching rule's match per node, for passes that rewrite matches together (siblings that
