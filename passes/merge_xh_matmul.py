@@ -73,7 +73,7 @@ def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
 def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
     if ctx.options.pointwise_fusion_runs():
         return 0
-    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+    if not rules.any_root(graph, gl.LINEAR):
         return 0
     refresh_shapes(graph)
     return rules.apply(graph, [Rule("merge-xh-matmul", ADD, condition=_merges, rewrite=_merge, private=False)],
