@@ -412,8 +412,10 @@ class Rule:
     condition: Callable[[Match, gs.Graph], object] | None = None
     private: bool = True
 
-    def match(self, graph: gs.Graph, root: gs.Node, graph_outputs: set[str] | None = None,
+    def match(self, graph: gs.Graph | None, root: gs.Node, graph_outputs: set[str] | None = None,
               bind: dict[str, object] | None = None, why: list[str] | None = None) -> Match | None:
+        """The match at `root` (see `match`). graph may be None for a rule without condition when
+        graph_outputs is given (a node's form read inside another rule's condition)."""
         outs = graph_outputs if graph_outputs is not None else {t.name for t in graph.outputs}
         cond = None
         if self.condition is not None:
