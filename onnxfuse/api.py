@@ -154,7 +154,7 @@ def optimize(
                                                  **({"tune": True} if tune else {})})
     except (TypeError, ValueError) as e:
         raise InputError(f"options: {e}") from None
-    ctx = Context(target=target, arch=arch, options=pass_options)
+    ctx = Context(target=target, arch=arch, options=pass_options, explain=frozenset(o.explain))
     # run_passes works on its own copy (pipeline.import_graph) and leaves `original` as it is.
     stage("running passes")
     optimized, stats = run_passes(original, chosen, ctx,

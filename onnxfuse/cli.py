@@ -129,6 +129,7 @@ class OnnxfuseGroup(click.Group):
                                                            " address space: ulimit -v); raise the limit, or"
                                                            if limit else ";") + " run it on a machine with more memory")
         except Exception as e:
+            from .errors import CompileError
             from .runtime import LibraryError
 
             if _debug:
@@ -137,7 +138,7 @@ class OnnxfuseGroup(click.Group):
                 traceback.print_exc()
             if isinstance(e, LibraryError):
                 _fail(EXIT_INTERNAL, f"error: {e}")
-            if type(e).__name__ == "CompileError":  # onnxfuse.cuda.compile: nvcc missing or failing
+            if isinstance(e, CompileError):  # onnxfuse.cuda.compile: nvcc missing or failing
                 _fail(EXIT_INTERNAL, f"error: CUDA compilation failed: {str(e).strip().splitlines()[0]}")
             text = str(e).strip().splitlines()[0] if str(e).strip() else ""
             _fail(EXIT_INTERNAL, f"internal error: {type(e).__name__}{': ' + text if text else ''}"
@@ -261,7 +262,7 @@ def optimize(source, dest, pass_names, target, arch, tune, verify, fallback_chec
     settings = OptimizeOptions(
         passes=tuple(pass_names) if pass_names is not None else None, target=target, arch=arch, tune=tune,
         verify=verify, fallback_check=fallback_check, verify_mode=verify_mode, dims=dict(dims or {}), seed=seed,
-        threads=threads)
+        threads=threads, explain=tuple(explain))
     try:
         settings.check()
     except OptionError as e:

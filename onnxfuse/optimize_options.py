@@ -33,6 +33,8 @@ class OptimizeOptions:
         verify_mode: "whole", "regions" (each fused node against its fallback body) or "auto".
     count_kernels: kernels per inference before/after (CPU provider, ORT_ENABLE_ALL).
     pass_options: further pass options by name (pipeline.PassOptions), for benchmarks and tests.
+    explain: passes whose every candidate left unrewritten gets its reason in the summary's
+        "unmatched" (--explain; fuse-attention's are there always).
     """
 
     passes: tuple[str, ...] | None = None
@@ -47,6 +49,7 @@ class OptimizeOptions:
     threads: int | None = None
     count_kernels: bool = True
     pass_options: Mapping[str, object] = field(default_factory=dict)
+    explain: tuple[str, ...] = ()
 
     def check(self) -> OptimizeOptions:
         """Raises OptionError for a value or combination that cannot run; returns self."""

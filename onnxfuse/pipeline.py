@@ -154,6 +154,9 @@ class Context:
     # Read by `--explain`.
     current_pass: str | None = None
     rejections: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # Passes whose rules record a reason for every candidate they leave (`--explain PASS`):
+    # recording costs a line of text per candidate, so the others record none.
+    explain: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.target = as_target(self.target, self.arch)
@@ -167,6 +170,12 @@ class Context:
             if reason not in reasons:
                 reasons.append(reason)
         return None
+
+    @property
+    def explainer(self) -> Callable[[gs.Node, str], None] | None:
+        """What the rule engine hands each candidate's reason to (rules.apply's `explain`):
+        `reject` while the running pass is one to explain, else None (no reasons made)."""
+        return self.reject if self.current_pass in self.explain else None
 
     def fuse(self, graph: gs.Graph, op_type: str, nodes, inputs, outputs, attrs=None) -> gs.Node:
         """Replace a matched subgraph by one fused node with its fallback function. An output of

@@ -20,12 +20,15 @@ batch-shared-weight-matmul
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.linear import Linear, match_linear
+from onnxfuse.graph import rules
+from onnxfuse.graph.linear import LINEAR, Linear, as_linear
+from onnxfuse.graph.rules import Match, fail
 from onnxfuse.pipeline import Context, Pass
 
 MAX_ROWS = 256
@@ -46,19 +49,23 @@ def _descendants(start: gs.Tensor) -> set[int]:
     return seen
 
 
-def _members(graph: gs.Graph) -> dict[tuple, list[tuple[gs.Tensor, Linear]]]:
+def _stackable(m: Match, graph: gs.Graph):
+    """A linear layer (binds "linear") on an input of static 2-D shape (binds "shape")."""
+    shape = gu.static_shape(m["x"])
+    if shape is None or len(shape) != 2:
+        return fail("its input has no static 2-D shape")
+    m.bindings["shape"] = shape
+    return as_linear(m, graph)
+
+
+MEMBERS = [replace(rule, condition=_stackable) for rule in LINEAR]
+
+
+def _members(graph: gs.Graph, explain) -> dict[tuple, list[tuple[gs.Tensor, Linear]]]:
     groups: dict[tuple, list[tuple[gs.Tensor, Linear]]] = defaultdict(list)
-    for node in graph.nodes:
-        if not gu.is_op(node, "MatMul", "Gemm") or not node.inputs:
-            continue
-        x = node.inputs[0]
-        shape = gu.static_shape(x)
-        if shape is None or len(shape) != 2:
-            continue
-        lin = match_linear(graph, node, x)
-        if lin is None:
-            continue
-        groups[lin.key + (shape, str(lin.weight.dtype))].append((x, lin))
+    for _, m in rules.find_all(graph, MEMBERS, explain):
+        lin = m["linear"]
+        groups[lin.key + (m["shape"], str(lin.weight.dtype))].append((m["x"], lin))
     return groups
 
 
@@ -80,17 +87,21 @@ def _independent(members: list[tuple[gs.Tensor, Linear]]) -> list[tuple[gs.Tenso
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+    if not rules.any_root(graph, MEMBERS):
         return 0  # nothing to batch: no shape inference paid
     refresh_shapes(graph)
     made = 0
-    for key, members in _members(graph).items():
+    for key, members in _members(graph, ctx.explainer).items():
         members = list({id(lin.nodes[0]): (x, lin) for x, lin in members}.values())
         # Distinct inputs only: the same x twice is one computation (batch-sibling-matmul's case).
         seen_x: set[int] = set()
         members = [(x, lin) for x, lin in members if not (id(x) in seen_x or seen_x.add(id(x)))]
         members = _independent(members)
         if len(members) < MIN_MEMBERS:
+            if ctx.explainer is not None:
+                for _, lin in members:
+                    ctx.explainer(lin.nodes[0], f"{len(members)} independent layer(s) apply its weight to distinct"
+                                                f" inputs of its shape, not {MIN_MEMBERS} or more")
             continue
         rows, k = gu.static_shape(members[0][0])
         if rows * len(members) > MAX_ROWS:

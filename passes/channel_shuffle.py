@@ -37,7 +37,8 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import ANY, Match, Rest, Rule, Var, op
 from onnxfuse.graph.slices import normalize_axis, read_slice, slice_indices
 from onnxfuse.ops.channel_shuffle import MAX_CONCAT_INPUTS, OP
 from onnxfuse.pipeline import Context, fused_op_pass
@@ -104,11 +105,18 @@ def _shuffle_groups(m: Match, shapes: facts.ShapeTable) -> int | None:
     return g
 
 
+# The nodes around a shuffle: the Concat that computes its input, the Split or Slices that cut its output.
+CONCAT = Rule("concat", op.Concat(Rest("parts")))
+SPLIT = Rule("split", op.Split(ANY, Rest("sizes"), _outputs=None))
+SLICE = Rule("slice", op.Slice(ANY, Rest("params")))
+
+
 def _concat_inputs(xt: gs.Tensor, reader: gs.Node, outs: set[str], shapes: facts.ShapeTable) -> tuple[gs.Node, list] | None:
     """The Concat along the channels that computes x, with its inputs, when `reader` alone reads x."""
-    p = gu.producer(xt)
-    if p is None or not gu.is_op(p, "Concat") or not gu.is_default_domain(p) or xt.name in outs:
+    found = rules.match_at([CONCAT], None, xt, set())
+    if found is None or xt.name in outs:
         return None
+    p = found[1].root
     if len(xt.outputs) != 1 or xt.outputs[0] is not reader:
         return None
     if normalize_axis(int(gu.attr(p, "axis", 0)), 4) != 1:
@@ -149,7 +157,7 @@ def _slice_pieces(readers: list[gs.Node], c: int, opset: int) -> list[gs.Node] |
     piece = c // m
     by_start: dict[int, gs.Node] = {}
     for r in readers:
-        if not gu.is_op(r, "Slice") or not gu.is_default_domain(r) or len(r.outputs) != 1:
+        if rules.first_match([SLICE], None, r, set()) is None:
             return None
         params = read_slice(r, opset, 4)
         if params is None or set(params) != {1}:
@@ -167,7 +175,7 @@ def _pieces(y: gs.Tensor, c: int, outs: set[str], opset: int) -> tuple[list[gs.N
     readers = list(y.outputs)
     if y.name in outs or not readers:
         return None
-    if len(readers) == 1 and gu.is_op(readers[0], "Split") and _split_pieces(readers[0], c, opset):
+    if len(readers) == 1 and rules.first_match([SPLIT], None, readers[0], set()) and _split_pieces(readers[0], c, opset):
         return [readers[0]], list(readers[0].outputs)
     slices = _slice_pieces(readers, c, opset)
     if slices is None:

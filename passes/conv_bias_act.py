@@ -41,7 +41,8 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph.activations import BY_OP, CONV, ops_fused_in
-from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, match_after, op
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import ANY, Match, OpPattern, Rest, Rule, Var, match_after, op
 from onnxfuse.graph import facts
 from onnxfuse.cuda.conv_codegen import Kernel, generate
 from onnxfuse.cuda.conv_plan import ConvShape, Epilogue, clusters_supported, heuristic_tile, tensor_cores_supported
@@ -165,8 +166,15 @@ def _activation(graph: gs.Graph, y: gs.Tensor) -> tuple[list[gs.Node], str, floa
     return m.nodes, rule.name, params[0], params[1], m.output
 
 
+CONV = op.Conv(Var("x"), Var("w"), Rest("bias"))
+# What may follow the Conv (and its activation): a residual Add of a tensor of its shape, then Relu.
+RESIDUAL = tuple(Rule(f"residual/{p.op}", p, condition=lambda m, g: m["z"] is not m["y"])
+                 for p in (op.Add(Var("y"), Var("z")), op.Sum(Var("y"), Var("z"))))
+POST_RELU = (Rule("post-relu", op.Relu(Var("y"))),)
+
+
 def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch | None:
-    if not gu.is_op(conv, "Conv") or len(conv.outputs) != 1:
+    if rules.match(CONV, conv) is None:
         return None
     shape = conv_shape(conv, shapes)
     if shape is None:
@@ -180,8 +188,9 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch
         m.nodes += nodes
     residual, post_relu = None, False
     n = gu.single_consumer(y)
-    if gu.is_op(n, "Add", "Sum") and gu.is_private(graph, y) and len(n.inputs) == 2:
-        z = gu.other_input(n, y)
+    added = rules.first_match(RESIDUAL, graph, n, bind={"y": y}) if n is not None and gu.is_private(graph, y) else None
+    if added is not None:
+        z = added[1]["z"]
         yd, zd = shapes.dims(y), shapes.dims(z) if z is not None else None
         same = (z is not None and yd is not None and zd is not None and len(yd) == len(zd) == 4
                 and yd[1:] == zd[1:] and all(isinstance(d, int) for d in yd[1:])
@@ -191,7 +200,7 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch
             m.nodes.append(n)
             y = n.outputs[0]
             r = gu.single_consumer(y)
-            if gu.is_op(r, "Relu") and gu.is_private(graph, y):
+            if r is not None and gu.is_private(graph, y) and rules.first_match(POST_RELU, graph, r, bind={"y": y}):
                 post_relu = True
                 m.nodes.append(r)
                 y = r.outputs[0]
@@ -251,18 +260,23 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     # "pays" (default): only layers where our kernel is expected to win; "always": every match
     # (benchmarks and tests of the kernel itself).
     policy = ctx.options.conv_policy
-    made: list[tuple[gs.Node, Kernel]] = []
-    for conv in list(graph.nodes):
-        if not conv.outputs:  # already replaced
-            continue
-        m = match(graph, conv, shapes)
+
+    def fusable(found: Match, graph: gs.Graph):
+        m = match(graph, found.root, shapes)
         if m is None:
-            continue
+            return rules.fail("no activation or residual Add follows it privately, or its shape is not a 2-D"
+                              " float32 convolution the kernel takes")
         if policy != "always" and not pays_on_cuda(m.shape):
-            continue
-        kernel = _attach_kernel(graph, m, ctx)
-        made.append((rewrite(graph, m, ctx, kernel), kernel))
-    return len(made)
+            return rules.fail("cuDNN was measured faster for its shape")
+        found.bindings["conv_match"] = m
+        return True
+
+    def fuse(graph: gs.Graph, found: Match) -> bool:
+        m = found["conv_match"]
+        rewrite(graph, m, ctx, _attach_kernel(graph, m, ctx))
+        return True
+
+    return rules.apply(graph, [Rule("conv-bias-act", CONV, condition=fusable, rewrite=fuse)], ctx.explainer)
 
 
 def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
@@ -278,7 +292,7 @@ def conv_layers(model) -> list[tuple[str, ConvShape, Epilogue | None]]:
     shapes = facts.ShapeTable(graph)
     out = []
     for conv in graph.nodes:
-        if not gu.is_op(conv, "Conv"):
+        if rules.match(CONV, conv) is None:
             continue
         shape = conv_shape(conv, shapes)
         if shape is None:

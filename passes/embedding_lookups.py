@@ -170,7 +170,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     if not any(_candidate(n) for n in graph.nodes):
         return 0  # no lookup of a constant table: no shape inference either
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
-    return rules.apply(graph, _rules(shapes))
+    return rules.apply(graph, _rules(shapes), ctx.explainer)
 
 
 PASS = Pass(

@@ -33,8 +33,10 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph.activations import STACKED_MLP
 from onnxfuse.graph.activations import TABLE as ACTIVATION_TABLE
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.linear import Linear, match_linear
-from onnxfuse.graph.patterns import ACTIVATIONS
+from onnxfuse.graph.linear import LINEAR, Linear, match_linear
+from onnxfuse.graph import rules
+from onnxfuse.graph.patterns import ACTIVATION_RULES
+from onnxfuse.graph.rules import Rest, Rule, op
 from onnxfuse.ops.stacked_mlp import MAX_BATCH as STACKED_MLP_MAX_BATCH
 from onnxfuse.ops.stacked_mlp import OP as STACKED_MLP_OP
 from onnxfuse.ops.stacked_mlp import PANEL, pack_panels
@@ -55,7 +57,7 @@ class Layer:
 
 
 def _same_act(a: gs.Node, b: gs.Node) -> bool:
-    return a.op == b.op and a.attrs == b.attrs and len(a.inputs) == 1
+    return a.op == b.op and gu.is_default_domain(b) and a.attrs == b.attrs and len(a.inputs) == 1
 
 
 def _next_layer(graph: gs.Graph, tensors: list[gs.Tensor]) -> Layer | None:
@@ -67,8 +69,8 @@ def _next_layer(graph: gs.Graph, tensors: list[gs.Tensor]) -> Layer | None:
         readers.append(r)
     if any(readers[0] is r for r in readers[1:]):
         return None
-    if gu.is_op(readers[0], *ACTIVATIONS):
-        if all(gu.is_op(r, readers[0].op) and _same_act(readers[0], r) for r in readers):
+    if rules.first_match(ACTIVATION_RULES, graph, readers[0], bind={"y": tensors[0]}) is not None:
+        if all(_same_act(readers[0], r) for r in readers):
             return Layer("activation", readers)
         return None
     members = [match_linear(graph, r, t) for r, t in zip(readers, tensors)]
@@ -119,17 +121,21 @@ def _stacked_mlp_pays(x: gs.Tensor, ctx: Context) -> bool:
     return batch <= STACKED_MLP_MAX_BATCH
 
 
+# The branches' outputs joined along the features, in branch order.
+FINAL_CONCAT = Rule("final-concat", op.Concat(Rest("parts"), axis=lambda a: a is not None and int(a) in (1, -1)))
+
+
 def _final_concat(graph: gs.Graph, outs: list[gs.Tensor]) -> gs.Node | None:
     if any(gu.is_graph_output(graph, t) for t in outs):
         return None  # a member's output is also needed on its own: the Split path produces it
     readers = [gu.single_consumer(t) for t in outs]
     c = readers[0]
-    if not gu.is_op(c, "Concat") or any(r is not c for r in readers):
+    if c is None or any(r is not c for r in readers):
         return None
-    if len(c.inputs) != len(outs) or any(a is not b for a, b in zip(c.inputs, outs)):
+    found = rules.first_match([FINAL_CONCAT], graph, c)
+    if found is None or len(found[1]["parts"]) != len(outs) or any(a is not b for a, b in zip(found[1]["parts"], outs)):
         return None
-    axis = int(gu.attr(c, "axis", 0))
-    return c if axis in (1, -1) else None
+    return c
 
 
 STACKED_MLP_ACTIVATIONS = {a.op: a for a in ACTIVATION_TABLE if STACKED_MLP in a.fused_in}
@@ -240,7 +246,7 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
 
 
 def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
-    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+    if not rules.any_root(graph, LINEAR):
         return 0  # nothing to batch: no shape inference paid
     refresh_shapes(graph)
     rewrites = 0

@@ -21,7 +21,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import rules
 from onnxfuse.graph.linear import write_output_of
+from onnxfuse.graph.rules import Match, Rest, Rule, Var, fail, op
 from onnxfuse.pipeline import Context, Pass
 
 # Shape-only ops whose constant inputs are folded when resolving a weight's value.
@@ -129,39 +131,40 @@ def per_channel(value: np.ndarray | None, channels: int, rank: int) -> np.ndarra
     return np.broadcast_to(value.reshape(-1) if value.size > 1 else value.reshape(1), (channels,))
 
 
-def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
-    out = conv.outputs[0]
-    reader = gu.single_consumer(out)
-    if reader is None or gu.is_graph_output(graph, out) or not gu.is_default_domain(reader):
-        return False
-    if reader.op not in ("BatchNormalization", "Mul", "Add"):
-        return False
+CONV = op.Conv(Var("x"), Var("w"), Rest("bias"), _name="conv")
+# The Conv's output is read by the folded op alone and is no graph output (the engine's
+# private intermediates).
+FOLDED = (op.BatchNormalization(CONV, Var("scale"), Var("shift"), Var("mean"), Var("var"), _outputs=None),
+          op.Mul(CONV, Var("c")),
+          op.Add(CONV, Var("c")))
+
+
+def _folded_params(m: Match, graph: gs.Graph):
+    """Binds new_w (None: unchanged), new_b and w, the Conv's weight."""
+    conv, reader = m["conv"], m.root
     params = _conv_params(conv)
     if params is None:
-        return False
+        return fail("the Conv's weight (float, rank 3 or more) or bias is not a constant")
     w, b = params
     k = w.shape[0]
     rank = w.ndim
     hi = np.float64
     if reader.op == "BatchNormalization":
         if reader.attrs.get("training_mode", 0):
-            return False
+            return fail("training_mode is set")
         if any(gu.is_present(t) and (t.outputs or gu.is_graph_output(graph, t)) for t in reader.outputs[1:]):
-            return False
+            return fail("its running mean or variance output is read")
         vals = [resolve_constant(t) for t in reader.inputs[1:5]]
-        if len(vals) != 4 or any(v is None or v.shape != (k,) for v in vals):
-            return False
+        if any(v is None or v.shape != (k,) for v in vals):
+            return fail(f"its parameters are not constants of [{k}]")
         scale, shift, mean, var = (v.astype(hi) for v in vals)
         s = scale / np.sqrt(var + float(reader.attrs.get("epsilon", 1e-5)))
         new_w = w.astype(hi) * s.reshape((k,) + (1,) * (rank - 1))
         new_b = (b.astype(hi) - mean) * s + shift
     else:
-        other = [t for t in reader.inputs if t is not out]
-        if len(other) != 1 or len(reader.inputs) != 2:
-            return False
-        c = per_channel(resolve_constant(other[0]), k, rank)
+        c = per_channel(resolve_constant(m["c"]), k, rank) if m["c"] is not m["conv"].outputs[0] else None
         if c is None:
-            return False
+            return fail(f"its other operand is not a constant that varies along the {k} channels only")
         c = c.astype(hi)
         if reader.op == "Mul":
             new_w = w.astype(hi) * c.reshape((k,) + (1,) * (rank - 1))
@@ -169,12 +172,19 @@ def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
         else:
             new_w = None
             new_b = b.astype(hi) + c
+    m.bindings.update(new_w=new_w, new_b=new_b, w_value=w)
+    return True
+
+
+def _fold(graph: gs.Graph, m: Match, taken: set[str]) -> bool:
+    conv, reader, w = m["conv"], m.root, m["w_value"]
+    out = conv.outputs[0]
     base = conv.name or "conv"
-    if new_w is not None:
+    if m["new_w"] is not None:
         old_w = conv.inputs[1]
-        conv.inputs[1] = write_constant(graph, f"{base}_W_folded", new_w.astype(w.dtype), taken)
+        conv.inputs[1] = write_constant(graph, f"{base}_W_folded", m["new_w"].astype(w.dtype), taken)
         gu.release_names(graph, taken, [old_w])
-    bias = write_constant(graph, f"{base}_B_folded", new_b.astype(w.dtype), taken)
+    bias = write_constant(graph, f"{base}_B_folded", m["new_b"].astype(w.dtype), taken)
     dropped = [out, *reader.inputs, *reader.outputs[1:]]
     if len(conv.inputs) > 2:
         dropped.append(conv.inputs[2])
@@ -188,20 +198,19 @@ def _fold_one(graph: gs.Graph, conv: gs.Node, taken: set[str]) -> bool:
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not any(gu.is_op(n, "Conv") for n in graph.nodes):
+    if not rules.any_root(graph, [Rule("conv", CONV)]):
         return 0  # no Conv to fold into: the names in use are not collected
     folds = 0
     # Names in use are collected once and kept current (collecting them for every new tensor
     # was most of the pass's time on densenet121: 877 walks over the whole graph).
     taken = gu.taken_names(graph)
-    changed = True
-    while changed:
-        changed = False
-        for conv in list(graph.nodes):
-            if gu.is_op(conv, "Conv") and conv.outputs and _fold_one(graph, conv, taken):
-                folds += 1
-                changed = True
-    return folds
+    folding = [Rule(f"fold-batchnorm/{p.op}", p, condition=_folded_params, rewrite=lambda g, m: _fold(g, m, taken))
+               for p in FOLDED]
+    while True:
+        done = rules.apply(graph, folding, ctx.explainer)
+        if not done:
+            return folds
+        folds += done
 
 
 PASS = Pass(

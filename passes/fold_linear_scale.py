@@ -127,7 +127,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     if not any(gu.is_op(n, "Mul") for n in graph.nodes):
         return 0
     refresh_shapes(graph)  # the condition reads the MatMul output's rank
-    return apply(graph, RULES)
+    return apply(graph, RULES, ctx.explainer)
 
 
 PASS = Pass(

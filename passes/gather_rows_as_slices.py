@@ -22,53 +22,59 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.patterns import ELEMENTWISE
+from onnxfuse.graph.rules import Match, Rule, Var, fail, op
 from onnxfuse.pipeline import Context, Pass
 
 
-def _member(graph: gs.Graph, node: gs.Node) -> tuple[gs.Tensor, int, int] | None:
-    if not gu.is_op(node, "Gather") or len(node.inputs) != 2:
-        return None
-    y = node.inputs[0]
-    idx = gu.constant_value(node.inputs[1])
+def _row(m: Match, graph: gs.Graph):
+    """The member's (axis, row) in m.bindings when Y is a static [..., T, d, ...] variable, the
+    index a scalar integer constant in range and every reader elementwise."""
+    node, y = m.root, m["y"]
+    idx = gu.constant_value(m["i"])
     shape = gu.static_shape(y)
-    if idx is None or idx.ndim != 0 or idx.dtype.kind not in "iu" or shape is None or len(shape) < 2:
-        return None
+    if idx is None or idx.ndim != 0 or idx.dtype.kind not in "iu":
+        return fail("its index is not a scalar integer constant")
+    if shape is None or len(shape) < 2:
+        return fail("its data has no static shape of rank 2 or more")
     axis = int(gu.attr(node, "axis", 0))
     axis = axis + len(shape) if axis < 0 else axis
     if not 0 <= axis < len(shape) - 1:
-        return None
+        return fail(f"it gathers along axis {axis}, the last (or none) of {shape}")
     if isinstance(y, gs.Constant):
-        return None  # constant folding's business, not a view
+        return fail("its data is a constant (constant folding's business, not a view)")
     i = int(idx)
     i = i + shape[axis] if i < 0 else i
     if not 0 <= i < shape[axis]:
-        return None
+        return fail(f"index {int(idx)} is out of range for {shape[axis]} rows")
     out = node.outputs[0]
     if gu.is_graph_output(graph, out) or not out.outputs:
-        return None
+        return fail("its output is a graph output or unread")
     if not all(gu.is_op(r, *ELEMENTWISE) for r in out.outputs):
-        return None
-    return y, axis, i
+        return fail("a reader of its output is not elementwise (no fused region would read the slice in place)")
+    m.bindings.update(axis=axis, row=i)
+    return True
+
+
+ROW = Rule("gather-rows-as-slices", op.Gather(Var("y"), Var("i")), condition=_row)
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if not any(gu.is_op(n, "Gather") for n in graph.nodes):
+    if not rules.any_root(graph, [ROW]):
         return 0  # no Gather: no shape inference paid
     refresh_shapes(graph)
-    groups: dict[tuple[int, int], list[tuple[gs.Node, int]]] = defaultdict(list)
-    sources: dict[tuple[int, int], gs.Tensor] = {}
-    for node in graph.nodes:
-        m = _member(graph, node)
-        if m is not None:
-            groups[(id(m[0]), m[1])].append((node, m[2]))
-            sources[(id(m[0]), m[1])] = m[0]
+    groups: dict[tuple[int, int], list[Match]] = defaultdict(list)
+    for _, m in rules.find_all(graph, [ROW], ctx.explainer):
+        groups[(id(m["y"]), m["axis"])].append(m)
     made = 0
-    for key, members in groups.items():
+    for members in groups.values():
         if len(members) < 2:
+            if ctx.explainer is not None:
+                ctx.explainer(members[0].root, "the only such Gather of its tensor along that axis")
             continue
-        y, axis = sources[key], key[1]
+        y, axis = members[0]["y"], members[0]["axis"]
         shape = list(gu.static_shape(y))
         rows = shape[axis + 1]
         flat_shape = shape[:axis] + [shape[axis] * rows] + shape[axis + 2:]
@@ -78,7 +84,8 @@ def run(graph: gs.Graph, ctx: Context) -> int:
                          inputs=[y, gu.make_constant(graph, f"{base}_shape", np.asarray(flat_shape, np.int64))],
                          outputs=[flat])]
         axes = gu.make_constant(graph, f"{base}_axes", np.asarray([axis], np.int64))
-        for k, (node, i) in enumerate(members):
+        for k, m in enumerate(members):
+            node, i = m.root, m["row"]
             out = gu.take_output([node], node.outputs[0], shape[:axis] + shape[axis + 1:])
             starts = gu.make_constant(graph, f"{base}_start{i}", np.asarray([i * rows], np.int64))
             ends = gu.make_constant(graph, f"{base}_end{i}", np.asarray([(i + 1) * rows], np.int64))

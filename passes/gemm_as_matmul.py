@@ -122,31 +122,37 @@ def gemm_as_matmul(graph: gs.Graph, ctx: Context) -> int:
     # Refined with the facts inference misses (a Range's length, a folded expand target): the
     # batch of an attention output whose scores got a mask built from them stays the batch.
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
-    outs = {t.name for t in graph.outputs}
-    done = 0
-    for node in list(graph.nodes):
-        if not gu.is_op(node, "Reshape") or not node.outputs:
-            continue
-        for pattern, with_bias in ((FLAT_GEMM, False), (FLAT_GEMM_BIAS, True)):
-            if with_bias and ctx.target.gemm_bias_in_epilogue:
-                continue
-            m = rules.match(pattern, node, outs)
-            if m is None:
-                continue
-            weight = _weight(m)
-            if weight is None:
-                break
-            k, n = weight.shape
-            bias = _bias(m, n) if with_bias else None
-            merged = _unflattens(graph, m, k, n, shapes) if not with_bias or bias is not None else None
-            if merged is None:
-                break
-            _rewrite(graph, m, weight, bias, merged, len(shapes.dims(m["x"])))
-            done += 1
-            break
+    flat = [Rule("gemm-as-matmul", FLAT_GEMM, condition=lambda m, g: _unflattened(g, m, shapes, False),
+                 rewrite=_write_matmul)]
+    if not ctx.target.gemm_bias_in_epilogue:
+        flat.append(Rule("gemm-as-matmul/bias", FLAT_GEMM_BIAS, condition=lambda m, g: _unflattened(g, m, shapes, True),
+                         rewrite=_write_matmul))
+    done = rules.apply(graph, flat, ctx.explainer)
     if done:
         gu.cleanup(graph)
     return done
+
+
+def _unflattened(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, with_bias: bool):
+    """Binds weight, bias, merged (dims of x merged into K) and rank when the Reshapes only
+    flatten x's leading dims and restore them around a Gemm by a constant weight."""
+    weight = _weight(m)
+    if weight is None:
+        return rules.fail("the Gemm's weight is not a 2-D float32 constant")
+    k, n = weight.shape
+    bias = _bias(m, n) if with_bias else None
+    if with_bias and bias is None:
+        return rules.fail(f"the Gemm's C is not a constant of {n} elements along the last axis")
+    merged = _unflattens(graph, m, k, n, shapes)
+    if merged is None:
+        return rules.fail("the Reshapes do not just flatten x's leading dims and restore them")
+    m.bindings.update(weight=weight, bias=bias, merged=merged, rank=len(shapes.dims(m["x"])))
+    return True
+
+
+def _write_matmul(graph: gs.Graph, m: Match) -> bool:
+    _rewrite(graph, m, m["weight"], m["bias"], m["merged"], m["rank"])
+    return True
 
 
 def _rewrite(graph: gs.Graph, m: Match, weight: np.ndarray, bias: np.ndarray | None, merged: int,

@@ -18,80 +18,95 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import linear as gl
+from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.rules import Match, Rule, Var, fail, op
 from onnxfuse.pipeline import Context, Pass
 
 FOLD_TABLE_MAX = 1 << 22  # elements of a folded embedding @ weight table (16 MiB of float32)
 
+# The Gather may have other readers: it stays for them.
+PROJECTION = op.MatMul(op.Gather(Var("src"), Var("idx"), _name="gather"), Var("w"))
+BIAS = op.Add(Var("y"), Var("b"))
+# T as an embedding lookup: Gather(E, ids, axis=0) of a constant 2-D table E.
+LOOKUP = op.Gather(Var("table"), Var("ids"), axis=lambda a: a in (None, 0, -2))
 
-def _gather_member(graph: gs.Graph, mm: gs.Node):
-    """(T, axis, indices, weight tensor, bias array|None, nodes, output) of MatMul(Gather(T, i, a), W) [+ bias]."""
-    if not gu.is_op(mm, "MatMul"):
-        return None
-    g_out = mm.inputs[0]
-    g = gu.producer(g_out)
-    if not gu.is_op(g, "Gather") or isinstance(g.inputs[0], gs.Constant):
-        return None
-    idx = gu.constant_value(g.inputs[1])
-    w = gu.constant_value(mm.inputs[1])
-    src = g.inputs[0]
+
+def _member(m: Match, graph: gs.Graph):
+    """Binds axis, weight, bias (array or None), nodes (the MatMul and a folded bias Add) and out."""
+    mm, src = m.root, m["src"]
+    if isinstance(src, gs.Constant):
+        return fail("it gathers from a constant")
+    idx = gu.constant_value(m["idx"])
+    w = gu.constant_value(m["w"])
     rank = gu.rank(src)
     if idx is None or w is None or w.ndim != 2 or w.dtype.kind not in gl.FLOAT_KINDS or rank is None:
-        return None
-    axis = int(gu.attr(g, "axis", 0))
+        return fail("its indices or its 2-D float weight are not constants, or the data's rank is unknown")
+    axis = int(gu.attr(m["gather"], "axis", 0))
     axis = axis + rank if axis < 0 else axis
     if not 0 <= axis < rank - 1:
-        return None
+        return fail(f"it gathers along axis {axis}, the last (or none) of rank {rank}")
     nodes, out, bias = [mm], mm.outputs[0], None
     reader = gu.single_consumer(out)
-    if gl.rewirable(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
-        other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
-        b = gu.constant_value(other) if other is not out else None
+    added = rules.match(BIAS, reader, bind={"y": out}) if reader is not None and gl.rewirable(out, graph) else None
+    if added is not None:
+        b = gu.constant_value(added["b"]) if added["b"] is not out else None
         b = gl.row_bias(b, w.shape[1], None) if b is not None and b.dtype == w.dtype else None
         if b is not None:
             nodes.append(reader)
             out, bias = reader.outputs[0], b
-    return src, axis, idx, mm.inputs[1], bias, nodes, out
+    m.bindings.update(idx=idx, axis=axis, bias=bias, nodes=nodes, out=out)
+    return True
+
+
+MEMBER = Rule("hoist-matmul-over-gather", PROJECTION, condition=_member, private=False)
+TABLE = Rule("embedding-table", LOOKUP)
+
+
+def _table(graph: gs.Graph, src: gs.Tensor, dtype, cols: int):
+    """(E, ids) when src = Gather(E, ids, axis=0) of a constant 2-D table E of `dtype` small
+    enough to fold E @ W; else None."""
+    found = rules.match_at([TABLE], graph, src)
+    if found is None:
+        return None
+    table = gu.constant_value(found[1]["table"])
+    if table is None or table.ndim != 2 or table.dtype != dtype or table.shape[0] * cols > FOLD_TABLE_MAX:
+        return None
+    return table, found[1]["ids"]
 
 
 def hoist_matmul_over_gather(graph: gs.Graph, ctx: Context) -> int:
     if not any(gu.is_op(n, "Gather") for n in graph.nodes):
         return 0  # no MatMul over a Gather: no shape inference paid
     refresh_shapes(graph)
-    groups: dict[tuple, list] = {}
-    for node in list(graph.nodes):
-        m = _gather_member(graph, node)
-        if m is None:
-            continue
-        src, axis, idx, w_t, bias, _, _ = m
-        bias_key = None if bias is None else bias.tobytes()
-        groups.setdefault((src.name, axis, w_t.name, bias_key), []).append(m)
+    groups: dict[tuple, list[Match]] = {}
+    for _, m in rules.find_all(graph, [MEMBER], ctx.explainer):
+        bias_key = None if m["bias"] is None else m["bias"].tobytes()
+        groups.setdefault((m["src"].name, m["axis"], m["w"].name, bias_key), []).append(m)
     rewrites = 0
     for members in groups.values():
-        if len(members) < 2:
-            continue
-        src, axis, _, w_t, bias, _, _ = members[0]
+        first = members[0]
+        src, axis, w_t, bias = first["src"], first["axis"], first["w"], first["bias"]
         size = gu.dims(src)[axis]
-        covered = {int(i) % size for m in members for i in np.asarray(m[2]).reshape(-1)} if isinstance(size, int) else set()
-        if not isinstance(size, int) or 2 * len(covered) < size:
+        covered = {int(i) % size for m in members for i in np.asarray(m["idx"]).reshape(-1)} if isinstance(size, int) else set()
+        if len(members) < 2 or not isinstance(size, int) or 2 * len(covered) < size:
+            if ctx.explainer is not None:
+                for m in members:
+                    ctx.explainer(m.root, f"{len(members)} projection(s) of '{src.name}' with this weight cover"
+                                          f" {len(covered)} of {size} rows (two or more covering half are needed)")
             continue
         w = gu.constant_value(w_t)
         dtype = w.dtype
         base = gu.unique_name(graph, f"{src.name}_hoisted")
         nodes: list[gs.Node] = []
-        table_src = gu.producer(src)
-        table = gu.constant_value(table_src.inputs[0]) if gu.is_op(table_src, "Gather") else None
-        if (
-            table is not None and table.ndim == 2 and table.dtype == dtype
-            and int(gu.attr(table_src, "axis", 0)) in (0, -2)
-            and table.shape[0] * w.shape[1] <= FOLD_TABLE_MAX
-        ):
-            folded = (table.astype(np.float64) @ w.astype(np.float64))
+        lookup = _table(graph, src, dtype, w.shape[1])
+        if lookup is not None:
+            folded = (lookup[0].astype(np.float64) @ w.astype(np.float64))
             if bias is not None:
                 folded = folded + bias
             y = gs.Variable(f"{base}_folded", dtype=dtype)
             nodes.append(gs.Node("Gather", name=f"{base}/Gather", attrs={"axis": 0},
-                                 inputs=[gu.make_constant(graph, f"{base}_table", folded.astype(dtype)), table_src.inputs[1]], outputs=[y]))
+                                 inputs=[gu.make_constant(graph, f"{base}_table", folded.astype(dtype)), lookup[1]], outputs=[y]))
         else:
             y = gs.Variable(f"{base}_matmul", dtype=dtype)
             nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[src, w_t], outputs=[y]))
@@ -99,11 +114,11 @@ def hoist_matmul_over_gather(graph: gs.Graph, ctx: Context) -> int:
                 yb = gs.Variable(f"{base}_add", dtype=dtype)
                 nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[y, gu.make_constant(graph, f"{base}_bias", bias)], outputs=[yb]))
                 y = yb
-        for k, (_, _, _, _, _, old, out) in enumerate(members):
-            gather = gu.producer(old[0].inputs[0])
-            for n in old:
+        for k, m in enumerate(members):
+            for n in m["nodes"]:
                 gu.disconnect(n)
-            nodes.append(gs.Node("Gather", name=f"{base}/Gather_{k}", attrs={"axis": axis}, inputs=[y, gather.inputs[1]], outputs=[out]))
+            nodes.append(gs.Node("Gather", name=f"{base}/Gather_{k}", attrs={"axis": axis},
+                                 inputs=[y, m["gather"].inputs[1]], outputs=[m["out"]]))
         graph.nodes.extend(nodes)
         rewrites += 1
     return rewrites

@@ -24,7 +24,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.patterns import INDEX_GRID_GATHER
-from onnxfuse.graph.rules import Match, Rule
+from onnxfuse.graph.rules import Const, Match, Rest, Rule, Var, op
 from onnxfuse.graph.shape_values import refined_dims
 from onnxfuse.graph.slices import normalize_axis
 from onnxfuse.pipeline import Context, Pass
@@ -47,17 +47,20 @@ def _unsqueeze_axes(node: gs.Node, in_rank: int) -> list[int] | None:
     return norm
 
 
+UNSQUEEZE = Rule("unsqueeze", op.Unsqueeze(Var("x"), Rest("axes")))
+ARANGE = Rule("arange", op.Range(Const(0.0), Var("n"), Const(1.0)))
+
+
 def _arange_axis(t: gs.Tensor) -> tuple[int, int] | None:
     """(axis, rank) when t is Range(0, n, 1) with size-1 axes inserted by Unsqueeze: every element
     is its coordinate on that axis."""
     chain: list[gs.Node] = []
-    node = gu.producer(t)
-    while gu.is_op(node, "Unsqueeze") and len(chain) < _MAX_UNSQUEEZES:
-        chain.append(node)
-        node = gu.producer(node.inputs[0])
-    if not gu.is_op(node, "Range") or len(node.inputs) != 3:
-        return None
-    if gu.scalar(node.inputs[0]) != 0 or gu.scalar(node.inputs[2]) != 1:
+    found = rules.match_at([UNSQUEEZE], None, t, set())
+    while found is not None and len(chain) < _MAX_UNSQUEEZES:
+        chain.append(found[1].root)
+        t = found[1]["x"]
+        found = rules.match_at([UNSQUEEZE], None, t, set())
+    if rules.match_at([ARANGE], None, t, set()) is None:
         return None
     axis, rank = 0, 1
     for unsqueeze in reversed(chain):
@@ -118,12 +121,12 @@ def _unsqueeze_data(shapes: facts.ShapeTable, graph: gs.Graph, m: Match) -> bool
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
-    if (graph.opset or 1) < 13 or not any(gu.is_op(n, "GatherND") for n in graph.nodes):
+    if (graph.opset or 1) < 13 or not rules.any_root(graph, [Rule("gather", INDEX_GRID_GATHER)]):
         return 0
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
     rule = Rule("gather-by-index-grid", INDEX_GRID_GATHER, rewrite=partial(_unsqueeze_data, shapes),
                 condition=partial(_condition, shapes))
-    return rules.apply(graph, [rule])
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 PASS = Pass(

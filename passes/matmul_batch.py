@@ -33,7 +33,9 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import linear as gl
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import Linear, match_linear
-from onnxfuse.graph.patterns import ACTIVATIONS, ELEMENTWISE
+from onnxfuse.graph import rules
+from onnxfuse.graph.patterns import ACTIVATION_RULES, ELEMENTWISE
+from onnxfuse.graph.rules import ANY, Rule, Var, op
 from onnxfuse.pipeline import Context, Pass
 
 # A Split that stays a real copy pays only up to this many GEMM rows (static): its copy grows
@@ -50,7 +52,8 @@ def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
     acts = []
     for m in members:
         r = gu.single_consumer(m.output)
-        if not gl.rewirable(m.output, graph) or not gu.is_op(r, *ACTIVATIONS) or len(r.inputs) != 1:
+        if r is None or not gl.rewirable(m.output, graph) or \
+                rules.first_match(ACTIVATION_RULES, graph, r, bind={"y": m.output}) is None:
             return
         acts.append(r)
     if all(_same_activation(acts[0], a) for a in acts[1:]):
@@ -60,20 +63,23 @@ def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
             m.output = a.outputs[0]
 
 
-def _folds_into_gemm(reader: gs.Node, piece: gs.Tensor) -> bool:
+# An Add of a Split piece and the output of another MatMul/Gemm that it alone reads.
+GEMM_C = tuple(Rule(f"gemm-c/{p.op}", op.Add(Var("piece"), p), private=False,
+                    condition=lambda m, graph: len(m["gemm"].outputs[0].outputs) == 1)
+               for p in (op.MatMul(ANY, ANY, _name="gemm"), op.Gemm(ANY, ANY, ANY, _name="gemm")))
+
+
+def _folds_into_gemm(graph: gs.Graph, reader: gs.Node, piece: gs.Tensor) -> bool:
     """An Add of the piece and the single-use output of another MatMul/Gemm: onnxruntime makes
     it that GEMM's C input, which must be a real tensor (the Split piece is materialized)."""
-    if not gu.is_op(reader, "Add") or len(reader.inputs) != 2:
-        return False
-    other = reader.inputs[1] if reader.inputs[0] is piece else reader.inputs[0]
-    return gu.is_op(gu.producer(other), "MatMul", "Gemm") and len(other.outputs) == 1
+    return rules.first_match(GEMM_C, graph, reader, bind={"piece": piece}) is not None
 
 
 def _pieces_read_in_place(graph: gs.Graph, outputs: list[gs.Tensor]) -> bool:
     for t in outputs:
         if gu.is_graph_output(graph, t) or not t.outputs:
             return False
-        if not all(gu.is_op(r, *ELEMENTWISE) and not _folds_into_gemm(r, t) for r in t.outputs):
+        if not all(gu.is_op(r, *ELEMENTWISE) and not _folds_into_gemm(graph, r, t) for r in t.outputs):
             return False
     return True
 
@@ -164,7 +170,7 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
 
 
 def batch_sibling_matmul(graph: gs.Graph, ctx: Context) -> int:
-    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+    if not rules.any_root(graph, gl.LINEAR):
         return 0  # nothing to batch: no shape inference paid
     refresh_shapes(graph)
     rewrites = 0

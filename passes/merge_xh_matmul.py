@@ -23,6 +23,8 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import linear as gl
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import Match, Rule, Var, fail, op
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.pipeline import Context, Pass
 
@@ -32,15 +34,22 @@ class _AddTree:
     leaves: list[gs.Tensor] = field(default_factory=list)
 
 
+ADD = op.Add(Var("a"), Var("b"))
+# A leaf of the tree: a product by a constant weight (read by the tree alone, checked below).
+TERM = Rule("term", op.MatMul(Var("x"), Var("w")), private=False)
+
+
 def _collect_add_tree(graph: gs.Graph, root: gs.Node) -> _AddTree:
     tree = _AddTree()
+    inner = Rule("tree", ADD, private=False)
 
     def visit(node: gs.Node) -> None:
         tree.adds.append(node)
         for t in node.inputs:
-            p = gu.producer(t)
+            found = rules.match_at([inner], graph, t, set())
+            p = found[1].root if found is not None else None
             if (
-                gu.is_op(p, "Add")
+                p is not None
                 and len(t.outputs) == 1
                 and gl.rewirable(t, graph)
                 and node.inputs.count(t) == 1
@@ -64,75 +73,86 @@ def _same_leading_dims(a: gs.Tensor, b: gs.Tensor) -> bool:
 def merge_xh_matmul(graph: gs.Graph, ctx: Context) -> int:
     if ctx.options.pointwise_fusion_runs():
         return 0
-    if not any(gu.is_op(n, "MatMul", "Gemm") for n in graph.nodes):
+    if not rules.any_root(graph, gl.LINEAR):
         return 0
     refresh_shapes(graph)
-    rewrites = 0
-    for root in list(graph.nodes):
-        if not gu.is_op(root, "Add") or not root.outputs:
-            continue
-        out = root.outputs[0]
-        # Only the top of a tree: a root read by another Add of the tree is handled there.
-        reader = gu.single_consumer(out)
-        if gu.is_op(reader, "Add") and gl.rewirable(out, graph):
-            continue
-        tree = _collect_add_tree(graph, root)
-        terms, rest = [], []
-        for leaf in tree.leaves:
-            p = gu.producer(leaf)
-            w = gu.constant_value(p.inputs[1]) if gu.is_op(p, "MatMul") else None
-            if (
-                w is not None and w.ndim == 2 and w.dtype.kind in gl.FLOAT_KINDS
-                and len(leaf.outputs) == 1 and gl.rewirable(leaf, graph)
-                and not isinstance(p.inputs[0], gs.Constant)
-                and gu.rank(p.inputs[0]) == 2
-            ):
-                terms.append((p, w))
-            else:
-                rest.append(leaf)
-        if len(terms) < 2:
-            continue
-        n = terms[0][1].shape[1]
-        a0 = terms[0][0].inputs[0]
-        if any(w.shape[1] != n or w.dtype != terms[0][1].dtype for _, w in terms):
-            continue
-        if len({id(p.inputs[0]) for p, _ in terms}) != len(terms):
-            continue
-        if not all(_same_leading_dims(a0, p.inputs[0]) for p, _ in terms[1:]):
-            continue
-        dtype = terms[0][1].dtype
-        biases, others = [], []
-        for t in rest:
-            v = gu.constant_value(t)
-            b = gl.row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
-            if b is not None:
-                biases.append(b)
-            else:
-                others.append(t)
-        base = gu.unique_name(graph, f"{out.name}_xh")
-        cat = gs.Variable(f"{base}_concat", dtype=dtype)
-        nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": -1}, inputs=[p.inputs[0] for p, _ in terms], outputs=[cat])]
-        w_t = gu.make_constant(graph, f"{base}_weight", np.concatenate([w for _, w in terms], axis=0))
-        cur = gs.Variable(f"{base}_matmul", dtype=dtype)
-        nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cat, w_t], outputs=[cur]))
-        extra = []
-        if biases:
-            extra.append(gu.make_constant(graph, f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
-        extra += others
-        for n_ in tree.adds:
-            gu.disconnect(n_)
-        for p, _ in terms:
-            gu.disconnect(p)
-        for i, t in enumerate(extra):
-            last = i == len(extra) - 1
-            y = out if last else gs.Variable(f"{base}_add{i}", dtype=dtype)
-            nodes.append(gs.Node("Add", name=f"{base}/Add{i}", inputs=[cur, t], outputs=[y]))
-            cur = y
-        if not extra:
-            nodes[-1].outputs[0] = out
-        graph.nodes.extend(nodes)
-        rewrites += 1
-    return rewrites
+    return rules.apply(graph, [Rule("merge-xh-matmul", ADD, condition=_merges, rewrite=_merge, private=False)],
+                       ctx.explainer)
+
+
+def _merges(m: Match, graph: gs.Graph):
+    """Binds tree, terms (MatMul, weight) and rest when the Add tree topped by m.root has two
+    or more products by constant weights of one width on distinct rank-2 inputs."""
+    root = m.root
+    out = root.outputs[0]
+    # Only the top of a tree: a root read by another Add of the tree is handled there.
+    reader = gu.single_consumer(out)
+    if reader is not None and rules.match(ADD, reader) is not None and gl.rewirable(out, graph):
+        return fail("it is read by another Add of a tree (handled there)")
+    tree = _collect_add_tree(graph, root)
+    terms, rest = [], []
+    for leaf in tree.leaves:
+        found = rules.match_at([TERM], graph, leaf, set())
+        p = found[1].root if found is not None else None
+        w = gu.constant_value(p.inputs[1]) if p is not None else None
+        if (
+            w is not None and w.ndim == 2 and w.dtype.kind in gl.FLOAT_KINDS
+            and len(leaf.outputs) == 1 and gl.rewirable(leaf, graph)
+            and not isinstance(p.inputs[0], gs.Constant)
+            and gu.rank(p.inputs[0]) == 2
+        ):
+            terms.append((p, w))
+        else:
+            rest.append(leaf)
+    if len(terms) < 2:
+        return fail(f"{len(terms)} product(s) of a rank-2 input by a constant weight among its terms, not 2 or more")
+    n = terms[0][1].shape[1]
+    a0 = terms[0][0].inputs[0]
+    if any(w.shape[1] != n or w.dtype != terms[0][1].dtype for _, w in terms):
+        return fail("the weights differ in width or type")
+    if len({id(p.inputs[0]) for p, _ in terms}) != len(terms):
+        return fail("two products read one input")
+    if not all(_same_leading_dims(a0, p.inputs[0]) for p, _ in terms[1:]):
+        return fail("the products' inputs differ in their leading dim")
+    m.bindings.update(tree=tree, terms=terms, rest=rest)
+    return True
+
+
+def _merge(graph: gs.Graph, m: Match) -> bool:
+    tree, terms, rest, out = m["tree"], m["terms"], m["rest"], m.root.outputs[0]
+    n = terms[0][1].shape[1]
+    dtype = terms[0][1].dtype
+    biases, others = [], []
+    for t in rest:
+        v = gu.constant_value(t)
+        b = gl.row_bias(v, n, 2) if v is not None and v.dtype == dtype else None
+        if b is not None:
+            biases.append(b)
+        else:
+            others.append(t)
+    base = gu.unique_name(graph, f"{out.name}_xh")
+    cat = gs.Variable(f"{base}_concat", dtype=dtype)
+    nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": -1}, inputs=[p.inputs[0] for p, _ in terms], outputs=[cat])]
+    w_t = gu.make_constant(graph, f"{base}_weight", np.concatenate([w for _, w in terms], axis=0))
+    cur = gs.Variable(f"{base}_matmul", dtype=dtype)
+    nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cat, w_t], outputs=[cur]))
+    extra = []
+    if biases:
+        extra.append(gu.make_constant(graph, f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
+    extra += others
+    for n_ in tree.adds:
+        gu.disconnect(n_)
+    for p, _ in terms:
+        gu.disconnect(p)
+    for i, t in enumerate(extra):
+        last = i == len(extra) - 1
+        y = out if last else gs.Variable(f"{base}_add{i}", dtype=dtype)
+        nodes.append(gs.Node("Add", name=f"{base}/Add{i}", inputs=[cur, t], outputs=[y]))
+        cur = y
+    if not extra:
+        nodes[-1].outputs[0] = out
+    graph.nodes.extend(nodes)
+    return True
 
 
 PASS = Pass(

@@ -20,39 +20,45 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
-from onnxfuse.graph.facts import ShapeTable
+from onnxfuse.graph import rules
+from onnxfuse.graph.facts import ShapeTable, lazy_shapes
+from onnxfuse.graph.rules import ANY, Match, Rule, Var, fail, op
 from onnxfuse.pipeline import Context, Pass
 
+x = Var("x")
+# The inner Reshape may have other readers: it goes only when nothing else reads it.
+RESHAPE_OF_RESHAPE = op.Reshape(op.Reshape(x, ANY, _name="inner"), Var("shape"))
 
-def _target(node: gs.Node) -> list[int] | None:
-    if not gu.is_op(node, "Reshape") or len(node.inputs) != 2:
-        return None
-    return gu.constant_ints(node.inputs[1])
+
+def _outer_keeps_no_zero(m: Match, graph: gs.Graph):
+    s2 = gu.constant_ints(m["shape"])
+    if s2 is None:
+        return fail("its target shape is not a constant")
+    if 0 in s2 and int(gu.attr(m.root, "allowzero", 0)) == 0:
+        return fail("its target shape copies a dim (0) of the inner Reshape's output")
+    return True
+
+
+def _read_first_input(graph: gs.Graph, m: Match) -> bool:
+    m.root.inputs[0] = m["x"]
+    return True
+
+
+MERGE = Rule("merge-reshapes", RESHAPE_OF_RESHAPE, condition=_outer_keeps_no_zero, rewrite=_read_first_input,
+             private=False)
 
 
 def merge_reshapes(graph: gs.Graph, ctx: Context) -> int:
-    done = 0
-    for node in list(graph.nodes):
-        s2 = _target(node)
-        if s2 is None:
-            continue
-        inner = gu.producer(node.inputs[0])
-        if not gu.is_op(inner, "Reshape"):
-            continue
-        if 0 in s2 and int(gu.attr(node, "allowzero", 0)) == 0:
-            continue
-        node.inputs[0] = inner.inputs[0]
-        done += 1
-    return done
+    return rules.apply(graph, [MERGE], ctx.explainer)
 
 
-def _is_identity(node: gs.Node, shapes: ShapeTable) -> bool:
-    s = _target(node)
+def _is_identity(node: gs.Node, shapes: ShapeTable):
+    s = gu.constant_ints(node.inputs[1])
     if s is None:
-        return False
+        return fail("its target shape is not a constant")
     xd = shapes.dims(node.inputs[0])
     if xd is None or len(xd) != len(s):
-        return False
+        return fail(f"its input's rank is {'unknown' if xd is None else len(xd)}, not {len(s)}")
     allowzero = int(gu.attr(node, "allowzero", 0)) != 0
     open_dims = 0
     for want, have in zip(s, xd):
@@ -62,19 +68,19 @@ def _is_identity(node: gs.Node, shapes: ShapeTable) -> bool:
             open_dims += 1
             continue
         if not (isinstance(have, int) and have == want):
-            return False
-    return open_dims <= 1
+            return fail(f"target {s} is not its input's shape {xd}")
+    return open_dims <= 1 or fail(f"target {s} has more than one -1")
+
+
+def _bypass(graph: gs.Graph, m: Match):
+    return gu.bypass(graph, m.root) or fail("its output cannot be renamed away")
 
 
 def remove_identity_reshape(graph: gs.Graph, ctx: Context) -> int:
-    if not any(_target(n) is not None for n in graph.nodes):
-        return 0
-    shapes = ShapeTable(graph)
-    done = 0
-    for node in list(graph.nodes):
-        if _is_identity(node, shapes) and gu.bypass(graph, node):
-            done += 1
-    return done
+    shapes = lazy_shapes(graph)
+    rule = Rule("remove-identity-reshape", op.Reshape(x, Var("shape")),
+                condition=lambda m, g: _is_identity(m.root, shapes), rewrite=_bypass)
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 PASSES = [

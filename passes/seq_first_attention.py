@@ -43,7 +43,7 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts, rules
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.rules import Rule
+from onnxfuse.graph.rules import ANY, Rule, Var, op
 from onnxfuse.graph.shape_values import ShapeEvaluator, element_count, reshaped_dims
 from onnxfuse.graph.transformer_forms import (seq_first_heads, seq_first_keys_transposed, seq_first_out_gemm,
                                               seq_first_out_projection, seq_first_pieces)
@@ -87,10 +87,15 @@ def _reshape_gives(node: gs.Node, target: gs.Tensor, in_dims: list, want: list) 
     return reshaped_dims(in_dims, _ints(target), int(gu.attr(node, "allowzero", 0))) == want
 
 
+# One of q, k, v taken from the packed projection by a Gather on axis 0.
+PIECE = Rule("piece", op.Gather(ANY, Var("i"), axis=lambda a: a is None or int(a) == 0))
+
+
 def _piece_index(node: gs.Node) -> int | None:
-    if not gu.is_op(node, "Gather") or len(node.inputs) != 2 or int(gu.attr(node, "axis", 0)) != 0:
+    found = rules.first_match([PIECE], None, node, set())
+    if found is None:
         return None
-    v = gu.constant_value(node.inputs[1]) if gu.is_constant(node.inputs[1]) else None
+    v = gu.constant_value(found[1]["i"]) if gu.is_constant(found[1]["i"]) else None
     if v is None or v.ndim != 0 or v.dtype.kind not in "iu":
         return None
     i = int(v)
@@ -249,7 +254,7 @@ def attention_batch_first(graph: gs.Graph, ctx: Context) -> int:
     if not any(gu.is_op(n, "Squeeze") for n in graph.nodes) or graph.opset < 13:
         return 0
     refresh_shapes(graph)
-    count = rules.apply(graph, _rules(ShapeEvaluator(graph, facts.ShapeTable(graph))))
+    count = rules.apply(graph, _rules(ShapeEvaluator(graph, facts.ShapeTable(graph))), ctx.explainer)
     if count:
         gu.toposort(graph)
     return count

@@ -30,7 +30,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import rules
 from onnxfuse.graph.facts import ShapeTable
+from onnxfuse.graph.rules import Match, Rule, Var, fail, op
 from onnxfuse.graph.shape_values import Mono, ShapeEvaluator, element_count, exact_quotient, numpy_dtype, refined_dims
 from onnxfuse.graph.slices import slice_indices
 from onnxfuse.pipeline import Context, Pass
@@ -128,7 +130,34 @@ def _reads_dims(graph: gs.Graph) -> bool:
     return False
 
 
-def _rewrite_round(graph: gs.Graph) -> int:
+# A Reshape (opset >= 5) or Expand whose target is computed at run time.
+TARGETED = {name: getattr(op, name)(Var("x"), Var("target")) for name in ("Reshape", "Expand")}
+
+
+def _constant_target(m: Match, graph: gs.Graph, ev: ShapeEvaluator):
+    """Binds "constant": the target as constants (0: keep the dim, -1: infer it)."""
+    node = m.root
+    if not _is_computed(m["target"]):
+        return fail("its target is a constant already")
+    if node.op == "Reshape" and (graph.opset or 1) < 5:
+        return fail("opset < 5")
+    target = reshape_target(ev, node) if node.op == "Reshape" else expand_target(ev, node)
+    if target is None:
+        return fail("an element of its target is neither a constant nor its input's dim there")
+    m.bindings["constant"] = target
+    return True
+
+
+def _write_target(graph: gs.Graph, m: Match, taken: set[str]) -> bool:
+    node, target = m.root, m["constant"]
+    base = f"{node.name or node.op.lower()}_shape"
+    node.inputs[1] = gu.make_constant(graph, base, np.array(target, dtype=np.int64), taken)
+    if node.op == "Reshape" and 0 in target and int(gu.attr(node, "allowzero", 0)) == 1:
+        node.attrs["allowzero"] = 0  # its zeros copy dims now (reshape_target: no literal zero)
+    return True
+
+
+def _rewrite_round(graph: gs.Graph, explain=None) -> int:
     gu.toposort(graph)
     if not _reads_dims(graph):
         shapes = ShapeTable(graph, infer=False)  # never consulted (see _reads_dims)
@@ -136,23 +165,12 @@ def _rewrite_round(graph: gs.Graph) -> int:
     else:
         shapes, ev = refined_dims(graph, ShapeTable(graph), MAX_ROUNDS)
     taken = gu.tensor_names(graph) | {n.name for n in graph.nodes}
-    rewrites = 0
-    for node in list(graph.nodes):
-        if len(node.inputs) < 2 or not gu.is_present(node.inputs[1]) or not _is_computed(node.inputs[1]):
-            continue
-        if gu.is_op(node, "Reshape") and (graph.opset or 1) >= 5:
-            target = reshape_target(ev, node)
-        elif gu.is_op(node, "Expand"):
-            target = expand_target(ev, node)
-        else:
-            continue
-        if target is None:
-            continue
-        base = f"{node.name or node.op.lower()}_shape"
-        node.inputs[1] = gu.make_constant(graph, base, np.array(target, dtype=np.int64), taken)
-        if node.op == "Reshape" and 0 in target and int(gu.attr(node, "allowzero", 0)) == 1:
-            node.attrs["allowzero"] = 0  # its zeros copy dims now (reshape_target: no literal zero)
-        rewrites += 1
+    rewrites = rules.apply(graph, [Rule("shape-plumbing/Reshape", TARGETED["Reshape"],
+                                        condition=lambda m, g: _constant_target(m, g, ev),
+                                        rewrite=lambda g, m: _write_target(g, m, taken)),
+                                   Rule("shape-plumbing/Expand", TARGETED["Expand"],
+                                        condition=lambda m, g: _constant_target(m, g, ev),
+                                        rewrite=lambda g, m: _write_target(g, m, taken))], explain)
     # Shape arithmetic on static dims that something else reads (Range, ConstantOfShape, Slice
     # bounds, ...): the value is known now. Shape values equal element by element to one computed
     # earlier (the same dims read from another tensor of the same shape, as every block of a
@@ -188,7 +206,7 @@ def _rewrite_round(graph: gs.Graph) -> int:
 def shape_plumbing(graph: gs.Graph, ctx: Context) -> int:
     total = 0
     for _ in range(MAX_ROUNDS):
-        n = _rewrite_round(graph)
+        n = _rewrite_round(graph, ctx.explainer)
         total += n
         if not n:
             break

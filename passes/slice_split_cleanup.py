@@ -33,7 +33,7 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
-from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
+from onnxfuse.graph.rules import ANY, Match, Rest, Rule, Var, fail, op
 from onnxfuse.graph.slices import UNREACHABLE_END, normalize_axis, read_slice, slice_indices
 from onnxfuse.pipeline import Context, Pass
 
@@ -99,53 +99,45 @@ def _write_slice(graph: gs.Graph, node: gs.Node, data: gs.Tensor, params: dict[i
 
 # Passes -------------------------------------------------------------------------------------
 
-
-def _shapes_if(graph: gs.Graph, needed: bool) -> facts.ShapeTable | None:
-    """A ShapeTable when the pass has a candidate to look at (inferring shapes is most of what
-    these passes cost, and most graphs hold no candidate for most of them), else None."""
-    return facts.ShapeTable(graph) if needed else None
+x = Var("x")
 
 
-def _fed_by(graph: gs.Graph, op: str, producer_op: str) -> bool:
-    """Whether some `op` node reads an output of a `producer_op` node."""
-    return any(
-        gu.is_op(n, op) and any(gu.is_op(gu.producer(t), producer_op) for t in n.inputs) for n in graph.nodes
-    )
+def _bypass(graph: gs.Graph, m: Match):
+    return gu.bypass(graph, m.root) or fail("its output cannot be renamed away")
+
+
+def _keeps_everything(m: Match, graph: gs.Graph, shapes: facts.ShapeTable):
+    node = m.root
+    d = shapes.dims(node.inputs[0])
+    params = read_slice(node, graph.opset or 1, None if d is None else len(d))
+    if params is None or d is None:
+        return fail("its parameters are not constants, or its input's shape is unknown")
+    kept = [axis for axis, p in params.items() if not _keeps_axis(p, d[axis])]
+    return not kept or fail(f"it takes part of axis {kept[0]} (dim {d[kept[0]]})")
 
 
 def remove_noop_slice(graph: gs.Graph, ctx: Context) -> int:
-    shapes = _shapes_if(graph, any(gu.is_op(n, "Slice") for n in graph.nodes))
-    opset = graph.opset or 1
-    removed = 0
-    for node in list(graph.nodes):
-        if not node.inputs or not node.outputs:
-            continue
-        if gu.is_op(node, "Split") and len(node.outputs) == 1:
-            removed += gu.bypass(graph, node)
-        elif gu.is_op(node, "Concat") and len(node.inputs) == 1:
-            removed += gu.bypass(graph, node)
-        elif gu.is_op(node, "Slice"):
-            d = shapes.dims(node.inputs[0])
-            params = read_slice(node, opset, None if d is None else len(d))
-            if params is None or d is None:
-                continue
-            if all(_keeps_axis(p, d[axis]) for axis, p in params.items()):
-                removed += gu.bypass(graph, node)
-    return removed
+    shapes = facts.lazy_shapes(graph)
+    return rules.apply(graph, [
+        Rule("one-output Split", op.Split(x, Rest("sizes"), _outputs=1), rewrite=_bypass),
+        Rule("one-input Concat", op.Concat(x), rewrite=_bypass),
+        Rule("Slice of everything", op.Slice(x, Rest("params")), rewrite=_bypass,
+             condition=lambda m, g: _keeps_everything(m, g, shapes)),
+    ], ctx.explainer)
 
 
 # A Slice of a Slice whose result only the outer one reads (opset < 10: one input, attributes).
-SLICE_OF_SLICE = op.Slice(op.Slice(Var("x"), ANY, ANY, ANY, ANY, _name="inner"), ANY, ANY, ANY, ANY)
+SLICE_OF_SLICE = op.Slice(op.Slice(x, ANY, ANY, ANY, ANY, _name="inner"), ANY, ANY, ANY, ANY)
 
 
-def _merge(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, opset: int) -> bool:
+def _merge(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, opset: int):
     inner, outer = m["inner"], m.root
     d = shapes.dims(inner.inputs[0])
     rank = None if d is None else len(d)
     a = read_slice(inner, opset, rank)
     b = read_slice(outer, opset, rank)
     if a is None or b is None:
-        return False
+        return fail("a Slice's parameters are not constants")
     params = dict(a)
     for axis, pb in b.items():
         if axis not in a:
@@ -153,17 +145,15 @@ def _merge(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, opset: int) -> b
             continue
         composed = _compose(pb, a[axis], d[axis] if d is not None else None)
         if composed is None:
-            return False
+            return fail(f"on axis {axis}, of unknown size, a start or end is negative or a step is not positive")
         params[axis] = composed
-    return _write_slice(graph, outer, inner.inputs[0], params, opset)
+    return _write_slice(graph, outer, inner.inputs[0], params, opset) or fail("opset < 10 has no Slice steps")
 
 
 def merge_slices(graph: gs.Graph, ctx: Context) -> int:
-    if not _fed_by(graph, "Slice", "Slice"):
-        return 0
-    shapes, opset = facts.ShapeTable(graph), graph.opset or 1
+    shapes, opset = facts.lazy_shapes(graph), graph.opset or 1
     rule = Rule("merge-slices", SLICE_OF_SLICE, rewrite=lambda g, m: _merge(g, m, shapes, opset))
-    return rules.apply(graph, [rule])
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 def _split_axis(node: gs.Node, rank: int | None) -> int | None:
@@ -181,74 +171,85 @@ def _split_sizes(node: gs.Node, opset: int) -> list[int] | None | bool:
     return None
 
 
-def remove_split_concat(graph: gs.Graph, ctx: Context) -> int:
-    shapes = _shapes_if(graph, _fed_by(graph, "Concat", "Split"))
+# A Split read through its first output (the start of a run of Concat inputs).
+SPLIT = Rule("split", op.Split(x, Rest("sizes"), _outputs=None), private=False)
+
+
+def _rejoin_splits(graph: gs.Graph, m: Match, shapes: facts.ShapeTable):
+    """Each run of Concat inputs that is every output of one Split, in order and on the Concat's
+    axis, becomes the Split's input. Returns how many runs went."""
+    concat = m.root
     rewrites = 0
-    for concat in list(graph.nodes):
-        if not gu.is_op(concat, "Concat"):
-            continue
-        changed = False
-        i = 0
-        while i < len(concat.inputs):
-            split = gu.producer(concat.inputs[i])
-            if gu.is_op(split, "Split") and split.inputs and concat.inputs[i] is split.outputs[0]:
-                k = len(split.outputs)
-                run = list(concat.inputs[i : i + k])
-                rank = shapes.rank(split.inputs[0])
-                axis = _split_axis(split, rank)
-                if (
-                    len(run) == k
-                    and all(t is s for t, s in zip(run, split.outputs))
-                    and axis is not None
-                    and axis == normalize_axis(int(gu.attr(concat, "axis", 0)), rank)
-                ):
-                    for _ in range(k):
-                        concat.inputs.pop(i)
-                    concat.inputs.insert(i, split.inputs[0])
-                    rewrites += 1
-                    changed = True
-            i += 1
-        if changed and len(concat.inputs) == 1:
-            gu.bypass(graph, concat)
-    return rewrites
+    i = 0
+    while i < len(concat.inputs):
+        found = rules.match_at([SPLIT], graph, concat.inputs[i], set())
+        if found is not None:
+            split = found[1].root
+            k = len(split.outputs)
+            run = list(concat.inputs[i : i + k])
+            rank = shapes.rank(split.inputs[0])
+            axis = _split_axis(split, rank)
+            if (
+                len(run) == k
+                and all(t is s for t, s in zip(run, split.outputs))
+                and axis is not None
+                and axis == normalize_axis(int(gu.attr(concat, "axis", 0)), rank)
+            ):
+                for _ in range(k):
+                    concat.inputs.pop(i)
+                concat.inputs.insert(i, split.inputs[0])
+                rewrites += 1
+        i += 1
+    if rewrites and len(concat.inputs) == 1:
+        gu.bypass(graph, concat)
+    return rewrites or fail("no run of its inputs is every output of one Split, in order, on its axis")
+
+
+def remove_split_concat(graph: gs.Graph, ctx: Context) -> int:
+    shapes = facts.lazy_shapes(graph)
+    rule = Rule("remove-split-concat", op.Concat(Rest("parts")), rewrite=lambda g, m: _rejoin_splits(g, m, shapes))
+    return rules.apply(graph, [rule], ctx.explainer)
+
+
+def _pieces_come_back(m: Match, graph: gs.Graph, shapes: facts.ShapeTable):
+    split, concat = m.root, m["concat"]
+    if len(concat.inputs) != len(split.outputs):
+        return fail(f"{len(split.outputs)} pieces out of a Concat of {len(concat.inputs)}")
+    rank = shapes.rank(split.inputs[0])
+    axis = _split_axis(split, rank)
+    if axis is None or axis != normalize_axis(int(gu.attr(concat, "axis", 0)), rank):
+        return fail("the Split and the Concat are on different axes (or the rank is unknown)")
+    if any(gu.is_graph_output(graph, s) for s in split.outputs):
+        return fail("a piece is a graph output")
+    pieces = [shapes.dims(t) for t in concat.inputs]
+    if any(p is None or len(p) != rank for p in pieces):
+        return fail("a piece's shape is unknown")
+    piece_dims = [p[axis] for p in pieces]
+    sizes = _split_sizes(split, graph.opset or 1)
+    if sizes is False:
+        return fail("the split sizes are not constants")
+    if sizes is None:
+        # Equal split: pieces of one size d give k*d, split back into pieces of size d.
+        fits = piece_dims[0] is not None and all(p == piece_dims[0] for p in piece_dims)
+    else:
+        fits = len(sizes) == len(piece_dims) and all(isinstance(p, int) and p == s for p, s in zip(piece_dims, sizes))
+    return fits or fail(f"the split sizes are not the pieces' sizes {piece_dims}")
+
+
+def _read_pieces(graph: gs.Graph, m: Match) -> bool:
+    split = m.root
+    for piece, out in zip(m["concat"].inputs, split.outputs):
+        gu.replace_uses(out, piece)
+    split.inputs.clear()
+    split.outputs.clear()
+    return True
 
 
 def remove_concat_split(graph: gs.Graph, ctx: Context) -> int:
-    shapes = _shapes_if(graph, _fed_by(graph, "Split", "Concat"))
-    opset = graph.opset or 1
-    rewrites = 0
-    for split in list(graph.nodes):
-        if not gu.is_op(split, "Split") or not split.inputs:
-            continue
-        concat = gu.producer(split.inputs[0])
-        if not gu.is_op(concat, "Concat") or len(concat.inputs) != len(split.outputs):
-            continue
-        rank = shapes.rank(split.inputs[0])
-        axis = _split_axis(split, rank)
-        if axis is None or axis != normalize_axis(int(gu.attr(concat, "axis", 0)), rank):
-            continue
-        if any(gu.is_graph_output(graph, s) for s in split.outputs):
-            continue
-        pieces = [shapes.dims(t) for t in concat.inputs]
-        if any(p is None or len(p) != rank for p in pieces):
-            continue
-        piece_dims = [p[axis] for p in pieces]
-        sizes = _split_sizes(split, opset)
-        if sizes is False:
-            continue
-        if sizes is None:
-            # Equal split: pieces of one size d give k*d, split back into pieces of size d.
-            fits = piece_dims[0] is not None and all(p == piece_dims[0] for p in piece_dims)
-        else:
-            fits = len(sizes) == len(piece_dims) and all(isinstance(p, int) and p == s for p, s in zip(piece_dims, sizes))
-        if not fits:
-            continue
-        for piece, out in zip(concat.inputs, split.outputs):
-            gu.replace_uses(out, piece)
-        split.inputs.clear()
-        split.outputs.clear()
-        rewrites += 1
-    return rewrites
+    shapes = facts.lazy_shapes(graph)
+    rule = Rule("remove-concat-split", op.Split(op.Concat(Rest("pieces"), _name="concat"), Rest("sizes"), _outputs=None),
+                condition=lambda m, g: _pieces_come_back(m, g, shapes), rewrite=_read_pieces, private=False)
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 PASSES = [

@@ -345,3 +345,19 @@ def test_model_size_counts_external_data_before_and_after(tmp_path, cli):
     text = cli("optimize", source, out).stdout
     size_line = next(line for line in text.splitlines() if line.startswith("model size"))
     assert size_line.split()[2:] == [f"{files_before / 1024:.1f}", "KiB", f"{files_after / 1024:.1f}", "KiB"], size_line
+
+
+def test_a_cuda_compile_error_is_told_by_its_type_not_its_name(chain_path, tmp_path, cli, monkeypatch):
+    from onnxfuse import api
+    from onnxfuse.errors import CompileError
+
+    class NvccRejected(CompileError):
+        pass
+
+    def failing(*args, **kwargs):
+        raise NvccRejected("ptxas: too many registers\nmore")
+
+    monkeypatch.setattr(api, "optimize", failing)
+    done = cli("optimize", chain_path, tmp_path / "o.onnx")
+    assert done.exit_code == 3
+    assert "CUDA compilation failed: ptxas: too many registers" in done.stderr and "internal error" not in done.stderr

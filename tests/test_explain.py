@@ -59,3 +59,59 @@ def test_cli_explain_refuses_an_unknown_pass(tmp_path):
     onnx.save(attention_model(), src)
     done = CliRunner().invoke(main, ["optimize", str(src), str(tmp_path / "o.onnx"), "--explain", "no-such-pass"])
     assert done.exit_code == 2 and "unknown pass 'no-such-pass'" in done.output
+
+
+def _dropout_in_training_model():
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    g = helper.make_graph(
+        [helper.make_node("Dropout", ["x", "ratio", "train"], ["d"], name="drop"),
+         helper.make_node("Relu", ["d"], ["y"], name="relu")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(np.array(0.0, np.float32), "ratio"), numpy_helper.from_array(np.array(True), "train")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_rule_pass_explains_each_candidate_it_left_when_asked():
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    model = _dropout_in_training_model()
+    asked = optimize(model, settings=OptimizeOptions(explain=("remove-dropout",), verify=False, count_kernels=False))
+    assert asked.summary["unmatched"]["remove-dropout"] == {"drop": ["training_mode is not a constant false"]}
+    # Not asked: rule passes record nothing.
+    plain = optimize(model, settings=OptimizeOptions(verify=False, count_kernels=False))
+    assert "remove-dropout" not in plain.summary["unmatched"]
+
+
+def test_cli_explain_prints_a_rule_pass_reason(tmp_path):
+    src, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(_dropout_in_training_model(), src)
+    done = CliRunner().invoke(main, ["optimize", str(src), str(out), "--explain", "remove-dropout"])
+    assert done.exit_code == 0, done.output
+    assert "remove-dropout: 1 candidate(s) left:" in done.output
+    assert "drop: training_mode is not a constant false" in done.output
+
+
+def test_converted_passes_give_their_reasons_through_the_engine():
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    g = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "s1"], ["r1"], name="inner"),
+         helper.make_node("Reshape", ["r1", "s2"], ["r2"], name="outer"),
+         helper.make_node("Concat", ["r2", "r2"], ["y"], name="cat", axis=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 12])],
+        [numpy_helper.from_array(np.array([6, 4], np.int64), "s1"), numpy_helper.from_array(np.array([0, -1], np.int64), "s2")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    names = ("merge-reshapes", "remove-split-concat")
+    result = optimize(model, settings=OptimizeOptions(passes=names, explain=names, verify=False, count_kernels=False))
+    why = result.summary["unmatched"]
+    assert why["merge-reshapes"] == {
+        "inner": ["input 0 of Reshape 'inner' is 'x', computed by no node, not by Reshape"],
+        "outer": ["its target shape copies a dim (0) of the inner Reshape's output"]}
+    assert why["remove-split-concat"] == {"cat": ["no run of its inputs is every output of one Split, in order, on its axis"]}

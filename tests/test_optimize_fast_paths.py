@@ -15,6 +15,7 @@ from onnxfuse import api, modelio, normalize, ortfiles, verify, zoo
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.passes import fold_batchnorm
+from onnxfuse.pipeline import Context
 
 ZOO = ["inception_v1", "shufflenet", "gpt_stack", "mobilenetv3"]
 
@@ -171,7 +172,7 @@ def test_fold_batchnorm_reuses_names_its_folds_free():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 10
     g = gs.import_onnx(model)
-    assert fold_batchnorm.run(g, None) == 3
+    assert fold_batchnorm.run(g, Context()) == 3
     conv = next(n for n in g.nodes if n.op == "Conv")
     assert [t.name for t in conv.inputs[1:]] == ["n0_W_folded", "n0_B_folded"]
 

@@ -203,3 +203,76 @@ def test_gelu_forms_cover_the_groupings_exporters_write(core, outer):
     g = graph_of(nodes, GELU_CONSTS, inputs=("x0",))
     found = {id(n) for n in match_gelu(GraphIndex(g))}
     assert found == {id(n) for n in g.nodes if n.op != "Identity"}
+
+
+# Domains, variadic inputs and reasons -------------------------------------------------------
+
+
+def contrib_graph():
+    nodes = [helper.make_node("Add", ["x", "b"], ["q"]),
+             helper.make_node("MultiHeadAttention", ["q", "x", "x", "", "mask"], ["y"], domain="com.microsoft",
+                              num_heads=2)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, T.FLOAT, [1, 2, 4]) for n in ("x", "mask")],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 2, 4])],
+                          [onnx.numpy_helper.from_array(np.ones(4, np.float32), "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    return gs.import_onnx(model)
+
+
+def test_an_op_pattern_of_another_domain_matches_that_domain_only():
+    g = contrib_graph()
+    mha = root(g)
+    ms = rules.ops("com.microsoft")
+    m = rules.match(ms.MultiHeadAttention(x + Var("b"), x, x, rules.Rest("more"), num_heads=2), mha)
+    assert m is not None and m["b"].name == "b"
+    why = []
+    assert rules.match(op.MultiHeadAttention(ANY, ANY, ANY, rules.Rest("more")), mha, why=why) is None
+    assert why == ["com.microsoft.MultiHeadAttention is not MultiHeadAttention"]
+    assert rules.ops("ai.onnx").Relu(x).domain == ""
+
+
+def test_rest_binds_the_remaining_inputs_as_a_tuple_and_counts_them():
+    g = contrib_graph()
+    ms = rules.ops("com.microsoft")
+    m = rules.match(ms.MultiHeadAttention(Var("q"), rules.Rest("more")), root(g))
+    assert [t.name for t in m["more"]] == ["x", "x", "", "mask"]
+    assert rules.match(ms.MultiHeadAttention(Var("q"), rules.Rest("more", min=5)), root(g)) is None
+    # Without Rest a present input beyond the patterns is a mismatch, with its reason.
+    why = []
+    assert rules.match(ms.MultiHeadAttention(Var("q"), x, x), root(g), why=why) is None
+    assert "has 5 inputs, not 3" in why[0]
+    with pytest.raises(ValueError):
+        op.Concat(rules.Rest("xs"), x)
+    concat = graph_of([helper.make_node("Concat", ["x", "x2", "x"], ["y"], axis=0)], inputs=("x", "x2"))
+    m = rules.match(op.Concat(rules.Rest("parts", min=2)), root(concat))
+    assert [t.name for t in m["parts"]] == ["x", "x2", "x"]
+
+
+def test_the_reason_names_the_furthest_point_the_pattern_reached():
+    nodes = hard_swish_nodes()
+    nodes[1] = helper.make_node("Relu", ["a"], ["c"])  # Clip replaced
+    why = []
+    assert rules.match(HARD_SWISH, root(graph_of(nodes, CONSTS)), why=why) is None
+    assert why == ["Relu is not Clip"]
+    why = []
+    assert rules.match(HARD_SWISH, root(graph_of(hard_swish_nodes(), {**CONSTS, "three": 2.5})), why=why) is None
+    assert why == ["input 1 of Add is 2.5, not the constant 3"]
+    nodes = hard_swish_nodes() + [helper.make_node("Neg", ["c"], ["other"])]
+    why = []
+    assert rules.match(HARD_SWISH, root(graph_of(nodes, CONSTS, outputs=("y", "other"))), why=why) is None
+    assert why == ["Clip's output 'c' is read outside the match, by Neg"]
+
+
+def test_a_condition_or_rewrite_declines_with_its_reason_and_apply_hands_it_on():
+    g = graph_of([helper.make_node("Identity", ["x"], ["i1"]), helper.make_node("Relu", ["i1"], ["y"])])
+    refuse = Rule("refuse", op.Identity(x), condition=lambda m, graph: rules.fail("not today"),
+                  rewrite=lambda graph, m: True)
+    decline = Rule("decline", op.Identity(x), rewrite=lambda graph, m: rules.fail("nothing to gain"))
+    said = []
+    assert rules.apply(g, [refuse, decline], explain=lambda node, why: said.append(why)) == 0
+    assert said == ["refuse: not today; decline: nothing to gain"]
+    quiet = Rule("quiet", op.Identity(x), condition=lambda m, graph: False)
+    said.clear()
+    assert rules.apply(g, [quiet], explain=lambda node, why: said.append(why)) == 0
+    assert said == ["its condition does not hold"]
+    assert not rules.fail("x") and repr(rules.fail("x")) == "fail('x')"

@@ -21,15 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..errors import CompileError
+
 DEFAULT_ARCH = "sm_90"
 # No fast math: the kernels must match the reference bit for bit where IEEE arithmetic allows,
 # so no flush-to-zero, IEEE division and square root, and no contraction of a*b+c into an FMA.
 NVCC_FLAGS = ("-O3", "--std=c++17", "--fmad=false", "-diag-suppress=177")
 CACHE_FORMAT = "1"
-
-
-class CompileError(RuntimeError):
-    """The CUDA toolchain is missing or rejected a kernel."""
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,12 @@ def roots_with_shapes(graph: gs.Graph, op_type: str):
         yield node, shapes
 
 
+def lazy_shapes(graph: gs.Graph) -> "ShapeTable":
+    """The graph's ShapeTable, built when first asked (a rule's condition): a pass pays shape
+    inference only once a candidate's structure matches."""
+    return _LazyShapeTable(graph)  # type: ignore[return-value]
+
+
 class _LazyShapeTable:
     """A ShapeTable of `graph` made at its first use."""
 

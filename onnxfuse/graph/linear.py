@@ -8,6 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from . import core as gu
+from .rules import ANY, Match, Rule, Var, fail, first_match, match, op
 
 FLOAT_KINDS = "f"
 
@@ -43,31 +44,35 @@ def rewirable(t: gs.Tensor, graph: gs.Graph) -> bool:
     return not gu.is_graph_output(graph, t)
 
 
-def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
-    """node as x @ W' + b' when it reads x as its left operand with a constant weight."""
-    if not gu.is_op(node, "MatMul", "Gemm") or len(node.inputs) < 2 or node.inputs[0] is not x:
-        return None
-    if node.inputs[1] is x:
-        return None
-    w = gu.constant_value(node.inputs[1])
+X, W = Var("x"), Var("w")
+# MatMul/Gemm + Add(constant row bias): the Add that reads the product, matched from it.
+BIAS = op.Add(Var("y"), Var("b"))
+
+
+def as_linear(m: Match, graph: gs.Graph):
+    """Binds "linear": the node as x @ W' + b' (a following Add of a constant row bias folded)."""
+    node, x = m.root, m["x"]
+    if m["w"] is x:
+        return fail("it multiplies its input by itself")
+    w = gu.constant_value(m["w"])
     if w is None or w.ndim != 2 or w.dtype.kind not in FLOAT_KINDS or w.size == 0:
-        return None
+        return fail("its weight is not a constant non-empty 2-D float matrix")
     x_rank = gu.rank(x)
     bias = None
     key: tuple
     if node.op == "MatMul":
         if x_rank is not None and x_rank < 2:
-            return None
-        key = ("W", node.inputs[1].name, 0, 1.0)
+            return fail(f"its input has rank {x_rank}")
+        key = ("W", m["w"].name, 0, 1.0)
     else:
         if gu.attr(node, "transA", 0):
-            return None
+            return fail("transA is set")
         if x_rank is not None and x_rank != 2:
-            return None
+            return fail(f"its input has rank {x_rank}")
         alpha = float(gu.attr(node, "alpha", 1.0))
         beta = float(gu.attr(node, "beta", 1.0))
         trans_b = int(gu.attr(node, "transB", 0))
-        key = ("W", node.inputs[1].name, trans_b, alpha)
+        key = ("W", m["w"].name, trans_b, alpha)
         if trans_b:
             w = w.T
         if alpha != 1.0:
@@ -75,18 +80,18 @@ def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
         if len(node.inputs) > 2 and gu.is_present(node.inputs[2]):
             c = gu.constant_value(node.inputs[2])
             if c is None or c.dtype != w.dtype:
-                return None
+                return fail("its C input is not a constant of the weight's type")
             c = row_bias(c, w.shape[1], 2)
             if c is None:
-                return None
+                return fail("its C input is not a row bias")
             bias = (c * np.asarray(beta, c.dtype)).astype(c.dtype) if beta != 1.0 else c
     w = np.ascontiguousarray(w)
     out = node.outputs[0]
     nodes = [node]
-    # MatMul/Gemm + Add(constant row bias)
     reader = gu.single_consumer(out)
-    if rewirable(out, graph) and gu.is_op(reader, "Add") and len(reader.inputs) == 2:
-        other = reader.inputs[1] if reader.inputs[0] is out else reader.inputs[0]
+    added = match(BIAS, reader, bind={"y": out}) if reader is not None and rewirable(out, graph) else None
+    if added is not None:
+        other = added["b"]
         b = gu.constant_value(other) if other is not out else None
         out_rank = 2 if node.op == "Gemm" else x_rank
         if b is not None and b.dtype == w.dtype:
@@ -96,7 +101,18 @@ def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
                 nodes.append(reader)
                 out = reader.outputs[0]
     bias_key = None if bias is None else (bias.shape, bias.tobytes())
-    return Linear(nodes, w, bias, out, key + (bias_key,))
+    m.bindings["linear"] = Linear(nodes, w, bias, out, key + (bias_key,))
+    return True
+
+
+LINEAR = (Rule("linear/MatMul", op.MatMul(X, W), condition=as_linear, private=False),
+          Rule("linear/Gemm", op.Gemm(X, W, ANY), condition=as_linear, private=False))
+
+
+def match_linear(graph: gs.Graph, node: gs.Node, x: gs.Tensor) -> Linear | None:
+    """node as x @ W' + b' when it reads x as its left operand with a constant weight."""
+    found = first_match(LINEAR, graph, node, bind={"x": x})
+    return None if found is None else found[1]["linear"]
 
 
 def write_output_of(writer: gs.Node, folded: gs.Node) -> gs.Tensor:

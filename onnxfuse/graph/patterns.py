@@ -4,13 +4,16 @@ from __future__ import annotations
 from typing import Callable
 
 from .activations import TABLE
-from .rules import ANY, Const, OpPattern, Var, op
+from .rules import ANY, Const, OpPattern, Rest, Rule, Var, op
 
 # Unary elementwise ops an activation may be (equal attributes across members required).
 ACTIVATIONS = {a.op for a in TABLE} | {"Gelu", "Mish", "Erf", "Abs", "Neg", "Exp", "Log", "Sqrt"}
 
 
 # Ops the pointwise-fusion pass fuses: a Split piece read only by these is read in place.
+# An activation node of one input (no optional bounds) reading "y": the first that matches.
+ACTIVATION_RULES = tuple(Rule(f"activation/{a}", getattr(op, a)(Var("y"), Rest("more")),
+                              condition=lambda m, graph: not m["more"]) for a in sorted(ACTIVATIONS))
 ELEMENTWISE = ACTIVATIONS | {
     "Add", "Sub", "Mul", "Div", "Max", "Min", "Pow", "PRelu", "Where", "Clip", "Reciprocal",
     "Floor", "Ceil", "Round", "Sign", "Cast", "Not", "And", "Or", "Equal", "Less", "Greater",

@@ -6,8 +6,11 @@ A pattern is written the way the subgraph computes its value:
     HARD_SWISH = x * op.Clip(x + 3.0, 0.0, 6.0) / 6.0
 
 `op.Name(...)` matches a node of that ONNX op (default domain) whose inputs match the operand
-patterns; Python operators stand for Add, Sub, Mul and Div; a float is a scalar constant; a
-`Var` matches any tensor, the same tensor wherever the name recurs. The engine takes care of:
+patterns (`ops("com.microsoft").Name(...)`: an op of another domain); Python operators stand for
+Add, Sub, Mul and Div; a float is a scalar constant; a `Var` matches any tensor, the same tensor
+wherever the name recurs; `Rest("xs")`, the last operand, matches the inputs that remain, any
+number of them (Concat's, Sum's, a contrib op's optional ones), bound as a tuple. The engine
+takes care of:
 
 - commuted operands of commutative ops (Add, Mul, Max, Min, Sum, And, Or, Xor, Equal): both
   orders are tried, so `x * 0.5` also matches Mul(0.5, x);
@@ -18,6 +21,11 @@ patterns; Python operators stand for Add, Sub, Mul and Div; a float is a scalar 
 
 A Rule bundles a pattern, a condition on the match and a rewrite; `apply` is the pass loop
 (every node in topological order tried as the root of every rule whose root op it has).
+
+Every candidate that does not match gets a reason in words, for `optimize --explain PASS`: the
+engine names the furthest point its pattern reached ("input 1 of Mul 'm' is computed by Add,
+not Clip"), a condition or a rewrite that declines returns `fail("why")` (falsy), and `apply`
+hands each reason to its `explain` callback.
 """
 from __future__ import annotations
 
@@ -70,6 +78,15 @@ class Const(Pattern):
 
 
 @dataclass(frozen=True, eq=False)
+class Rest(Pattern):
+    """The last operand of an op pattern: every input that remains (at least `min`, present or
+    omitted), bound under `name` as a tuple."""
+
+    name: str
+    min: int = 0
+
+
+@dataclass(frozen=True, eq=False)
 class AnyInput(Pattern):
     """Any operand, an omitted optional input included (the rule's condition looks at it)."""
 
@@ -79,7 +96,8 @@ ANY = AnyInput()
 
 @dataclass(frozen=True, eq=False)
 class OpPattern(Pattern):
-    """A node of ONNX op `op` (default domain) whose inputs match `inputs`.
+    """A node of op `op` in `domain` ("": the default ONNX domain) whose inputs match `inputs`
+    (a node with more inputs than patterns has them omitted, unless the last pattern is Rest).
 
     attrs: attribute values the node must have (a callable is a predicate on the value, which is
     None when the attribute is absent); name: the node is bound under it; outputs: how many
@@ -90,6 +108,20 @@ class OpPattern(Pattern):
     attrs: tuple[tuple[str, object], ...] = ()
     name: str | None = None
     outputs: int | None = 1
+    domain: str = ""
+
+    def __post_init__(self) -> None:
+        if any(isinstance(p, Rest) for p in self.inputs[:-1]):
+            raise ValueError(f"{self.op}: Rest must be the last operand")
+
+    @property
+    def fixed(self) -> tuple[Pattern, ...]:
+        """The operand patterns before a Rest."""
+        return self.inputs[:-1] if self.inputs and isinstance(self.inputs[-1], Rest) else self.inputs
+
+    @property
+    def label(self) -> str:
+        return self.op if not self.domain else f"{self.domain}.{self.op}"
 
 
 def _lift(value) -> Pattern:
@@ -101,16 +133,68 @@ def _lift(value) -> Pattern:
 
 
 class _OpBuilder:
-    """`op.Relu(x)`, `op.HardSigmoid(x, alpha=0.2, _name="gate")`: op patterns by name."""
+    """`op.Relu(x)`, `op.HardSigmoid(x, alpha=0.2, _name="gate")`: op patterns by name, in the
+    builder's domain."""
+
+    def __init__(self, domain: str = "") -> None:
+        self._domain = domain
 
     def __getattr__(self, op: str):
+        if op.startswith("_"):
+            raise AttributeError(op)
+
         def build(*inputs, _name: str | None = None, _outputs: int | None = 1, **attrs) -> OpPattern:
-            return OpPattern(op, tuple(_lift(i) for i in inputs), tuple(sorted(attrs.items())), _name, _outputs)
+            return OpPattern(op, tuple(_lift(i) for i in inputs), tuple(sorted(attrs.items())), _name, _outputs,
+                             self._domain)
 
         return build
 
 
 op = _OpBuilder()
+
+
+def ops(domain: str) -> _OpBuilder:
+    """Op patterns of `domain`: `ops("com.microsoft").MultiHeadAttention(q, k, v, Rest("more"))`."""
+    return _OpBuilder("" if domain == "ai.onnx" else domain)
+
+
+class Failure:
+    """Why a candidate did not match or was not rewritten; falsy, so that a condition or a
+    rewrite returns `fail("why")` where it would return False."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"fail({self.reason!r})"
+
+
+def fail(reason: str) -> Failure:
+    return Failure(reason)
+
+
+def _declined(result, what) -> str:
+    """The reason a falsy condition or rewrite result gives."""
+    if isinstance(result, Failure):
+        return result.reason
+    name = getattr(what, "__name__", "")
+    return f"{name} declined" if name and name != "<lambda>" else "its condition does not hold"
+
+
+def _named(node: gs.Node) -> str:
+    kind = node.op if gu.is_default_domain(node) else f"{node.domain}.{node.op}"
+    return f"{kind} '{node.name}'" if node.name else kind
+
+
+def _tensor_text(t) -> str:
+    if isinstance(t, float):
+        return f"{t:g}"
+    return "absent" if not isinstance(t, gs.Tensor) or not gu.is_present(t) else f"'{t.name}'"
 
 
 @dataclass
@@ -148,16 +232,43 @@ def _operands(node: gs.Node, count: int) -> list[gs.Tensor | float | None] | Non
 class _Matcher:
     def __init__(self, graph_outputs: set[str]):
         self.graph_outputs = graph_outputs
+        # Why the furthest attempt failed: (operands matched when it failed, the reason).
+        self.held = 0
+        self.failure: tuple[int, str] | None = None
 
-    def tensor(self, p: Pattern, t, bound: dict, nodes: list) -> Iterator[None]:
+    def fail(self, reason) -> None:
+        """Note a failure (reason: a string, or a callable that makes one, so that matching
+        without an explanation asked for builds no text) at the current depth."""
+        if self.failure is None or self.held > self.failure[0]:
+            self.failure = (self.held, reason)
+
+    @property
+    def reason(self) -> str | None:
+        if self.failure is None:
+            return None
+        why = self.failure[1]
+        return why() if callable(why) else why
+
+    def tensor(self, p: Pattern, t, bound: dict, nodes: list, where: str) -> Iterator[None]:
         """Yield once per way `t` (a tensor, a float for an attribute-carried input, or None)
         matches `p`, with `bound` and `nodes` extended for that way (and restored after)."""
+        self.held += 1
+        try:
+            yield from self._tensor(p, t, bound, nodes, where)
+        finally:
+            self.held -= 1
+
+    def _tensor(self, p: Pattern, t, bound: dict, nodes: list, where: str) -> Iterator[None]:
         if isinstance(p, Var):
             if p.name in bound:
                 if bound[p.name] is t:
                     yield
+                else:
+                    other = bound[p.name]
+                    self.fail(lambda: f"{where} is {_tensor_text(t)}, not '{p.name}' ({_tensor_text(other)})")
                 return
             if not isinstance(t, gs.Tensor) or not gu.is_present(t):
+                self.fail(lambda: f"{where} is absent")
                 return
             bound[p.name] = t
             yield
@@ -167,6 +278,8 @@ class _Matcher:
         elif isinstance(p, Const):
             v = t if isinstance(t, float) else gu.scalar(t) if isinstance(t, gs.Tensor) else None
             if v is None or (p.value is not None and not _close(v, p.value, p.rtol)):
+                want = "a constant of one element" if p.value is None else f"the constant {p.value:g}"
+                self.fail(lambda: f"{where} is {_tensor_text(t) if v is None else f'{v:g}'}, not {want}")
                 return
             if p.name is None:
                 yield
@@ -175,74 +288,114 @@ class _Matcher:
             yield
             del bound[p.name]
         else:
-            if not isinstance(t, gs.Tensor) or not t.inputs:
+            node = t.inputs[0] if isinstance(t, gs.Tensor) and t.inputs else None
+            if node is None:
+                self.fail(lambda: f"{where} is {_tensor_text(t)}, computed by no node, not by {p.label}")
                 return
-            node = t.inputs[0]
             if node.outputs[0] is not t:
+                self.fail(lambda: f"{where} is an output of {_named(node)} other than its first")
                 return
             yield from self.node(p, node, bound, nodes)
 
     def node(self, p: OpPattern, node: gs.Node, bound: dict, nodes: list) -> Iterator[None]:
-        if node.op != p.op or not gu.is_default_domain(node) or any(node is n for n in nodes):
+        if node.op != p.op or not _in_domain(node, p.domain):
+            self.fail(lambda: f"{_named(node)} is not {p.label}")
+            return
+        if any(node is n for n in nodes):
+            self.fail(lambda: f"{_named(node)} is matched twice")
             return
         if p.outputs is not None and len(node.outputs) != p.outputs:
+            self.fail(lambda: f"{_named(node)} has {len(node.outputs)} outputs, not {p.outputs}")
             return
         for key, want in p.attrs:
             have = node.attrs.get(key)
             if not (want(have) if callable(want) else have == want):
+                self.fail(lambda: f"{_named(node)} has {key}={have!r}"
+                                  + ("" if callable(want) else f", not {want!r}"))
                 return
-        operands = _operands(node, len(p.inputs))
-        if len(node.inputs) > len(p.inputs) and any(gu.is_present(t) for t in node.inputs[len(p.inputs):]):
+        fixed = p.fixed
+        operands = _operands(node, len(fixed))
+        if len(fixed) < len(p.inputs):  # Rest: the remaining inputs
+            rest = p.inputs[-1]
+            extra = tuple(node.inputs[len(fixed):])
+            if len(extra) < rest.min:
+                self.fail(lambda: f"{_named(node)} has {len(node.inputs)} inputs, not at least {len(fixed) + rest.min}")
+                return
+        elif len(node.inputs) > len(fixed) and any(gu.is_present(t) for t in node.inputs[len(fixed):]):
+            self.fail(lambda: f"{_named(node)} has {len(node.inputs)} inputs, not {len(fixed)}")
             return
-        orders = [p.inputs]
-        if p.op in COMMUTATIVE and len(p.inputs) == 2:
-            orders.append(p.inputs[::-1])
+        else:
+            rest = extra = None
+        orders = [fixed]
+        if p.op in COMMUTATIVE and len(fixed) == 2 and rest is None:
+            orders.append(fixed[::-1])
         for order in orders:
-            for _ in self._all(order, operands, 0, bound, nodes):
+            for _ in self._all(order, operands, 0, bound, nodes, node):
                 nodes.append(node)
                 if p.name is not None:
                     bound[p.name] = node
+                if rest is not None:
+                    bound[rest.name] = extra
                 yield
+                if rest is not None:
+                    del bound[rest.name]
                 if p.name is not None:
                     del bound[p.name]
                 nodes.pop()
 
-    def _all(self, pats, operands, i, bound, nodes) -> Iterator[None]:
+    def _all(self, pats, operands, i, bound, nodes, node) -> Iterator[None]:
         if i == len(pats):
             yield
             return
-        for _ in self.tensor(pats[i], operands[i], bound, nodes):
-            yield from self._all(pats, operands, i + 1, bound, nodes)
+        for _ in self.tensor(pats[i], operands[i], bound, nodes, f"input {i} of {_named(node)}"):
+            yield from self._all(pats, operands, i + 1, bound, nodes, node)
+
+
+def _in_domain(node: gs.Node, domain: str) -> bool:
+    return gu.is_default_domain(node) if not domain else node.domain == domain
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
     return a == b or (rtol > 0 and abs(a - b) <= rtol * abs(b))
 
 
-def _private(m: Match, graph_outputs: set[str]) -> bool:
+def _not_private(m: Match, graph_outputs: set[str]) -> str | None:
+    """Why an intermediate of `m` is not private, or None when all are."""
     for n in m.nodes[:-1]:
         for t in n.outputs:
-            if t.name in graph_outputs or not all(m.holds(r) for r in t.outputs):
-                return False
-    return True
+            if t.name in graph_outputs:
+                return f"{_named(n)}'s output '{t.name}' is a graph output"
+            outside = [r for r in t.outputs if not m.holds(r)]
+            if outside:
+                return f"{_named(n)}'s output '{t.name}' is read outside the match, by {_named(outside[0])}"
+    return None
 
 
 def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset = frozenset(),
           bind: dict[str, object] | None = None, private: bool = True,
-          condition: Callable[[Match], bool] | None = None) -> Match | None:
+          condition: Callable[[Match], object] | None = None, why: list[str] | None = None) -> Match | None:
     """The first way `root` matches `pattern` whose intermediates are private (when asked) and
-    that satisfies `condition`; `bind` fixes some names beforehand (a Var to a given tensor)."""
+    that satisfies `condition`; `bind` fixes some names beforehand (a Var to a given tensor).
+    Without a match, the reason is appended to `why` when one is given (see Failure)."""
     bound = dict(bind or {})
     nodes: list[gs.Node] = []
     # A set the caller holds is read as it is: copying it per match costs the graph's outputs
     # per candidate (quadratic in a graph whose outputs grow with it).
     matcher = _Matcher(graph_outputs if isinstance(graph_outputs, (set, frozenset)) else set(graph_outputs))
+    declined = None
     for _ in matcher.node(pattern, root, bound, nodes):
         m = Match(list(nodes), dict(bound), root.outputs[0])
-        if private and not _private(m, matcher.graph_outputs):
-            continue
-        if condition is None or condition(m):
+        if private:
+            shared = _not_private(m, matcher.graph_outputs)
+            if shared is not None:
+                declined = declined or shared
+                continue
+        ok = True if condition is None else condition(m)
+        if ok:
             return m
+        declined = declined or _declined(ok, condition)
+    if why is not None:
+        why.append(declined or matcher.reason or f"{_named(root)} does not match")
     return None
 
 
@@ -250,19 +403,26 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
 class Rule:
     """name: what reports call it; pattern: the subgraph, rooted at the op that computes its
     value; condition(match, graph) -> whether to rewrite; rewrite(graph, match) -> whether it
-    rewrote; private: intermediates must be read inside the match only."""
+    rewrote (or how many rewrites it made); private: intermediates must be read inside the match
+    only. A condition or rewrite that declines may say why: fail("reason")."""
 
     name: str
     pattern: OpPattern
-    rewrite: Callable[[gs.Graph, Match], bool] | None = None
-    condition: Callable[[Match, gs.Graph], bool] | None = None
+    rewrite: Callable[[gs.Graph, Match], object] | None = None
+    condition: Callable[[Match, gs.Graph], object] | None = None
     private: bool = True
 
-    def match(self, graph: gs.Graph, root: gs.Node, graph_outputs: set[str] | None = None,
-              bind: dict[str, object] | None = None) -> Match | None:
+    def match(self, graph: gs.Graph | None, root: gs.Node, graph_outputs: set[str] | None = None,
+              bind: dict[str, object] | None = None, why: list[str] | None = None) -> Match | None:
+        """The match at `root` (see `match`). graph may be None for a rule without condition when
+        graph_outputs is given (a node's form read inside another rule's condition)."""
         outs = graph_outputs if graph_outputs is not None else {t.name for t in graph.outputs}
-        cond = None if self.condition is None else (lambda m: self.condition(m, graph))
-        return match(self.pattern, root, outs, bind, self.private, cond)
+        cond = None
+        if self.condition is not None:
+            def cond(m):
+                return self.condition(m, graph)
+            cond.__name__ = getattr(self.condition, "__name__", "condition")
+        return match(self.pattern, root, outs, bind, self.private, cond, why)
 
 
 def by_root_op(rules: Iterable[Rule]) -> dict[str, list[Rule]]:
@@ -318,18 +478,74 @@ def match_after(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor, var: 
     return None
 
 
-def apply(graph: gs.Graph, rules: Sequence[Rule]) -> int:
+Explain = Callable[[gs.Node, str], object]
+
+
+def explain_failures(explain: Explain | None, node: gs.Node, tried: list[tuple[str, str]]) -> None:
+    """Hand `explain` one line for a candidate root that no rule rewrote: the reason of the
+    one rule tried, or each rule's, named."""
+    if explain is None or not tried:
+        return
+    explain(node, tried[0][1] if len(tried) == 1 else "; ".join(f"{name}: {why}" for name, why in tried))
+
+
+def any_root(graph: gs.Graph, rules: Sequence[Rule]) -> bool:
+    """Whether some node has the root op of one of `rules` (a pass skips its set-up, shape
+    inference, when none does)."""
+    table = by_root_op(rules)
+    return any(n.op in table and any(_in_domain(n, r.pattern.domain) for r in table[n.op]) for n in graph.nodes)
+
+
+def find_all(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None) -> list[tuple[Rule, Match]]:
+    """Every node, in the graph's order, matched against each rule with its op: the first
+    matching rule's match per node, for passes that rewrite matches together (siblings that
+    share an input); explain(node, reason) for each candidate root none matched. The rewrites
+    come after, so the matches see the graph as it was."""
+    table = by_root_op(rules)
+    outs = {t.name for t in graph.outputs}
+    found = []
+    for node in graph.nodes:
+        tried: list[tuple[str, str]] = []
+        for rule in table.get(node.op, ()):
+            why: list[str] | None = [] if explain is not None else None
+            m = rule.match(graph, node, outs, why=why)
+            if m is not None:
+                found.append((rule, m))
+                tried = []
+                break
+            if why:
+                tried.append((rule.name, why[0]))
+        explain_failures(explain, node, tried)
+    return found
+
+
+def apply(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None) -> int:
     """The pass loop: every node, in the graph's order, as the root of each rule with its op;
-    the first rule that matches and rewrites wins. Returns the number of rewrites."""
+    the first rule that matches and rewrites wins. Returns the number of rewrites.
+    explain(node, reason): called for each candidate root that no rule rewrote."""
     table = by_root_op(rules)
     outs = {t.name for t in graph.outputs}
     count = 0
     for node in list(graph.nodes):
+        tried: list[tuple[str, str]] = []
         for rule in table.get(node.op, ()):
             if not node.outputs:  # removed by an earlier rewrite
+                tried = []
                 break
-            m = rule.match(graph, node, outs)
-            if m is not None and rule.rewrite is not None and rule.rewrite(graph, m):
-                count += 1
+            why: list[str] | None = [] if explain is not None else None
+            m = rule.match(graph, node, outs, why=why)
+            if m is None:
+                if why:
+                    tried.append((rule.name, why[0]))
+                continue
+            if rule.rewrite is None:
+                continue
+            done = rule.rewrite(graph, m)
+            if done:
+                count += int(done)  # True, or how many rewrites it made
+                tried = []
                 break
+            if explain is not None:
+                tried.append((rule.name, _declined(done, rule.rewrite)))
+        explain_failures(explain, node, tried)
     return count
