@@ -5,13 +5,19 @@ Contract of the op (float32):
     q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv]  ->  out [B, Sq, H*dv]
     out[b, s, h*dv + j] = sum_t softmax_t(scale * q[b,s,h,:].k[b,t,h,:] + mask[.., s, t]) * v[b, t, h, j]
 
+with `heads_first` (a bit per operand: 1 q, 2 k, 4 v; not with packing) that operand is [B, H, S, d]
+instead (q[b, s, h, i] = q[b, h, s, i]: the output of a prologue after the head split, such as a
+partial rotary, read where it was written); the output is [B, Sq, H*dv] in every case.
+
 with `qkv_packed` the one input qkv [B, S, 3*H*dh] holds q, k and v at last-axis column offsets
 0, H*dh and 2*H*dh (dv = dh), read in place; the optional additive mask broadcasts (ONNX
 multidirectional, rank <= 4) to [B, H, Sq, Sk]. With `has_bias` (packed only) a bias [3*H*dh] is
 added to qkv's columns as q, k, v are read: q = qkv[.., 0:D] + bias[0:D], and so on.
 
-One kernel per (heads, dh, dv, scale, packed, has_mask, has_bias); B, Sq and Sk are run-time
-arguments.
+One kernel per (heads, dh, dv, scale, packed, has_mask, has_bias, nan_to_zero, heads_first); B,
+Sq and Sk are run-time arguments. A [B, S, H*d] operand's row s of head h starts at
+(b*S + s)*ROW + OFF + h*d (ROW its row width, 3*H*dh for packed qkv, OFF its column block); a
+heads-first one's at ((b*H + h)*S + s)*d, as the CPU kernel's views read them (head stride S*d).
 
 Design (simple on purpose; every B, Sq, Sk works):
 
@@ -81,6 +87,7 @@ class AttentionSpec:
     has_mask: bool = False
     has_bias: bool = False
     nan_to_zero: bool = False  # the node's nan_to_zero: a row of NaN probabilities weighs v by 0
+    heads_first: int = 0  # bit 0 q, 1 k, 2 v: that operand is [B, H, S, d] (the node's heads_first)
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.dh < 1 or self.dv < 1:
@@ -89,6 +96,8 @@ class AttentionSpec:
             raise ValueError("packed qkv needs dv == dh")
         if self.has_bias and not self.packed:
             raise ValueError("has_bias needs packed qkv")
+        if not 0 <= self.heads_first <= 7 or (self.heads_first and self.packed):
+            raise ValueError("heads_first is a mask of bits 0-2 (q, k, v), and 0 with packed qkv")
 
     @property
     def tile(self) -> int:
@@ -109,6 +118,7 @@ class AttentionSpec:
             "QOFF": 0, "KOFF": d if self.packed else 0, "VOFF": 2 * d if self.packed else 0,
             "HAS_MASK": int(self.has_mask), "HAS_BIAS": int(self.has_bias),
             "NAN_TO_ZERO": int(self.nan_to_zero),
+            "QF": self.heads_first & 1, "KF": (self.heads_first >> 1) & 1, "VF": (self.heads_first >> 2) & 1,
         }
 
 
@@ -126,7 +136,7 @@ def shared_bytes(dh: int, dv: int, tile: int) -> int:
 # (a form added to the op's contract later) gets no kernel until the generator learns it, so that
 # a CUDA session never runs a kernel that ignores part of the node's semantics.
 NODE_ATTRIBUTES = frozenset({"num_heads", "scale", "has_mask", "qkv_packed", "has_bias", "nan_to_zero", "causal",
-                             "causal_max_queries", "causal_max_keys"})
+                             "causal_max_queries", "causal_max_keys", "heads_first"})
 
 
 def supported(dh: int, dv: int) -> bool:
@@ -138,9 +148,10 @@ def float_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-# Index expressions, each (name, C expression); valid C (with DIV/MOD below) and evaluated by the
-# numpy model. Every quantity that can exceed 2^31 is long long in the kernel (bid, sq, sk, t0
-# and the mask strides are).
+# Index expressions, each (name, C expression); valid C (with DIV/MOD/SEL below) and evaluated by
+# the numpy model. Every quantity that can exceed 2^31 is long long in the kernel (bid, sq, sk, t0
+# and the mask strides are). SEL(QF, heads first, split heads) picks an operand's layout by a
+# compile-time constant, so a kernel without heads_first holds the split-heads arithmetic alone.
 INDEX = {
     # block -> (b, h, first query row); warp -> its query row s
     "block": [
@@ -148,29 +159,34 @@ INDEX = {
         ("h", "MOD(bh, H)"), ("b", "DIV(bh, H)"), ("s", "rb * ROWS + warp"), ("row_ok", "s < sq"),
     ],
     # element d of the warp's query row
-    "q_load": [("q_src", "(b * sq + s) * QROW + QOFF + h * DH + d"), ("qb_src", "QOFF + h * DH + d")],
+    "q_load": [
+        ("q_src", "SEL(QF, (bh * sq + s) * DH + d, (b * sq + s) * QROW + QOFF + h * DH + d)"),
+        ("qb_src", "QOFF + h * DH + d"),
+    ],
     # slot e of the key tile at t0
     "k_load": [
         ("kt", "DIV(e, DH)"), ("kd", "MOD(e, DH)"), ("k_ok", "t0 + kt < sk"),
-        ("k_src", "(b * sk + t0 + kt) * KROW + KOFF + h * DH + kd"), ("k_dst", "kt * KS + kd"),
-        ("kb_src", "KOFF + h * DH + kd"),
+        ("k_src", "SEL(KF, (bh * sk + t0 + kt) * DH + kd, (b * sk + t0 + kt) * KROW + KOFF + h * DH + kd)"),
+        ("k_dst", "kt * KS + kd"), ("kb_src", "KOFF + h * DH + kd"),
     ],
     # slot e of the value tile at t0
     "v_load": [
         ("vt", "DIV(e, DV)"), ("vd", "MOD(e, DV)"), ("v_ok", "t0 + vt < sk"),
-        ("v_src", "(b * sk + t0 + vt) * VROW + VOFF + h * DV + vd"), ("v_dst", "vt * DV + vd"),
-        ("vb_src", "VOFF + h * DV + vd"),
+        ("v_src", "SEL(VF, (bh * sk + t0 + vt) * DV + vd, (b * sk + t0 + vt) * VROW + VOFF + h * DV + vd)"),
+        ("v_dst", "vt * DV + vd"), ("vb_src", "VOFF + h * DV + vd"),
     ],
     # the mask element lane `lane` adds to its score
     "mask": [("m_src", "b * ms0 + h * ms1 + s * ms2 + (t0 + lane) * ms3")],
     # output column col of the warp's row
     "store": [("o_dst", "(b * sq + s) * (H * DV) + h * DV + col")],
     # nan_to_zero: column col of value row t, read from global memory for a row of NaN probabilities
-    "zero_row": [("z_src", "(b * sk + t) * VROW + VOFF + h * DV + col"), ("zb_src", "VOFF + h * DV + col")],
+    "zero_row": [("z_src", "SEL(VF, (bh * sk + t) * DV + col, (b * sk + t) * VROW + VOFF + h * DV + col)"),
+                 ("zb_src", "VOFF + h * DV + col")],
 }
 
 _INDEX_MACROS = """#define DIV(a, b) ((a) / (b))
-#define MOD(a, b) ((a) % (b))"""
+#define MOD(a, b) ((a) % (b))
+#define SEL(c, a, b) ((c) ? (a) : (b))"""
 
 
 def _c_lines(table: str, indent: str) -> list[str]:
@@ -205,7 +221,8 @@ class Kernel:
 
 def entry_name(spec: AttentionSpec) -> str:
     key = (f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed}"
-           f" {spec.has_mask} {spec.has_bias}" + (" nan_to_zero" if spec.nan_to_zero else ""))
+           f" {spec.has_mask} {spec.has_bias}" + (" nan_to_zero" if spec.nan_to_zero else "")
+           + (f" heads_first{spec.heads_first}" if spec.heads_first else ""))
     return "onnxfuse_attn_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
