@@ -71,6 +71,8 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from .emit import CSource
+
 ABI_VERSION = 2  # 2: the bias pointer after the mask's
 ROWS = 4  # query rows (warps) per block
 MAX_HEAD_DIM = 256  # dh and dv the kernel supports (shared memory and accumulators)
@@ -189,10 +191,6 @@ _INDEX_MACROS = """#define DIV(a, b) ((a) / (b))
 #define SEL(c, a, b) ((c) ? (a) : (b))"""
 
 
-def _c_lines(table: str, indent: str) -> list[str]:
-    return [f"{indent}const auto {name} = {expr};" for name, expr in INDEX[table]]
-
-
 @dataclass(frozen=True)
 class Kernel:
     """A generated Attention kernel and its launch rule."""
@@ -231,125 +229,81 @@ def generate(spec: AttentionSpec) -> Kernel:
         raise ValueError(f"head sizes dh {spec.dh}, dv {spec.dv} exceed {MAX_HEAD_DIM}")
     entry = entry_name(spec)
     c = spec.constants()
-    consts = ", ".join(f"{k} = {v}" for k, v in c.items())
-    L = [
-        f"// onnxfuse Attention kernel (ABI {ABI_VERSION}): {spec}",
-        "#include <math.h>",
-        _INDEX_MACROS,
-        f"struct {entry}_args {{",
-        "  const float* q; const float* k; const float* v;",
-        "  const float* mask;  // nullptr without one",
-        "  const float* bias;  // nullptr without one",
-        "  float* out;",
-        "  long long batch; long long sq; long long sk;",
-        "  long long mask_strides[4];",
-        "};",
-        f'extern "C" __global__ void __launch_bounds__({c["THREADS"]}) {entry}(const {entry}_args a) {{',
-        f"  constexpr int {consts};",
-        f"  const float scale = __int_as_float({float_bits(spec.scale):#010x});  // {spec.scale!r}",
-        "  const unsigned FULL = 0xffffffffu;",
-        "  __shared__ float qs[ROWS][DH];",
-        "  __shared__ float ks[TILE * KS];",
-        "  __shared__ float vs[TILE * DV];",
-        "  const int tid = threadIdx.x;",
-        "  const int warp = tid >> 5, lane = tid & 31;",
-        "  const long long sq = a.sq, sk = a.sk;",
-        "  const long long bid = blockIdx.x;",
-        "  const long long ms0 = a.mask_strides[0], ms1 = a.mask_strides[1], ms2 = a.mask_strides[2],"
-        " ms3 = a.mask_strides[3];",
-        "  (void)ms0; (void)ms1; (void)ms2; (void)ms3;",
-    ]
-    L += _c_lines("block", "  ")
-    L += [
-        "  for (int d = lane; d < DH; d += 32) {",
-    ]
-    L += _c_lines("q_load", "    ")
-    L += [
-        "    qs[warp][d] = row_ok ? (HAS_BIAS ? a.q[q_src] + a.bias[qb_src] : a.q[q_src]) : 0.0f;",
-        "  }",
-        "  float m = -INFINITY, l = 0.0f;",
-        "  float acc[DVL];",
-        "#pragma unroll",
-        "  for (int c = 0; c < DVL; ++c) acc[c] = 0.0f;",
-        "  for (long long t0 = 0; t0 < sk; t0 += TILE) {",
-        "    __syncthreads();  // the previous tile is consumed (the first time: no effect)",
-        "    for (int e = tid; e < TILE * DH; e += THREADS) {",
-    ]
-    L += _c_lines("k_load", "      ")
-    L += [
-        "      ks[k_dst] = k_ok ? (HAS_BIAS ? a.k[k_src] + a.bias[kb_src] : a.k[k_src]) : 0.0f;",
-        "    }",
-        "    for (int e = tid; e < TILE * DV; e += THREADS) {",
-    ]
-    L += _c_lines("v_load", "      ")
-    L += [
-        "      vs[v_dst] = v_ok ? (HAS_BIAS ? a.v[v_src] + a.bias[vb_src] : a.v[v_src]) : 0.0f;",
-        "    }",
-        "    __syncthreads();",
-        "    const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;",
-        "    if (row_ok) {  // uniform in the warp: every lane takes part in the shuffles below",
-        "      float score = -INFINITY;",
-        "      if (lane < n_valid) {",
-        "        float dot = 0.0f;",
-        "#pragma unroll 8",
-        "        for (int d = 0; d < DH; ++d) dot = fmaf(qs[warp][d], ks[lane * KS + d], dot);",
-        "        score = dot * scale;",
-        "        if (HAS_MASK) {",
-    ]
-    L += _c_lines("mask", "          ")
-    L += [
-        "          score += a.mask[m_src];",
-        "        }",
-        "      }",
-        "      float tile_max = score;",
-        "#pragma unroll",
-        "      for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
-        "      const float m_new = fmaxf(m, tile_max);",
-        "      // Skipped only when every score so far is -inf: fmaxf drops NaN, and a NaN score must",
-        "      // make the row NaN (m_new uniform in the warp, so every lane takes part in the vote).",
-        "      if (m_new != -INFINITY || __any_sync(FULL, isnan(score))) {",
-        "        const float corr = expf(m - m_new);",
-        "        const float p = expf(score - m_new);",
-        "        float p_sum = p;",
-        "#pragma unroll",
-        "        for (int o = 16; o > 0; o >>= 1) p_sum += __shfl_xor_sync(FULL, p_sum, o);",
-        "        l = l * corr + p_sum;",
-        "#pragma unroll",
-        "        for (int c = 0; c < DVL; ++c) acc[c] *= corr;",
-        "        for (int j = 0; j < n_valid; ++j) {",
-        "          const float pj = __shfl_sync(FULL, p, j);",
-        "#pragma unroll",
-        "          for (int c = 0; c < DVL; ++c) {",
-        "            const int col = lane + 32 * c;",
-        "            if (col < DV) acc[c] = fmaf(pj, vs[j * DV + col], acc[c]);",
-        "          }",
-        "        }",
-        "        m = m_new;",
-        "      }",
-        "    }",
-        "  }",
-        "  if (row_ok) {",
-        "#pragma unroll",
-        "    for (int c = 0; c < DVL; ++c) {",
-        "      const int col = lane + 32 * c;",
-        "      if (col >= DV) continue;",
-    ]
-    L += _c_lines("store", "      ")
-    L += [
-        "      float o = sk > 0 ? acc[c] / l : 0.0f;",
-        "      if (NAN_TO_ZERO && sk > 0 && !(l > 0.0f)) {  // the row's probabilities are NaN: 0 * v",
-        "        o = 0.0f;",
-        "        for (long long t = 0; t < sk; ++t) {",
-    ]
-    L += _c_lines("zero_row", "          ")
-    L += [
-        "          o += 0.0f * (HAS_BIAS ? a.v[z_src] + a.bias[zb_src] : a.v[z_src]);",
-        "        }",
-        "      }",
-        "      a.out[o_dst] = o;",
-        "    }",
-        "  }",
-        "}",
-        "",
-    ]
-    return Kernel(entry, "\n".join(L), spec, c["THREADS"], ROWS)
+    src = CSource()
+    src.line(f"// onnxfuse Attention kernel (ABI {ABI_VERSION}): {spec}", "#include <math.h>").raw(_INDEX_MACROS)
+    with src.block(f"struct {entry}_args", end="};"):
+        src.line("const float* q; const float* k; const float* v;", "const float* mask;  // nullptr without one",
+                 "const float* bias;  // nullptr without one", "float* out;",
+                 "long long batch; long long sq; long long sk;", "long long mask_strides[4];")
+    with src.block(f'extern "C" __global__ void __launch_bounds__({c["THREADS"]}) {entry}(const {entry}_args a)'):
+        _body(src, spec, c)
+    return Kernel(entry, src.text(), spec, c["THREADS"], ROWS)
+
+
+def _body(src: CSource, spec: AttentionSpec, c: dict) -> None:
+    src.constants(c)
+    src.line(f"const float scale = __int_as_float({float_bits(spec.scale):#010x});  // {spec.scale!r}",
+             "const unsigned FULL = 0xffffffffu;",
+             "__shared__ float qs[ROWS][DH];", "__shared__ float ks[TILE * KS];", "__shared__ float vs[TILE * DV];",
+             "const int tid = threadIdx.x;", "const int warp = tid >> 5, lane = tid & 31;",
+             "const long long sq = a.sq, sk = a.sk;", "const long long bid = blockIdx.x;",
+             "const long long ms0 = a.mask_strides[0], ms1 = a.mask_strides[1], ms2 = a.mask_strides[2],"
+             " ms3 = a.mask_strides[3];",
+             "(void)ms0; (void)ms1; (void)ms2; (void)ms3;")
+    src.decls(INDEX["block"])
+    with src.block("for (int d = lane; d < DH; d += 32)"):
+        src.decls(INDEX["q_load"])
+        src.line("qs[warp][d] = row_ok ? (HAS_BIAS ? a.q[q_src] + a.bias[qb_src] : a.q[q_src]) : 0.0f;")
+    src.line("float m = -INFINITY, l = 0.0f;", "float acc[DVL];").pragma("unroll")
+    src.line("for (int c = 0; c < DVL; ++c) acc[c] = 0.0f;")
+    with src.block("for (long long t0 = 0; t0 < sk; t0 += TILE)"):
+        src.line("__syncthreads();  // the previous tile is consumed (the first time: no effect)")
+        with src.block("for (int e = tid; e < TILE * DH; e += THREADS)"):
+            src.decls(INDEX["k_load"])
+            src.line("ks[k_dst] = k_ok ? (HAS_BIAS ? a.k[k_src] + a.bias[kb_src] : a.k[k_src]) : 0.0f;")
+        with src.block("for (int e = tid; e < TILE * DV; e += THREADS)"):
+            src.decls(INDEX["v_load"])
+            src.line("vs[v_dst] = v_ok ? (HAS_BIAS ? a.v[v_src] + a.bias[vb_src] : a.v[v_src]) : 0.0f;")
+        src.line("__syncthreads();", "const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;")
+        with src.block("if (row_ok)", comment="uniform in the warp: every lane takes part in the shuffles below"):
+            _tile_softmax(src)
+    with src.block("if (row_ok)"):
+        src.pragma("unroll")
+        with src.block("for (int c = 0; c < DVL; ++c)"):
+            src.line("const int col = lane + 32 * c;", "if (col >= DV) continue;")
+            src.decls(INDEX["store"])
+            src.line("float o = sk > 0 ? acc[c] / l : 0.0f;")
+            with src.block("if (NAN_TO_ZERO && sk > 0 && !(l > 0.0f))", comment="the row's probabilities are NaN: 0 * v"):
+                src.line("o = 0.0f;")
+                with src.block("for (long long t = 0; t < sk; ++t)"):
+                    src.decls(INDEX["zero_row"])
+                    src.line("o += 0.0f * (HAS_BIAS ? a.v[z_src] + a.bias[zb_src] : a.v[z_src]);")
+            src.line("a.out[o_dst] = o;")
+
+
+def _tile_softmax(src: CSource) -> None:
+    """A warp's scores against the tile's keys (lane j: key t0 + j) and the online-softmax step."""
+    src.line("float score = -INFINITY;")
+    with src.block("if (lane < n_valid)"):
+        src.line("float dot = 0.0f;").pragma("unroll 8")
+        src.line("for (int d = 0; d < DH; ++d) dot = fmaf(qs[warp][d], ks[lane * KS + d], dot);",
+                 "score = dot * scale;")
+        with src.block("if (HAS_MASK)"):
+            src.decls(INDEX["mask"])
+            src.line("score += a.mask[m_src];")
+    src.line("float tile_max = score;").pragma("unroll")
+    src.line("for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
+             "const float m_new = fmaxf(m, tile_max);",
+             "// Skipped only when every score so far is -inf: fmaxf drops NaN, and a NaN score must",
+             "// make the row NaN (m_new uniform in the warp, so every lane takes part in the vote).")
+    with src.block("if (m_new != -INFINITY || __any_sync(FULL, isnan(score)))"):
+        src.line("const float corr = expf(m - m_new);", "const float p = expf(score - m_new);",
+                 "float p_sum = p;").pragma("unroll")
+        src.line("for (int o = 16; o > 0; o >>= 1) p_sum += __shfl_xor_sync(FULL, p_sum, o);",
+                 "l = l * corr + p_sum;").pragma("unroll")
+        src.line("for (int c = 0; c < DVL; ++c) acc[c] *= corr;")
+        with src.block("for (int j = 0; j < n_valid; ++j)"):
+            src.line("const float pj = __shfl_sync(FULL, p, j);").pragma("unroll")
+            with src.block("for (int c = 0; c < DVL; ++c)"):
+                src.line("const int col = lane + 32 * c;", "if (col < DV) acc[c] = fmaf(pj, vs[j * DV + col], acc[c]);")
+        src.line("m = m_new;")
