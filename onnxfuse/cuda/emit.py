@@ -63,8 +63,9 @@ class CSource:
 
     @contextmanager
     def block(self, head: str, end: str = "}", comment: str = "") -> Iterator[CSource]:
-        """`head {` (then `  // comment`), the body one level deeper, then `end` (`};` for a struct)."""
-        self.line(f"{head} {{" + (f"  // {comment}" if comment else ""))
+        """`head {` (then `  // comment`), the body one level deeper, then `end` (`};` for a struct);
+        an empty head opens a bare scope."""
+        self.line((f"{head} {{" if head else "{") + (f"  // {comment}" if comment else ""))
         self.depth += 1
         try:
             yield self
