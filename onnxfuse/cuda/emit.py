@@ -73,6 +73,15 @@ class CSource:
             self.depth -= 1
         self.line(end)
 
+    @contextmanager
+    def indented(self) -> Iterator[CSource]:
+        """One level deeper without braces: the statement of an unbraced `for`."""
+        self.depth += 1
+        try:
+            yield self
+        finally:
+            self.depth -= 1
+
     def extend(self, lines: Iterable[str]) -> CSource:
         """Lines another helper built, already indented."""
         self.lines.extend(lines)
