@@ -4,6 +4,8 @@
 // shared stored-kernel layer (cuda_launch.h).
 //
 // Inputs (float32): qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask);
+// with heads_first bit 0 (q), 1 (k), 2 (v) set, that operand is [B, H, S, d] (read with head
+// stride S*d: the generated kernel was specialised for the bits);
 // qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask), q, k, v read in place at its column offsets
 // 0, H*dh, 2*H*dh. mask: additive, broadcastable (rank <= 4) to [B, H, Sq, Sk]. bias (has_bias,
 // packed only): [3*H*dh], added to qkv's columns as the kernel reads them. Output
@@ -36,6 +38,7 @@ struct CudaAttentionKernel {
   cuda::StoredKernel kernel;
   int64_t heads, dh, dv, rows, threads;
   bool packed, has_mask, has_bias;
+  int64_t heads_first;  // bit 0 q, 1 k, 2 v: that operand is [B, H, S, d]
 };
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
@@ -49,11 +52,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       return status;
     if (v[4] != 32 * v[3] || v[4] > 1024)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "cuda_block is not 32 * cuda_rows").c_str());
-    int64_t packed = 0, has_mask = 0, has_bias = 0, causal = 0;
+    int64_t packed = 0, has_mask = 0, has_bias = 0, causal = 0, heads_first = 0;
     cuda::int_attr(api, info, "qkv_packed", &packed);
     cuda::int_attr(api, info, "has_mask", &has_mask);
     cuda::int_attr(api, info, "has_bias", &has_bias);  // absent = 0
     cuda::int_attr(api, info, "causal", &causal);      // absent = 0
+    cuda::int_attr(api, info, "heads_first", &heads_first);  // absent = 0
     // fuse-attention writes causal = 1 for the CPU target alone; this kernel has no causal mode.
     if (causal != 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "causal = 1 is not implemented by the CUDA kernel "
@@ -69,8 +73,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "packed qkv needs cuda_dh == cuda_dv").c_str());
     if (has_bias && !packed)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "has_bias needs qkv_packed = 1").c_str());
+    if (heads_first < 0 || heads_first > 7 || (heads_first != 0 && packed))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (where + "heads_first must be a mask of bits 0-2 (q, k, v), and 0 with qkv_packed").c_str());
     *out = new CudaAttentionKernel{api,  where, cuda::StoredKernel(std::move(image)), v[0], v[1], v[2], v[3], v[4],
-                                   packed != 0, has_mask != 0, has_bias != 0};
+                                   packed != 0, has_mask != 0, has_bias != 0, heads_first};
     return nullptr;
   });
 }
@@ -98,14 +105,33 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
     ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ks, &kt, &kp), where);
     ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &vs, &vt, &vp), where);
     if (kt != f32 || vt != f32) return invalid("the kernel reads float32 tensors only");
-    if (qs.size() != 3 || ks.size() != 3 || vs.size() != 3 || qs[2] != H * k->dh || ks[2] != H * k->dh ||
-        vs[2] != H * k->dv || ks[0] != qs[0] || vs[0] != qs[0] || vs[1] != ks[1])
+    // Each operand's (B, S): [B, S, H*d], or [B, H, S, d] where its heads_first bit is set.
+    const std::vector<int64_t>* dims[3] = {&qs, &ks, &vs};
+    const int64_t widths[3] = {k->dh, k->dh, k->dv};
+    int64_t bs[3][2] = {};
+    bool fits = true;
+    for (int o = 0; o < 3; ++o) {
+      const std::vector<int64_t>& d = *dims[o];
+      if ((k->heads_first >> o) & 1) {
+        fits = fits && d.size() == 4 && d[1] == H && d[3] == widths[o];
+        if (d.size() == 4) bs[o][0] = d[0], bs[o][1] = d[2];
+      } else {
+        fits = fits && d.size() == 3 && d[2] == H * widths[o];
+        if (d.size() == 3) bs[o][0] = d[0], bs[o][1] = d[1];
+      }
+    }
+    if (!fits || bs[1][0] != bs[0][0] || bs[2][0] != bs[0][0] || bs[2][1] != bs[1][1]) {
+      auto form = [&](int o, const char* s) {
+        const std::string d = std::to_string(widths[o]);
+        return ((k->heads_first >> o) & 1) ? "[B, " + std::to_string(H) + ", " + s + ", " + d + "]"
+                                           : "[B, " + std::string(s) + ", " + std::to_string(H * widths[o]) + "]";
+      };
       return invalid("q " + dims_text(qs) + ", k " + dims_text(ks) + ", v " + dims_text(vs) +
-                     " do not fit the kernel's [B, Sq, " + std::to_string(H * k->dh) + "], [B, Sk, " +
-                     std::to_string(H * k->dh) + "], [B, Sk, " + std::to_string(H * k->dv) + "]");
-    batch = qs[0];
-    sq = qs[1];
-    sk = ks[1];
+                     " do not fit the kernel's " + form(0, "Sq") + ", " + form(1, "Sk") + ", " + form(2, "Sk"));
+    }
+    batch = bs[0][0];
+    sq = bs[0][1];
+    sk = bs[1][1];
   }
   // The mask's element strides over [B, H, Sq, Sk]; 0 where it broadcasts.
   int64_t mask_strides[4] = {0, 0, 0, 0};

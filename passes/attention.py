@@ -572,11 +572,6 @@ def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
         from onnxfuse.cuda.attention_codegen import supported
 
         matches = [m for m in matches if supported(m.q.width, m.v.width)]
-        for m in [m for m in matches if m.q.heads_first or m.k.heads_first or m.v.heads_first]:
-            softmax = next(n for n in m.nodes if gu.is_op(n, "Softmax"))
-            _no(ctx, softmax, "q, k or v is read heads first ([B, H, S, d], after a prologue): the CUDA kernel"
-                              " reads head splits of [B, S, H*d] alone")
-        matches = [m for m in matches if not (m.q.heads_first or m.k.heads_first or m.v.heads_first)]
     sums: dict = {}  # summed mask terms, one Add per pair (_summed_mask)
     for m in matches:
         rewrite(graph, m, ctx, sums)

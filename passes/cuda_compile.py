@@ -7,7 +7,8 @@
                onnxfuse nodes that carry a generated kernel (cuda_source + cuda_entry) but no cubin
     condition: --target cuda; runs after every fusion pass (order 900); an Attention node gets a
                kernel only when every attribute it carries is one the generator implements
-               (attention_codegen.NODE_ATTRIBUTES) and it is not in the CPU-only causal mode
+               (attention_codegen.NODE_ATTRIBUTES) and it is not in the CPU-only causal mode;
+               a heads_first operand [B, H, S, d] gives its head size by its last dim
     rewrite:   attributes read by the CUDA-EP kernels (kernels/cuda_launch.h):
                  cuda_entry  the kernel's extern "C" name
                  cuda_arch   the cubin's architecture (--arch, default sm_90)
@@ -65,7 +66,8 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
     has_mask = bool(int(node.attrs.get("has_mask", 0)))
     has_bias = bool(int(node.attrs.get("has_bias", 0)))
     nan_to_zero = bool(int(node.attrs.get("nan_to_zero", 0)))
-    if heads < 1 or not node.inputs:
+    first_bits = int(node.attrs.get("heads_first", 0))
+    if heads < 1 or not node.inputs or not 0 <= first_bits <= 7 or (first_bits and packed):
         return None
     if int(node.attrs.get("causal", 0)):
         return None  # fuse-attention's CPU-only causal mode: the generated kernel has none
@@ -83,15 +85,19 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
         if len(node.inputs) < 3:
             return None
         vdim = _static_last_dim(node.inputs[2], shapes)
-        if vdim is None or first % heads or vdim % heads:
+        if vdim is None:
             return None
-        dh, dv = first // heads, vdim // heads
+        # [B, S, H*d], or [B, H, S, d] (last dim d) where the operand's heads_first bit is set
+        (dh, q_split), (dv, v_split) = ((d, False) if first_bits >> bit & 1 else (d // heads, d % heads != 0)
+                                        for d, bit in ((first, 0), (vdim, 2)))
+        if q_split or v_split:
+            return None
     if not attention_codegen.supported(dh, dv):
         return None
     if has_bias and not packed:
         return None
     return attention_codegen.AttentionSpec(heads, dh, dv, float(node.attrs.get("scale", 1.0)), packed, has_mask,
-                                           has_bias, nan_to_zero)
+                                           has_bias, nan_to_zero, first_bits)
 
 
 def shuffle_spec(node: gs.Node, shapes: facts.ShapeTable) -> shuffle_codegen.ShuffleSpec | None:

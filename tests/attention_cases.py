@@ -26,6 +26,13 @@ class Case:
     bias: bool = False  # packed only: the projection's bias [3*H*dh] (has_bias)
     causal: int = 0  # N > 0: no mask input; the top-left [Sq, Sk] of triu(-1e9, 1) [N, N] (causal = 1)
     nan_to_zero: bool = False  # Where(IsNaN(p), 0, p) after the Softmax (the node's nan_to_zero = 1)
+    heads_first: int = 0  # bit 0 q, 1 k, 2 v: that input is [B, H, S, d] (a prologue's output)
+
+    def shape_of(self, name: str, batch, s, h, d) -> list:
+        """An unpacked operand's shape: [B, S, H*d], or [B, H, S, d] when its heads_first bit is set."""
+        if self.heads_first >> "qkv".index(name) & 1:
+            return [batch, h, s, d]
+        return [batch, s, h * d]
 
     @property
     def has_mask(self) -> bool:
@@ -38,11 +45,8 @@ class Case:
         if self.packed:
             out = {"qkv": rng.normal(size=(self.batch, self.sq, 3 * h * self.dh)).astype(np.float32)}
         else:
-            out = {
-                "q": rng.normal(size=(self.batch, self.sq, h * self.dh)).astype(np.float32),
-                "k": rng.normal(size=(self.batch, self.sk, h * self.dh)).astype(np.float32),
-                "v": rng.normal(size=(self.batch, self.sk, h * self.dv)).astype(np.float32),
-            }
+            out = {n: rng.normal(size=self.shape_of(n, self.batch, s, h, d)).astype(np.float32)
+                   for n, s, d in (("q", self.sq, self.dh), ("k", self.sk, self.dh), ("v", self.sk, self.dv))}
         if self.has_mask:
             out["mask"] = np.asarray(rng.normal(size=self.mask_shape) * 2, np.float32)
         if self.bias:
@@ -57,7 +61,7 @@ class Case:
         if self.causal:
             mask = np.triu(np.full((self.sq, self.sk), -np.inf), 1)
         spec = AttentionSpec(self.heads, self.dh, self.dv, self.scale, self.packed, mask is not None, self.bias,
-                             self.nan_to_zero)
+                             self.nan_to_zero, self.heads_first)
         if self.packed:
             return reference(spec, feeds["qkv"], mask=mask, bias=feeds.get("bias"))
         return reference(spec, feeds["q"], feeds["k"], feeds["v"], mask)
@@ -88,12 +92,16 @@ def reference_nodes(c: Case) -> tuple[list[onnx.NodeProto], list[str]]:
     nodes += [
         _ints("qk_heads", [0, 0, h, c.dh]), _ints("v_heads", [0, 0, h, c.dv]), _ints("merged", [0, 0, h * c.dv]),
         helper.make_node("Constant", [], ["scale"], value=numpy_helper.from_array(np.array(c.scale, np.float32), "scale")),
-        helper.make_node("Reshape", ["q", "qk_heads"], ["q4"]),
-        helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
-        helper.make_node("Reshape", ["k", "qk_heads"], ["k4"]),
-        helper.make_node("Transpose", ["k4"], ["khT"], perm=[0, 2, 3, 1]),
-        helper.make_node("Reshape", ["v", "v_heads"], ["v4"]),
-        helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+    ]
+    for name, heads, perm, out in (("q", "qk_heads", [0, 2, 1, 3], "qh"), ("k", "qk_heads", [0, 2, 3, 1], "khT"),
+                                   ("v", "v_heads", [0, 2, 1, 3], "vh")):
+        if c.heads_first >> "qkv".index(name) & 1:  # already [B, H, S, d]
+            nodes.append(helper.make_node("Transpose", [name], [out], perm=[0, 1, 3, 2]) if name == "k"
+                         else helper.make_node("Identity", [name], [out]))
+        else:
+            nodes += [helper.make_node("Reshape", [name, heads], [f"{name}4"]),
+                      helper.make_node("Transpose", [f"{name}4"], [out], perm=perm)]
+    nodes += [
         helper.make_node("MatMul", ["qh", "khT"], ["scores"]),
         helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
     ]
@@ -138,9 +146,8 @@ def _value_infos(c: Case) -> tuple[list, list]:
     if c.packed:
         ins = [helper.make_tensor_value_info("qkv", f, ["batch", "sq", 3 * h * c.dh])]
     else:
-        ins = [helper.make_tensor_value_info("q", f, ["batch", "sq", h * c.dh]),
-               helper.make_tensor_value_info("k", f, ["batch", sk, h * c.dh]),
-               helper.make_tensor_value_info("v", f, ["batch", sk, h * c.dv])]
+        ins = [helper.make_tensor_value_info(n, f, c.shape_of(n, "batch", s, h, d))
+               for n, s, d in (("q", "sq", c.dh), ("k", sk, c.dh), ("v", sk, c.dv))]
     if c.has_mask:
         # Symbolic dims: one model serves other sizes, and a wrong mask reaches the kernel's check.
         ins.append(helper.make_tensor_value_info("mask", f, [f"mask_d{i}" for i in range(len(c.mask_shape))]))
@@ -168,6 +175,7 @@ def fused_model(c: Case) -> onnx.ModelProto:
                             num_heads=c.heads, scale=float(c.scale), has_mask=int(c.has_mask),
                             qkv_packed=int(c.packed), **({"has_bias": 1} if c.bias else {}),
                             **({"nan_to_zero": 1} if c.nan_to_zero else {}),
+                            **({"heads_first": c.heads_first} if c.heads_first else {}),
                             **({"causal": 1, "causal_max_queries": c.causal, "causal_max_keys": c.causal}
                                if c.causal else {}))
     node.overload = "Attention_0"
@@ -216,6 +224,19 @@ NAN_TO_ZERO_CASES = [
 ]
 
 
+# heads_first (both kernels): q and k rotated by a prologue after the head split with v a head split
+# (Phi-3: 3), all three [B, H, S, d] (GPT-NeoX's per-head projection: 7), a decode step (one query,
+# keys and values Concat(past, new): 6 or 7), q alone (1), odd head sizes, several key tiles.
+HEADS_FIRST_CASES = [
+    Case(2, 32, 32, 2, 9, 9, mask_shape=(2, 1, 1, 9), nan_to_zero=True, heads_first=3),
+    Case(4, 16, 16, 3, 17, 17, mask_shape=(3, 1, 1, 17), nan_to_zero=True, heads_first=7),
+    Case(2, 64, 64, 2, 1, 70, mask_shape=(2, 1, 1, 70), heads_first=7),
+    Case(3, 24, 40, 1, 1, 33, mask_shape=(1, 1, 1, 33), heads_first=6),
+    Case(2, 20, 12, 2, 11, 5, heads_first=1),
+    Case(2, 96, 96, 1, 5, 40, mask_shape=(5, 40), heads_first=4),
+]
+
+
 def padding_masked(c: Case, feeds: dict, seed: int = 0) -> dict:
     """feeds with a 0 / -inf mask: about 30 % of the keys masked at random, every key of batch 0
     masked (its rows' probabilities are NaN: the guard makes them 0), and in the other batches
@@ -233,5 +254,5 @@ def case_id(c: Case) -> str:
     mask = "nomask" if c.mask_shape is None else "mask" + "x".join(map(str, c.mask_shape)) if c.mask_shape else "mask0d"
     if c.causal:
         mask = f"causal{c.causal}"
-    guard = "-nan_to_zero" if c.nan_to_zero else ""
+    guard = ("-nan_to_zero" if c.nan_to_zero else "") + (f"-first{c.heads_first}" if c.heads_first else "")
     return f"{'packed' if c.packed else 'qkv'}{'-bias' if c.bias else ''}{guard}-h{c.heads}-dh{c.dh}-dv{c.dv}-b{c.batch}-sq{c.sq}-sk{c.sk}-{mask}"

@@ -8,7 +8,8 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from attention_cases import CASES, NAN_TO_ZERO_CASES, Case, case_id, fused_model, padding_masked, plain_model
+from attention_cases import (CASES, HEADS_FIRST_CASES, NAN_TO_ZERO_CASES, Case, case_id, fused_model, padding_masked,
+                             plain_model)
 
 from onnxfuse.cuda import attention_codegen as ac
 from onnxfuse.cuda import attention_model as am
@@ -18,7 +19,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA
 
 
 def spec_of(c: Case) -> AttentionSpec:
-    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask, c.bias, c.nan_to_zero)
+    return AttentionSpec(c.heads, c.dh, c.dv, c.scale, c.packed, c.has_mask, c.bias, c.nan_to_zero, c.heads_first)
 
 
 def run_model(c: Case, feeds: dict) -> np.ndarray:
@@ -159,6 +160,47 @@ def test_cpu_kernel_and_kernel_model_agree_on_nan_to_zero_rows(case):
     np.testing.assert_allclose(got, cpu, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", HEADS_FIRST_CASES, ids=case_id)
+def test_kernel_model_reads_heads_first_operands_like_the_cpu_kernel_and_the_fallback(case):
+    # [B, H, S, d] operands (a rotary prologue's outputs, a decode step's Concat(past, new)): the
+    # model of the kernel against the direct attention, the CPU kernel and the fallback function.
+    feeds = case.feeds(seed=15)
+    if case.nan_to_zero:
+        feeds = padding_masked(case, feeds, seed=15)
+    got = run_model(case, feeds)
+    assert got.shape == (case.batch, case.sq, case.heads * case.dv)
+    want = case.reference(feeds)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=2e-6, atol=2e-6)
+    for with_library in (False, True):  # the fallback function, then kernels/attention_cpu.cc
+        ort = onnxruntime_outputs(fused_model(case), feeds, with_library=with_library)
+        assert_same_special_values(got, ort, f"with_library={with_library}")
+        np.testing.assert_allclose(got, ort, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("table,right,wrong", [
+    ("q_load", "(bh * sq + s) * DH + d", "((b * sq + s) * H + h) * DH + d"),  # q read as [B, S, H, d]
+    ("k_load", "(bh * sk + t0 + kt) * DH + kd", "((b * sk + t0 + kt) * H + h) * DH + kd"),  # k too
+    ("v_load", "(bh * sk + t0 + vt) * DV + vd", "((b + h) * sk + t0 + vt) * DV + vd"),  # batches a head apart
+])
+def test_a_heads_first_stride_mistake_is_caught_by_the_model(monkeypatch, table, right, wrong):
+    c = HEADS_FIRST_CASES[1]  # heads_first 7, batch 3
+    feeds = c.feeds(seed=16)
+    assert any(right in e for _, e in ac.INDEX[table])
+    broken = {**ac.INDEX, table: [(n, e.replace(right, wrong)) for n, e in ac.INDEX[table]]}
+    monkeypatch.setattr(am, "INDEX", broken)
+    with pytest.raises((AssertionError, IndexError)):  # wrong values, or a read past the operand
+        assert_matches(run_model(c, feeds), c.reference(feeds), f"{right} read as {wrong}")
+
+
+def test_heads_first_with_packed_qkv_is_refused():
+    with pytest.raises(ValueError):
+        AttentionSpec(2, 32, 32, 0.125, True, heads_first=1)
+    with pytest.raises(ValueError):
+        AttentionSpec(2, 32, 32, 0.125, heads_first=8)
+
+
 def test_kernel_model_with_no_keys_writes_zeros_like_an_empty_matmul():
     c = Case(2, 32, 48, 2, 5, 0, mask_shape=(1, 1, 5, 0))
     got = run_model(c, c.feeds())
@@ -244,7 +286,8 @@ def test_entry_is_deterministic_and_names_the_specialisation():
               AttentionSpec(4, 32, 32, 0.125, True, False), AttentionSpec(2, 32, 32, 0.125, True, True),
               AttentionSpec(4, 64, 64, 0.125, True, True), AttentionSpec(4, 32, 32, 0.125, True, True, True),
               AttentionSpec(4, 32, 32, 0.125, True, True, nan_to_zero=True)]
-    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 8
+    others += [AttentionSpec(4, 32, 32, 0.125, False, True, heads_first=b) for b in (1, 3, 6, 7)]
+    assert len({k1.entry, *(ac.generate(o).entry for o in others)}) == 12
     assert "__int_as_float(0x3e000000)" in k1.source  # the scale, bit-exact
 
 
@@ -270,7 +313,10 @@ def test_launch_rule_covers_every_query_row():
 # ---------------------------------------------------------------- nvcc / ptxas ----------------------
 
 
-SPECS = sorted({spec_of(c) for c in CASES + NAN_TO_ZERO_CASES} | {AttentionSpec(2, 256, 256, 0.0625, False, True),
+SPECS = sorted({spec_of(c) for c in CASES + NAN_TO_ZERO_CASES + HEADS_FIRST_CASES} | {
+                                              AttentionSpec(32, 96, 96, 96 ** -0.5, False, True, False, True, 3),
+                                              AttentionSpec(32, 128, 128, 128 ** -0.5, False, True, heads_first=7),
+                                              AttentionSpec(8, 256, 256, 0.0625, False, True, heads_first=6),AttentionSpec(2, 256, 256, 0.0625, False, True),
                                               AttentionSpec(3, 7, 5, 1.0, False, True),
                                               AttentionSpec(12, 64, 64, 0.125, True, True),
                                               AttentionSpec(12, 64, 64, 0.125, True, True, True)}, key=str)
@@ -296,7 +342,7 @@ def _optimize_cuda(model):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=case_id)
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], HEADS_FIRST_CASES[0], HEADS_FIRST_CASES[3]], ids=case_id)
 def test_cuda_compile_pass_stores_the_attention_kernel_and_launch_constants(case, tmp_path, monkeypatch):
     from onnxfuse.cuda.compile import check_ptx
 
@@ -339,6 +385,19 @@ def test_cuda_compile_pass_gives_no_kernel_to_an_attention_node_with_an_attribut
     node.attrs["cuda_entry"] = "a kernel's own attribute"
     assert attention_spec(node) == spec_of(CASES[4])
     node.attrs["kv_num_heads"] = 2  # grouped heads: a form the generator does not know
+    assert attention_spec(node) is None
+
+
+@pytest.mark.parametrize("case", HEADS_FIRST_CASES, ids=case_id)
+def test_cuda_compile_pass_reads_head_sizes_of_heads_first_operands_from_their_last_dim(case):
+    from onnxfuse.passes.cuda_compile import attention_spec
+
+    import onnx_graphsurgeon as gs
+
+    (node,) = gs.import_onnx(fused_model(case)).nodes
+    spec = attention_spec(node)
+    assert spec == spec_of(case) and spec.heads_first == case.heads_first
+    node.attrs["qkv_packed"] = 1  # a contract the kernel does not have: no kernel
     assert attention_spec(node) is None
 
 

@@ -30,12 +30,12 @@ FAST_ATTENTION = ("bert_ts",)
 # generated kernel), or onnxruntime's Attention / MultiHeadAttention from the onnxscript-fusions
 # stage's attention groups (CUDA kernels of onnxruntime's own). None: the attention stays its
 # chain, Softmax included. llama_ts: the CPU target writes GroupQueryAttention, whose CUDA kernel
-# takes float16 and bfloat16 only, and onnxscript's MultiHeadAttention rules do not match the
-# TorchScript export's form.
+# takes float16 and bfloat16 only; on cuda the generated kernel reads the rotary's q and k (and
+# the repeated v) heads first.
 ATTENTION_ON_CUDA = {
     "bert_ts": "onnxfuse.Attention", "bert_dynamo": "com.microsoft.Attention",
     "gpt2_ts": "onnxfuse.Attention", "gpt2_dynamo": "com.microsoft.MultiHeadAttention",
-    "llama_ts": None, "llama_dynamo": "com.microsoft.MultiHeadAttention",
+    "llama_ts": "onnxfuse.Attention", "llama_dynamo": "com.microsoft.MultiHeadAttention",
     "t5_encoder_ts": "onnxfuse.Attention", "t5_encoder_dynamo": "onnxfuse.Attention",
     "whisper_encoder_ts": "onnxfuse.Attention", "whisper_encoder_dynamo": "com.microsoft.MultiHeadAttention",
     "vit_ts": "onnxfuse.Attention", "vit_dynamo": "onnxfuse.Attention",

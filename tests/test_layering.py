@@ -22,7 +22,7 @@ LAYERS = [
      "onnxfuse.ops.conv_bias_act", "onnxfuse.ops.attention", "onnxfuse.ops.channel_shuffle",
      "onnxfuse.ops.squeeze_excite", "onnxfuse.ops.stacked_mlp", "onnxfuse.target", "onnxfuse.optimize_options", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize",
      "onnxfuse.modelsave", "onnxfuse.modelfields", "onnxfuse.errors", "onnxfuse.weights", "onnxfuse.outfiles",
-     "onnxfuse.records", "onnxfuse.protowire",
+     "onnxfuse.records", "onnxfuse.protowire", "onnxfuse.cuda.emit",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort
     {"onnxfuse.inputs", "onnxfuse.dimchoice", "onnxfuse.compare", "onnxfuse.verify", "onnxfuse.region_verify",
      "onnxfuse.profile",

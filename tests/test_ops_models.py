@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 from onnxfuse import ops, runtime
 from onnxfuse.fused import DOMAIN
 from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
-from attention_models import attention_model
+from attention_models import attention_model, rotary_attention_model
 from small_models import float_model
 from test_pass_channel_shuffle import shuffle_unit
 from test_pass_matmul_batch import ensemble_model
@@ -96,6 +96,14 @@ def test_stacked_mlp_model_is_the_stacked_ensemble():
 def test_attention_model_is_the_attention_subgraph(packed):
     m = attention_model(packed=packed)
     assert check_models_of_fused_nodes(m, ["fuse-attention"], sizes={"B": 2, "S": 5, "Sq": 5, "Sk": 5}) == {"Attention"}
+
+
+@pytest.mark.parametrize("layout", ["per_head", "split"])
+def test_attention_model_reads_heads_first_operands(layout):
+    # A partial rotary between the head split and the scores: q and k (and GPT-NeoX's v) are read
+    # [B, H, S, d], with heads_first, an attribute of the op's contract.
+    m = rotary_attention_model(layout=layout)
+    assert check_models_of_fused_nodes(m, ["fuse-attention"], sizes={"B": 2, "S": 5}) == {"Attention"}
 
 
 def test_conv_bias_act_model_is_the_convolution_and_its_epilogue():

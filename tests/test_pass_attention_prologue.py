@@ -63,13 +63,27 @@ def test_q_heads_read_outside_the_chain_are_read_heads_first():
     check_runs_like_original(m, opt, [feeds_for(m, b, s) for b, s in ((1, 1), (2, 5))])
 
 
-def test_cuda_target_leaves_heads_first_operands_with_a_reason():
-    from onnxfuse.pipeline import Context, PassOptions, run_passes, select_passes
+@pytest.mark.parametrize("layout,rotary_dim,qk_norm,first", [("per_head", 4, False, 7), ("split", 4, True, 3)])
+def test_cuda_target_fuses_heads_first_operands_and_gives_them_a_kernel(layout, rotary_dim, qk_norm, first,
+                                                                         tmp_path, monkeypatch):
+    # The generated CUDA kernel reads [B, H, S, d] operands (attention_codegen, heads_first): the
+    # cuda target fuses the prologue's attention as the CPU target does, and cuda-compile stores a
+    # kernel ptxas accepts for sm_90 (where the CUDA toolkit is installed).
+    import shutil
 
-    m = rotary_attention_model(layout="split")
-    ctx = Context(target="cuda", options=PassOptions.from_mapping(
-        {"pipeline": [p.name for p in select_passes(None, "cuda")], "attention_cuda": True}))
-    _, stats = run_passes(m, select_passes(PASS, "cuda"), ctx)
-    assert sum(s.matches for s in stats) == 0
-    reasons = [r for rs in ctx.rejections.get("fuse-attention", {}).values() for r in rs]
-    assert any("heads first" in r for r in reasons)
+    m = rotary_attention_model(layout=layout, rotary_dim=rotary_dim, qk_norm=qk_norm)
+    opt, n = optimize(m, PASS, target="cuda", attention_cuda=True)
+    assert n == 1
+    [node] = fused(opt)
+    assert attrs(node)["heads_first"] == first
+    check_runs_like_original(m, opt, [feeds_for(m, b, s, seed=s) for b, s in ((1, 1), (2, 5))])
+    if shutil.which("nvcc") is None or shutil.which("ptxas") is None:
+        return
+    from onnxfuse.cuda import audit
+    from onnxfuse.pipeline import Context, run_passes, select_passes
+
+    monkeypatch.setenv("ONNXFUSE_CACHE_DIR", str(tmp_path))
+    compiled, _ = run_passes(opt, select_passes(["cuda-compile"], "cuda"), Context(target="cuda", arch="sm_90"))
+    [rec] = [r for r in audit.audit(compiled, "sm_90") if r.op == "Attention"]
+    assert rec.ok and f"heads first {'q,k,v' if first == 7 else 'q,k'}" in rec.form, (rec.problem, rec.form)
+    assert rec.ptxas.spill_stores == 0 and rec.ptxas.spill_loads == 0

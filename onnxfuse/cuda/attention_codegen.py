@@ -5,13 +5,19 @@ Contract of the op (float32):
     q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv]  ->  out [B, Sq, H*dv]
     out[b, s, h*dv + j] = sum_t softmax_t(scale * q[b,s,h,:].k[b,t,h,:] + mask[.., s, t]) * v[b, t, h, j]
 
+with `heads_first` (a bit per operand: 1 q, 2 k, 4 v; not with packing) that operand is [B, H, S, d]
+instead (q[b, s, h, i] = q[b, h, s, i]: the output of a prologue after the head split, such as a
+partial rotary, read where it was written); the output is [B, Sq, H*dv] in every case.
+
 with `qkv_packed` the one input qkv [B, S, 3*H*dh] holds q, k and v at last-axis column offsets
 0, H*dh and 2*H*dh (dv = dh), read in place; the optional additive mask broadcasts (ONNX
 multidirectional, rank <= 4) to [B, H, Sq, Sk]. With `has_bias` (packed only) a bias [3*H*dh] is
 added to qkv's columns as q, k, v are read: q = qkv[.., 0:D] + bias[0:D], and so on.
 
-One kernel per (heads, dh, dv, scale, packed, has_mask, has_bias); B, Sq and Sk are run-time
-arguments.
+One kernel per (heads, dh, dv, scale, packed, has_mask, has_bias, nan_to_zero, heads_first); B,
+Sq and Sk are run-time arguments. A [B, S, H*d] operand's row s of head h starts at
+(b*S + s)*ROW + OFF + h*d (ROW its row width, 3*H*dh for packed qkv, OFF its column block); a
+heads-first one's at ((b*H + h)*S + s)*d, as the CPU kernel's views read them (head stride S*d).
 
 Design (simple on purpose; every B, Sq, Sk works):
 
@@ -65,6 +71,8 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from .emit import CSource
+
 ABI_VERSION = 2  # 2: the bias pointer after the mask's
 ROWS = 4  # query rows (warps) per block
 MAX_HEAD_DIM = 256  # dh and dv the kernel supports (shared memory and accumulators)
@@ -81,6 +89,7 @@ class AttentionSpec:
     has_mask: bool = False
     has_bias: bool = False
     nan_to_zero: bool = False  # the node's nan_to_zero: a row of NaN probabilities weighs v by 0
+    heads_first: int = 0  # bit 0 q, 1 k, 2 v: that operand is [B, H, S, d] (the node's heads_first)
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.dh < 1 or self.dv < 1:
@@ -89,6 +98,8 @@ class AttentionSpec:
             raise ValueError("packed qkv needs dv == dh")
         if self.has_bias and not self.packed:
             raise ValueError("has_bias needs packed qkv")
+        if not 0 <= self.heads_first <= 7 or (self.heads_first and self.packed):
+            raise ValueError("heads_first is a mask of bits 0-2 (q, k, v), and 0 with packed qkv")
 
     @property
     def tile(self) -> int:
@@ -109,6 +120,7 @@ class AttentionSpec:
             "QOFF": 0, "KOFF": d if self.packed else 0, "VOFF": 2 * d if self.packed else 0,
             "HAS_MASK": int(self.has_mask), "HAS_BIAS": int(self.has_bias),
             "NAN_TO_ZERO": int(self.nan_to_zero),
+            "QF": self.heads_first & 1, "KF": (self.heads_first >> 1) & 1, "VF": (self.heads_first >> 2) & 1,
         }
 
 
@@ -126,7 +138,7 @@ def shared_bytes(dh: int, dv: int, tile: int) -> int:
 # (a form added to the op's contract later) gets no kernel until the generator learns it, so that
 # a CUDA session never runs a kernel that ignores part of the node's semantics.
 NODE_ATTRIBUTES = frozenset({"num_heads", "scale", "has_mask", "qkv_packed", "has_bias", "nan_to_zero", "causal",
-                             "causal_max_queries", "causal_max_keys"})
+                             "causal_max_queries", "causal_max_keys", "heads_first"})
 
 
 def supported(dh: int, dv: int) -> bool:
@@ -138,9 +150,10 @@ def float_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
-# Index expressions, each (name, C expression); valid C (with DIV/MOD below) and evaluated by the
-# numpy model. Every quantity that can exceed 2^31 is long long in the kernel (bid, sq, sk, t0
-# and the mask strides are).
+# Index expressions, each (name, C expression); valid C (with DIV/MOD/SEL below) and evaluated by
+# the numpy model. Every quantity that can exceed 2^31 is long long in the kernel (bid, sq, sk, t0
+# and the mask strides are). SEL(QF, heads first, split heads) picks an operand's layout by a
+# compile-time constant, so a kernel without heads_first holds the split-heads arithmetic alone.
 INDEX = {
     # block -> (b, h, first query row); warp -> its query row s
     "block": [
@@ -148,33 +161,34 @@ INDEX = {
         ("h", "MOD(bh, H)"), ("b", "DIV(bh, H)"), ("s", "rb * ROWS + warp"), ("row_ok", "s < sq"),
     ],
     # element d of the warp's query row
-    "q_load": [("q_src", "(b * sq + s) * QROW + QOFF + h * DH + d"), ("qb_src", "QOFF + h * DH + d")],
+    "q_load": [
+        ("q_src", "SEL(QF, (bh * sq + s) * DH + d, (b * sq + s) * QROW + QOFF + h * DH + d)"),
+        ("qb_src", "QOFF + h * DH + d"),
+    ],
     # slot e of the key tile at t0
     "k_load": [
         ("kt", "DIV(e, DH)"), ("kd", "MOD(e, DH)"), ("k_ok", "t0 + kt < sk"),
-        ("k_src", "(b * sk + t0 + kt) * KROW + KOFF + h * DH + kd"), ("k_dst", "kt * KS + kd"),
-        ("kb_src", "KOFF + h * DH + kd"),
+        ("k_src", "SEL(KF, (bh * sk + t0 + kt) * DH + kd, (b * sk + t0 + kt) * KROW + KOFF + h * DH + kd)"),
+        ("k_dst", "kt * KS + kd"), ("kb_src", "KOFF + h * DH + kd"),
     ],
     # slot e of the value tile at t0
     "v_load": [
         ("vt", "DIV(e, DV)"), ("vd", "MOD(e, DV)"), ("v_ok", "t0 + vt < sk"),
-        ("v_src", "(b * sk + t0 + vt) * VROW + VOFF + h * DV + vd"), ("v_dst", "vt * DV + vd"),
-        ("vb_src", "VOFF + h * DV + vd"),
+        ("v_src", "SEL(VF, (bh * sk + t0 + vt) * DV + vd, (b * sk + t0 + vt) * VROW + VOFF + h * DV + vd)"),
+        ("v_dst", "vt * DV + vd"), ("vb_src", "VOFF + h * DV + vd"),
     ],
     # the mask element lane `lane` adds to its score
     "mask": [("m_src", "b * ms0 + h * ms1 + s * ms2 + (t0 + lane) * ms3")],
     # output column col of the warp's row
     "store": [("o_dst", "(b * sq + s) * (H * DV) + h * DV + col")],
     # nan_to_zero: column col of value row t, read from global memory for a row of NaN probabilities
-    "zero_row": [("z_src", "(b * sk + t) * VROW + VOFF + h * DV + col"), ("zb_src", "VOFF + h * DV + col")],
+    "zero_row": [("z_src", "SEL(VF, (bh * sk + t) * DV + col, (b * sk + t) * VROW + VOFF + h * DV + col)"),
+                 ("zb_src", "VOFF + h * DV + col")],
 }
 
 _INDEX_MACROS = """#define DIV(a, b) ((a) / (b))
-#define MOD(a, b) ((a) % (b))"""
-
-
-def _c_lines(table: str, indent: str) -> list[str]:
-    return [f"{indent}const auto {name} = {expr};" for name, expr in INDEX[table]]
+#define MOD(a, b) ((a) % (b))
+#define SEL(c, a, b) ((c) ? (a) : (b))"""
 
 
 @dataclass(frozen=True)
@@ -205,7 +219,8 @@ class Kernel:
 
 def entry_name(spec: AttentionSpec) -> str:
     key = (f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed}"
-           f" {spec.has_mask} {spec.has_bias}" + (" nan_to_zero" if spec.nan_to_zero else ""))
+           f" {spec.has_mask} {spec.has_bias}" + (" nan_to_zero" if spec.nan_to_zero else "")
+           + (f" heads_first{spec.heads_first}" if spec.heads_first else ""))
     return "onnxfuse_attn_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -214,125 +229,81 @@ def generate(spec: AttentionSpec) -> Kernel:
         raise ValueError(f"head sizes dh {spec.dh}, dv {spec.dv} exceed {MAX_HEAD_DIM}")
     entry = entry_name(spec)
     c = spec.constants()
-    consts = ", ".join(f"{k} = {v}" for k, v in c.items())
-    L = [
-        f"// onnxfuse Attention kernel (ABI {ABI_VERSION}): {spec}",
-        "#include <math.h>",
-        _INDEX_MACROS,
-        f"struct {entry}_args {{",
-        "  const float* q; const float* k; const float* v;",
-        "  const float* mask;  // nullptr without one",
-        "  const float* bias;  // nullptr without one",
-        "  float* out;",
-        "  long long batch; long long sq; long long sk;",
-        "  long long mask_strides[4];",
-        "};",
-        f'extern "C" __global__ void __launch_bounds__({c["THREADS"]}) {entry}(const {entry}_args a) {{',
-        f"  constexpr int {consts};",
-        f"  const float scale = __int_as_float({float_bits(spec.scale):#010x});  // {spec.scale!r}",
-        "  const unsigned FULL = 0xffffffffu;",
-        "  __shared__ float qs[ROWS][DH];",
-        "  __shared__ float ks[TILE * KS];",
-        "  __shared__ float vs[TILE * DV];",
-        "  const int tid = threadIdx.x;",
-        "  const int warp = tid >> 5, lane = tid & 31;",
-        "  const long long sq = a.sq, sk = a.sk;",
-        "  const long long bid = blockIdx.x;",
-        "  const long long ms0 = a.mask_strides[0], ms1 = a.mask_strides[1], ms2 = a.mask_strides[2],"
-        " ms3 = a.mask_strides[3];",
-        "  (void)ms0; (void)ms1; (void)ms2; (void)ms3;",
-    ]
-    L += _c_lines("block", "  ")
-    L += [
-        "  for (int d = lane; d < DH; d += 32) {",
-    ]
-    L += _c_lines("q_load", "    ")
-    L += [
-        "    qs[warp][d] = row_ok ? (HAS_BIAS ? a.q[q_src] + a.bias[qb_src] : a.q[q_src]) : 0.0f;",
-        "  }",
-        "  float m = -INFINITY, l = 0.0f;",
-        "  float acc[DVL];",
-        "#pragma unroll",
-        "  for (int c = 0; c < DVL; ++c) acc[c] = 0.0f;",
-        "  for (long long t0 = 0; t0 < sk; t0 += TILE) {",
-        "    __syncthreads();  // the previous tile is consumed (the first time: no effect)",
-        "    for (int e = tid; e < TILE * DH; e += THREADS) {",
-    ]
-    L += _c_lines("k_load", "      ")
-    L += [
-        "      ks[k_dst] = k_ok ? (HAS_BIAS ? a.k[k_src] + a.bias[kb_src] : a.k[k_src]) : 0.0f;",
-        "    }",
-        "    for (int e = tid; e < TILE * DV; e += THREADS) {",
-    ]
-    L += _c_lines("v_load", "      ")
-    L += [
-        "      vs[v_dst] = v_ok ? (HAS_BIAS ? a.v[v_src] + a.bias[vb_src] : a.v[v_src]) : 0.0f;",
-        "    }",
-        "    __syncthreads();",
-        "    const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;",
-        "    if (row_ok) {  // uniform in the warp: every lane takes part in the shuffles below",
-        "      float score = -INFINITY;",
-        "      if (lane < n_valid) {",
-        "        float dot = 0.0f;",
-        "#pragma unroll 8",
-        "        for (int d = 0; d < DH; ++d) dot = fmaf(qs[warp][d], ks[lane * KS + d], dot);",
-        "        score = dot * scale;",
-        "        if (HAS_MASK) {",
-    ]
-    L += _c_lines("mask", "          ")
-    L += [
-        "          score += a.mask[m_src];",
-        "        }",
-        "      }",
-        "      float tile_max = score;",
-        "#pragma unroll",
-        "      for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
-        "      const float m_new = fmaxf(m, tile_max);",
-        "      // Skipped only when every score so far is -inf: fmaxf drops NaN, and a NaN score must",
-        "      // make the row NaN (m_new uniform in the warp, so every lane takes part in the vote).",
-        "      if (m_new != -INFINITY || __any_sync(FULL, isnan(score))) {",
-        "        const float corr = expf(m - m_new);",
-        "        const float p = expf(score - m_new);",
-        "        float p_sum = p;",
-        "#pragma unroll",
-        "        for (int o = 16; o > 0; o >>= 1) p_sum += __shfl_xor_sync(FULL, p_sum, o);",
-        "        l = l * corr + p_sum;",
-        "#pragma unroll",
-        "        for (int c = 0; c < DVL; ++c) acc[c] *= corr;",
-        "        for (int j = 0; j < n_valid; ++j) {",
-        "          const float pj = __shfl_sync(FULL, p, j);",
-        "#pragma unroll",
-        "          for (int c = 0; c < DVL; ++c) {",
-        "            const int col = lane + 32 * c;",
-        "            if (col < DV) acc[c] = fmaf(pj, vs[j * DV + col], acc[c]);",
-        "          }",
-        "        }",
-        "        m = m_new;",
-        "      }",
-        "    }",
-        "  }",
-        "  if (row_ok) {",
-        "#pragma unroll",
-        "    for (int c = 0; c < DVL; ++c) {",
-        "      const int col = lane + 32 * c;",
-        "      if (col >= DV) continue;",
-    ]
-    L += _c_lines("store", "      ")
-    L += [
-        "      float o = sk > 0 ? acc[c] / l : 0.0f;",
-        "      if (NAN_TO_ZERO && sk > 0 && !(l > 0.0f)) {  // the row's probabilities are NaN: 0 * v",
-        "        o = 0.0f;",
-        "        for (long long t = 0; t < sk; ++t) {",
-    ]
-    L += _c_lines("zero_row", "          ")
-    L += [
-        "          o += 0.0f * (HAS_BIAS ? a.v[z_src] + a.bias[zb_src] : a.v[z_src]);",
-        "        }",
-        "      }",
-        "      a.out[o_dst] = o;",
-        "    }",
-        "  }",
-        "}",
-        "",
-    ]
-    return Kernel(entry, "\n".join(L), spec, c["THREADS"], ROWS)
+    src = CSource()
+    src.line(f"// onnxfuse Attention kernel (ABI {ABI_VERSION}): {spec}", "#include <math.h>").raw(_INDEX_MACROS)
+    with src.block(f"struct {entry}_args", end="};"):
+        src.line("const float* q; const float* k; const float* v;", "const float* mask;  // nullptr without one",
+                 "const float* bias;  // nullptr without one", "float* out;",
+                 "long long batch; long long sq; long long sk;", "long long mask_strides[4];")
+    with src.block(f'extern "C" __global__ void __launch_bounds__({c["THREADS"]}) {entry}(const {entry}_args a)'):
+        _body(src, spec, c)
+    return Kernel(entry, src.text(), spec, c["THREADS"], ROWS)
+
+
+def _body(src: CSource, spec: AttentionSpec, c: dict) -> None:
+    src.constants(c)
+    src.line(f"const float scale = __int_as_float({float_bits(spec.scale):#010x});  // {spec.scale!r}",
+             "const unsigned FULL = 0xffffffffu;",
+             "__shared__ float qs[ROWS][DH];", "__shared__ float ks[TILE * KS];", "__shared__ float vs[TILE * DV];",
+             "const int tid = threadIdx.x;", "const int warp = tid >> 5, lane = tid & 31;",
+             "const long long sq = a.sq, sk = a.sk;", "const long long bid = blockIdx.x;",
+             "const long long ms0 = a.mask_strides[0], ms1 = a.mask_strides[1], ms2 = a.mask_strides[2],"
+             " ms3 = a.mask_strides[3];",
+             "(void)ms0; (void)ms1; (void)ms2; (void)ms3;")
+    src.decls(INDEX["block"])
+    with src.block("for (int d = lane; d < DH; d += 32)"):
+        src.decls(INDEX["q_load"])
+        src.line("qs[warp][d] = row_ok ? (HAS_BIAS ? a.q[q_src] + a.bias[qb_src] : a.q[q_src]) : 0.0f;")
+    src.line("float m = -INFINITY, l = 0.0f;", "float acc[DVL];").pragma("unroll")
+    src.line("for (int c = 0; c < DVL; ++c) acc[c] = 0.0f;")
+    with src.block("for (long long t0 = 0; t0 < sk; t0 += TILE)"):
+        src.line("__syncthreads();  // the previous tile is consumed (the first time: no effect)")
+        with src.block("for (int e = tid; e < TILE * DH; e += THREADS)"):
+            src.decls(INDEX["k_load"])
+            src.line("ks[k_dst] = k_ok ? (HAS_BIAS ? a.k[k_src] + a.bias[kb_src] : a.k[k_src]) : 0.0f;")
+        with src.block("for (int e = tid; e < TILE * DV; e += THREADS)"):
+            src.decls(INDEX["v_load"])
+            src.line("vs[v_dst] = v_ok ? (HAS_BIAS ? a.v[v_src] + a.bias[vb_src] : a.v[v_src]) : 0.0f;")
+        src.line("__syncthreads();", "const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;")
+        with src.block("if (row_ok)", comment="uniform in the warp: every lane takes part in the shuffles below"):
+            _tile_softmax(src)
+    with src.block("if (row_ok)"):
+        src.pragma("unroll")
+        with src.block("for (int c = 0; c < DVL; ++c)"):
+            src.line("const int col = lane + 32 * c;", "if (col >= DV) continue;")
+            src.decls(INDEX["store"])
+            src.line("float o = sk > 0 ? acc[c] / l : 0.0f;")
+            with src.block("if (NAN_TO_ZERO && sk > 0 && !(l > 0.0f))", comment="the row's probabilities are NaN: 0 * v"):
+                src.line("o = 0.0f;")
+                with src.block("for (long long t = 0; t < sk; ++t)"):
+                    src.decls(INDEX["zero_row"])
+                    src.line("o += 0.0f * (HAS_BIAS ? a.v[z_src] + a.bias[zb_src] : a.v[z_src]);")
+            src.line("a.out[o_dst] = o;")
+
+
+def _tile_softmax(src: CSource) -> None:
+    """A warp's scores against the tile's keys (lane j: key t0 + j) and the online-softmax step."""
+    src.line("float score = -INFINITY;")
+    with src.block("if (lane < n_valid)"):
+        src.line("float dot = 0.0f;").pragma("unroll 8")
+        src.line("for (int d = 0; d < DH; ++d) dot = fmaf(qs[warp][d], ks[lane * KS + d], dot);",
+                 "score = dot * scale;")
+        with src.block("if (HAS_MASK)"):
+            src.decls(INDEX["mask"])
+            src.line("score += a.mask[m_src];")
+    src.line("float tile_max = score;").pragma("unroll")
+    src.line("for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
+             "const float m_new = fmaxf(m, tile_max);",
+             "// Skipped only when every score so far is -inf: fmaxf drops NaN, and a NaN score must",
+             "// make the row NaN (m_new uniform in the warp, so every lane takes part in the vote).")
+    with src.block("if (m_new != -INFINITY || __any_sync(FULL, isnan(score)))"):
+        src.line("const float corr = expf(m - m_new);", "const float p = expf(score - m_new);",
+                 "float p_sum = p;").pragma("unroll")
+        src.line("for (int o = 16; o > 0; o >>= 1) p_sum += __shfl_xor_sync(FULL, p_sum, o);",
+                 "l = l * corr + p_sum;").pragma("unroll")
+        src.line("for (int c = 0; c < DVL; ++c) acc[c] *= corr;")
+        with src.block("for (int j = 0; j < n_valid; ++j)"):
+            src.line("const float pj = __shfl_sync(FULL, p, j);").pragma("unroll")
+            with src.block("for (int c = 0; c < DVL; ++c)"):
+                src.line("const int col = lane + 32 * c;", "if (col < DV) acc[c] = fmaf(pj, vs[j * DV + col], acc[c]);")
+        src.line("m = m_new;")

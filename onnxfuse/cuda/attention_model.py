@@ -19,7 +19,7 @@ F = np.float32
 
 
 def _eval(table: str, env: dict) -> dict:
-    scope = {"DIV": np.floor_divide, "MOD": np.mod, "__builtins__": {}}
+    scope = {"DIV": np.floor_divide, "MOD": np.mod, "SEL": lambda c, a, b: a if c else b, "__builtins__": {}}
     for name, expr in INDEX[table]:
         env[name] = eval(expr, scope, env)  # noqa: S307 (our own expressions)
     return env
@@ -41,15 +41,23 @@ def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int])
     return strides
 
 
+def _rows(spec: AttentionSpec, t: np.ndarray, bit: int) -> tuple[int, int]:
+    """(B, S) of an operand: [B, S, H*d], or [B, H, S, d] when its heads_first bit is set."""
+    if spec.heads_first >> bit & 1:
+        return t.shape[0], t.shape[2]
+    return t.shape[0], t.shape[1]
+
+
 def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
-    """The kernel's output for q, k, v (or packed qkv as `q`), an optional mask and (packed) bias."""
+    """The kernel's output for q, k, v (or packed qkv as `q`), an optional mask and (packed) bias;
+    an operand whose heads_first bit is set is [B, H, S, d]."""
     c = spec.constants()
     q = np.ascontiguousarray(q, F)
     if spec.packed:
         k = v = q
     k = np.ascontiguousarray(k, F)
     v = np.ascontiguousarray(v, F)
-    batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    (batch, sq), (_, sk) = _rows(spec, q, 0), _rows(spec, k, 1)
     out = np.full(batch * sq * spec.heads * spec.dv, np.nan, F)  # every element must be written
     qf, kf, vf = q.ravel(), k.ravel(), v.ravel()
     if spec.has_mask:
@@ -134,19 +142,22 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
 def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
     """Direct attention in float64: softmax(scale * q.k^T + mask) . v per head (packed qkv: plus
     the bias on its columns first; nan_to_zero: NaN probabilities read as 0, as Where(IsNaN(p), 0, p)
-    gives them)."""
+    gives them; heads_first operands [B, H, S, d])."""
     q = np.asarray(q, np.float64)
     d = spec.heads * spec.dh
     if spec.has_bias:
         q = q + np.asarray(bias, np.float64)
     if spec.packed:
         q, k, v = q[..., :d], q[..., d:2 * d], q[..., 2 * d:]
-    k = np.asarray(k, np.float64)
-    v = np.asarray(v, np.float64)
-    batch, sq, sk, h = q.shape[0], q.shape[1], k.shape[1], spec.heads
-    qh = q.reshape(batch, sq, h, spec.dh).transpose(0, 2, 1, 3)
-    kh = k.reshape(batch, sk, h, spec.dh).transpose(0, 2, 1, 3)
-    vh = v.reshape(batch, sk, h, spec.dv).transpose(0, 2, 1, 3)
+    h = spec.heads
+
+    def heads(t, bit, d):  # -> [B, H, S, d]
+        t = np.asarray(t, np.float64)
+        if spec.heads_first >> bit & 1:
+            return t
+        return t.reshape(t.shape[0], t.shape[1], h, d).transpose(0, 2, 1, 3)
+    qh, kh, vh = heads(q, 0, spec.dh), heads(k, 1, spec.dh), heads(v, 2, spec.dv)
+    batch, sq, sk = qh.shape[0], qh.shape[2], kh.shape[2]
     scores = spec.scale * (qh @ kh.transpose(0, 1, 3, 2))
     if spec.has_mask:
         scores = scores + np.asarray(mask, np.float64)

@@ -78,66 +78,71 @@ def _math(name: str, ct: str) -> str:
     return name + ("f" if ct == "f32" else "")
 
 
+# The C expression of each program op, built once: unary math functions by their C name (an `f`
+# suffix in f32), the others as templates over the operands a, b, c, the literal parameters p0,
+# p1, one and zero in the compute type and the math functions exp, log1p, fabs, pow (cast apart).
+UNARY_MATH = {
+    "sqrt": "sqrt", "exp": "exp", "log": "log", "erf": "erf", "tanh": "tanh", "floor": "floor",
+    "ceil": "ceil", "round": "rint", "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin",
+    "acos": "acos", "atan": "atan", "sinh": "sinh", "cosh": "cosh", "asinh": "asinh",
+    "acosh": "acosh", "atanh": "atanh", "abs": "fabs",
+}
+EXPRESSIONS = {
+    "neg": "-{a}",
+    "recip": "{one} / {a}",
+    "sigmoid": "{one} / ({one} + {exp}(-{a}))",
+    # Below 0 (-inf included) gives +0; -0 and NaN pass as they are, as onnxruntime's Relu.
+    "relu": "({a} < {zero}) ? {zero} : {a}",
+    "softplus": "({a} > (CT)20) ? {a} : {log1p}({exp}(of_min({a}, (CT)20)))",
+    # x times the reciprocal, as onnxruntime (x / (1 + |x|) differs in the last bit for 1 in 10).
+    "softsign": "{a} * ({one} / ({one} + {fabs}({a})))",
+    # +-0 give +0 (as onnxruntime), NaN stays NaN.
+    "sign": "({a} > {zero}) ? {one} : (({a} < {zero}) ? -{one} : (({a} != {a}) ? {a} : {zero}))",
+    # x * clip(x * (1/6) + 1/2, 0, 1) with the product rounded on its own (no FMA), as onnxruntime.
+    "hardswish": "{a} * of_clamp(of_mul_rn({a}, {one} / (CT)6) + (CT)0.5, {zero}, {one})",
+    "not": "({a} == {zero}) ? {one} : {zero}",
+    "isnan": "({a} != {a}) ? {one} : {zero}",
+    "leakyrelu": "({a} < {zero}) ? {p0} * {a} : {a}",
+    "elu": "({a} < {zero}) ? {p0} * ({exp}({a}) - {one}) : {a}",
+    "selu": "({a} <= {zero}) ? {p1} * ({p0} * ({exp}({a}) - {one})) : {p1} * {a}",
+    "celu": "of_max({zero}, {a}) + of_min({zero}, {p0} * ({exp}({a} / {p0}) - {one}))",
+    "hardsigmoid": "of_clamp(of_mul_rn({p0}, {a}) + {p1}, {zero}, {one})",
+    "thresholdedrelu": "({a} > {p0}) ? {a} : {zero}",  # NaN and -inf give 0
+    # x < lo ? lo : x > hi ? hi : x, as onnxruntime: -0 stays at a bound of 0, NaN passes.
+    "clip": "of_clamp({a}, {p0}, {p1})",
+    "add": "{a} + {b}",
+    "sub": "{a} - {b}",
+    "mul": "{a} * {b}",
+    "div": "{a} / {b}",
+    "pow": "{pow}({a}, {b})",
+    "min": "of_min({a}, {b})",
+    "max": "of_max({a}, {b})",
+    "prelu": "({a} < {zero}) ? {a} * {b} : {a}",
+    "eq": "({a} == {b}) ? {one} : {zero}",
+    "lt": "({a} < {b}) ? {one} : {zero}",
+    "le": "({a} <= {b}) ? {one} : {zero}",
+    "gt": "({a} > {b}) ? {one} : {zero}",
+    "ge": "({a} >= {b}) ? {one} : {zero}",
+    "and": "(({a} != {zero}) && ({b} != {zero})) ? {one} : {zero}",
+    "or": "(({a} != {zero}) || ({b} != {zero})) ? {one} : {zero}",
+    "xor": "(({a} != {zero}) != ({b} != {zero})) ? {one} : {zero}",
+    "where": "({a} != {zero}) ? {b} : {c}",
+}
+_MATH_FIELDS = ("exp", "log1p", "fabs", "pow")
+
+
 def instr_expr(op: str, args: list[str], params: tuple, ct: str) -> str:
     """The C expression of one instruction over already-computed operands (compute type CT)."""
-    m = lambda n: _math(n, ct)  # noqa: E731
-    one, zero = "(CT)1", "(CT)0"
-    a = args[0] if args else None
-    b = args[1] if len(args) > 1 else None
-    p = [literal(x, ct) for x in params] if op != "cast" else list(params)
-    unary_math = {
-        "sqrt": "sqrt", "exp": "exp", "log": "log", "erf": "erf", "tanh": "tanh", "floor": "floor",
-        "ceil": "ceil", "round": "rint", "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin",
-        "acos": "acos", "atan": "atan", "sinh": "sinh", "cosh": "cosh", "asinh": "asinh",
-        "acosh": "acosh", "atanh": "atanh", "abs": "fabs",
-    }
-    if op in unary_math:
-        return f"{m(unary_math[op])}({a})"
-    table = {
-        "neg": lambda: f"-{a}",
-        "recip": lambda: f"{one} / {a}",
-        "sigmoid": lambda: f"{one} / ({one} + {m('exp')}(-{a}))",
-        # Below 0 (-inf included) gives +0; -0 and NaN pass as they are, as onnxruntime's Relu.
-        "relu": lambda: f"({a} < {zero}) ? {zero} : {a}",
-        "softplus": lambda: f"({a} > (CT)20) ? {a} : {m('log1p')}({m('exp')}(of_min({a}, (CT)20)))",
-        # x times the reciprocal, as onnxruntime (x / (1 + |x|) differs in the last bit for 1 in 10).
-        "softsign": lambda: f"{a} * ({one} / ({one} + {m('fabs')}({a})))",
-        # +-0 give +0 (as onnxruntime), NaN stays NaN.
-        "sign": lambda: f"({a} > {zero}) ? {one} : (({a} < {zero}) ? -{one} : (({a} != {a}) ? {a} : {zero}))",
-        # x * clip(x * (1/6) + 1/2, 0, 1) with the product rounded on its own (no FMA), as onnxruntime.
-        "hardswish": lambda: f"{a} * of_clamp(of_mul_rn({a}, {one} / (CT)6) + (CT)0.5, {zero}, {one})",
-        "not": lambda: f"({a} == {zero}) ? {one} : {zero}",
-        "isnan": lambda: f"({a} != {a}) ? {one} : {zero}",
-        "leakyrelu": lambda: f"({a} < {zero}) ? {p[0]} * {a} : {a}",
-        "elu": lambda: f"({a} < {zero}) ? {p[0]} * ({m('exp')}({a}) - {one}) : {a}",
-        "selu": lambda: f"({a} <= {zero}) ? {p[1]} * ({p[0]} * ({m('exp')}({a}) - {one})) : {p[1]} * {a}",
-        "celu": lambda: f"of_max({zero}, {a}) + of_min({zero}, {p[0]} * ({m('exp')}({a} / {p[0]}) - {one}))",
-        "hardsigmoid": lambda: f"of_clamp(of_mul_rn({p[0]}, {a}) + {p[1]}, {zero}, {one})",
-        "thresholdedrelu": lambda: f"({a} > {p[0]}) ? {a} : {zero}",  # NaN and -inf give 0
-        # x < lo ? lo : x > hi ? hi : x, as onnxruntime: -0 stays at a bound of 0, NaN passes.
-        "clip": lambda: f"of_clamp({a}, {p[0]}, {p[1]})",
-        "cast": lambda: _cast_expr(a, p[0], ct),
-        "add": lambda: f"{a} + {b}",
-        "sub": lambda: f"{a} - {b}",
-        "mul": lambda: f"{a} * {b}",
-        "div": lambda: f"{a} / {b}",
-        "pow": lambda: f"{m('pow')}({a}, {b})",
-        "min": lambda: f"of_min({a}, {b})",
-        "max": lambda: f"of_max({a}, {b})",
-        "prelu": lambda: f"({a} < {zero}) ? {a} * {b} : {a}",
-        "eq": lambda: f"({a} == {b}) ? {one} : {zero}",
-        "lt": lambda: f"({a} < {b}) ? {one} : {zero}",
-        "le": lambda: f"({a} <= {b}) ? {one} : {zero}",
-        "gt": lambda: f"({a} > {b}) ? {one} : {zero}",
-        "ge": lambda: f"({a} >= {b}) ? {one} : {zero}",
-        "and": lambda: f"(({a} != {zero}) && ({b} != {zero})) ? {one} : {zero}",
-        "or": lambda: f"(({a} != {zero}) || ({b} != {zero})) ? {one} : {zero}",
-        "xor": lambda: f"(({a} != {zero}) != ({b} != {zero})) ? {one} : {zero}",
-        "where": lambda: f"({a} != {zero}) ? {b} : {args[2]}",
-    }
-    if op not in table:
+    if op in UNARY_MATH:
+        return f"{_math(UNARY_MATH[op], ct)}({args[0]})"
+    if op == "cast":
+        return _cast_expr(args[0], params[0], ct)
+    if op not in EXPRESSIONS:
         raise ValueError(f"no CUDA code for op {op!r}")
-    return table[op]()
+    p = [literal(x, ct) for x in params]
+    fields = {"one": "(CT)1", "zero": "(CT)0", **{f: _math(f, ct) for f in _MATH_FIELDS},
+              **{k: v for k, v in zip("abc", args)}, **{f"p{i}": v for i, v in enumerate(p)}}
+    return EXPRESSIONS[op].format_map(fields)
 
 
 def body_lines(prog: Program, inputs: list[str], ct: str, indent: str, prefix: str = "") -> tuple[list[str], list[str]]:

@@ -50,9 +50,12 @@ Kernel ABI (shared with the launcher of stored CUDA kernels): every argument is 
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
+from typing import Iterator
 from dataclasses import dataclass, field
 
 from .codegen import HELPERS, body_lines
+from .emit import CSource
 from .conv_plan import INDEX, ConvShape, DepthwiseTile, Epilogue, GemmTile, TensorTile, heuristic_tile
 
 
@@ -65,14 +68,10 @@ ABI_VERSION = 1
 _WIDE = {"src", "dst"}
 
 
-def _c_lines(table: str, indent: str, skip: tuple[str, ...] = ()) -> list[str]:
-    lines = []
+def _decls(src: CSource, table: str) -> None:
     for name, expr in INDEX[table]:
-        if name in skip:
-            continue
         ctype = "bool" if name in ("ok", "tok") else ("long long" if name in _WIDE else "int")
-        lines.append(f"{indent}const {ctype} {name} = {expr};")
-    return lines
+        src.line(f"const {ctype} {name} = {expr};")
 
 
 @dataclass(frozen=True)
@@ -135,31 +134,22 @@ _INDEX_MACROS = """#ifndef ONNXFUSE_CONV_INDEX
 """ + HELPERS + "#define CT float  // the epilogue program's compute type"
 
 
-def _args_struct(entry: str) -> list[str]:
-    return [
-        f"struct {entry}_args {{",
-        "  const float* x; const float* w; const float* bias;",
-        "  const float* z;  // residual input, nullptr without one",
-        "  float* y;",
-        "  long long batch;",
-        "};",
-    ]
+def _args_struct(src: CSource, entry: str) -> None:
+    with src.block(f"struct {entry}_args", end="};"):
+        src.line("const float* x; const float* w; const float* bias;", "const float* z;  // residual input, nullptr without one",
+                 "float* y;", "long long batch;")
 
 
-def _constants_block(consts: dict[str, int], indent: str) -> list[str]:
-    items = ", ".join(f"{k} = {v}" for k, v in consts.items())
-    return [f"{indent}constexpr int {items};"]
-
-
-def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
+def _epilogue(src: CSource, epi: Epilogue, v: str) -> None:
     """`v = epilogue(v)`: the epilogue's program (Epilogue.program) printed by the Pointwise
     printer, in a block of its own so that every store site can hold one."""
     prog = epi.program()
     if not prog.instrs:
-        return []
+        return
     residual = ["a.z[dst]"] if epi.residual else []
-    body, (result,) = body_lines(prog, [v, *residual], "f32", indent + "  ", prefix="ep_")
-    return [f"{indent}{{", *body, f"{indent}  {v} = {result};", f"{indent}}}"]
+    with src.block(""):
+        body, (result,) = body_lines(prog, [v, *residual], "f32", src.indent, prefix="ep_")
+        src.extend(body).line(f"{v} = {result};")
 
 
 # Every kernel declares __launch_bounds__(THREADS, 1): with no minimum-blocks hint ptxas capped
@@ -167,75 +157,81 @@ def _epilogue_lines(epi: Epilogue, v: str, indent: str) -> list[str]:
 # accumulator tile stay in registers (ptxas reports no spills for any zoo layer).
 
 
-def _tile_load_lines(a_iters: int, b_iters: int) -> list[str]:
+def _tile_loads(src: CSource, a_iters: int, b_iters: int) -> None:
     """Inside the k0 loop of both GEMM kernels: the block's threads stage the weight tile As
     [BK][BM] and the im2col input tile Bs [BK][BN] in shared memory (0 outside the tensors),
     then synchronize."""
-    L = [
-        "#pragma unroll",
-        f"    for (int it = 0; it < {a_iters}; ++it) {{",
-        "      const int e = tid + it * THREADS;",
-    ]
-    L += _c_lines("a_load", "      ")
-    L += [
-        "      if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;",
-        "    }",
-        "#pragma unroll",
-        f"    for (int it = 0; it < {b_iters}; ++it) {{",
-        "      const int e = tid + it * THREADS;",
-    ]
-    L += _c_lines("b_load", "      ")
-    L += [
-        "      if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;",
-        "    }",
-        "    __syncthreads();",
-    ]
-    return L
+    for iters, table, store in ((a_iters, "a_load", "if (e < BM * BK) As[ak][am] = ok ? __ldg(a.w + src) : 0.0f;"),
+                                (b_iters, "b_load", "if (e < BK * BN) Bs[bkk][bj] = ok ? __ldg(a.x + src) : 0.0f;")):
+        src.pragma("unroll")
+        with src.block(f"for (int it = 0; it < {iters}; ++it)"):
+            src.line("const int e = tid + it * THREADS;")
+            _decls(src, table)
+            src.line(store)
+    src.line("__syncthreads();")
 
 
 def _gemm_prologue(title: str, shape: ConvShape, epi: Epilogue, tile, consts: dict[str, int],
-                   includes: tuple[str, ...] = (), preamble: tuple[str, ...] = ()) -> tuple[str, list[str]]:
-    """(entry, the source up to the GEMM's own shared memory) of both GEMM kernels: the header,
-    the arguments, the constants (with split-K's SPLITK and SPS), the block's tile origin and
-    its K range (the cluster rank's slices with split-K, all of KRED without)."""
+                   includes: tuple[str, ...] = (), preamble: tuple[str, ...] = ()) -> tuple[str, CSource]:
+    """(entry, the source up to the GEMM's own shared memory, inside the kernel's body) of both
+    GEMM kernels: the header, the arguments, the constants (with split-K's SPLITK and SPS), the
+    block's tile origin and its K range (the cluster rank's slices with split-K, all of KRED
+    without). The caller closes the body (_close_kernel)."""
     entry = entry_name(shape, epi, tile)
     split = tile.splitk > 1
     if split:
         consts = {**consts, "SPLITK": tile.splitk, "SPS": tile.slices_per_split(shape.kred)}
-    L = [f"// {title} (ABI {ABI_VERSION})", f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", *includes]
+    src = CSource()
+    src.line(f"// {title} (ABI {ABI_VERSION})", f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", *includes)
     if split:
-        L.append("#include <cooperative_groups.h>")
-    L.append(_INDEX_MACROS)
-    L += _args_struct(entry)
+        src.line("#include <cooperative_groups.h>")
+    src.raw(_INDEX_MACROS)
+    _args_struct(src, entry)
     cluster = f"__cluster_dims__(1, 1, {tile.splitk}) " if split else ""
-    L.append(f'extern "C" __global__ void {cluster}__launch_bounds__({tile.threads}, 1) {entry}(const {entry}_args a) {{')
-    L += list(preamble)
-    L += _constants_block(consts, "  ")
-    L += [
-        "  const int NPQ = (int)a.batch * PQ;",
-        "  const int tid = threadIdx.x;",
-        "  const int n0 = blockIdx.x * BN;",
-        "  const int m0 = blockIdx.y * BM;",
-    ]
+    src.line(f'extern "C" __global__ void {cluster}__launch_bounds__({tile.threads}, 1) {entry}(const {entry}_args a) {{')
+    src.depth += 1
+    src.line(*preamble)
+    src.constants(consts)
+    src.line("const int NPQ = (int)a.batch * PQ;", "const int tid = threadIdx.x;", "const int n0 = blockIdx.x * BN;",
+             "const int m0 = blockIdx.y * BM;")
     if split:
-        L.append("  const int bz = blockIdx.z;")
-        L += _c_lines("split", "  ")
+        src.line("const int bz = blockIdx.z;")
+        _decls(src, "split")
     else:
-        L += ["  const int g = blockIdx.z;", "  const int kbeg = 0, kend = KRED;"]
-    return entry, L
+        src.line("const int g = blockIdx.z;", "const int kbeg = 0, kend = KRED;")
+    return entry, src
 
 
-def _own_elements(split: bool) -> list[str]:
-    """Opens the loops over the thread's TM x TN micro-tile (two braces to close); with split-K,
-    over the elements this block of the cluster stores (those with e % SPLITK == ks)."""
-    lines = ["#pragma unroll", "  for (int i = 0; i < TM; ++i) {", "#pragma unroll", "    for (int j = 0; j < TN; ++j) {"]
-    return lines + (["      if ((i * TN + j) % SPLITK != ks) continue;"] if split else [])
+def _close_kernel(src: CSource) -> str:
+    src.depth -= 1
+    src.line("}", "#undef CT")
+    return src.text()
 
 
-def _gemm_kernel(kind: str, entry: str, lines: list[str], shape: ConvShape, epi: Epilogue, tile) -> Kernel:
+@contextmanager
+def _own_elements(src: CSource, split: bool) -> Iterator[None]:
+    """The loops over the thread's TM x TN micro-tile; with split-K, over the elements this block
+    of the cluster stores (those with e % SPLITK == ks)."""
+    src.pragma("unroll")
+    with src.block("for (int i = 0; i < TM; ++i)"):
+        src.pragma("unroll")
+        with src.block("for (int j = 0; j < TN; ++j)"):
+            if split:
+                src.line("if ((i * TN + j) % SPLITK != ks) continue;")
+            yield
+
+
+def _unrolled_pair(src: CSource, outer: str, inner: str) -> None:
+    """`#pragma unroll` for-loop over an unbraced `#pragma unroll` for-loop statement."""
+    src.pragma("unroll").line(outer)
+    with src.indented():
+        src.pragma("unroll").line(inner)
+
+
+def _gemm_kernel(kind: str, entry: str, source: str, shape: ConvShape, epi: Epilogue, tile) -> Kernel:
     """A GEMM kernel's launch record: one block per BN output pixels and BM output channels of a
     group, SPLITK blocks (a cluster) per tile with split-K."""
-    return Kernel(entry=entry, source="\n".join([*lines, "#undef CT"]) + "\n", kind=kind, threads=tile.threads,
+    return Kernel(entry=entry, source=source, kind=kind, threads=tile.threads,
                   cols_per_block=tile.bn, grid_cols=shape.p * shape.q, grid_y=-(-shape.kg // tile.bm),
                   grid_z=shape.group * tile.splitk, smem_bytes=tile.smem_bytes, tile=tile.as_list(),
                   **_io(shape, epi))
@@ -248,87 +244,56 @@ def generate_gemm(shape: ConvShape, epi: Epilogue, tile: GemmTile) -> Kernel:
               "THREADS": t.threads}
     a_iters = -(-t.bm * t.bk // t.threads)
     b_iters = -(-t.bk * t.bn // t.threads)
-    entry, L = _gemm_prologue("onnxfuse ConvBiasAct implicit-GEMM kernel", shape, epi, t, consts)
-    L += [
-        "  __shared__ float As[BK][BM];",
-        "  __shared__ float Bs[BK][BN];",
-    ]
-    L += _c_lines("thread", "  ")
-    L += [
-        "  float acc[TM][TN];",
-        "#pragma unroll",
-        "  for (int i = 0; i < TM; ++i)",
-        "#pragma unroll",
-        "    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;",
-        "  for (int k0 = kbeg; k0 < kend; k0 += BK) {",
-    ]
-    L += _tile_load_lines(a_iters, b_iters)
-    L += [
-        "#pragma unroll",
-        "    for (int kk = 0; kk < BK; ++kk) {",
-        "      float av[TM], bv[TN];",
-        "#pragma unroll",
-        "      for (int i = 0; i < TM; ++i) av[i] = As[kk][ty + i * (BM / TM)];",
-        "#pragma unroll",
-        "      for (int j = 0; j < TN; ++j) bv[j] = Bs[kk][tx + j * (BN / TN)];",
-        "#pragma unroll",
-        "      for (int i = 0; i < TM; ++i)",
-        "#pragma unroll",
-        "        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);",
-        "    }",
-        "    __syncthreads();",
-        "  }",
-    ]
+    entry, src = _gemm_prologue("onnxfuse ConvBiasAct implicit-GEMM kernel", shape, epi, t, consts)
+    src.line("__shared__ float As[BK][BM];", "__shared__ float Bs[BK][BN];")
+    _decls(src, "thread")
+    src.line("float acc[TM][TN];")
+    _unrolled_pair(src, "for (int i = 0; i < TM; ++i)", "for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;")
+    with src.block("for (int k0 = kbeg; k0 < kend; k0 += BK)"):
+        _tile_loads(src, a_iters, b_iters)
+        src.pragma("unroll")
+        with src.block("for (int kk = 0; kk < BK; ++kk)"):
+            src.line("float av[TM], bv[TN];").pragma("unroll")
+            src.line("for (int i = 0; i < TM; ++i) av[i] = As[kk][ty + i * (BM / TM)];").pragma("unroll")
+            src.line("for (int j = 0; j < TN; ++j) bv[j] = Bs[kk][tx + j * (BN / TN)];")
+            _unrolled_pair(src, "for (int i = 0; i < TM; ++i)",
+                           "for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);")
+        src.line("__syncthreads();")
     if split:
         # Each block's partial tile goes to its shared memory, [micro-tile element][thread] (a
         # warp's accesses are consecutive words); after the cluster barrier, block ks reduces the
         # micro-tile elements e with e % SPLITK == ks over ranks 0..SPLITK-1, in order, and stores
         # them; the second barrier keeps every block's shared memory alive until all have read it.
-        L += [
-            "  __shared__ float part[TM * TN][THREADS];",
-            "  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();",
-            "#pragma unroll",
-            "  for (int i = 0; i < TM; ++i)",
-            "#pragma unroll",
-            "    for (int j = 0; j < TN; ++j) part[i * TN + j][tid] = acc[i][j];",
-            "  cluster.sync();",
-            *_own_elements(split),
-            "      float sum = 0.0f;",
-            "#pragma unroll",
-            "      for (int rank = 0; rank < SPLITK; ++rank)",
-            "        sum += cluster.map_shared_rank(&part[i * TN + j][0], rank)[tid];",
-            "      acc[i][j] = sum;",
-            "    }",
-            "  }",
-        ]
-    L += _own_elements(split)
-    L += _c_lines("store", "      ")
-    L += ["      if (!ok) continue;", "      float v = acc[i][j] + __ldg(a.bias + ko);"]
-    L += _epilogue_lines(epi, "v", "      ")
-    L += ["      a.y[dst] = v;", "    }", "  }"]
+        src.line("__shared__ float part[TM * TN][THREADS];",
+                 "cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();")
+        _unrolled_pair(src, "for (int i = 0; i < TM; ++i)", "for (int j = 0; j < TN; ++j) part[i * TN + j][tid] = acc[i][j];")
+        src.line("cluster.sync();")
+        with _own_elements(src, split):
+            src.line("float sum = 0.0f;").pragma("unroll")
+            src.line("for (int rank = 0; rank < SPLITK; ++rank)")
+            with src.indented():
+                src.line("sum += cluster.map_shared_rank(&part[i * TN + j][0], rank)[tid];")
+            src.line("acc[i][j] = sum;")
+    with _own_elements(src, split):
+        _decls(src, "store")
+        src.line("if (!ok) continue;", "float v = acc[i][j] + __ldg(a.bias + ko);")
+        _epilogue(src, epi, "v")
+        src.line("a.y[dst] = v;")
     if split:
-        L.append("  cluster.sync();")
-    L.append("}")
-    return _gemm_kernel("gemm", entry, L, shape, epi, t)
+        src.line("cluster.sync();")
+    return _gemm_kernel("gemm", entry, _close_kernel(src), shape, epi, t)
 
 
-def _tf32_split_lines(name: str, i: str, count: str, tile_at: str) -> list[str]:
+def _tf32_split(src: CSource, name: str, i: str, count: str, tile_at: str) -> None:
     """Load the operand's `count` fragments from shared memory (`tile_at`: address, leading
     dimension) into {name}_big and split each value v into TF32 parts: big = tf32(v), small =
     tf32(v - big), for 3xTF32's big*small + small*big + big*big."""
-    return [
-        "#pragma unroll",
-        f"      for (int {i} = 0; {i} < {count}; ++{i}) {{",
-        f"        wmma::load_matrix_sync({name}_big[{i}], {tile_at});",
-        "#pragma unroll",
-        f"        for (int t = 0; t < {name}_big[{i}].num_elements; ++t) {{",
-        f"          const float v = {name}_big[{i}].x[t];",
-        "          const float hi = wmma::__float_to_tf32(v);",
-        f"          {name}_big[{i}].x[t] = hi;",
-        f"          {name}_small[{i}].x[t] = wmma::__float_to_tf32(v - hi);",
-        "        }",
-        "      }",
-    ]
+    src.pragma("unroll")
+    with src.block(f"for (int {i} = 0; {i} < {count}; ++{i})"):
+        src.line(f"wmma::load_matrix_sync({name}_big[{i}], {tile_at});").pragma("unroll")
+        with src.block(f"for (int t = 0; t < {name}_big[{i}].num_elements; ++t)"):
+            src.line(f"const float v = {name}_big[{i}].x[t];", "const float hi = wmma::__float_to_tf32(v);",
+                     f"{name}_big[{i}].x[t] = hi;", f"{name}_small[{i}].x[t] = wmma::__float_to_tf32(v - hi);")
 
 
 def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kernel:
@@ -349,82 +314,56 @@ def generate_gemm_tc(shape: ConvShape, epi: Epilogue, tile: TensorTile) -> Kerne
     a_iters = -(-t.bm * t.bk // t.threads)
     b_iters = -(-t.bk * t.bn // t.threads)
     c_iters = -(-t.bm * t.bn // t.threads)
-    entry, L = _gemm_prologue("onnxfuse ConvBiasAct implicit-GEMM kernel on tensor cores, 3xTF32", shape, epi, t,
-                              consts, includes=("#include <mma.h>",), preamble=("  using namespace nvcuda;",))
-    L += [
-        "  __shared__ __align__(32) float As[BK][BM];",
-        "  __shared__ __align__(32) float Bs[BK][BN];",
-        "  __shared__ __align__(32) float Cs[BM][BN];",
-        "  const int warp = tid / 32;",
-        "  const int wm0 = (warp / (BN / WN)) * WM;",
-        "  const int wn0 = (warp % (BN / WN)) * WN;",
-        "  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[FM][FN];",
-        "#pragma unroll",
-        "  for (int i = 0; i < FM; ++i)",
-        "#pragma unroll",
-        "    for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);",
-        "  for (int k0 = kbeg; k0 < kend; k0 += BK) {",
-    ]
-    L += _tile_load_lines(a_iters, b_iters)
-    L += [
-        "#pragma unroll",
-        "    for (int kk = 0; kk < BK; kk += 8) {",
-        "      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a_big[FM], a_small[FM];",
-        "      wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b_big[FN], b_small[FN];",
-    ]
-    L += _tf32_split_lines("a", "i", "FM", "&As[kk][wm0 + i * 16], BM")
-    L += _tf32_split_lines("b", "j", "FN", "&Bs[kk][wn0 + j * 16], BN")
-    L += [
-        "#pragma unroll",
-        "      for (int i = 0; i < FM; ++i)",
-        "#pragma unroll",
-        "        for (int j = 0; j < FN; ++j) {",
-        "          wmma::mma_sync(acc[i][j], a_big[i], b_small[j], acc[i][j]);",
-        "          wmma::mma_sync(acc[i][j], a_small[i], b_big[j], acc[i][j]);",
-        "          wmma::mma_sync(acc[i][j], a_big[i], b_big[j], acc[i][j]);",
-        "        }",
-        "    }",
-        "    __syncthreads();",
-        "  }",
-        "#pragma unroll",
-        "  for (int i = 0; i < FM; ++i)",
-        "#pragma unroll",
-        "    for (int j = 0; j < FN; ++j)",
-        "      wmma::store_matrix_sync(&Cs[wm0 + i * 16][wn0 + j * 16], acc[i][j], BN, wmma::mem_row_major);",
-    ]
+    entry, src = _gemm_prologue("onnxfuse ConvBiasAct implicit-GEMM kernel on tensor cores, 3xTF32", shape, epi, t,
+                                consts, includes=("#include <mma.h>",), preamble=("using namespace nvcuda;",))
+    src.line("__shared__ __align__(32) float As[BK][BM];", "__shared__ __align__(32) float Bs[BK][BN];",
+             "__shared__ __align__(32) float Cs[BM][BN];", "const int warp = tid / 32;",
+             "const int wm0 = (warp / (BN / WN)) * WM;", "const int wn0 = (warp % (BN / WN)) * WN;",
+             "wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[FM][FN];")
+    _unrolled_pair(src, "for (int i = 0; i < FM; ++i)", "for (int j = 0; j < FN; ++j) wmma::fill_fragment(acc[i][j], 0.0f);")
+    with src.block("for (int k0 = kbeg; k0 < kend; k0 += BK)"):
+        _tile_loads(src, a_iters, b_iters)
+        src.pragma("unroll")
+        with src.block("for (int kk = 0; kk < BK; kk += 8)"):
+            src.line("wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> a_big[FM], a_small[FM];",
+                     "wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b_big[FN], b_small[FN];")
+            _tf32_split(src, "a", "i", "FM", "&As[kk][wm0 + i * 16], BM")
+            _tf32_split(src, "b", "j", "FN", "&Bs[kk][wn0 + j * 16], BN")
+            src.pragma("unroll").line("for (int i = 0; i < FM; ++i)")
+            with src.indented():
+                src.pragma("unroll")
+                with src.block("for (int j = 0; j < FN; ++j)"):
+                    src.line("wmma::mma_sync(acc[i][j], a_big[i], b_small[j], acc[i][j]);",
+                             "wmma::mma_sync(acc[i][j], a_small[i], b_big[j], acc[i][j]);",
+                             "wmma::mma_sync(acc[i][j], a_big[i], b_big[j], acc[i][j]);")
+        src.line("__syncthreads();")
+    _unrolled_pair(src, "for (int i = 0; i < FM; ++i)", "for (int j = 0; j < FN; ++j)")
+    with src.indented(), src.indented():
+        src.line("wmma::store_matrix_sync(&Cs[wm0 + i * 16][wn0 + j * 16], acc[i][j], BN, wmma::mem_row_major);")
     if split:
         # Slot iteration `it` of the epilogue belongs to block it % SPLITK of the cluster, which
         # sums that slot of every block's Cs in rank order.
-        L += [
-            "  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();",
-            "  cluster.sync();",
-        ]
+        src.line("cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();", "cluster.sync();")
     else:
-        L.append("  __syncthreads();")
-    L += [
-        "#pragma unroll",
-        f"  for (int it = 0; it < {c_iters}; ++it) {{",
-    ]
+        src.line("__syncthreads();")
+    src.pragma("unroll")
+    with src.block(f"for (int it = 0; it < {c_iters}; ++it)"):
+        if split:
+            src.line("if (it % SPLITK != ks) continue;")
+        src.line("const int e = tid + it * THREADS;", "if (e >= BM * BN) continue;")
+        _decls(src, "tc_store")
+        src.line("if (!ok) continue;")
+        if split:
+            src.line("float sum = 0.0f;").pragma("unroll")
+            src.line("for (int rank = 0; rank < SPLITK; ++rank) sum += cluster.map_shared_rank(&Cs[0][0], rank)[e];",
+                     "float v = sum + __ldg(a.bias + ko);")
+        else:
+            src.line("float v = Cs[em][ej] + __ldg(a.bias + ko);")
+        _epilogue(src, epi, "v")
+        src.line("a.y[dst] = v;")
     if split:
-        L.append("    if (it % SPLITK != ks) continue;")
-    L += ["    const int e = tid + it * THREADS;", "    if (e >= BM * BN) continue;"]
-    L += _c_lines("tc_store", "    ")
-    L.append("    if (!ok) continue;")
-    if split:
-        L += [
-            "    float sum = 0.0f;",
-            "#pragma unroll",
-            "    for (int rank = 0; rank < SPLITK; ++rank) sum += cluster.map_shared_rank(&Cs[0][0], rank)[e];",
-            "    float v = sum + __ldg(a.bias + ko);",
-        ]
-    else:
-        L.append("    float v = Cs[em][ej] + __ldg(a.bias + ko);")
-    L += _epilogue_lines(epi, "v", "    ")
-    L += ["    a.y[dst] = v;", "  }"]
-    if split:
-        L.append("  cluster.sync();")
-    L.append("}")
-    return _gemm_kernel("gemm_tf32x3", entry, L, shape, epi, t)
+        src.line("cluster.sync();")
+    return _gemm_kernel("gemm_tf32x3", entry, _close_kernel(src), shape, epi, t)
 
 
 def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> Kernel:
@@ -432,39 +371,27 @@ def generate_depthwise(shape: ConvShape, epi: Epilogue, tile: DepthwiseTile) -> 
         raise ValueError(f"not a depthwise convolution: {shape}")
     entry = entry_name(shape, epi, tile)
     consts = {**shape.constants(), "DM": shape.k // shape.c, "THREADS": tile.threads}
-    L = [f"// onnxfuse ConvBiasAct direct depthwise kernel (ABI {ABI_VERSION})",
-         f"// {shape}", f"// {epi}", f"// {tile}", "#include <math.h>", _INDEX_MACROS]
-    L += _args_struct(entry)
-    L.append(f'extern "C" __global__ void __launch_bounds__({tile.threads}, 1) {entry}(const {entry}_args a) {{')
-    L += _constants_block(consts, "  ")
-    L += [
-        "  const int NPQ = (int)a.batch * PQ;",
-        "  const int tid = threadIdx.x;",
-        "  const int n0 = blockIdx.x * THREADS;",
-        "  const int ko = blockIdx.y;",
-        "  __shared__ float wk[RS];",
-        "  for (int t = tid; t < RS; t += THREADS) wk[t] = __ldg(a.w + ko * RS + t);",
-        "  __syncthreads();",
-    ]
-    L += _c_lines("dw_out", "  ")
-    L += [
-        "  if (!ok) return;",
-        "  float acc = 0.0f;",
-        "#pragma unroll",
-        "  for (int r = 0; r < R; ++r) {",
-        "#pragma unroll",
-        "    for (int s = 0; s < S; ++s) {",
-    ]
-    L += _c_lines("dw_tap", "      ")
-    L += [
-        "      if (tok) acc = fmaf(wk[r * S + s], __ldg(a.x + src), acc);",
-        "    }",
-        "  }",
-        "  float v = acc + __ldg(a.bias + ko);",
-    ]
-    L += _epilogue_lines(epi, "v", "  ")
-    L += ["  a.y[dst] = v;", "}"]
-    return Kernel(entry=entry, source="\n".join([*L, "#undef CT"]) + "\n", kind="depthwise", threads=tile.threads,
+    src = CSource()
+    src.line(f"// onnxfuse ConvBiasAct direct depthwise kernel (ABI {ABI_VERSION})", f"// {shape}", f"// {epi}",
+             f"// {tile}", "#include <math.h>").raw(_INDEX_MACROS)
+    _args_struct(src, entry)
+    with src.block(f'extern "C" __global__ void __launch_bounds__({tile.threads}, 1) {entry}(const {entry}_args a)'):
+        src.constants(consts)
+        src.line("const int NPQ = (int)a.batch * PQ;", "const int tid = threadIdx.x;", "const int n0 = blockIdx.x * THREADS;",
+                 "const int ko = blockIdx.y;", "__shared__ float wk[RS];",
+                 "for (int t = tid; t < RS; t += THREADS) wk[t] = __ldg(a.w + ko * RS + t);", "__syncthreads();")
+        _decls(src, "dw_out")
+        src.line("if (!ok) return;", "float acc = 0.0f;").pragma("unroll")
+        with src.block("for (int r = 0; r < R; ++r)"):
+            src.pragma("unroll")
+            with src.block("for (int s = 0; s < S; ++s)"):
+                _decls(src, "dw_tap")
+                src.line("if (tok) acc = fmaf(wk[r * S + s], __ldg(a.x + src), acc);")
+        src.line("float v = acc + __ldg(a.bias + ko);")
+        _epilogue(src, epi, "v")
+        src.line("a.y[dst] = v;")
+    src.line("#undef CT")
+    return Kernel(entry=entry, source=src.text(), kind="depthwise", threads=tile.threads,
                   cols_per_block=tile.threads, grid_cols=shape.p * shape.q, grid_y=shape.k, grid_z=1,
                   smem_bytes=4 * shape.r * shape.s, tile=[tile.threads], **_io(shape, epi))
 

@@ -37,6 +37,8 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from .emit import CSource
+
 ABI_VERSION = 1
 MAX_THREADS = 256
 SPAN_ITERS = 4  # vectors per thread per block before the plane is cut into another chunk
@@ -112,55 +114,39 @@ def generate(spec: ShuffleSpec) -> Kernel:
         starts.append(acc)
         acc += c
         ends.append(acc)
-    L = [
-        f"// onnxfuse.ChannelShuffle: inputs of {', '.join(map(str, spec.channels))} channels, "
-        f"{spec.groups} groups, {m} outputs (onnxfuse/cuda/shuffle_codegen.py).",
-        "#include <cuda_runtime.h>",
-        f"struct {entry}_args {{",
-        "  const float* x[" + str(k) + "];",
-        "  float* y[" + str(m) + "];",
-        "  long long hw;    // elements per plane (H * W)",
-        "  long long vec;   // floats per access: 4, 2 or 1",
-        "  long long span;  // vectors of the plane one block copies",
-        "};",
-        "",
-        "// Vectors begin .. end of the plane (VEC floats each; the divisions by VEC are shifts).",
-        "template <typename V, int VEC>",
-        f"__device__ __forceinline__ void {entry}_copy(const float* __restrict__ src, float* __restrict__ dst,",
-        "                                               long long hw, long long span) {",
-        "  const long long vecs = hw / VEC;",
-        "  const long long begin = (long long)blockIdx.y * span;",
-        "  const long long end = begin + span < vecs ? begin + span : vecs;",
-        "  const V* s = reinterpret_cast<const V*>(src);",
-        "  V* d = reinterpret_cast<V*>(dst);",
-        "  for (long long j = begin + threadIdx.x; j < end; j += blockDim.x) d[j] = s[j];",
-        "}",
-        "",
-        f'extern "C" __global__ void __launch_bounds__({MAX_THREADS}) {entry}(const {entry}_args a) {{',
-        "  constexpr int " + ", ".join(f"{n} = {v}" for n, v in consts.items()) + ";",
-        "  const int plane = (int)blockIdx.x;",
-    ]
-    for name, expr in INDEX:
-        L.append(f"  const int {name} = {expr};")
-    # The input holding Concat channel `from`, its channel count and its channel there.
-    src_ptr = _select([f"a.x[{i}]" for i in range(k)], ends, "from")
-    src_c = _select([str(c) for c in spec.channels], ends, "from")
-    src_start = _select([str(s) for s in starts], ends, "from")
-    dst_ptr = _select([f"a.y[{o}]" for o in range(m)], [(o + 1) for o in range(m)], "out")
-    L += [
-        f"  const float* src = {src_ptr};",
-        f"  const int src_c = {src_c};",
-        f"  const int ci = from - ({src_start});",
-        f"  float* dst = {dst_ptr};",
-        "  const long long src_off = ((long long)image * src_c + ci) * a.hw;",
-        "  const long long dst_off = ((long long)image * PIECE + ch) * a.hw;",
-        f"  if (a.vec == 4) {entry}_copy<float4, 4>(src + src_off, dst + dst_off, a.hw, a.span);",
-        f"  else if (a.vec == 2) {entry}_copy<float2, 2>(src + src_off, dst + dst_off, a.hw, a.span);",
-        f"  else {entry}_copy<float, 1>(src + src_off, dst + dst_off, a.hw, a.span);",
-        "}",
-        "",
-    ]
-    return Kernel(spec, entry, "\n".join(L))
+    src = CSource()
+    src.line(f"// onnxfuse.ChannelShuffle: inputs of {', '.join(map(str, spec.channels))} channels, "
+             f"{spec.groups} groups, {m} outputs (onnxfuse/cuda/shuffle_codegen.py).", "#include <cuda_runtime.h>")
+    with src.block(f"struct {entry}_args", end="};"):
+        src.line(f"const float* x[{k}];", f"float* y[{m}];", "long long hw;    // elements per plane (H * W)",
+                 "long long vec;   // floats per access: 4, 2 or 1",
+                 "long long span;  // vectors of the plane one block copies")
+    src.line("", "// Vectors begin .. end of the plane (VEC floats each; the divisions by VEC are shifts).",
+             "template <typename V, int VEC>",
+             f"__device__ __forceinline__ void {entry}_copy(const float* __restrict__ src, float* __restrict__ dst,")
+    with src.block("                                               long long hw, long long span)"):
+        src.line("const long long vecs = hw / VEC;", "const long long begin = (long long)blockIdx.y * span;",
+                 "const long long end = begin + span < vecs ? begin + span : vecs;",
+                 "const V* s = reinterpret_cast<const V*>(src);", "V* d = reinterpret_cast<V*>(dst);",
+                 "for (long long j = begin + threadIdx.x; j < end; j += blockDim.x) d[j] = s[j];")
+    src.line("")
+    with src.block(f'extern "C" __global__ void __launch_bounds__({MAX_THREADS}) {entry}(const {entry}_args a)'):
+        src.constants(consts)
+        src.line("const int plane = (int)blockIdx.x;")
+        src.decls(INDEX, ctype="const int")
+        # The input holding Concat channel `from`, its channel count and its channel there.
+        src_ptr = _select([f"a.x[{i}]" for i in range(k)], ends, "from")
+        src_c = _select([str(c) for c in spec.channels], ends, "from")
+        src_start = _select([str(s) for s in starts], ends, "from")
+        dst_ptr = _select([f"a.y[{o}]" for o in range(m)], [(o + 1) for o in range(m)], "out")
+        src.line(f"const float* src = {src_ptr};", f"const int src_c = {src_c};",
+                 f"const int ci = from - ({src_start});", f"float* dst = {dst_ptr};",
+                 "const long long src_off = ((long long)image * src_c + ci) * a.hw;",
+                 "const long long dst_off = ((long long)image * PIECE + ch) * a.hw;",
+                 f"if (a.vec == 4) {entry}_copy<float4, 4>(src + src_off, dst + dst_off, a.hw, a.span);",
+                 f"else if (a.vec == 2) {entry}_copy<float2, 2>(src + src_off, dst + dst_off, a.hw, a.span);",
+                 f"else {entry}_copy<float, 1>(src + src_off, dst + dst_off, a.hw, a.span);")
+    return Kernel(spec, entry, src.text())
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from ..program import OPS, Program
 from .codegen import HELPERS, body_lines
+from .emit import CSource
 
 ABI_VERSION = 1
 THREADS = 512  # one block per image: enough warps to keep one SM's loads in flight
@@ -133,17 +134,18 @@ _INDEX_MACROS = """#ifndef ONNXFUSE_SE_INDEX
 """
 
 
-def _c_lines(table: str, indent: str, ctype: str = "long long") -> list[str]:
-    return [f"{indent}const {ctype} {name} = {expr};" for name, expr in INDEX[table]]
+def _decls(src: CSource, table: str, ctype: str = "long long") -> None:
+    src.decls(INDEX[table], ctype=f"const {ctype}")
 
 
-def _act_lines(act: Act, v: str, indent: str, prefix: str) -> list[str]:
+def _act(src: CSource, act: Act, v: str, prefix: str) -> None:
     """`v = act(v)`, printed by the Pointwise printer in a block of its own."""
     prog = activation_program(act)
     if not prog.instrs:
-        return []
-    body, (result,) = body_lines(prog, [v], "f32", indent + "  ", prefix=prefix)
-    return [f"{indent}{{", *body, f"{indent}  {v} = {result};", f"{indent}}}"]
+        return
+    with src.block(""):
+        body, (result,) = body_lines(prog, [v], "f32", src.indent, prefix=prefix)
+        src.extend(body).line(f"{v} = {result};")
 
 
 @dataclass(frozen=True)
@@ -171,95 +173,73 @@ def entry_name(spec: SqueezeExciteSpec) -> str:
     return "onnxfuse_se_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _warp_sum(v: str, indent: str) -> list[str]:
-    return [
-        "#pragma unroll",
-        f"{indent}for (int o = 16; o > 0; o >>= 1) {v} += __shfl_xor_sync(FULL, {v}, o);",
-    ]
+def _warp_sum(src: CSource, v: str) -> None:
+    src.pragma("unroll").line(f"for (int o = 16; o > 0; o >>= 1) {v} += __shfl_xor_sync(FULL, {v}, o);")
 
 
-def _warp_rows(comment: str, row: str, rows: str, width: str, table: str, layer: int, vec: str, act: Act,
-               prefix: str, dst: str) -> list[str]:
+def _warp_rows(src: CSource, comment: str, row: str, rows: str, width: str, table: str, layer: int, vec: str,
+               act: Act, prefix: str, dst: str) -> None:
     """A 1x1 convolution on the block's vector, a warp per output row: the lanes' strided dot of
     W{layer} with `vec` over `width` columns, the butterfly, then lane 0 adds the bias, applies
     `act` and writes dst[row]."""
-    L = [f"  // {comment}", f"  for (int {row} = warp; {row} < {rows}; {row} += WARPS) {{", "    float dot = 0.0f;",
-         f"    for (int k = lane; k < {width}; k += 32) {{"]
-    L += _c_lines(table, "      ")
-    L += [f"      dot += a.w{layer}[w{layer}_src] * {vec}[k];", "    }"]
-    L += _warp_sum("dot", "    ")
-    L += ["    if (lane == 0) {", f"      float v = dot + a.b{layer}[{row}];"]
-    L += _act_lines(act, "v", "      ", prefix)
-    return L + [f"      {dst}[{row}] = v;", "    }", "  }", "  __syncthreads();"]
+    src.comment(comment)
+    with src.block(f"for (int {row} = warp; {row} < {rows}; {row} += WARPS)"):
+        src.line("float dot = 0.0f;")
+        with src.block(f"for (int k = lane; k < {width}; k += 32)"):
+            _decls(src, table)
+            src.line(f"dot += a.w{layer}[w{layer}_src] * {vec}[k];")
+        _warp_sum(src, "dot")
+        with src.block("if (lane == 0)"):
+            src.line(f"float v = dot + a.b{layer}[{row}];")
+            _act(src, act, "v", prefix)
+            src.line(f"{dst}[{row}] = v;")
+    src.line("__syncthreads();")
 
 
 def generate(spec: SqueezeExciteSpec) -> Kernel:
     entry = entry_name(spec)
-    consts = ", ".join(f"{k} = {v}" for k, v in spec.constants().items())
-    L = [
-        f"// onnxfuse SqueezeExcite kernel (ABI {ABI_VERSION}): {spec}",
-        "#include <math.h>",
-        _INDEX_MACROS + HELPERS,
-        "#define CT float  // the activation programs' compute type",
-        f"struct {entry}_args {{",
-        "  const float* x; const float* w1; const float* b1; const float* w2; const float* b2;",
-        "  float* y;",
-        "  long long batch; long long hw;",
-        "};",
-        "// Y over image n from `img`: element e of the image is channel e / hw (I: the index type).",
-        f"template <typename I> static __device__ __forceinline__ void {entry}_excite(",
-        f"    const {entry}_args& a, const float* gates, const long long img, const I total, const I hw) {{",
-        f"  for (I e = threadIdx.x; e < total; e += {THREADS}) {{",
-    ]
-    L += _c_lines("excite", "    ", "I")
-    L += _c_lines("store", "    ")
-    L += ["    float v = a.x[e_dst];"]
-    L += _act_lines(spec.input_act, "v", "    ", "in_")
-    L += [
-        "    a.y[e_dst] = v * gates[ec];",
-        "  }",
-        "}",
-        f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {entry}(const {entry}_args a) {{',
-        f"  constexpr int {consts};",
-        "  const unsigned FULL = 0xffffffffu;",
-        "  __shared__ float means[C];  // then the gates",
-        "  __shared__ float hidden[R];",
-        "  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
-        "  const long long hw = a.hw;",
-        "  const long long n = blockIdx.x;",
-    ]
-    L += _c_lines("image", "  ")
-    L += [
-        "  // 1. squeeze: the mean of each channel of A = input(X)",
-        "  for (int c = warp; c < C; c += WARPS) {",
-        "    float sum = 0.0f;",
-        "    for (long long j = lane; j < hw; j += 32) {",
-    ]
-    L += _c_lines("squeeze", "      ")
-    L += ["      float v = a.x[x_src];"]
-    L += _act_lines(spec.input_act, "v", "      ", "in_")
-    L += ["      sum += v;", "    }"]
-    L += _warp_sum("sum", "    ")
-    L += [
-        "    if (lane == 0) means[c] = sum / (float)hw;",
-        "  }",
-        "  __syncthreads();",
-    ]
-    L += _warp_rows("2. hidden = act_h(W1 means + B1)", "r", "R", "C", "hidden", 1, "means", spec.hidden, "h_", "hidden")
-    L += _warp_rows("3. gates = act_g(W2 hidden + B2), over the means (read by phase 2 only)", "c", "C", "R", "gate", 2,
-                    "hidden", spec.gate, "g_", "means")
-    L += [
-        "  // 4. excite: Y = A * gate of its channel",
-        "  const long long total = C * hw;",
-        "  if (total <= 0xffffffffLL)",
-        f"    {entry}_excite<unsigned int>(a, means, img, (unsigned int)total, (unsigned int)hw);",
-        "  else",
-        f"    {entry}_excite<long long>(a, means, img, total, hw);",
-        "}",
-        "#undef CT",
-        "",
-    ]
-    return Kernel(entry, "\n".join(L), spec)
+    src = CSource()
+    src.line(f"// onnxfuse SqueezeExcite kernel (ABI {ABI_VERSION}): {spec}", "#include <math.h>")
+    src.raw(_INDEX_MACROS + HELPERS).line("#define CT float  // the activation programs' compute type")
+    with src.block(f"struct {entry}_args", end="};"):
+        src.line("const float* x; const float* w1; const float* b1; const float* w2; const float* b2;", "float* y;",
+                 "long long batch; long long hw;")
+    src.comment("Y over image n from `img`: element e of the image is channel e / hw (I: the index type).")
+    src.line(f"template <typename I> static __device__ __forceinline__ void {entry}_excite(")
+    with src.block(f"    const {entry}_args& a, const float* gates, const long long img, const I total, const I hw)"):
+        with src.block(f"for (I e = threadIdx.x; e < total; e += {THREADS})"):
+            _decls(src, "excite", "I")
+            _decls(src, "store")
+            src.line("float v = a.x[e_dst];")
+            _act(src, spec.input_act, "v", "in_")
+            src.line("a.y[e_dst] = v * gates[ec];")
+    with src.block(f'extern "C" __global__ void __launch_bounds__({THREADS}, 1) {entry}(const {entry}_args a)'):
+        src.constants(spec.constants())
+        src.line("const unsigned FULL = 0xffffffffu;", "__shared__ float means[C];  // then the gates",
+                 "__shared__ float hidden[R];", "const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;",
+                 "const long long hw = a.hw;", "const long long n = blockIdx.x;")
+        _decls(src, "image")
+        src.comment("1. squeeze: the mean of each channel of A = input(X)")
+        with src.block("for (int c = warp; c < C; c += WARPS)"):
+            src.line("float sum = 0.0f;")
+            with src.block("for (long long j = lane; j < hw; j += 32)"):
+                _decls(src, "squeeze")
+                src.line("float v = a.x[x_src];")
+                _act(src, spec.input_act, "v", "in_")
+                src.line("sum += v;")
+            _warp_sum(src, "sum")
+            src.line("if (lane == 0) means[c] = sum / (float)hw;")
+        src.line("__syncthreads();")
+        _warp_rows(src, "2. hidden = act_h(W1 means + B1)", "r", "R", "C", "hidden", 1, "means", spec.hidden, "h_",
+                   "hidden")
+        _warp_rows(src, "3. gates = act_g(W2 hidden + B2), over the means (read by phase 2 only)", "c", "C", "R",
+                   "gate", 2, "hidden", spec.gate, "g_", "means")
+        src.comment("4. excite: Y = A * gate of its channel")
+        src.line("const long long total = C * hw;", "if (total <= 0xffffffffLL)",
+                 f"  {entry}_excite<unsigned int>(a, means, img, (unsigned int)total, (unsigned int)hw);", "else",
+                 f"  {entry}_excite<long long>(a, means, img, total, hw);")
+    src.line("#undef CT")
+    return Kernel(entry, src.text(), spec)
 
 
 def spec_of_node(node, shapes=None) -> SqueezeExciteSpec | None:

@@ -1,6 +1,7 @@
 """onnxfuse.Attention: multi-head scaled dot-product attention over split heads.
 
-contract   qkv_packed = 0: inputs q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask);
+contract   qkv_packed = 0: inputs q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask), each
+           [B, H, S, d] instead where its heads_first bit (1 q, 2 k, 4 v) is set;
            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask) (, bias [3*H*dh]); mask additive,
            broadcastable to [B, H, Sq, Sk]; output [B, Sq, H*dv] =
            softmax(scale * q k^T + mask) v per head (kernels/attention_cpu.cc's header)
@@ -31,12 +32,16 @@ def reference(inputs: list[np.ndarray], attrs: dict, n_outputs: int) -> list[np.
         q, k, v = next(it), next(it), next(it)
         mask = next(it) if has_mask else None
 
-    def split(t):  # [B, S, H*d] -> [B, H, S, d]
+    first = int(attrs.get("heads_first", 0))
+
+    def split(t, bit):  # [B, S, H*d] -> [B, H, S, d]; a heads-first operand is that already
+        if first >> bit & 1:
+            return t
         b, s, hd = t.shape
         return t.reshape(b, s, heads, hd // heads).transpose(0, 2, 1, 3)
 
     with np.errstate(all="ignore"):
-        scores = float(attrs.get("scale", 1.0)) * (split(q) @ split(k).transpose(0, 1, 3, 2))
+        scores = float(attrs.get("scale", 1.0)) * (split(q, 0) @ split(k, 1).transpose(0, 1, 3, 2))
         if mask is not None:
             scores = scores + mask
         if int(attrs.get("causal", 0)):
@@ -46,7 +51,7 @@ def reference(inputs: list[np.ndarray], attrs: dict, n_outputs: int) -> list[np.
         p = e / e.sum(axis=-1, keepdims=True)
         if int(attrs.get("nan_to_zero", 0)):
             p = np.where(np.isnan(p), 0.0, p)
-        out = p @ split(v)
+        out = p @ split(v, 2)
     b, h, s, dv = out.shape
     return [out.transpose(0, 2, 1, 3).reshape(b, s, h * dv).astype(np.float32)]
 
@@ -64,6 +69,9 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
         parts.append("causal")
     if int(a.get("nan_to_zero", 0)):
         parts.append("nan_to_zero")
+    first = int(a.get("heads_first", 0))
+    if first:
+        parts.append("heads first " + ",".join(n for i, n in enumerate("qkv") if first >> i & 1))
     parts.append(f"scale={float(a.get('scale', 1.0)):.4g}")
     return " ".join(parts)
 
@@ -83,6 +91,7 @@ OP = FusedOp(
         Attribute("causal_max_queries", "int", "the longest query sequence the causal form takes", 0),
         Attribute("causal_max_keys", "int", "the longest key sequence the causal form takes", 0),
         Attribute("nan_to_zero", "int", "a row of NaN probabilities weighs v by 0", 0),
+        Attribute("heads_first", "int", "bit 0 q, 1 k, 2 v: that input is [B, H, S, d] (not with qkv_packed)", 0),
     ),
     pass_name="fuse-attention",
     cuda_generator="onnxfuse.cuda.attention_codegen",
