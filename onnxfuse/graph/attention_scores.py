@@ -328,7 +328,7 @@ def rewrite_merged(graph: gs.Graph, m, nodes: list, inputs: list, attrs: dict, c
     for view, merge in m.views:
         if gu.constant_ints(view.inputs[1]) is not None:
             continue
-        name = view.name or "attention_view"
+        name = view.outputs[0].name  # unique in the graph, unlike a node name (which may be empty)
 
         def var(base, _name=name):
             return gs.Variable(gu.unique_name(graph, f"{_name}_{base}"), dtype=np.int64)
@@ -371,7 +371,7 @@ def rewrite_merged(graph: gs.Graph, m, nodes: list, inputs: list, attrs: dict, c
                                    outputs=[as_float], attrs={"to": 1}))
         cache[key] = as_float
     inputs.append(cache[key])
-    base = fill.node.name or "attention_fill"
+    base = fill.node.outputs[0].name
     flag = gs.Variable(gu.unique_name(graph, f"{base}_condition"), dtype=np.bool_)
     made = [gs.Node("Cast", name=f"{base}_condition", inputs=[cache[key]], outputs=[flag], attrs={"to": 9})]
     if negated is not None:
