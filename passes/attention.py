@@ -151,6 +151,7 @@ class Match:
     nan_to_zero: bool = False  # Where(IsNaN(p), 0, p) after the Softmax (transformer_forms.nan_to_zero_guard)
     fill: Fill | None = None  # 3-D over batch*heads (q.merged): a masked fill of the scores; the views
     views: list | None = None
+    out_dims: list | None = None
 
 
 def _is_causal_constant(value: np.ndarray) -> bool:
@@ -373,7 +374,8 @@ def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | None:
         return _no(ctx, softmax, "3-D attention over batch*heads: the CUDA kernel reads head splits of [B, S, H*d] alone")
     if ctx is not None and not ctx.target.attention_measured_faster_always and not _keys_pay_on_cpu(k, shapes, ctx, False):
         return _no(ctx, softmax, f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
-    return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views)
+    return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,
+                 out_dims=found.out_dims)
 
 
 def _packed_split(graph: gs.Graph, m: Match, shapes: facts.ShapeTable) -> gs.Node | None:

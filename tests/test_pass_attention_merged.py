@@ -20,9 +20,12 @@ H, DH, E = 4, 8, 32
 FILL = float(np.finfo(np.float32).min)
 
 
-def merged_model(dynamic=True, fill_branch="fill_first", not_cond=True, term=True, v_merged=True, heads_view=H):
+def merged_model(dynamic=True, fill_branch="fill_first", not_cond=True, term=True, v_merged=True, heads_view=H,
+                 unnamed=False):
     """x [B, S, E] -> q, k, v -> Reshape [0, 0, H, dh] -> Transpose(0, 2, 1, 3) -> Reshape
-    [-1, S, dh] (S read from x's shape when `dynamic`, else the static target [-1, 6, dh])."""
+    [-1, S, dh] (S read from x's shape when `dynamic`, else the static target [-1, 6, dh]).
+    unnamed: x's batch and sequence dims have no names (as a block after another fused one:
+    q, k, v [B*H, S, d] then get unrelated symbols, and equal batches are proved by structure)."""
     rng = np.random.default_rng(0)
     init = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, n)
             for n, s in (("wq", (E, E)), ("wk", (E, E)), ("wv", (E, E)), ("pos", (DH, 10)))]
@@ -70,7 +73,8 @@ def merged_model(dynamic=True, fill_branch="fill_first", not_cond=True, term=Tru
               helper.make_node("Transpose", ["o4"], ["ot"], perm=[0, 2, 1, 3]),
               helper.make_node("Reshape", ["ot", "merge"], ["out"])]
     b, s = ("B", "S") if dynamic else (2, 6)
-    graph = helper.make_graph(nodes, "merged", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, E]),
+    xb, xs = (None, None) if unnamed else (b, s)
+    graph = helper.make_graph(nodes, "merged", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [xb, xs, E]),
                                                helper.make_tensor_value_info("keep", TensorProto.BOOL, [b, 1, s, s])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [b, s, E])], initializer=init)
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -129,6 +133,13 @@ def test_special_values_reach_the_rows_the_original_gives(special):
     m = merged_model()
     opt, _ = optimize(m, PASS)
     check(m, opt, [feeds(special=special)])
+
+
+def test_operands_with_unnamed_dims_are_proved_of_one_batch_by_structure():
+    m = merged_model(unnamed=True)
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    check(m, opt, [feeds(), feeds(3, 4, seed=1), feeds(1, 1, seed=2)])
 
 
 def test_without_an_additive_term():

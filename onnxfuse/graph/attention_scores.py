@@ -26,7 +26,7 @@ import onnx_graphsurgeon as gs
 
 from . import core as gu
 from .attention_heads import broadcast_dims, scaled, transpose_perm
-from .shape_values import ShapeEvaluator, exact_quotient
+from .shape_values import ShapeEvaluator, element_count, exact_quotient
 
 MAX_PLUMBING = 64  # nodes a chain tensor's Shape readers may feed before the view targets
 
@@ -125,15 +125,44 @@ def unmerge_view(ev: ShapeEvaluator, node: gs.Node | None) -> int | None:
 
 
 def _reps(ev: ShapeEvaluator, t: gs.Tensor, axis: int) -> set:
-    """The monomials one axis of t [N, S, d] is provably equal to: its own dim, and, when t is a
-    merge view of [a, H, x, y], a*H (axis 0) or x (axis 1)."""
+    """What one axis of t [N, S, d] is provably equal to: its own dim; when t is a Reshape, the
+    target's entry there (not 0 or -1), and for an inferred N (-1) the token of the element
+    count it divides (that of the tensor the Reshapes and Transposes before it start from) by
+    the other entries; when t is a merge view of [a, H, x, y], a*H (axis 0) or x (axis 1)."""
     d = ev.dim_symbols(t)
     out = {d[axis]} if d is not None and len(d) == 3 else set()
     node = gu.producer(t)
     if merge_view(ev, node):
         src = ev.dim_symbols(node.inputs[0])
         out.add(_mono_mul(src[0], src[1]) if axis == 0 else src[axis + 1])
+    target = _target(ev, node, 3)
+    if target is not None and target[axis] not in ((0, ()), (-1, ())):
+        out.add(target[axis])
+    elif target is not None and axis == 0 and target[0] == (-1, ()) and (0, ()) not in target:
+        src = node.inputs[0]
+        while gu.is_op(gu.producer(src), "Transpose", "Reshape"):
+            src = gu.producer(src).inputs[0]
+        out.add(("count", element_count(ev.dim_symbols(src)), target[1], target[2]))
+        d = ev.dim_symbols(src)
+        if d is not None and d and not d[-1][1]:  # src = x @ W (+ c): x's rows times src's width
+            out.add(("rows", _projected(src).name, d[-1], target[1], target[2]))
     return out
+
+
+def _projected(t: gs.Tensor) -> gs.Tensor:
+    """x where t = x @ W (+ c), W a 2-D constant, c a constant of rank <= 1 (t has x's leading
+    dims), through any number of such steps; else t."""
+    while True:
+        node = gu.producer(t)
+        if gu.is_op(node, "Add") and len(node.inputs) == 2:
+            c = next((x for x in node.inputs if gu.is_constant(x)), None)
+            if c is None or len(gu.dims(c) or [0, 0]) > 1 or all(gu.is_constant(x) for x in node.inputs):
+                return t
+            t = next(x for x in node.inputs if x is not c)
+        elif gu.is_op(node, "MatMul") and gu.is_constant(node.inputs[1]) and len(gu.dims(node.inputs[1]) or []) == 2:
+            t = node.inputs[0]
+        else:
+            return t
 
 
 @dataclass
@@ -151,6 +180,7 @@ class Merged:
     k_nodes: list  # the keys' Transpose(0, 2, 1), then its scale, if any
     nodes: list  # the score MatMul to the merge Reshape, in order
     views: list = field(default_factory=list)  # (Reshape, True for a merge view, False to unmerge)
+    out_dims: list | None = None  # [B, Sq, H*dv] by name where q is a merge view of [B, H, Sq, dh]
 
 
 def _sole_reader(graph: gs.Graph, t: gs.Tensor, plumbing: list) -> gs.Node | None:
@@ -195,7 +225,11 @@ def match_merged(graph: gs.Graph, softmax: gs.Node, weights: gs.Tensor, guard: l
     plumbing: list = []
     views: list = []
     view_p = _sole_reader(graph, weights, plumbing)
-    if not merge_view(ev, view_p):
+    # A view proved by its input's dims (strict), or by a target pinned to q's and k's lengths
+    # (checked below, once they are known).
+    probs_pins = _target(ev, view_p, 3)
+    strict = merge_view(ev, view_p)
+    if not strict and (probs_pins is None or probs_pins[0] != (-1, ())):
         return "the probabilities are not read by one Reshape to [B*H, Sq, Sk] (and Shapes)"
     views.append((view_p, True))
     pv = _sole_reader(graph, view_p.outputs[0], plumbing)
@@ -203,6 +237,9 @@ def match_merged(graph: gs.Graph, softmax: gs.Node, weights: gs.Tensor, guard: l
         return "the [B*H, Sq, Sk] probabilities are not the left operand of MatMul(P, V) alone"
     view_o = _sole_reader(graph, pv.outputs[0], plumbing)
     heads = unmerge_view(ev, view_o)
+    out_pins = _target(ev, view_o, 4)
+    if heads is None and out_pins is not None and out_pins[0] == (-1, ()) and not out_pins[1][1] and out_pins[1][0] > 0:
+        heads, strict = out_pins[1][0], False
     if heads is None:
         return "MatMul(P, V) is not read by one Reshape to [B, H, Sq, dv]"
     views.append((view_o, False))
@@ -222,7 +259,7 @@ def match_merged(graph: gs.Graph, softmax: gs.Node, weights: gs.Tensor, guard: l
         before.append(fill.node)
         logits = fill.scores
     view_s = gu.producer(logits)
-    strict = unmerge_view(ev, view_s) == heads
+    strict = strict and unmerge_view(ev, view_s) == heads
     pins = _target(ev, view_s, 4)
     if not strict and (pins is None or pins[1] != (heads, ())):
         return f"the Softmax input is not a view of [B*H, Sq, Sk] scores as [B, {heads}, Sq, Sk] (through a masked fill)"
@@ -264,31 +301,35 @@ def match_merged(graph: gs.Graph, softmax: gs.Node, weights: gs.Tensor, guard: l
     sq, sk = _reps(ev, q, 1), _reps(ev, k, 1)
     if not n or not sk & _reps(ev, v, 1):
         return "the batch*heads dims of q, k, v, or the key lengths of k and v, are not provably equal"
-    batch = {b for b in (exact_quotient(x, (heads, ())) for x in n) if b is not None}
+    batch = {b for b in (exact_quotient(x, (heads, ())) for x in n if isinstance(x[0], int)) if b is not None}
     one = {(1, ())}
     # Pinned: the views' targets are [-1, H, Sq, Sk] and [-1, Sq, Sk] with Sq, Sk q's and k's
     # lengths. An additive term that grew the [B*H, Sq, Sk] scores (a dim of 1 broadcast up)
     # would then make the probabilities [g*B*H, Sq, Sk], g >= 2, whose MatMul with v [B*H, Sk, dv]
     # fails in the original (H >= 2), as the kernel's broadcast check does.
-    probs_pins = _target(ev, view_p, 3)
     pinned = (heads >= 2 and pins is not None and pins[2] in sq and pins[3] in sk and probs_pins is not None
-              and probs_pins[0] == (-1, ()) and probs_pins[1] in sq and probs_pins[2] in sk)
+              and probs_pins[0] == (-1, ()) and probs_pins[1] in sq and probs_pins[2] in sk
+              and (unmerge_view(ev, view_o) == heads or out_pins[2] in sq and out_pins[3] == (dims[2][2], ())))
     if not strict and not pinned:
         return f"the Softmax input is not a view of [B*H, Sq, Sk] scores as [B, {heads}, Sq, Sk] (through a masked fill)"
     if mask is not None and (len(gu.dims(mask) or []) > 3 or mask.dtype != np.float32):
         return "the additive term is not float32 of rank <= 3"
     if mask is not None and not pinned and not _fits(ev, mask, [n, sq, sk], one):
         return "the additive term's dims are not provably 1 or those of the [B*H, Sq, Sk] scores"
-    if fill is not None and not _fits(ev, fill.cond, [batch, {(heads, ())}, sq, sk], one):
+    if fill is not None and (len(gu.dims(fill.cond) or [0] * 5) > 4 or
+                             not pinned and not _fits(ev, fill.cond, [batch, {(heads, ())}, sq, sk], one)):
         return "the masked fill's condition's dims are not provably 1 or those of the [B, H, Sq, Sk] scores"
     if not _merges_rows(ev, merge, heads * dims[2][2]):
         return f"the output is not merged back by one Reshape to [B, Sq, {heads * dims[2][2]}]"
     if not _feeds_only(graph, plumbing, views):
         return "a Shape of a tensor of the chain feeds more than the chain's own Reshape targets"
     nodes = [qk] + list(reversed(before)) + [softmax] + list(guard or []) + [view_p, pv, view_o, back, merge]
+    q4 = gu.producer(q).inputs[0] if merge_view(ev, gu.producer(q)) else None
+    d = shapes.dims(q4) if q4 is not None else None
+    out_dims = [d[0], d[2], heads * dims[2][2]] if d is not None and None not in (d[0], d[2]) else None
     return Merged(q, k, v, heads, float(np.float32(q_scale * k_scale * scale)), mask, fill,
                   [q_node] if q_node is not None else [], [transpose] + ([k_node] if k_node is not None else []),
-                  nodes, views)
+                  nodes, views, out_dims)
 
 
 def _target(ev: ShapeEvaluator, node: gs.Node, rank: int) -> tuple | None:
@@ -347,12 +388,10 @@ def rewrite_merged(graph: gs.Graph, m, nodes: list, inputs: list, attrs: dict, c
         at = next(i for i, n in enumerate(nodes) if n is view)
         nodes[at:at] = made
     attrs["heads_merged"] = 7
-    # The output [B, Sq, H*dv] keeps B and Sq's names where q is a view of [B, H, Sq, dh], so that
-    # the next block's q, k and v, computed from it, are provably of one batch.
-    q4 = gu.producer(m.q.source).inputs[0] if gu.is_op(gu.producer(m.q.source), "Reshape") else None
-    d, out = gu.dims(q4) if q4 is not None else None, nodes[-1].outputs[0]
-    if d is not None and len(d) == 4 and d[0] is not None and d[2] is not None:
-        out.shape = [d[0], d[2], m.v.heads * m.v.width]
+    # The output [B, Sq, H*dv] keeps B and Sq's names where q is a view of [B, H, Sq, dh] (a custom
+    # op's output is not inferred), so that the next block's q, k and v are provably of one batch.
+    if m.out_dims is not None:
+        nodes[-1].outputs[0].shape = list(m.out_dims)
     if m.mask is not None:
         attrs["mask_merged_heads"] = 1
     fill = m.fill
