@@ -142,8 +142,9 @@ def _reps(ev: ShapeEvaluator, t: gs.Tensor, axis: int) -> set:
         src = node.inputs[0]
         while gu.is_op(gu.producer(src), "Transpose", "Reshape"):
             src = gu.producer(src).inputs[0]
-        out.add(("count", element_count(ev.dim_symbols(src)), target[1], target[2]))
         d = ev.dim_symbols(src)
+        if element_count(d) is not None:
+            out.add(("count", element_count(d), target[1], target[2]))
         if d is not None and d and not d[-1][1]:  # src = x @ W (+ c): x's rows times src's width
             out.add(("rows", _projected(src).name, d[-1], target[1], target[2]))
     return out
@@ -307,7 +308,7 @@ def match_merged(graph: gs.Graph, softmax: gs.Node, weights: gs.Tensor, guard: l
     # lengths. An additive term that grew the [B*H, Sq, Sk] scores (a dim of 1 broadcast up)
     # would then make the probabilities [g*B*H, Sq, Sk], g >= 2, whose MatMul with v [B*H, Sk, dv]
     # fails in the original (H >= 2), as the kernel's broadcast check does.
-    pinned = (heads >= 2 and pins is not None and pins[2] in sq and pins[3] in sk and probs_pins is not None
+    pinned = (heads >= 2 and pins is not None and pins[0] == (-1, ()) and pins[2] in sq and pins[3] in sk and probs_pins is not None
               and probs_pins[0] == (-1, ()) and probs_pins[1] in sq and probs_pins[2] in sk
               and (unmerge_view(ev, view_o) == heads or out_pins[2] in sq and out_pins[3] == (dims[2][2], ())))
     if not strict and not pinned:
