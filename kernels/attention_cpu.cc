@@ -3,14 +3,22 @@
 //
 //   inputs   qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask); with
 //                            heads_first bit 0 (q), 1 (k), 2 (v) set, that operand is [B, H, S, d]
+//            heads_merged bit 0, 1, 2 (absent = 0): that operand is [B*H, S, d] (3-D attention over
+//            batch*heads; the memory of [B, H, S, d])
 //            qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask) (, bias), q/k/v its column blocks 0, D, 2D
 //            mask: float32, additive, broadcastable to [B, H, Sq, Sk] (rank <= 4)
 //            bias: [3*H*dh] (has_bias, packed only), added to qkv's columns as they are read
 //   attrs    num_heads, scale, has_mask, qkv_packed, has_bias (absent = 0), heads_first (absent = 0;
 //            not with qkv_packed), causal (absent = 0;
 //            then causal_max_queries, causal_max_keys: longer sequences are an error),
-//            nan_to_zero (absent = 0; not with causal): a row of NaN probabilities weighs v by 0
+//            nan_to_zero (absent = 0; not with causal): a row of NaN probabilities weighs v by 0;
+//            mask_merged_heads (absent = 0): the mask is rank <= 3, broadcastable to [B*H, Sq, Sk]
+//            (3-D attention over batch*heads: its [B*H, Sq, Sk] is the [B, H, Sq, Sk] scores);
+//            fill_mode (absent = 0; not with causal), fill_value: 1 (2) replaces a score by
+//            fill_value where the condition input (the last; float32, broadcastable to
+//            [B, H, Sq, Sk]) is nonzero (zero), after the mask: Where's masked fill
 //   output   out [B, Sq, H*dv]: out[b, s, h*dv + j] = sum_t softmax_t(scale * q.k + mask) * v[t, j]
+//            (with fill_mode, softmax_t(fill(s, t) ? fill_value : scale * q.k + mask))
 //            (causal: mask[s, t] = -inf for t > s, 0 otherwise; no mask input)
 //
 // q, k, v are read as strided views of the inputs (a row of one head is contiguous, rows are
@@ -72,6 +80,10 @@ struct Job {
   const float* mask;  // null without one
   const float* bias;  // [3 * H * dh] (packed qkv's q, k, v column blocks), null without one
   int64_t mask_stride[4];  // [B, H, Sq, Sk] strides, 0 on broadcast axes
+  const float* cond;       // fill_mode's condition, null without one
+  int64_t cond_stride[4];  // as mask_stride
+  int fill_mode;           // 0 none, 1 fill where cond != 0, 2 where cond == 0
+  float fill_value;
   float* out;              // [B, Sq, H * dv]
   float* keys;             // per (b, h): the [dh, ld] key panel, ld = Sk rounded up to kKeyTile
   int64_t ld;
@@ -82,6 +94,29 @@ struct Job {
   bool nan_to_zero;  // Where(IsNaN(p), 0, p) on the probabilities (zero_probability_row)
   bool avx2;
 };
+
+// One (b, h)'s additive mask and fill condition (each null when absent), and the row's fill.
+struct Terms {
+  const float* mask;
+  const float* cond;
+};
+
+struct Fill {
+  const float* cond;  // the query row's conditions, null without a fill
+  int64_t step;       // 0 (broadcast along the keys) or 1
+  int mode;
+  float value;
+  // Whether key t's score is replaced (a NaN condition is nonzero, as Cast to bool reads it).
+  bool at(int64_t t) const {
+    const float c = cond[t * step];
+    return mode == 1 ? c != 0.0f : c == 0.0f;
+  }
+};
+
+Fill row_fill(const Job& job, const Terms& bh, int64_t row) {
+  return Fill{bh.cond == nullptr ? nullptr : bh.cond + row * job.cond_stride[2], job.cond_stride[3], job.fill_mode,
+              job.fill_value};
+}
 
 // Per-thread scratch: kRows score rows of ld floats.
 std::vector<float>& score_scratch() {
@@ -144,11 +179,12 @@ void pack_keys(const float* k, int64_t row_stride, int64_t sk, int64_t dh, int64
 // -inf for t >= causal_end (a causal row's future keys; sk when not causal). Returns the maximum,
 // NaN ignored (a NaN score makes the sum NaN, so the row is NaN anyway).
 float scale_and_mask_base(float* scores, int64_t sk, float scale, const float* mask_row, int64_t mask_step,
-                          int64_t causal_end) {
+                          int64_t causal_end, const Fill& fill) {
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < sk; ++t) {
     float s = scores[t] * scale;
     if (mask_row != nullptr) s += mask_row[t * mask_step];
+    if (fill.cond != nullptr && fill.at(t)) s = fill.value;
     if (t >= causal_end) s += -std::numeric_limits<float>::infinity();
     scores[t] = s;
     mx = s > mx ? s : mx;
@@ -167,7 +203,7 @@ float softmax_base(float* scores, int64_t sk, float mx) {
 
 // Rows [r0, r0 + rows) of one (b, h): portable version. q_bias / v_bias: this head's slices of
 // the bias, or null.
-void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
+void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const Terms& bh,
                const float* q_bias, const float* v_bias, float* out, int64_t r0, int64_t rows, float* scores,
                float* q_rows) {
   const int64_t sk = job.sk, dh = job.dh, dv = job.dv;
@@ -186,9 +222,9 @@ void rows_base(const Job& job, const float* q, const float* keys, int64_t ld, co
       const float* kr = keys + i * ld;
       for (int64_t t = 0; t < sk; ++t) s[t] += a * kr[t];
     }
-    const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
+    const float* mrow = bh.mask == nullptr ? nullptr : bh.mask + (r0 + r) * job.mask_stride[2];
     const int64_t causal_end = job.causal ? r0 + r + 1 : sk;
-    const float mx = scale_and_mask_base(s, sk, job.scale, mrow, job.mask_stride[3], causal_end);
+    const float mx = scale_and_mask_base(s, sk, job.scale, mrow, job.mask_stride[3], causal_end, row_fill(job, bh, r0 + r));
     const float inv = softmax_base(s, sk, mx);
     if (job.nan_to_zero && std::isnan(inv)) nan_rows.push_back(r0 + r);
     float* o = out + (r0 + r) * out_stride;
@@ -248,7 +284,8 @@ inline void scores_tile(const float* q, int64_t q_stride, const float* keys, int
 
 // scale_and_mask_base's result: keys t >= causal_end (sk when not causal) get -inf added.
 float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_row, int64_t mask_step,
-                          int64_t causal_end) {
+                          int64_t causal_end, const Fill& fill) {
+  const __m256 fill_value = _mm256_set1_ps(fill.value), zero = _mm256_setzero_ps();
   const __m256 vs = _mm256_set1_ps(scale);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
@@ -257,6 +294,12 @@ float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_r
     __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), vs);
     if (mask_row != nullptr)
       x = _mm256_add_ps(x, mask_step == 1 ? _mm256_loadu_ps(mask_row + t) : _mm256_set1_ps(mask_row[0]));
+    if (fill.cond != nullptr) {
+      const __m256 c = fill.step == 1 ? _mm256_loadu_ps(fill.cond + t) : _mm256_set1_ps(fill.cond[0]);
+      // Fill.at lane by lane: nonzero (NaN included) for mode 1, zero for mode 2.
+      const __m256 sel = fill.mode == 1 ? _mm256_cmp_ps(c, zero, _CMP_NEQ_UQ) : _mm256_cmp_ps(c, zero, _CMP_EQ_OQ);
+      x = _mm256_blendv_ps(x, fill_value, sel);
+    }
     _mm256_storeu_ps(s + t, x);
     vmax = _mm256_max_ps(x, vmax);  // NaN in x: keeps vmax
   }
@@ -264,6 +307,7 @@ float scale_and_mask_avx2(float* s, int64_t sk, float scale, const float* mask_r
   for (; t < sk; ++t) {
     float x = s[t] * scale;
     if (mask_row != nullptr) x += mask_row[t * mask_step];
+    if (fill.cond != nullptr && fill.at(t)) x = fill.value;
     if (t >= causal_end) x += -std::numeric_limits<float>::infinity();
     s[t] = x;
     mx = x > mx ? x : mx;
@@ -427,7 +471,7 @@ inline void add_value_bias_avx2(float* out, int64_t out_stride, int64_t rows, co
 // value); causal_tile_avx2 skips them instead when the (b, h)'s keys and values are finite.
 template <int R>
 void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, bool v_finite,
-               const float* mask_bh, const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
+               const Terms& bh, const float* q_bias, const float* v_bias, float* out, int64_t r0, float* scores,
                float* q_rows) {
   if (q_bias != nullptr) {
     biased_rows(q + r0 * job.q.row_stride, job.q.row_stride, q_bias, R, job.dh, q_rows);
@@ -439,9 +483,10 @@ void tile_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
   int64_t t0 = job.sk, t1 = 0;
   for (int r = 0; r < R; ++r) {
     float* s = scores + r * ld;
-    const float* mrow = mask_bh == nullptr ? nullptr : mask_bh + (r0 + r) * job.mask_stride[2];
+    const float* mrow = bh.mask == nullptr ? nullptr : bh.mask + (r0 + r) * job.mask_stride[2];
     const int64_t causal_end = job.causal ? r0 + r + 1 : job.sk;
-    const float mx = scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3], causal_end);
+    const float mx =
+        scale_and_mask_avx2(s, job.sk, job.scale, mrow, job.mask_stride[3], causal_end, row_fill(job, bh, r0 + r));
     int64_t begin = 0, end = 0;
     inv[r] = softmax_avx2(s, job.sk, mx, &begin, &end);
     t0 = std::min(t0, begin);
@@ -524,7 +569,7 @@ void causal_tile_avx2(const Job& job, const float* q, const float* keys, int64_t
   if (v_bias != nullptr) add_value_bias_avx2(out + r0 * out_stride, out_stride, R, v_bias, job.dv);
 }
 
-void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const float* mask_bh,
+void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, const float* v, const Terms& bh,
                const float* q_bias, const float* v_bias, float* out, int64_t r0, int64_t rows, float* scores,
                float* q_rows) {
   int64_t r = r0;
@@ -544,11 +589,11 @@ void rows_avx2(const Job& job, const float* q, const float* keys, int64_t ld, co
     return;
   }
   for (; r + kRows <= end; r += kRows)
-    tile_avx2<kRows>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows);
+    tile_avx2<kRows>(job, q, keys, ld, v, vf, bh, q_bias, v_bias, out, r, scores, q_rows);
   switch (end - r) {
-    case 3: tile_avx2<3>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
-    case 2: tile_avx2<2>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
-    case 1: tile_avx2<1>(job, q, keys, ld, v, vf, mask_bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 3: tile_avx2<3>(job, q, keys, ld, v, vf, bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 2: tile_avx2<2>(job, q, keys, ld, v, vf, bh, q_bias, v_bias, out, r, scores, q_rows); break;
+    case 1: tile_avx2<1>(job, q, keys, ld, v, vf, bh, q_bias, v_bias, out, r, scores, q_rows); break;
     default: break;
   }
 }
@@ -608,7 +653,8 @@ void run_item(void* data, size_t index) {
   } else {
     keys = job.keys + bh * job.dh * job.ld;
   }
-  const float* mask_bh = job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1];
+  const Terms terms{job.mask == nullptr ? nullptr : job.mask + b * job.mask_stride[0] + h * job.mask_stride[1],
+                 job.cond == nullptr ? nullptr : job.cond + b * job.cond_stride[0] + h * job.cond_stride[1]};
   float* out = job.out + b * job.sq * job.heads * job.dv + h * job.dv;
   const float* q_bias = job.bias == nullptr ? nullptr : job.bias + h * job.dh;
   const float* v_bias = job.bias == nullptr ? nullptr : job.bias + 2 * job.heads * job.dh + h * job.dv;
@@ -618,11 +664,11 @@ void run_item(void* data, size_t index) {
   if (q_bias != nullptr || job.causal) q_rows.resize(static_cast<size_t>(kRows * job.dh));
 #if defined(__x86_64__)
   if (job.avx2) {
-    rows_avx2(job, q, keys, job.ld, v, mask_bh, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
+    rows_avx2(job, q, keys, job.ld, v, terms, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
     return;
   }
 #endif
-  rows_base(job, q, keys, job.ld, v, mask_bh, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
+  rows_base(job, q, keys, job.ld, v, terms, q_bias, v_bias, out, r0, rows, scores.data(), q_rows.data());
 }
 
 struct AttentionKernel {
@@ -634,8 +680,22 @@ struct AttentionKernel {
   bool has_mask = false, packed = false, has_bias = false, avx2 = false;
   bool causal = false, nan_to_zero = false;
   int64_t heads_first = 0;  // bit 0 q, 1 k, 2 v: that operand is [B, H, S, d]
+  int64_t heads_merged = 0;  // bit 0 q, 1 k, 2 v: that operand is [B*H, S, d] (read as [B, H, S, d])
   int64_t causal_max_queries = 0, causal_max_keys = 0;  // the causal mask constant's [R, C]
+  bool mask_merged = false;  // the mask is [B*H, Sq, Sk] (rank <= 3, broadcast)
+  int64_t fill_mode = 0;     // 0 none, 1 fill where the condition is nonzero, 2 where it is zero
+  float fill_value = 0.0f;
 };
+
+// An optional int attribute (absent = 0).
+int64_t optional_int(const OrtApiRef& api, const OrtKernelInfo* info, const char* name) {
+  int64_t v = 0;
+  if (OrtStatus* st = api.KernelInfoGetAttribute_int64(info, name, &v)) {
+    api.ReleaseStatus(st);
+    v = 0;
+  }
+  return v;
+}
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
@@ -668,6 +728,19 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       kernel->heads_first = 0;
     }
     kernel->nan_to_zero = nan_to_zero != 0;
+    kernel->mask_merged = optional_int(api, info, "mask_merged_heads") != 0;
+    kernel->heads_merged = optional_int(api, info, "heads_merged");
+    if (kernel->heads_merged < 0 || kernel->heads_merged > 7 || (kernel->heads_merged & kernel->heads_first) != 0 ||
+        (kernel->heads_merged != 0 && kernel->packed))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (w + "heads_merged must be a mask of bits 0-2 (q, k, v), apart from heads_first's,"
+                                   " and 0 with qkv_packed").c_str());
+    kernel->fill_mode = optional_int(api, info, "fill_mode");
+    if (kernel->fill_mode < 0 || kernel->fill_mode > 2)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "fill_mode must be 0, 1 or 2").c_str());
+    if (kernel->fill_mode != 0)
+      ONNXFUSE_RETURN_IF_ERROR(api.KernelInfoGetAttribute_float(info, "fill_value", &kernel->fill_value),
+                               w + "attribute 'fill_value': ");
     kernel->has_mask = has_mask != 0;
     kernel->packed = packed != 0;
     kernel->has_bias = has_bias != 0;
@@ -681,6 +754,8 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
         return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "causal and has_mask are exclusive").c_str());
       if (kernel->nan_to_zero)
         return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "causal and nan_to_zero are exclusive").c_str());
+      if (kernel->fill_mode != 0)
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "causal and fill_mode are exclusive").c_str());
     }
     if (kernel->heads <= 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "num_heads must be positive").c_str());
@@ -691,12 +766,14 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
                               (w + "heads_first must be a mask of bits 0-2 (q, k, v), and 0 with qkv_packed").c_str());
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), w);
-    const size_t want = (kernel->packed ? 1 : 3) + (kernel->has_mask ? 1 : 0) + (kernel->has_bias ? 1 : 0);
+    const size_t want =
+        (kernel->packed ? 1 : 3) + (kernel->has_mask ? 1 : 0) + (kernel->has_bias ? 1 : 0) + (kernel->fill_mode ? 1 : 0);
     if (n_in != want)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + "expects " + std::to_string(want) + " inputs (" +
                                                      (kernel->packed ? "qkv" : "q, k, v") +
                                                      (kernel->has_mask ? ", mask" : "") +
-                                                     (kernel->has_bias ? ", bias" : "") + "), got " +
+                                                     (kernel->has_bias ? ", bias" : "") +
+                                                     (kernel->fill_mode ? ", condition" : "") + "), got " +
                                                      std::to_string(n_in)).c_str());
     kernel->avx2 = use_avx2_fma();
     *out = kernel.release();
@@ -715,6 +792,29 @@ OrtStatus* input_f32(const OrtApiRef& api, OrtKernelContext* ctx, size_t i, cons
     return api.CreateStatus(ORT_INVALID_ARGUMENT, (w + what + " is not float32").c_str());
   *data = static_cast<const float*>(p);
   return nullptr;
+}
+
+// strides[i] of a tensor of dims `d` (rank <= 4) read as broadcast to `target` [B, H, Sq, Sk]: 0 on
+// broadcast axes; false when a dim is neither 1 nor the target's. merged: d (rank <= 3) is read
+// as broadcast to [B*H, Sq, Sk], whose first axis holds (b, h) as b * H + h.
+bool broadcast_strides(const std::vector<int64_t>& d, const int64_t target[4], bool merged, int64_t strides[4]) {
+  const size_t rank = merged ? 3 : 4;
+  if (d.size() > rank) return false;
+  int64_t dims[4] = {1, 1, 1, 1};
+  const int64_t want[4] = {merged ? target[0] * target[1] : target[0], target[1], target[2], target[3]};
+  const size_t first = merged ? 1 : 0;  // dims[first..3] hold d, right-aligned
+  for (size_t i = 0; i < d.size(); ++i) dims[4 - d.size() + i] = d[i];
+  int64_t stride = 1;
+  for (int i = 3; i >= static_cast<int>(first); --i) {
+    const int64_t w = merged && i == 1 ? want[0] : want[i];
+    if (dims[i] != 1 && dims[i] != w) return false;
+    strides[i] = dims[i] == 1 ? 0 : stride;
+    stride *= dims[i];
+  }
+  if (merged) {  // axis 1 of dims is the merged (b, h): b's stride is H of it
+    strides[0] = strides[1] * target[1];
+  }
+  return true;
 }
 
 OrtStatus* invalid(const OrtApiRef& api, const std::string& msg) {
@@ -759,7 +859,11 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
     for (int o = 0; o < 3; ++o) {
       const std::vector<int64_t>& d = *dims[o];
       int64_t* r = bsd[o];
-      if ((k->heads_first >> o) & 1) {
+      if ((k->heads_merged >> o) & 1) {  // [B*H, S, d]: the memory of [B, H, S, d]
+        const bool ok = d.size() == 3 && d[0] % H == 0;
+        r[0] = ok ? d[0] / H : -1, r[1] = ok ? d[1] : -1, r[2] = ok ? d[2] : -1;
+        if (ok) *views[o] = View{data[o], H * d[1] * d[2], d[2], d[1] * d[2]};
+      } else if ((k->heads_first >> o) & 1) {
         const bool ok = d.size() == 4 && d[1] == H;
         r[0] = ok ? d[0] : -1, r[1] = ok ? d[2] : -1, r[2] = ok ? d[3] : -1;
         if (ok) *views[o] = View{data[o], H * d[2] * d[3], d[3], d[2] * d[3]};
@@ -783,18 +887,10 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
   if (k->has_mask) {
     ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "mask", &job.mask, &md), "");
     const int64_t target[4] = {job.batch, H, job.sq, job.sk};
-    bool fits = md.size() <= 4;
-    int64_t dims4[4] = {1, 1, 1, 1};
-    for (size_t i = 0; fits && i < md.size(); ++i) dims4[4 - md.size() + i] = md[i];
-    int64_t stride = 1;
-    for (int i = 3; fits && i >= 0; --i) {
-      fits = dims4[i] == 1 || dims4[i] == target[i];
-      job.mask_stride[i] = dims4[i] == 1 ? 0 : stride;
-      stride *= dims4[i];
-    }
-    if (!fits)
-      return invalid(api, w + "mask of shape " + dims_text(md) + " does not broadcast to [B, H, Sq, Sk] = " +
-                              dims_text(std::vector<int64_t>(target, target + 4)));
+    if (!broadcast_strides(md, target, k->mask_merged, job.mask_stride))
+      return invalid(api, w + "mask of shape " + dims_text(md) + " does not broadcast to " +
+                              (k->mask_merged ? "[B*H, Sq, Sk] = " + dims_text({job.batch * H, job.sq, job.sk})
+                                              : "[B, H, Sq, Sk] = " + dims_text(std::vector<int64_t>(target, target + 4))));
   }
   if (k->causal && (job.sq > k->causal_max_queries || job.sk > k->causal_max_keys))
     return invalid(api, w + std::to_string(job.sq) + " queries and " + std::to_string(job.sk) +
@@ -806,6 +902,16 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
     ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "bias", &job.bias, &bd), "");
     if (bd.size() != 1 || bd[0] != 3 * H * job.dh)
       return invalid(api, w + "bias of shape " + dims_text(bd) + " is not [" + std::to_string(3 * H * job.dh) + "]");
+  }
+  if (k->fill_mode != 0) {
+    std::vector<int64_t> cd;
+    ONNXFUSE_RETURN_IF_ERROR(input_f32(api, ctx, next++, w, "condition", &job.cond, &cd), "");
+    const int64_t target[4] = {job.batch, H, job.sq, job.sk};
+    if (!broadcast_strides(cd, target, false, job.cond_stride))
+      return invalid(api, w + "condition of shape " + dims_text(cd) + " does not broadcast to [B, H, Sq, Sk] = " +
+                              dims_text(std::vector<int64_t>(target, target + 4)));
+    job.fill_mode = static_cast<int>(k->fill_mode);
+    job.fill_value = k->fill_value;
   }
   const int64_t out_dims[3] = {job.batch, job.sq, H * job.dv};
   OrtValue* y = nullptr;
@@ -836,8 +942,8 @@ OrtStatus* run(AttentionKernel* k, OrtKernelContext* ctx) {
   return nullptr;
 }
 
-// Inputs are variadic (1 to 4 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
-// the bias when has_bias).
+// Inputs are variadic (1 to 5 float32 tensors: qkv or q, k, v, then the mask when has_mask, then
+// the bias when has_bias, then the condition when fill_mode).
 ONNXFUSE_REGISTER_FUSED_OP(Attention, kCpuProvider, AttentionKernel, create_kernel,
                            compute_entry<AttentionKernel, run>);
 

@@ -116,8 +116,9 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, broadcast_dims, keys_split, mask_fits, merge_pins_rows,
-                                          operand_split, same_dim, scaled, transpose_perm)
+from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, keys_split, mask_fits, merge_pins_rows, operand_split,
+                                          same_dim, scaled, transpose_perm)
+from onnxfuse.graph.attention_scores import Fill, masked_scores, match_merged, reads_scores, rewrite_merged, summed_mask
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.graph.transformer_forms import nan_to_zero_guard
@@ -148,6 +149,9 @@ class Match:
     # node reads as one mask a + b; `mask` is then None until the rewrite computes that sum.
     mask_terms: tuple[gs.Tensor, gs.Tensor] | None = None
     nan_to_zero: bool = False  # Where(IsNaN(p), 0, p) after the Softmax (transformer_forms.nan_to_zero_guard)
+    fill: Fill | None = None  # 3-D over batch*heads (q.merged): a masked fill of the scores; the views
+    views: list | None = None
+    out_dims: list | None = None
 
 
 def _is_causal_constant(value: np.ndarray) -> bool:
@@ -209,21 +213,6 @@ def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: 
     return int(value.shape[-2]), int(value.shape[-1])
 
 
-def _masked_scores(graph: gs.Graph, add: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
-    """add = Add(s, mask) / Add(mask, s) with s private to it and computed by a MatMul, possibly
-    through a scale (Mul / Div by a constant): (s, mask)."""
-    for i in (0, 1):
-        inner, _, _ = scaled(graph, add.inputs[i])
-        if gu.is_op(gu.producer(inner), "MatMul") and gu.is_private(graph, add.inputs[i]):
-            return add.inputs[i], add.inputs[1 - i]
-    return None
-
-
-def _reads_scores(inner_add: gs.Node, term: gs.Tensor) -> bool:
-    """Whether `term` is the inner Add's own output (Add(t, t) has no second mask term)."""
-    return any(term is t for t in inner_add.outputs)
-
-
 def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> bool:
     """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
     CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
@@ -253,6 +242,8 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     # Where(IsNaN(p), 0, p) between Softmax and the MatMul: transformers' guard for all-masked rows.
     guard = nan_to_zero_guard(graph, probs)
     weights = guard[1].outputs[0] if guard is not None else probs
+    if any(gu.is_op(n, "Reshape") for n in weights.outputs):  # 3-D attention over batch*heads
+        return _merged(graph, softmax, weights, guard, shapes, ctx)
     if not gu.is_private(graph, weights):
         readers = ", ".join(sorted(n.op for n in weights.outputs)) or "nothing"
         output = " and are a graph output" if any(weights is t for t in graph.outputs) else ""
@@ -268,16 +259,16 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     mask_terms = None
     add = gu.producer(logits)
     if gu.is_op(add, "Add") and len(add.inputs) == 2:
-        found = _masked_scores(graph, add)
+        found = masked_scores(graph, add)
         if found is None:
             # (scores + a) + b: T5 adds its relative-position bias, then the padding mask.
             for i in (0, 1):
                 inner_add = gu.producer(add.inputs[i])
                 if not gu.is_op(inner_add, "Add") or len(inner_add.inputs) != 2:
                     continue
-                if not gu.is_private(graph, add.inputs[i]) or _reads_scores(inner_add, add.inputs[1 - i]):
+                if not gu.is_private(graph, add.inputs[i]) or reads_scores(inner_add, add.inputs[1 - i]):
                     continue
-                inner = _masked_scores(graph, inner_add)
+                inner = masked_scores(graph, inner_add)
                 if inner is not None:
                     logits, first = inner
                     mask_terms = (first, add.inputs[1 - i])
@@ -373,6 +364,20 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     return m
 
 
+def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | None:
+    found = match_merged(graph, softmax, weights, guard, shapes)
+    if isinstance(found, str):
+        return _no(ctx, softmax, found)
+    q, k, v = (Heads(t, None, found.heads, shapes.dims(t)[2], n, merged=True)
+               for t, n in ((found.q, found.q_nodes), (found.k, found.k_nodes), (found.v, [])))
+    if ctx is not None and ctx.target.compiles_kernels:
+        return _no(ctx, softmax, "3-D attention over batch*heads: the CUDA kernel reads head splits of [B, S, H*d] alone")
+    if ctx is not None and not ctx.target.attention_measured_faster_always and not _keys_pay_on_cpu(k, shapes, ctx, False):
+        return _no(ctx, softmax, f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
+    return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,
+                 out_dims=found.out_dims)
+
+
 def _packed_split(graph: gs.Graph, m: Match, shapes: facts.ShapeTable) -> gs.Node | None:
     """The Split whose outputs 0, 1, 2 are exactly q, k, v, in equal pieces on the last axis."""
     if m.q.heads_first or m.k.heads_first or m.v.heads_first:
@@ -423,35 +428,9 @@ def _qkv_bias(graph: gs.Graph, split: gs.Node, shapes: facts.ShapeTable) -> tupl
     return None
 
 
-def _summed_mask(graph: gs.Graph, m: Match, sums: dict) -> None:
-    """(scores + a) + b becomes scores + (a + b): one Add of the two terms in the main graph
-    (shared by every attention that reads the same pair: T5's layers share the position bias and
-    the padding mask), which the node reads as its mask, and one Add in its body. In float32
-    this is the original's sum where b is 0 and where b is a large negative fill (both sums
-    round to the fill), the padding mask's two values; elsewhere it may differ in the last bit."""
-    a, b = m.mask_terms
-    outer = next(n for n in m.nodes if gu.is_op(n, "Add") and any(t is b for t in n.inputs))
-    inner = gu.producer(next(t for t in outer.inputs if t is not b))
-    key = (id(a), id(b))
-    if key not in sums:
-        dims = broadcast_dims(gu.dims(a), gu.dims(b))
-        total = gs.Variable(gu.unique_name(graph, f"{inner.name or 'attention'}_mask_sum"), dtype=np.float32, shape=dims)
-        graph.nodes.append(gs.Node("Add", name=gu.unique_name(graph, f"{inner.name or 'attention'}_mask_sum_add"),
-                                   inputs=[a, b], outputs=[total]))
-        sums[key] = total
-    scores = next(t for t in inner.inputs if t is not a)
-    out = outer.outputs[0]
-    gu.disconnect(outer)
-    gu.disconnect(inner)
-    add = gs.Node("Add", name=outer.name, inputs=[scores, sums[key]], outputs=[out])
-    at = next(i for i, n in enumerate(m.nodes) if n is inner)
-    m.nodes[at:at + 2] = [add]
-    m.mask = sums[key]
-
-
 def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -> None:
     if m.mask_terms is not None:
-        _summed_mask(graph, m, {} if sums is None else sums)
+        summed_mask(graph, m, {} if sums is None else sums)
     merge = m.merge
     out = merge.outputs[0]
     out_width = m.v.heads * m.v.width
@@ -504,6 +483,8 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -
     if m.causal is not None:
         attrs["causal"] = 1
         attrs["causal_max_queries"], attrs["causal_max_keys"] = (int(x) for x in m.causal)
+    if m.q.merged:
+        rewrite_merged(graph, m, nodes, inputs, attrs, {} if sums is None else sums)
     ctx.fuse(graph, "Attention", nodes, inputs, [out], attrs)
 
 

@@ -33,9 +33,10 @@ class Heads:
     width: int  # d
     nodes: list = field(default_factory=list)  # Reshape first, then its Transposes
     heads_first: bool = False
+    merged: bool = False  # x [B*H, S, d] itself (3-D attention over batch*heads: attention_scores.py)
 
     def rows(self, shapes: facts.ShapeTable) -> list | None:
-        """[B, S]: the source's batch and sequence dims."""
+        """[B, S]: the source's batch and sequence dims ([B*H, S] when merged)."""
         d = shapes.dims(self.source)
         if d is None:
             return None

@@ -355,6 +355,15 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
         return found.get(t.name) or shapes.dims(t)
 
     for node in graph.nodes:
+        if _no_view_pointwise(node):  # every output has the broadcast shape of the inputs
+            new = _broadcast_of([dims(t) for t in node.inputs])
+            for out in node.outputs:
+                old = shapes.dims(out)
+                if new is not None and gu.is_present(out) and (old is None or len(old) == len(new)):
+                    merged = [n if n is not None else o for n, o in zip(new, old)] if old is not None else new
+                    if _better(merged, old):
+                        found[out.name] = merged
+            continue
         if not node.outputs or not gu.is_present(node.outputs[0]) or not gu.is_default_domain(node):
             continue
         out = node.outputs[0]
@@ -376,16 +385,7 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
                 new = [broadcast_dim(a, b) if a is not None and b is not None else None
                        for a, b in zip([1] * (rank - len(x)) + list(x), [1] * (rank - len(to)) + list(to))]
         elif node.op in _BROADCAST_OPS and len(node.outputs) == 1:
-            ins = [dims(t) for t in node.inputs]
-            if all(d is not None for d in ins) and ins:
-                rank = max(len(d) for d in ins)
-                padded = [[1] * (rank - len(d)) + list(d) for d in ins]
-                new = []
-                for column in zip(*padded):
-                    r = column[0]
-                    for c in column[1:]:
-                        r = broadcast_dim(r, c) if r is not None else None
-                    new.append(r)
+            new = _broadcast_of([dims(t) for t in node.inputs])
         if new is None:
             continue
         old = shapes.dims(out)
@@ -394,6 +394,30 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
         if _better(new, old):
             found[out.name] = new
     return found
+
+
+def _broadcast_of(ins: list) -> list | None:
+    if not ins or any(d is None for d in ins):
+        return None
+    rank = max(len(d) for d in ins)
+    padded = [[1] * (rank - len(d)) + list(d) for d in ins]
+    new = []
+    for column in zip(*padded):
+        r = column[0]
+        for c in column[1:]:
+            r = broadcast_dim(r, c) if r is not None else None
+        new.append(r)
+    return new
+
+
+def _no_view_pointwise(node: gs.Node) -> bool:
+    """An onnxfuse.Pointwise node none of whose inputs is read through a view: elementwise over
+    the broadcast of its inputs (onnxfuse/program.py: every output has the iteration shape)."""
+    if node.op != "Pointwise" or node.domain != "onnxfuse" or not node.inputs:
+        return False
+    program = node.attrs.get("program")
+    program = program.decode() if isinstance(program, bytes) else program
+    return isinstance(program, str) and " view=" not in program
 
 
 def _dims_of_value(v: ShapeValue | None) -> list | None:
@@ -444,12 +468,14 @@ def _slice_dims(node: gs.Node, in_dims: list | None, ev: ShapeEvaluator) -> list
         elif (e is not None and s0 == 0 and k == 1 and isinstance(dim, int) and dim >= 1 and e[0] == 1
               and len(e[1]) == 1 and not e[1][0].startswith("\0")):
             out[a] = _min_name(e[1][0], dim)
+        elif e is not None and s0 == 0 and k == 1 and isinstance(dim, str) and dim and e == (1, (dim,)):
+            out[a] = dim  # x[0:S] of an axis of length S (DeBERTa's relative positions, TorchScript)
         else:
             out[a] = None
     return out
 
 
-def refined_dims(graph: gs.Graph, shapes: facts.ShapeTable, rounds: int = 4) -> tuple[facts.ShapeTable, ShapeEvaluator]:
+def refined_dims(graph: gs.Graph, shapes: facts.ShapeTable, rounds: int = 8) -> tuple[facts.ShapeTable, ShapeEvaluator]:
     """`shapes` refined with the dim facts onnx inference does not derive (_dim_facts: Range
     lengths, Slices to run-time bounds, broadcasts of them), inferring again after each round,
     and an evaluator over the refined table."""
