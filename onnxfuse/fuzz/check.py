@@ -10,7 +10,8 @@ from onnx import TensorProto, numpy_helper
 
 from .cases import build_case
 from .generate import F16, F64
-from .variants import casts_double_to_half, float16_in_float32, node_by_node
+from .variants import (_float64_outputs, _to_float64, casts_double_to_half, float16_in_float32,  # noqa: F401
+                       near_equal_variant, node_by_node, zero_tie_variants)
 
 
 
@@ -115,6 +116,12 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
             (_relu_on_flat_tensors(model), feeds, "disable")]
     runs += [(model, moved, "disable") for moved in perturbed_feeds(feeds, dtype)]
     runs += [(variant, feeds, "disable") for variant in jump_variants(model, dtype)]
+    runs += [(variant, feeds, "disable") for variant in zero_tie_variants(model)]
+    # Equal taken as near-equal, alone and with the jump operands moved (a tie that then decides
+    # a later comparison: seed 9218161)
+    scale = PERTURBATIONS.get(dtype, PERTURBATIONS_F32)[-1]
+    near = [near_equal_variant(v, 4 * scale) for v in [model, *jump_variants(model, dtype)]]
+    runs += [(variant, feeds, "disable") for variant in near if variant is not None]
     # The original as one model-local function, as a fused node's fallback holds its nodes:
     # onnxruntime inlines it and rounds a float16 op's constants (Elu's alpha, CastLike in its
     # opset-18 body) where in the main graph it did not, so its float16 emulation, which
@@ -193,6 +200,15 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
         exact = _float64_outputs(model, feeds)
         for name in list(open_):
             want, have = ref[name], got[name]
+            if exact is not None and name in exact and want.dtype == bool:
+                # a comparison's answer of exact arithmetic where onnxruntime's is not: its
+                # float32 Sigmoid is 0 for -18.12 (1.35e-8), and Greater(Mean(s*s, s*s, s), s*s)
+                # false there (seed 9229080)
+                truth = np.asarray(exact[name]).astype(bool)
+                open_[name] = open_[name] & ~((have == truth) & (want != truth))
+                if not open_[name].any():
+                    del open_[name]
+                continue
             if exact is None or name not in exact or want.dtype.kind != "f":
                 continue
             truth = np.asarray(exact[name], np.float64)
@@ -411,50 +427,6 @@ def _zero_sign_is_onnxruntimes_choice(model: onnx.ModelProto, feeds: dict) -> bo
         if np.any((x == 0) & (y == 0) & (np.signbit(x) != np.signbit(y))):
             return True
     return False
-
-
-def _float64_outputs(model: onnx.ModelProto, feeds: dict) -> dict | None:
-    """The original evaluated in float64 by onnx's reference evaluator (None where it cannot)."""
-    from onnx.reference import ReferenceEvaluator
-
-    try:
-        m64 = _to_float64(model)
-        feeds64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
-        names = [o.name for o in m64.graph.output]
-        with np.errstate(all="ignore"):
-            return dict(zip(names, ReferenceEvaluator(m64).run(None, feeds64)))
-    except Exception:  # the reference evaluator lacks an op or a dtype: no float64 explanation
-        return None
-
-
-def _to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same model computing in float64: float32 tensors, values and Casts become double."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    f32, f64 = TensorProto.FLOAT, TensorProto.DOUBLE
-
-    def tensor64(t: TensorProto) -> TensorProto:
-        if t.data_type != f32:
-            return t
-        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name)
-
-    def graph64(g: onnx.GraphProto) -> None:
-        for vi in list(g.input) + list(g.output) + list(g.value_info):
-            if vi.type.tensor_type.elem_type == f32:
-                vi.type.tensor_type.elem_type = f64
-        for i, t in enumerate(g.initializer):
-            g.initializer[i].CopyFrom(tensor64(t))
-        for node in g.node:
-            for a in node.attribute:
-                if node.op_type == "Cast" and a.name == "to" and a.i == f32:
-                    a.i = f64
-                elif a.type == onnx.AttributeProto.TENSOR:
-                    a.t.CopyFrom(tensor64(a.t))
-                elif a.type == onnx.AttributeProto.GRAPH:
-                    graph64(a.g)
-
-    graph64(m.graph)
-    return m
 
 
 def compare(ref: dict, got: dict, loose: bool = False) -> str | None:

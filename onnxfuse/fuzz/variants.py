@@ -116,3 +116,135 @@ def float16_in_float32(model: onnx.ModelProto, feeds: dict) -> dict | None:
     got = _run_step(wide, fed)
     kinds = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
     return {k: (v.astype(np.float16) if kinds.get(k) == f16 and v.dtype == np.float32 else v) for k, v in got.items()}
+
+
+def zero_tie_variants(model: onnx.ModelProto):
+    """The original with every top-level float Max and Min of -0 and +0 giving +0, then -0.
+
+    onnxruntime's Max and Min of -0 and +0 return either zero by the tensors' lengths and the
+    position in its vectorized loops (Min([1,7] with -0, [2,1,16,7] of +0) gives -0 in some rows
+    and +0 in others), so every zero of that kind is one of its answers, and so is whatever is
+    computed from it: a division by it gives an infinity of either sign (seed 9209141)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # onnx's inference errors: no types, no variants
+        return
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    floats = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
+    ties = [i for i, n in enumerate(model.graph.node) if n.op_type in ("Max", "Min") and len(n.input) == 2
+            and types.get(n.input[0]) in floats and types.get(n.input[0]) == types.get(n.input[1])]
+    if not ties:
+        return
+    for zero in (0.0, -0.0):
+        variant = onnx.ModelProto()
+        variant.CopyFrom(model)
+        graph = variant.graph
+        nodes = list(graph.node)
+        for i in reversed(ties):
+            n = nodes[i]
+            a, b, y = n.input[0], n.input[1], n.output[0]
+            p = f"{y}__zero_tie"
+            np_type = floats[types[a]]
+            graph.initializer.append(numpy_helper.from_array(np.array(zero, np_type), f"{p}_zero"))
+            graph.initializer.append(numpy_helper.from_array(np.array(1.0, np_type), f"{p}_one"))
+            n.output[0] = f"{p}_raw"
+            # a tie: both operands zero, of opposite signs (1 / x is -inf for -0 alone)
+            make = onnx.helper.make_node
+            nodes[i + 1:i + 1] = [
+                make("Equal", [a, f"{p}_zero"], [f"{p}_a0"]), make("Equal", [b, f"{p}_zero"], [f"{p}_b0"]),
+                make("Div", [f"{p}_one", a], [f"{p}_ra"]), make("Div", [f"{p}_one", b], [f"{p}_rb"]),
+                make("Less", [f"{p}_ra", f"{p}_zero"], [f"{p}_an"]), make("Less", [f"{p}_rb", f"{p}_zero"], [f"{p}_bn"]),
+                make("Xor", [f"{p}_an", f"{p}_bn"], [f"{p}_apart"]), make("And", [f"{p}_a0", f"{p}_b0"], [f"{p}_zeros"]),
+                make("And", [f"{p}_zeros", f"{p}_apart"], [f"{p}_tie"]),
+                make("Where", [f"{p}_tie", f"{p}_zero", f"{p}_raw"], [y]),
+            ]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        yield variant
+
+
+def near_equal_variant(model: onnx.ModelProto, scale: float) -> onnx.ModelProto | None:
+    """The original with each top-level float Equal true also for operands within `scale` of
+    each other (relative), or None where it has none.
+
+    Moving a comparison's operands apart (check.jump_variants) flips an Equal from true to false
+    only; two correct elementary functions an ulp apart flip it the other way too: Equal(x,
+    Tanh(x)) at x = 3.48e-4 is true for a correctly rounded tanh and false for onnxruntime's, an
+    ulp below (seed 9218161)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # onnx's inference errors: no types, no variant
+        return None
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    floats = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
+    variant = onnx.ModelProto()
+    variant.CopyFrom(model)
+    graph = variant.graph
+    nodes, changed = [], False
+    make = onnx.helper.make_node
+    for n in graph.node:
+        np_type = floats.get(types.get(n.input[0])) if n.op_type == "Equal" and len(n.input) == 2 else None
+        if np_type is None:
+            nodes.append(n)
+            continue
+        a, b, y, p = n.input[0], n.input[1], n.output[0], f"{n.output[0]}__near"
+        graph.initializer.append(numpy_helper.from_array(np.array(scale, np_type), f"{p}_scale"))
+        nodes += [make("Sub", [a, b], [f"{p}_d"]), make("Abs", [f"{p}_d"], [f"{p}_ad"]),
+                  make("Abs", [a], [f"{p}_aa"]), make("Abs", [b], [f"{p}_ab"]),
+                  make("Max", [f"{p}_aa", f"{p}_ab"], [f"{p}_m"]), make("Mul", [f"{p}_m", f"{p}_scale"], [f"{p}_tol"]),
+                  make("LessOrEqual", [f"{p}_ad", f"{p}_tol"], [f"{p}_near"]),
+                  make("Equal", [a, b], [f"{p}_eq"]), make("Or", [f"{p}_eq", f"{p}_near"], [y])]
+        changed = True
+    if not changed:
+        return None
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return variant
+
+
+def _float64_outputs(model: onnx.ModelProto, feeds: dict) -> dict | None:
+    """The original evaluated in float64 by onnx's reference evaluator (None where it cannot)."""
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        m64 = _to_float64(model)
+        feeds64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+        names = [o.name for o in m64.graph.output]
+        with np.errstate(all="ignore"):
+            return dict(zip(names, ReferenceEvaluator(m64).run(None, feeds64)))
+    except Exception:  # the reference evaluator lacks an op or a dtype: no float64 explanation
+        return None
+
+
+def _to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model computing in float64: float32 tensors, values and Casts become double."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    f32, f64 = TensorProto.FLOAT, TensorProto.DOUBLE
+
+    def tensor64(t: TensorProto) -> TensorProto:
+        if t.data_type != f32:
+            return t
+        return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name)
+
+    def graph64(g: onnx.GraphProto) -> None:
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            if vi.type.tensor_type.elem_type == f32:
+                vi.type.tensor_type.elem_type = f64
+        for i, t in enumerate(g.initializer):
+            g.initializer[i].CopyFrom(tensor64(t))
+        for node in g.node:
+            for a in node.attribute:
+                if node.op_type == "Cast" and a.name == "to" and a.i == f32:
+                    a.i = f64
+                elif a.type == onnx.AttributeProto.TENSOR:
+                    a.t.CopyFrom(tensor64(a.t))
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    graph64(a.g)
+
+    graph64(m.graph)
+    return m

@@ -5,6 +5,8 @@ only (core.export_model), so asking never copies weights.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -203,10 +205,18 @@ def refresh_shapes(graph: gs.Graph) -> None:
     for vi in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input):
         if vi.type.HasField("tensor_type"):
             infos[vi.name] = vi.type.tensor_type
+    filled: list[gs.Tensor] = []
+    renamed: dict[str, str | int | None] = {}
     for name, t in gu.tensor_map(graph).items():
         if isinstance(t, gs.Constant) or name not in infos:
             continue
         tt = infos[name]
+        recorded = vague.get(name, t.shape)
+        if recorded is not None and tt.HasField("shape") and len(tt.shape.dim) == len(recorded):
+            # what this run calls a dim the graph already records for the same tensor
+            for o, d in zip(recorded, tt.shape.dim):
+                if _made_up(d.dim_param) and not d.HasField("dim_value") and o is not None:
+                    renamed.setdefault(d.dim_param, o)
         if t.dtype is None and tt.elem_type:
             try:
                 t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
@@ -217,14 +227,36 @@ def refresh_shapes(graph: gs.Graph) -> None:
                 d.dim_value if d.HasField("dim_value") else (d.dim_param if d.dim_param else None)
                 for d in tt.shape.dim
             ]
+            if name not in vague:
+                filled.append(t)
     # A dim inference still cannot compute keeps its old made-up name: other tensors may share
     # it (onnxruntime reads such equalities from the value_info), where a new one would not.
+    # This run's made-up names are another namespace than the recorded ones: its unk__1 may be
+    # a dim the graph already calls unk__0 while the graph's unk__1 is another size, and
+    # onnxruntime takes one name for one size (it planned a buffer of 2 rows for 4: fuzz seed
+    # 9206914). So a new tensor's made-up name that the graph already uses becomes the recorded
+    # name of the same dim where a re-inferred tensor shows it, else a name used nowhere.
     for name, shape in vague.items():
         new = tensors[name].shape
         if new is None or len(new) != len(shape):
             tensors[name].shape = shape
-        else:
-            tensors[name].shape = [o if _vague([d]) or not _vague([o]) else d for o, d in zip(shape, new)]
+            continue
+        tensors[name].shape = [o if _vague([d]) or not _vague([o]) else d for o, d in zip(shape, new)]
+    if filled:
+        new = {id(t) for t in filled}
+        used = {d for t in gu.tensor_map(graph).values() if isinstance(t, gs.Variable) and t.shape
+                and id(t) not in new for d in t.shape if isinstance(d, str)}
+        fresh = (f"unk__{i}" for i in itertools.count() if f"unk__{i}" not in used)
+        for t in filled:
+            for d in t.shape:
+                if _made_up(d) and d in used and d not in renamed:
+                    renamed[d] = next(fresh)
+            t.shape = [renamed.get(d, d) if _made_up(d) and d in used else d for d in t.shape]
+
+
+def _made_up(d) -> bool:
+    """Whether a dim is a name onnx's shape inference made up (unk__N)."""
+    return isinstance(d, str) and d.startswith("unk__")
 
 
 def roots_with_shapes(graph: gs.Graph, op_type: str):
