@@ -195,8 +195,14 @@ def test_decode_nan_guard_after_the_op_is_one_fused_node(name):
     assert len(nodes) == 2
     guards = [n for n in out.graph.node if n.op_type == "AttentionNanGuard" and n.domain == "onnxfuse"]
     assert sorted((g.input[0], g.input[1]) for g in guards) == sorted((n.output[0], n.output[2]) for n in nodes)
+    producers = {o: n for n in out.graph.node for o in n.output}
     for g in guards:
         assert (attrs(g)["num_heads"], attrs(g)["kv_num_heads"]) == (4, DECODE[name][0])
+        # gqa-residual: the output projection of the unguarded output and the residual Add
+        # after it go into the guard (projected = MatMul(out, W), W, residual)
+        assert len(g.input) == 5
+        proj = producers[g.input[2]]
+        assert proj.op_type == "MatMul" and list(proj.input) == [g.input[0], g.input[3]]
     assert not [n for n in out.graph.node if n.op_type in ("IsNaN", "ReduceSum")]
     # the kernel gives what the fallback function (the exact guard) gives, special values too
     assert_same(m, out, decode_feeds_for(DECODE[name][0])[:2])
