@@ -274,3 +274,44 @@ def test_decode_op_output_dims_let_gpt2_projections_become_matmuls():
     assert len(gqa_nodes(out)) == 2
     assert not [n for n in out.graph.node if n.op_type == "Gemm"]
     assert_same(m, out, decode_feeds_for(4))
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_nan_guard_kernel_matches_its_model_with_special_values(projected):
+    # onnxfuse.AttentionNanGuard alone: a row of out all NaN (every key masked), a row with one
+    # head NaN, a value column holding inf (Z NaN there) and one holding NaN; with the projection
+    # and residual, the guarded rows are recomputed and the others are residual + projected
+    from onnxfuse.ops.attention_nan_guard import OP
+
+    rng = np.random.default_rng(0)
+    out = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    out[0, 1, :] = np.nan
+    out[1, 2, 4:6] = np.nan  # head 2: kv head 1, finite values: Z = 0, the row recomputed finite
+    values = rng.standard_normal((2, 2, 5, 2)).astype(np.float32)
+    values[0, 0, 3, 1] = np.inf
+    values[1, 0, 1, 0] = np.nan
+    w = rng.standard_normal((8, 6)).astype(np.float32)
+    residual = rng.standard_normal((2, 3, 6)).astype(np.float32)
+    f = onnx.TensorProto.FLOAT
+    nodes, inputs = [], [helper.make_tensor_value_info("out", f, [2, 3, 8]),
+                         helper.make_tensor_value_info("values", f, [2, 2, 5, 2])]
+    guard_inputs, feeds = ["out", "values"], {"out": out, "values": values}
+    inits = []
+    if projected:
+        inits.append(onnx.numpy_helper.from_array(w, "w"))
+        inputs.append(helper.make_tensor_value_info("residual", f, [2, 3, 6]))
+        nodes.append(helper.make_node("MatMul", ["out", "w"], ["projected"]))
+        guard_inputs += ["projected", "w", "residual"]
+        feeds["residual"] = residual
+    nodes.append(helper.make_node("AttentionNanGuard", guard_inputs, ["y"], domain="onnxfuse", num_heads=4,
+                                  kv_num_heads=2))
+    graph = helper.make_graph(nodes, "guard", inputs, [helper.make_tensor_value_info("y", f, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse", 1)])
+    got = run_with_library(m, feeds)[0]
+    args = [out, values] + ([out @ w, w, residual] if projected else [])
+    want = OP.reference(args, {"num_heads": 4, "kv_num_heads": 2}, 1)[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got).any() and np.isfinite(got[1, 2]).all()
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-5)
