@@ -25,6 +25,7 @@ inline constexpr FusedOpSignature Attention{"Attention", 1, 1, 1, 1, 1, 0, true,
 inline constexpr FusedOpSignature ChannelShuffle{"ChannelShuffle", 1, 1, 1, 1, 1, 1, true, true, true};  // ops/channel_shuffle.py
 inline constexpr FusedOpSignature SqueezeExcite{"SqueezeExcite", 1, 1, 5, 1, 1, 0, true, true, true};  // ops/squeeze_excite.py
 inline constexpr FusedOpSignature StackedMLP{"StackedMLP", 1, 1, 3, 1, 1, 0, true, true, false};  // ops/stacked_mlp.py
+inline constexpr FusedOpSignature AttentionNanGuard{"AttentionNanGuard", 5, 2, 0, 1, 1, 0, true, true, false};  // ops/attention_nan_guard.py
 
 }  // namespace fused_ops
 }  // namespace onnxfuse

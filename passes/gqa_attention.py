@@ -30,6 +30,8 @@ fuse-gqa
                probabilities were NaN gave 0 . V in the original, Z (gqa_inputs: 0 where the
                head's value column is finite at every position, NaN where not); a NaN the op
                gives with finite probabilities (0 * inf at a masked position) is NaN there too.
+               Where onnxfuse's library has a kernel, the guard is one onnxfuse.AttentionNanGuard
+               node (onnxfuse/ops/attention_nan_guard.py), its fallback function those nodes.
     decode:    a decode step's k and v are Concat(past, new) on the sequence axis ([B, Hkv, P, d]
                pasts; the Concats are the model's present outputs), the rotary and head splits
                on the new token. The op takes past_key/past_value and writes the Concats as its
@@ -70,6 +72,7 @@ from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.gqa_inputs import GQAInputs, name_output_dims
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, rotary
+from onnxfuse.ops.attention_nan_guard import OP as NAN_GUARD
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB_DOMAIN = "com.microsoft"
@@ -474,7 +477,7 @@ def _packed_projection(graph: gs.Graph, layer: Layer) -> gs.Tensor | None:
     return out
 
 
-def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
+def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs, ctx: Context | None = None) -> None:
     packed = _packed_split(graph, layer) or _packed_projection(graph, layer)
     qkv = [packed, gs.Variable.empty(), gs.Variable.empty()] if packed is not None else [layer.q, layer.k, layer.v]
     past = [gs.Variable.empty(), gs.Variable.empty()]
@@ -513,15 +516,14 @@ def rewrite(graph: gs.Graph, layer: Layer, shared: GQAInputs) -> None:
                           "do_rotary": int(layer.freqs is not None), "causal": 0})
     graph.nodes.append(node)
     if layer.nan_to_zero:
-        isnan = gs.Variable(gu.unique_name(graph, f"{out.name}_isnan"), dtype=np.bool_)
-        zero = shared.zero_probs_output(layer, presents[1])
-        graph.nodes += [
-            gs.Node("IsNaN", name=isnan.name, inputs=[attention_out], outputs=[isnan]),
-            gs.Node("Where", name=gu.unique_name(graph, f"{out.name}_nan_to_zero"), inputs=[isnan, zero, attention_out],
-                    outputs=[out]),
-        ]
-    # [B, S, H*d], q's shape (H*d = v's heads times width): the pointwise pass makes the
-    # NaN-to-zero guard one region when it knows the shape.
+        nodes = shared.nan_guard(layer, attention_out, presents[1], out)
+        zero = nodes[-1].inputs[1]
+        if ctx is not None and ctx.target.has_kernel(NAN_GUARD.name):
+            # one kernel of ours for the guard's four or five, its fallback the exact nodes
+            ctx.fuse(graph, NAN_GUARD.name, nodes, [attention_out, presents[1]], [out],
+                     {"num_heads": layer.heads, "kv_num_heads": layer.kv_heads})
+    # [B, S, H*d], q's shape (H*d = v's heads times width): where the guard stays standard
+    # ops, the pointwise pass makes its IsNaN and Where one region when it knows the shape.
     # Both get q's shape when q is [B, S, H*d] (a packed q's last dim is larger): one shape for
     # the guard's two operands, where inference may have named the merged dims apart.
     q_shape = list(layer.q.shape) if layer.q.shape is not None else None
@@ -551,7 +553,7 @@ def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
         return 0
     shared = GQAInputs(graph)
     for layer in layers:
-        rewrite(graph, layer, shared)
+        rewrite(graph, layer, shared, ctx)
     gu.cleanup(graph)
     gu.toposort(graph)
     return len(layers)

@@ -20,7 +20,8 @@ PACKAGES = {"onnxfuse": ROOT / "onnxfuse", "onnxfuse.passes": ROOT / "passes"}
 LAYERS = [
     {"onnxfuse.version", "onnxfuse.ops", "onnxfuse.ops.contract", "onnxfuse.ops.header", "onnxfuse.ops.pointwise",
      "onnxfuse.ops.conv_bias_act", "onnxfuse.ops.attention", "onnxfuse.ops.channel_shuffle",
-     "onnxfuse.ops.squeeze_excite", "onnxfuse.ops.stacked_mlp", "onnxfuse.target", "onnxfuse.optimize_options", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize",
+     "onnxfuse.ops.squeeze_excite", "onnxfuse.ops.stacked_mlp", "onnxfuse.ops.attention_nan_guard",
+     "onnxfuse.target", "onnxfuse.optimize_options", "onnxfuse.fused", "onnxfuse.modelio", "onnxfuse.normalize",
      "onnxfuse.modelsave", "onnxfuse.modelfields", "onnxfuse.errors", "onnxfuse.weights", "onnxfuse.outfiles",
      "onnxfuse.records", "onnxfuse.protowire", "onnxfuse.cuda.emit",
      "onnxfuse.environment", "onnxfuse.runtime", "onnxfuse.ortfiles", "onnxfuse.supervise"},  # ort

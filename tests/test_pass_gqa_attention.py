@@ -181,17 +181,50 @@ def test_multi_head_attention_without_a_past_is_left_to_fuse_attention():
     assert sum(n.op_type == "Softmax" for n in out.graph.node) == 2
 
 
-def test_decode_nan_guard_after_the_op_is_one_pointwise_region():
-    # GPT-2's TorchScript export guards its probabilities with Where(IsNaN(p), 0, p); the guard
-    # after the op gets q's [B, S, H*d] on both operands, so the pointwise pass takes it whole
+@pytest.mark.parametrize("name", ["gpt2_decode_ts", "llama_decode_dynamo"])
+def test_decode_nan_guard_after_the_op_is_one_fused_node(name):
+    # the exports guard their probabilities with Where(IsNaN(p), 0, p); the exact guard after the
+    # op (Sub, ReduceSum over the value cache, Expand for grouped heads, Reshape, IsNaN, Where)
+    # is one onnxfuse.AttentionNanGuard per layer, reading the op's output and present values
     # (the default pipeline, verified)
     from onnxfuse.api import optimize as optimize_model
 
-    m = llama("gpt2_decode_ts")
-    out = optimize_model(m, dims=zoo.get("gpt2_decode_ts").dims, threads=1, count_kernels=False).model
-    assert len(gqa_nodes(out)) == 2
-    assert not [n for n in out.graph.node if n.op_type == "IsNaN"]
-    assert_same(m, out, decode_feeds_for(4)[:2])
+    m = llama(name)
+    out = optimize_model(m, dims=zoo.get(name).dims, threads=1, count_kernels=False).model
+    nodes = gqa_nodes(out)
+    assert len(nodes) == 2
+    guards = [n for n in out.graph.node if n.op_type == "AttentionNanGuard" and n.domain == "onnxfuse"]
+    assert sorted((g.input[0], g.input[1]) for g in guards) == sorted((n.output[0], n.output[2]) for n in nodes)
+    producers = {o: n for n in out.graph.node for o in n.output}
+    for g in guards:
+        assert (attrs(g)["num_heads"], attrs(g)["kv_num_heads"]) == (4, DECODE[name][0])
+        # gqa-residual: the output projection of the unguarded output and the residual Add
+        # after it go into the guard (projected = MatMul(out, W), W, residual)
+        assert len(g.input) == 5
+        proj = producers[g.input[2]]
+        assert proj.op_type == "MatMul" and list(proj.input) == [g.input[0], g.input[3]]
+    assert not [n for n in out.graph.node if n.op_type in ("IsNaN", "ReduceSum")]
+    # the kernel gives what the fallback function (the exact guard) gives, special values too
+    assert_same(m, out, decode_feeds_for(DECODE[name][0])[:2])
+    for feeds in decode_special_feeds(DECODE[name][0]):
+        for want, got in zip(run(out, feeds), run_with_library(out, feeds)):
+            # special values where the fallback has them (the other fused nodes round apart)
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+            ok = np.isfinite(want)
+            np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-5)
+
+
+def run_with_library(m, feeds):
+    import onnxruntime as ort
+
+    from onnxfuse.runtime import library_path
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 1
+    so.register_custom_ops_library(library_path())
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
 def decode_special_feeds(kv_heads: int) -> list:
@@ -222,7 +255,7 @@ def test_decode_nan_guard_keeps_nan_from_masked_non_finite_values(name):
     ref = run(m, feeds_list[0])
     assert np.isnan(ref[0][1]).all() and not np.isnan(ref[0][0]).any()
     for feeds in feeds_list:
-        for want, got in zip(run(m, feeds), run(out, feeds)):
+        for want, got in [*zip(run(m, feeds), run(out, feeds)), *zip(run(m, feeds), run_with_library(out, feeds))]:
             assert got.shape == want.shape
             np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
             np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
@@ -241,3 +274,44 @@ def test_decode_op_output_dims_let_gpt2_projections_become_matmuls():
     assert len(gqa_nodes(out)) == 2
     assert not [n for n in out.graph.node if n.op_type == "Gemm"]
     assert_same(m, out, decode_feeds_for(4))
+
+
+@pytest.mark.parametrize("projected", [False, True])
+def test_nan_guard_kernel_matches_its_model_with_special_values(projected):
+    # onnxfuse.AttentionNanGuard alone: a row of out all NaN (every key masked), a row with one
+    # head NaN, a value column holding inf (Z NaN there) and one holding NaN; with the projection
+    # and residual, the guarded rows are recomputed and the others are residual + projected
+    from onnxfuse.ops.attention_nan_guard import OP
+
+    rng = np.random.default_rng(0)
+    out = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    out[0, 1, :] = np.nan
+    out[1, 2, 4:6] = np.nan  # head 2: kv head 1, finite values: Z = 0, the row recomputed finite
+    values = rng.standard_normal((2, 2, 5, 2)).astype(np.float32)
+    values[0, 0, 3, 1] = np.inf
+    values[1, 0, 1, 0] = np.nan
+    w = rng.standard_normal((8, 6)).astype(np.float32)
+    residual = rng.standard_normal((2, 3, 6)).astype(np.float32)
+    f = onnx.TensorProto.FLOAT
+    nodes, inputs = [], [helper.make_tensor_value_info("out", f, [2, 3, 8]),
+                         helper.make_tensor_value_info("values", f, [2, 2, 5, 2])]
+    guard_inputs, feeds = ["out", "values"], {"out": out, "values": values}
+    inits = []
+    if projected:
+        inits.append(onnx.numpy_helper.from_array(w, "w"))
+        inputs.append(helper.make_tensor_value_info("residual", f, [2, 3, 6]))
+        nodes.append(helper.make_node("MatMul", ["out", "w"], ["projected"]))
+        guard_inputs += ["projected", "w", "residual"]
+        feeds["residual"] = residual
+    nodes.append(helper.make_node("AttentionNanGuard", guard_inputs, ["y"], domain="onnxfuse", num_heads=4,
+                                  kv_num_heads=2))
+    graph = helper.make_graph(nodes, "guard", inputs, [helper.make_tensor_value_info("y", f, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse", 1)])
+    got = run_with_library(m, feeds)[0]
+    args = [out, values] + ([out @ w, w, residual] if projected else [])
+    want = OP.reference(args, {"num_heads": 4, "kv_num_heads": 2}, 1)[0]
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got).any() and np.isfinite(got[1, 2]).all()
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=1e-5, atol=1e-5)

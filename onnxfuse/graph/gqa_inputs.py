@@ -136,31 +136,40 @@ class GQAInputs:
             self.masks[key] = out
         return self.masks[key]
 
-    def zero_probs_output(self, layer, values: gs.Tensor) -> gs.Tensor:
-        """What the original's attention gives for a row whose probabilities were NaN (its
-        Where(IsNaN(p), 0, p) makes them 0): 0 . V, which is 0 where every value of the head's
-        column j (all T positions) is finite and NaN where one is not (0 * inf, 0 * NaN), as
-        [B, 1, H*d] from the op's present values [B, Hkv, T, d]: ReduceSum over T of V - V
-        (+0 for a finite value, NaN else; no overflow, unlike a sum of V) to [B, Hkv, 1, d], each
-        kv head repeated H/Hkv times as repeat_kv does, the heads merged as the output's
-        [B, 1, H*d] (h * d + j), which broadcasts over the query rows."""
+    def nan_guard(self, layer, attention_out: gs.Tensor, values: gs.Tensor, out: gs.Tensor) -> list[gs.Node]:
+        """out = Where(IsNaN(attention_out), Z, attention_out), Z what the original's attention
+        gives for a row whose probabilities were NaN (its Where(IsNaN(p), 0, p) makes them 0):
+        0 . V, which is 0 where every value of the head's column j (all T positions) is finite
+        and NaN where one is not (0 * inf, 0 * NaN), as [B, 1, H*d] from the op's present values
+        [B, Hkv, T, d]: ReduceSum over T of V - V (+0 for a finite value, NaN else; no overflow,
+        unlike a sum of V) to [B, Hkv, 1, d], each kv head repeated H/Hkv times as repeat_kv
+        does, the heads merged as the output's [B, 1, H*d] (h * d + j), which broadcasts over
+        the query rows. Returns the nodes (added to the graph), in order: the body of
+        onnxfuse.AttentionNanGuard where the pass writes it."""
         g = self.graph
         n = layer.heads // layer.kv_heads
         finite, heads = self._var("gqa_values_nonfinite", np.float32), self._var("gqa_values_nonfinite_heads", np.float32)
-        g.nodes += [
+        nodes = [
             gs.Node("Sub", name=finite.name, inputs=[values, values], outputs=[finite]),
             gs.Node("ReduceSum", name=heads.name, inputs=[finite, self._const("gqa_axis2", np.array([2], np.int64))],
                     outputs=[heads], attrs={"keepdims": 1}),
         ]
         if n > 1:  # [B, Hkv, 1, d] -> [B, Hkv, n, d]
             grouped = self._var("gqa_values_nonfinite_grouped", np.float32)
-            g.nodes.append(gs.Node("Expand", name=grouped.name, inputs=[heads, self._const(f"gqa_repeat_{n}", np.array([1, 1, n, 1], np.int64))],
-                                   outputs=[grouped]))
+            nodes.append(gs.Node("Expand", name=grouped.name, inputs=[heads, self._const(f"gqa_repeat_{n}", np.array([1, 1, n, 1], np.int64))],
+                                 outputs=[grouped]))
             heads = grouped
-        out = self._var("gqa_zero_probs_output", np.float32)
-        g.nodes.append(gs.Node("Reshape", name=out.name, inputs=[heads, self._const("gqa_merge_heads", np.array([0, 1, -1], np.int64))],
-                               outputs=[out]))
-        return out
+        zero = self._var("gqa_zero_probs_output", np.float32)
+        isnan = self._var(f"{out.name}_isnan", np.bool_)
+        nodes += [
+            gs.Node("Reshape", name=zero.name, inputs=[heads, self._const("gqa_merge_heads", np.array([0, 1, -1], np.int64))],
+                    outputs=[zero]),
+            gs.Node("IsNaN", name=isnan.name, inputs=[attention_out], outputs=[isnan]),
+            gs.Node("Where", name=gu.unique_name(g, f"{out.name}_nan_to_zero"), inputs=[isnan, zero, attention_out],
+                    outputs=[out]),
+        ]
+        g.nodes += nodes
+        return nodes
 
     def caches_for(self, layer, seq: gs.Tensor, past_len: gs.Tensor | None = None):
         key = (id(layer.freqs), layer.seq, layer.rows_proved, id(past_len))
@@ -232,11 +241,12 @@ def name_output_dims(graph: gs.Graph) -> None:
             continue
         dims = [past[0], qd[1], heads * (qd[2] // per)]
         out.shape = list(dims)
-        # the NaN guard after the op: Where(IsNaN(out), 0, out), elementwise on out
+        # the NaN guard after the op (Where(IsNaN(out), Z, out), or onnxfuse.AttentionNanGuard): elementwise on out
         for reader in out.outputs:
             # a one-input Pointwise (the guard as the pointwise pass wrote it) is elementwise on out
             one_input = _whole_pointwise(reader) and len(reader.inputs) == 1
-            if gu.is_op(reader, "IsNaN") or (gu.is_op(reader, "Where") and reader.inputs[2] is out) or one_input:
+            fused = reader.op == "AttentionNanGuard" and reader.domain == FUSED_DOMAIN and reader.inputs[0] is out
+            if gu.is_op(reader, "IsNaN") or (gu.is_op(reader, "Where") and reader.inputs[2] is out) or one_input or fused:
                 reader.outputs[0].shape = list(dims)
                 for r2 in reader.outputs[0].outputs:
                     if gu.is_op(r2, "Where") and r2.inputs[2] is out:

@@ -14,7 +14,7 @@ Adding a fused op: a new module here with its OP, a line in the table, and its k
 """
 from __future__ import annotations
 
-from . import attention, channel_shuffle, conv_bias_act, pointwise, squeeze_excite, stacked_mlp
+from . import attention, attention_nan_guard, channel_shuffle, conv_bias_act, pointwise, squeeze_excite, stacked_mlp
 from .contract import CPU, CUDA, Attribute, FusedOp, Port
 
 __all__ = ["CPU", "CUDA", "Attribute", "FusedOp", "Port", "FUSED_OPS", "BY_NAME", "CUDA_KERNELS"]
@@ -26,6 +26,7 @@ FUSED_OPS: tuple[FusedOp, ...] = (
     channel_shuffle.OP,
     squeeze_excite.OP,
     stacked_mlp.OP,
+    attention_nan_guard.OP,
 )
 
 BY_NAME = {op.name: op for op in FUSED_OPS}
