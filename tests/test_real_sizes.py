@@ -108,11 +108,12 @@ def test_pass_time_grows_about_linearly_with_nodes():
     outputs copied per match, shape inference in passes with nothing to match). CPU time, so that
     other jobs on the machine count less.
 
-    The bound: measured 11-12x on a shared 2-core machine at load 8-9 (bench/results/realsize.md),
-    where every pass's per-node time grows about 1.2x from the working set alone (a linear walk
-    of the graph calling constant_value: 1.25x slower per node at 25,000 nodes than at 2,500).
-    13x leaves room for that noise and fails for any pass that turns quadratic again; the
-    issue's 10x is not reached yet."""
+    The bound: measured 11.1-11.2x on a shared 2-core machine at load 12-15 once passes ran
+    without full collections of the heap (12.2-12.8x before; bench/results/node_scaling.md).
+    Every function's call count is exactly 10x; per-node time grows 1.1-1.2x from the working
+    set alone (cache misses on a heap of 500,000 objects against 90,000). 13x leaves room for
+    that noise and fails for any pass that turns quadratic again; the issue's 10x is not
+    reached on this machine."""
     from onnxfuse.api import optimize
 
     def cpu_seconds(k):
