@@ -15,7 +15,9 @@ gemm-as-matmul
                absent, or a constant of N elements (rank <= 2, every dim but the last 1) with
                beta = 1; the restoring target proved (symbolically, as shape-plumbing evaluates
                shape tensors, on dims refined with shape_values.refined_dims) equal to x's
-               leading dims followed by N, one entry -1 allowed (Reshape infers it to be that dim).
+               leading dims followed by N, one entry -1 allowed (Reshape infers it to be that dim),
+               and an entry 0 where the Gemm's output dim it copies is that dim (the rows M at
+               position 0 when the other leading dims are 1: a decode step's [0, 1, N]).
                On --target cuda only without C (cuBLAS adds Gemm's bias in its epilogue).
     rewrite:   y = MatMul(x, W) (W transposed once, as a new constant, for transB = 1), plus
                Add(., C as [N]) when C is present; x merged trailing dims go through
@@ -33,7 +35,7 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts, rules
 from onnxfuse.graph.rules import ANY, Match, Rule, Var, op
-from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
+from onnxfuse.graph.shape_values import ShapeEvaluator, element_count, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
 x, w, c = Var("x"), Var("w"), Var("c")
@@ -104,13 +106,17 @@ def _unflattens(graph: gs.Graph, m: Match, k: int, n: int, shapes: facts.ShapeTa
         return None
     if first.elems[1] != (k, ()) and not (j == 1 and first.elems[1] == leading[-1]):
         return None
-    # Each entry x's dim (N last), or one -1, which Reshape then infers to be that dim.
+    # Each entry x's dim (N last), or one -1, which Reshape then infers to be that dim, or a 0
+    # that copies the Gemm's output dim [M, N] at its position (allowzero 0) where that is the
+    # dim: M, the product of x's leading dims, at position 0 (the others 1).
     want = list(leading[:-j]) + [(n, ())]
     if len(target.elems) != len(want) or any(e is None for e in target.elems):
         return None
     if sum(e == (-1, ()) for e in target.elems) > 1:
         return None
-    if not all(e == v or e == (-1, ()) for e, v in zip(target.elems, want)):
+    copied = [element_count(list(leading[:-j])), (n, ())] if not int(gu.attr(restore, "allowzero", 0)) else []
+    if not all(e == v or e == (-1, ()) or (e == (0, ()) and i < len(copied) and copied[i] == v)
+               for i, (e, v) in enumerate(zip(target.elems, want))):
         return None
     return j
 

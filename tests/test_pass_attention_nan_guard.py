@@ -194,3 +194,70 @@ def test_guarded_attention_reads_a_mask_expanded_to_a_folded_target():
 def test_mask_expanded_to_a_batch_read_elsewhere_is_left_alone():
     opt, n = optimize(expanded_padding_mask(batch_from="other"), PASS)
     assert n == 0 and not fused(opt)
+
+
+
+def padding_mask_from_token_mask():
+    """expanded_padding_mask() as GPT-2's TorchScript export with inputs input_ids and
+    attention_mask builds it: the batch is the first dim of a flattened view of x,
+    Reshape(x, [-1, S, D]); the int64 token mask am [B, S] is reshaped to [that batch, -1], made
+    bool and unsqueezed to [B, 1, 1, S], and the expand target's key length is that tensor's last
+    dim. Onnx's inference gives the flattened batch and each -1 a name of its own, so the mask is
+    [B, 1, S, S] only by the Reshapes' element counts."""
+    m = expanded_padding_mask()
+    g = m.graph
+    kept = [i for i in g.input if i.name != "pad"]
+    g.ClearField("input")
+    g.input.extend(kept)
+    g.input.append(helper.make_tensor_value_info("am", onnx.TensorProto.INT64, ["B", "S"]))
+    g.initializer.extend([numpy_helper.from_array(np.array([3], np.int64), "i3"),
+                          numpy_helper.from_array(np.array([4], np.int64), "i4"),
+                          numpy_helper.from_array(np.array([1, 2], np.int64), "axes12")])
+    nodes = [
+        helper.make_node("Shape", ["x"], ["x_dims"], name="x_dims"),
+        helper.make_node("Slice", ["x_dims", "i1", "i3"], ["x_row"], name="x_row"),
+        helper.make_node("Concat", ["minus_one", "x_row"], ["flat_target"], axis=0, name="flat_target"),
+        helper.make_node("Reshape", ["x", "flat_target"], ["x_flat"], name="x_flat"),
+        helper.make_node("Shape", ["x_flat"], ["flat_shape"], name="flat_shape"),
+        helper.make_node("Slice", ["flat_shape", "i0", "i1"], ["flat_batch"], name="flat_batch"),
+        helper.make_node("Concat", ["flat_batch", "minus_one"], ["am_target"], axis=0, name="am_target"),
+        helper.make_node("Reshape", ["am", "am_target"], ["am_rows"], name="am_rows"),
+        helper.make_node("Cast", ["am_rows"], ["am_bool"], to=onnx.TensorProto.BOOL, name="am_bool"),
+        helper.make_node("Unsqueeze", ["am_bool", "axes12"], ["pad"], name="pad"),
+        helper.make_node("Shape", ["pad"], ["pad_shape"], name="pad_shape"),
+        helper.make_node("Slice", ["pad_shape", "i3", "i4"], ["key_dim"], name="key_dim"),
+    ]
+    for n in g.node:
+        if n.name == "expand_dims":
+            n.input[:] = ["flat_batch", "minus_one", "seq_dim", "key_dim"]
+    for n in reversed(nodes):
+        g.node.insert(0, n)
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_mask_from_a_token_mask_reshaped_to_a_flattened_batch_is_the_nodes_input():
+    # The real-size GPT-2 TorchScript export (input_ids and attention_mask): every Softmax was
+    # left because the mask's batch and key length were names of inference's own.
+    m = padding_mask_from_token_mask()
+    opt, n = optimize(m, PASS)
+    assert n == 1
+    [node] = fused(opt)
+    assert attrs(node)["nan_to_zero"] == 1 and attrs(node)["has_mask"] == 1
+    rng = np.random.default_rng(5)
+    feed_list = []
+    for b, s in ((1, 1), (2, 6), (3, 13)):
+        feeds = {k: v for k, v in feeds_for(m, b, s).items() if k != "am"}
+        am = (rng.random((b, s)) < 0.7).astype(np.int64)
+        am[0] = 0  # batch 0: every key padded
+        feeds["am"] = am
+        feed_list.append(feeds)
+    check_runs_like_original(m, opt, feed_list)
+    feeds = feed_list[2]
+    feeds["x"][0, 0, :] = np.inf  # reaches v of the all-masked batch: 0 * inf is NaN there
+    want = outputs(m, feeds)
+    for with_library in (True, False):
+        got = outputs(opt, feeds, with_library)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.signbit(got[0]), np.signbit(want[0]))
+        np.testing.assert_array_equal(got[0][~np.isnan(want[0])], want[0][~np.isnan(want[0])])

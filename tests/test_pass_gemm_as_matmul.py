@@ -161,3 +161,43 @@ def test_target_with_rows_in_another_grouping_is_left_alone():
     m = _heads_model([-1, 5, N])
     out, n = _optimize(m)
     assert n == 0 and "Gemm" in _ops(out)
+
+
+def _step_model(seq, restore):
+    """x [batch, seq, K] -> Reshape [-1, K] -> Gemm -> Reshape(`restore`, a constant): a decode
+    step's projection once shape-plumbing made its restoring target [0, 1, N]."""
+    inits = {"w": W, "flat_shape": np.array([-1, K], np.int64), "target": np.array(restore, np.int64)}
+    nodes = [
+        helper.make_node("Reshape", ["x", "flat_shape"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "w"], ["mm"]),
+        helper.make_node("Reshape", ["mm", "target"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", seq, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["d0", "d1", N])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_restoring_target_copying_the_rows_of_one_token_becomes_a_matmul():
+    # [0, 1, N]: the 0 copies the Gemm's rows, batch * 1, which is the batch
+    m = _step_model(1, [0, 1, N])
+    out, n = _optimize(m)
+    assert n == 1 and _ops(out) == ["MatMul"]
+    from onnxfuse.runtime import make_session
+
+    a, b = make_session(m, level="disable"), make_session(out, level="disable")
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 1, K)).astype(np.float32)
+        np.testing.assert_allclose(a.run(None, {"x": x})[0], b.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_restoring_target_copying_rows_that_are_not_the_batch_is_left_alone():
+    # [0, 2, N] over [batch, 2, K]: the 0 copies batch * 2 rows, so the original fails there
+    # (its element count doubles); a MatMul would run
+    _, n = _optimize(_step_model(2, [0, 2, N]))
+    assert n == 0

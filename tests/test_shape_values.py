@@ -80,4 +80,38 @@ def test_a_range_over_an_inferred_batch_keeps_that_batch_over_its_recorded_name(
     batch = facts.ShapeTable(graph).dims(t["flat"])[0]
     assert isinstance(batch, str) and facts.ShapeTable(graph).dims(t["rows"]) != [batch]
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
+    # (the flattened batch is now proved the input's own, by the Reshape's element count)
+    batch = shapes.dims(t["flat"])[0]
+    assert batch == "batch"
     assert shapes.dims(t["rows"]) == [batch] and shapes.dims(t["rows4"]) == [batch, 1, 1, 1]
+
+
+def test_a_reshape_with_minus_one_keeps_the_dims_its_element_count_proves():
+    # Reshape(ids [batch, seq], [-1, seq]) is [batch, seq]; Reshape(am [batch, seq], [that, -1])
+    # is [batch, seq] again: inference names each -1 of its own (unk__N).
+    ids = gs.Variable("ids", np.int64, ["batch", "seq"])
+    am = gs.Variable("am", np.int64, ["batch", "seq"])
+    c = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
+    t = {k: gs.Variable(k, np.int64) for k in ("ids_shape", "seq_dim", "flat_target", "flat", "flat_shape", "b",
+                                               "am_target", "rows", "rows_by_two", "half_target")}
+    nodes = [
+        gs.Node("Shape", inputs=[ids], outputs=[t["ids_shape"]]),
+        gs.Node("Slice", inputs=[t["ids_shape"], c("s0", [1]), c("s1", [2])], outputs=[t["seq_dim"]]),
+        gs.Node("Concat", inputs=[c("minus_one", [-1]), t["seq_dim"]], outputs=[t["flat_target"]], attrs={"axis": 0}),
+        gs.Node("Reshape", inputs=[ids, t["flat_target"]], outputs=[t["flat"]]),
+        gs.Node("Shape", inputs=[t["flat"]], outputs=[t["flat_shape"]]),
+        gs.Node("Slice", inputs=[t["flat_shape"], c("b0", [0]), c("b1", [1])], outputs=[t["b"]]),
+        gs.Node("Concat", inputs=[t["b"], c("minus_one_again", [-1])], outputs=[t["am_target"]], attrs={"axis": 0}),
+        gs.Node("Reshape", inputs=[am, t["am_target"]], outputs=[t["rows"]]),
+        # [batch, 2, -1]: seq / 2 is not a whole dim for every seq, so nothing is claimed
+        gs.Node("Concat", inputs=[t["b"], c("two", [2]), c("minus_one_too", [-1])], outputs=[t["half_target"]],
+                attrs={"axis": 0}),
+        gs.Node("Reshape", inputs=[am, t["half_target"]], outputs=[t["rows_by_two"]]),
+    ]
+    graph = gs.Graph(nodes=nodes, inputs=[ids, am], outputs=[t["rows"], t["rows_by_two"]], opset=17)
+    facts.refresh_shapes(graph)
+    before = facts.ShapeTable(graph)
+    assert before.dims(t["flat"])[0] != "batch" and before.dims(t["rows"]) != ["batch", "seq"]
+    shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
+    assert shapes.dims(t["flat"]) == ["batch", "seq"] and shapes.dims(t["rows"]) == ["batch", "seq"]
+    assert shapes.dims(t["rows_by_two"])[0] == "batch" and shapes.dims(t["rows_by_two"])[2] != "seq"

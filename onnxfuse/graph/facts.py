@@ -129,6 +129,15 @@ def _infer_dims(graph: gs.Graph, types: dict[str, int], annotate: dict | None = 
         for name, (elem_type, d) in annotate.items():
             if name not in interface and elem_type:
                 g.value_info.append(helper.make_tensor_value_info(name, elem_type, list(d)))
+        # A graph output is annotated, or forgotten, in its own declaration (value_info never
+        # holds it): a fact about it must reach what reads it, a stale name must not.
+        for vi in g.output:
+            tt = vi.type.tensor_type
+            if vi.name in annotate and vi.type.HasField("tensor_type"):
+                elem_type, d = annotate[vi.name]
+                vi.CopyFrom(helper.make_tensor_value_info(vi.name, elem_type or tt.elem_type, list(d)))
+            elif vi.name in (forget or ()) and vi.type.HasField("tensor_type"):
+                tt.ClearField("shape")
     if model.ir_version > 10:
         model.ir_version = 10
     key = hashlib.sha256(model.SerializeToString()).digest()

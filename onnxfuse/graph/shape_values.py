@@ -123,16 +123,27 @@ def exact_quotient(a: Mono | None, b: Mono | None) -> Mono | None:
     return _div(a, b)
 
 
-def reshaped_dims(in_dims: list[Mono | None] | None, target: list[int] | None, allowzero: int = 0) -> list[Mono] | None:
+def reshaped_dims(in_dims: list[Mono | None] | None, target: list | None, allowzero: int = 0) -> list[Mono] | None:
     """The dims of Reshape(x, target) for x of dims `in_dims` (monomials), where provable: a 0
     copies x's dim at its position (allowzero = 0), one -1 is x's element count over the other
     entries where that division is exact for every value of the symbols; without a -1 the element
-    counts must be equal. None otherwise (the Reshape could fail or give other dims)."""
+    counts must be equal. None otherwise (the Reshape could fail or give other dims). An entry of
+    `target` is a number or a monomial (a run-time target's element: a dim it was read from,
+    which is that dim of the output)."""
     if in_dims is None or target is None or any(d is None for d in in_dims):
         return None
     out: list[Mono | None] = []
     inferred = None
     for i, t in enumerate(target):
+        if isinstance(t, tuple):
+            if t[1]:
+                if t[0] <= 0:
+                    return None
+                out.append(t)
+                continue
+            t = t[0]
+        if t is None:
+            return None
         if t == 0 and not allowzero:
             if i >= len(in_dims):
                 return None
@@ -375,9 +386,17 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
         elif node.op == "ConstantOfShape" and node.inputs:
             new = _dims_of_value(ev.value(node.inputs[0]))
         elif node.op == "Reshape" and len(node.inputs) == 2:
-            new = _dims_of_value(ev.value(node.inputs[1]))
+            target = ev.value(node.inputs[1])
+            new = _dims_of_value(target)
             if new is not None and any(d in (0, -1) for d in new):
-                new = None  # copies and inferred dims: inference's business
+                # Copied and inferred dims, over the symbols: Reshape(ids [B, S], [-1, S]) is
+                # [B, S], which inference leaves a name of its own (unk__N) for the -1. Only a
+                # number or a given name is a fact here: one made-up name for another would only
+                # make inference rename what reads it, round after round.
+                new = _dims_of_monomials(reshaped_dims(ev.dim_symbols(node.inputs[0]), list(target.elems),
+                                                       int(gu.attr(node, "allowzero", 0))))
+                if new is not None:
+                    new = [None if isinstance(d, str) and d.startswith("unk__") else d for d in new]
         elif node.op == "Expand" and len(node.inputs) == 2:
             to, x = _dims_of_value(ev.value(node.inputs[1])), dims(node.inputs[0])
             if to is not None and x is not None:
@@ -435,6 +454,13 @@ def _dims_of_value(v: ShapeValue | None) -> list | None:
     return dims
 
 
+def _dims_of_monomials(monos: list[Mono] | None) -> list | None:
+    """Dims from monomials: a number, one named dim, else None (unknown)."""
+    if monos is None:
+        return None
+    return _dims_of_value(ShapeValue(1, tuple(monos), np.dtype(np.int64)))
+
+
 def _range_dims(start, limit, delta) -> list | None:
     """Range(0, e, 1) has e elements: e's name, where e is one named dim."""
     if start is None or limit is None or delta is None or start.constant != [0] or delta.constant != [1]:
@@ -478,12 +504,22 @@ def _slice_dims(node: gs.Node, in_dims: list | None, ev: ShapeEvaluator) -> list
 def refined_dims(graph: gs.Graph, shapes: facts.ShapeTable, rounds: int = 8) -> tuple[facts.ShapeTable, ShapeEvaluator]:
     """`shapes` refined with the dim facts onnx inference does not derive (_dim_facts: Range
     lengths, Slices to run-time bounds, broadcasts of them), inferring again after each round,
-    and an evaluator over the refined table."""
+    and an evaluator over the refined table. A fact of numbers and given names alone holds in
+    every later round too, and is given again with each round's new ones: inferring again what
+    reads a new fact must not forget it (one made-up name is only valid in its own round)."""
     ev = ShapeEvaluator(graph, shapes)
+    settled: dict[str, list] = {}
     for _ in range(rounds):
         found = _dim_facts(graph, shapes, ev)
         if not found:
             break
-        shapes = shapes.refined(graph, found)
+        hints = {**settled, **found}
+        shapes = shapes.refined(graph, hints)
         ev = ShapeEvaluator(graph, shapes)
+        settled.update({name: d for name, d in hints.items() if all(_settled(x) for x in d)})
     return shapes, ev
+
+
+def _settled(d) -> bool:
+    """A dim that means the same in every inference: a number or a name the model gives."""
+    return isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__"))
