@@ -10,8 +10,8 @@ from onnx import TensorProto, numpy_helper
 
 from .cases import build_case
 from .generate import F16, F64
-from .variants import (_float64_outputs, _to_float64, casts_double_to_half, float16_in_float32,  # noqa: F401
-                       near_equal_variant, node_by_node, zero_tie_variants)
+from .variants import (FLOAT_TYPES, _float64_outputs, _to_float64, casts_double_to_half, float16_in_float32,  # noqa: F401
+                       near_equal_variant, node_by_node, value_types, zero_tie_variants)
 
 
 
@@ -260,7 +260,6 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
 JUMP_OPS = {"Floor", "Ceil", "Round", "Sign", "Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual",
             "Cast", "Pow"}
 COMPARISONS = {"Greater", "Less", "Equal", "GreaterOrEqual", "LessOrEqual"}
-_FLOAT_TYPES = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
 
 
 def jump_variants(model: onnx.ModelProto, dtype: int, alone: int | None = None):
@@ -275,12 +274,9 @@ def jump_variants(model: onnx.ModelProto, dtype: int, alone: int | None = None):
     jumps = [n for n in model.graph.node if n.op_type in JUMP_OPS]
     if not jumps:
         return
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # onnx's inference errors: no types, no variants
+    types = value_types(model)
+    if types is None:
         return
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
     consts = {t.name for t in model.graph.initializer}
     for scale in PERTURBATIONS.get(dtype, PERTURBATIONS_F32)[1:]:
         for sign in (1.0, -1.0):
@@ -294,7 +290,7 @@ def jump_variants(model: onnx.ModelProto, dtype: int, alone: int | None = None):
                 if n.op_type in JUMP_OPS and alone in (None, seen):
                     apart = n.op_type in COMPARISONS and n.input[0] != n.input[1]
                     for k, name in enumerate(n.input):
-                        np_type = _FLOAT_TYPES.get(types.get(name))
+                        np_type = FLOAT_TYPES.get(types.get(name))
                         if not name or name in consts or np_type is None:
                             continue
                         factor = f"{name}__jump_factor_{k}_{len(new_nodes)}"

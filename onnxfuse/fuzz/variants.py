@@ -118,6 +118,21 @@ def float16_in_float32(model: onnx.ModelProto, feeds: dict) -> dict | None:
     return {k: (v.astype(np.float16) if kinds.get(k) == f16 and v.dtype == np.float32 else v) for k, v in got.items()}
 
 
+FLOAT_TYPES = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, int] | None:
+    """The element type of every top-level value of `model` (shape inference's, initializers'),
+    or None where onnx's inference fails (then no variant is built)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # onnx's inference errors
+        return None
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    return types
+
 def zero_tie_variants(model: onnx.ModelProto):
     """The original with every top-level float Max and Min of -0 and +0 giving +0, then -0.
 
@@ -125,14 +140,10 @@ def zero_tie_variants(model: onnx.ModelProto):
     position in its vectorized loops (Min([1,7] with -0, [2,1,16,7] of +0) gives -0 in some rows
     and +0 in others), so every zero of that kind is one of its answers, and so is whatever is
     computed from it: a division by it gives an infinity of either sign (seed 9209141)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # onnx's inference errors: no types, no variants
+    types = value_types(model)
+    if types is None:
         return
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
-    types.update({t.name: t.data_type for t in model.graph.initializer})
-    floats = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
+    floats = FLOAT_TYPES
     ties = [i for i, n in enumerate(model.graph.node) if n.op_type in ("Max", "Min") and len(n.input) == 2
             and types.get(n.input[0]) in floats and types.get(n.input[0]) == types.get(n.input[1])]
     if not ties:
@@ -173,14 +184,10 @@ def near_equal_variant(model: onnx.ModelProto, scale: float) -> onnx.ModelProto 
     only; two correct elementary functions an ulp apart flip it the other way too: Equal(x,
     Tanh(x)) at x = 3.48e-4 is true for a correctly rounded tanh and false for onnxruntime's, an
     ulp below (seed 9218161)."""
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model)
-    except Exception:  # onnx's inference errors: no types, no variant
+    types = value_types(model)
+    if types is None:
         return None
-    types = {v.name: v.type.tensor_type.elem_type for v in
-             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
-    types.update({t.name: t.data_type for t in model.graph.initializer})
-    floats = {TensorProto.FLOAT: np.float32, TensorProto.DOUBLE: np.float64, TensorProto.FLOAT16: np.float16}
+    floats = FLOAT_TYPES
     variant = onnx.ModelProto()
     variant.CopyFrom(model)
     graph = variant.graph
