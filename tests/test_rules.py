@@ -276,3 +276,32 @@ def test_a_condition_or_rewrite_declines_with_its_reason_and_apply_hands_it_on()
     assert rules.apply(g, [quiet], explain=lambda node, why: said.append(why)) == 0
     assert said == ["its condition does not hold"]
     assert not rules.fail("x") and repr(rules.fail("x")) == "fail('x')"
+
+
+def test_alternatives_are_tried_in_order_and_bind_only_their_own_names():
+    scaled = rules.alt(op.Mul(x, Const(name="c")), op.Div(x, Const(name="d")), x)
+    relu = op.Relu(scaled)
+    mul = graph_of([helper.make_node("Mul", ["half", "x"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+                   {"half": 0.5})
+    m = rules.match(relu, root(mul))
+    assert m["c"] == 0.5 and m.get("d") is None and m["x"].name == "x" and [n.op for n in m.nodes] == ["Mul", "Relu"]
+    div = graph_of([helper.make_node("Div", ["x", "two"], ["s"]), helper.make_node("Relu", ["s"], ["y"])],
+                   {"two": 2.0})
+    m = rules.match(relu, root(div))
+    assert m["d"] == 2.0 and m.get("c") is None
+    # The last alternative, x itself: Relu(Sub(...)) binds x to the Sub's output.
+    sub = graph_of([helper.make_node("Sub", ["x", "x"], ["s"]), helper.make_node("Relu", ["s"], ["y"])])
+    m = rules.match(relu, root(sub))
+    assert m["x"].name == "s" and m.get("c") is None and len(m.nodes) == 1
+    # An optional node: Cast or nothing; without a match the reason is the furthest reached.
+    optional = op.Relu(rules.alt(op.Cast(op.Neg(x), to=1), op.Neg(x)))
+    why = []
+    cast = graph_of([helper.make_node("Abs", ["x"], ["a"]), helper.make_node("Cast", ["a"], ["s"], to=1),
+                     helper.make_node("Relu", ["s"], ["y"])])
+    assert rules.match(optional, root(cast), why=why) is None
+    assert why == ["Abs is not Neg"]
+    # A condition that declines one alternative's match lets the next one be tried.
+    neg = graph_of([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["y"])])
+    either = op.Relu(rules.alt(op.Neg(Var("a")), Var("b")))
+    m = rules.match(either, root(neg), condition=lambda m: "a" not in m.bindings)
+    assert m is not None and m["b"].name == "n"

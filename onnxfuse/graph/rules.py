@@ -9,7 +9,9 @@ A pattern is written the way the subgraph computes its value:
 patterns (`ops("com.microsoft").Name(...)`: an op of another domain); Python operators stand for
 Add, Sub, Mul and Div; a float is a scalar constant; a `Var` matches any tensor, the same tensor
 wherever the name recurs; `Rest("xs")`, the last operand, matches the inputs that remain, any
-number of them (Concat's, Sum's, a contrib op's optional ones), bound as a tuple. The engine
+number of them (Concat's, Sum's, a contrib op's optional ones), bound as a tuple; `alt(p, q)`
+matches what p or q matches (tried in that order; `alt(op.Cast(x, to=1), x)`: an optional node).
+The engine
 takes care of:
 
 - commuted operands of commutative ops (Add, Mul, Max, Min, Sum, And, Or, Xor, Equal): both
@@ -92,6 +94,19 @@ class AnyInput(Pattern):
 
 
 ANY = AnyInput()
+
+
+@dataclass(frozen=True, eq=False)
+class Alt(Pattern):
+    """One of several patterns for the same operand, tried in order (alternatives as data):
+    `alt(x * Const(name="c"), x / Const(name="c"), x)` is x scaled by a constant or not. A name
+    bound in one alternative only is absent from a match through another (Match.get)."""
+
+    options: tuple[Pattern, ...]
+
+
+def alt(*options) -> Alt:
+    return Alt(tuple(_lift(o) for o in options))
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,6 +228,11 @@ class Match:
     def __getitem__(self, name: str):
         return self.bindings[name]
 
+    def get(self, name: str, default=None):
+        """What `name` is bound to, or `default` where the match went through an alternative
+        (Alt) that does not bind it."""
+        return self.bindings.get(name, default)
+
     def holds(self, node: gs.Node | None) -> bool:
         return node is not None and any(node is n for n in self.nodes)
 
@@ -275,6 +295,9 @@ class _Matcher:
             del bound[p.name]
         elif isinstance(p, AnyInput):
             yield
+        elif isinstance(p, Alt):
+            for option in p.options:
+                yield from self._tensor(option, t, bound, nodes, where)
         elif isinstance(p, Const):
             v = t if isinstance(t, float) else gu.scalar(t) if isinstance(t, gs.Tensor) else None
             if v is None or (p.value is not None and not _close(v, p.value, p.rtol)):
