@@ -55,7 +55,7 @@ fuse-attention
                proved (symbolically, as shape-plumbing evaluates shape tensors) equal to [Sq, Sk]:
                torch's `mask[:, :, :T, :T]` of a registered triu(-1e9) buffer. The mask is then
                exactly the top-left causal mask while Sq <= R and Sk <= C (beyond, the original's
-               Add fails); see _causal_slice for why skipping masked keys gives its probabilities.
+               Add fails); see attention_rule.causal_slice for why skipping masked keys gives its probabilities.
     rewrite:   onnxfuse.Attention, whose fallback function is the matched subgraph (a merge
                target computed from a Shape is written there as the equal [0, 0, H*dv]; a bias of
                shape [1, 1, 3*H*dh] or [1, 3*H*dh] is given to the node, and read by the body's Add,
@@ -118,18 +118,18 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, keys_split, mask_fits, merge_pins_rows, operand_split,
                                           same_dim, scaled, transpose_perm)
-from onnxfuse.graph.attention_scores import Fill, masked_scores, match_merged, reads_scores, rewrite_merged, summed_mask
+from onnxfuse.graph import rules
+from onnxfuse.graph.attention_rule import causal_slice, match_scores, packed_split, qkv_bias
+from onnxfuse.graph.attention_scores import Fill, match_merged, rewrite_merged, summed_mask
 from onnxfuse.graph.facts import refresh_shapes
-from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
+from onnxfuse.graph.rules import Var, op
+from onnxfuse.graph.shape_values import refined_dims
 from onnxfuse.graph.transformer_forms import nan_to_zero_guard
 from onnxfuse.pipeline import Context, Pass
 
 # Longest key sequence (static or declared) for which the CPU kernel is applied: see _keys_pay_on_cpu.
 CPU_MAX_KEYS = 256
 CPU_MAX_CAUSAL_KEYS = 512  # in causal mode, which skips the masked half of the scores
-# A causal mask constant's entries above the diagonal must be at most this (or -inf) for the
-# kernel to skip those keys instead of adding them: see _causal_slice.
-CAUSAL_MASKED_MAX = -1e4
 
 
 @dataclass
@@ -154,65 +154,6 @@ class Match:
     out_dims: list | None = None
 
 
-def _is_causal_constant(value: np.ndarray) -> bool:
-    """value [1, ..., 1, R, C] (R, C >= 2) with value[..., i, j] == 0 for j <= i and
-    <= CAUSAL_MASKED_MAX (or -inf) for j > i."""
-    if value.dtype != np.float32 or not 2 <= value.ndim <= 4 or any(d != 1 for d in value.shape[:-2]):
-        return False
-    rows, cols = value.shape[-2:]
-    if rows < 2 or cols < 2:
-        return False
-    v = value.reshape(rows, cols)
-    future = np.triu(np.ones((rows, cols), bool), 1)
-    return bool(np.all(v[~future] == 0.0)) and bool(np.all(v[future] <= CAUSAL_MASKED_MAX))
-
-
-def _causal_slice(graph: gs.Graph, mask: gs.Tensor, q: Heads, k: Heads, shapes: facts.ShapeTable) -> tuple[int, int] | None:
-    """(R, C) when `mask` is provably the top-left [Sq, Sk] corner of a causal constant
-    [1, ..., 1, R, C]: mask = Slice(c, starts 0, ends [Sq, Sk], axes the last two, steps 1), the
-    ends proved equal to q's and k's sequence dims (symbolically, as shape-plumbing evaluates
-    shape tensors). Then mask[..., i, j] is 0 for j <= i and very negative for j > i whenever
-    Sq <= R and Sk <= C; a longer sequence makes the original's Add fail (the slice stops at R
-    rows or C columns, neither 1 nor the scores' length), which the kernel reproduces as an error.
-
-    Why skipping the future keys gives the original's probabilities: a masked score is x + c with
-    c <= -1e4; it rounds to c itself for |x| small against c, and exp(x + c - m) (m the row's
-    maximum, which an unmasked key attains) is exactly 0 in float32 when x - m < |c| - 104. So the
-    rows are identical unless a masked scaled score exceeds the row's unmasked maximum by
-    |c| - 104 or more (about 1e9 for torch's -1e9 fill; 9.9e3 at the -1e4 bound). A NaN or
-    infinite masked score, which would make the original's row NaN, is kept by the kernel: it
-    then adds -inf to the future keys instead of skipping them (see kernels/attention_cpu.cc)."""
-    node = gu.producer(mask)
-    if not gu.is_op(node, "Slice") or graph.opset < 10 or len(node.inputs) < 3:
-        return None
-    data = node.inputs[0]
-    if not gu.is_constant(data):
-        return None
-    value = gu.constant_value(data)
-    if value is None or not _is_causal_constant(value):
-        return None
-    rank = value.ndim
-    ins = list(node.inputs) + [None] * (5 - len(node.inputs))
-    starts = gu.constant_ints(ins[1])
-    axes = gu.constant_ints(ins[3]) if gu.is_present(ins[3]) else None
-    steps = gu.constant_ints(ins[4]) if gu.is_present(ins[4]) else None
-    if starts is None or (gu.is_present(ins[3]) and axes is None) or (gu.is_present(ins[4]) and steps is None):
-        return None
-    axes = list(range(len(starts))) if axes is None else [a + rank if a < 0 else a for a in axes]
-    steps = [1] * len(starts) if steps is None else steps
-    if sorted(axes) != [rank - 2, rank - 1] or len(starts) != 2 or starts != [0, 0] or steps != [1, 1]:
-        return None
-    ev = ShapeEvaluator(graph, shapes)
-    ends = ev.value(ins[2])
-    sq, sk = ev.dim_symbols(q.source), ev.dim_symbols(k.source)
-    if ends is None or ends.rank != 1 or len(ends.elems) != 2 or sq is None or sk is None:
-        return None
-    want = {rank - 2: sq[2 if q.heads_first else 1], rank - 1: sk[2 if k.heads_first else 1]}
-    if any(e is None or e != want[a] for a, e in zip(axes, ends.elems)):
-        return None
-    return int(value.shape[-2]), int(value.shape[-1])
-
-
 def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> bool:
     """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
     CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
@@ -225,19 +166,38 @@ def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: b
     return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
 
 
-def _no(ctx: Context | None, softmax: gs.Node, reason: str) -> None:
-    """No match at `softmax`, and why (optimize --explain fuse-attention)."""
-    return None if ctx is None else ctx.reject(softmax, reason)
+def _condition(shapes: facts.ShapeTable, ctx: Context | None):
+    """The rule's condition: the rest of the chain around a Softmax, proved; the found match
+    goes into the engine's bindings as "attention"."""
+
+    def attention(m: rules.Match, graph: gs.Graph):
+        found = match(graph, m["softmax"], shapes, ctx)
+        if not found:
+            return found
+        if ctx is not None and ctx.target.compiles_kernels:
+            from onnxfuse.cuda.attention_codegen import supported
+
+            if not supported(found.q.width, found.v.width):
+                return rules.fail(f"the CUDA kernel has no variant for head sizes q/k {found.q.width}, v {found.v.width}")
+        m.bindings["attention"] = found
+        return True
+    return attention
 
 
-def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Context | None = None) -> Match | None:
-    if not gu.is_op(softmax, "Softmax"):
-        return None
+def rule(shapes: facts.ShapeTable, ctx: Context | None) -> rules.Rule:
+    """fuse-attention as a rule: every Softmax is a candidate; its scores chain is matched by
+    the engine (attention_rule.SCORED_SOFTMAX, or the 3-D form over batch*heads), what reads
+    its probabilities and what q, k and v are, by the condition."""
+    return rules.Rule("fuse-attention", op.Softmax(Var("logits"), _name="softmax"), condition=_condition(shapes, ctx),
+                      private=False)
+
+
+def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Context | None = None) -> Match | rules.Failure:
     if graph.opset < 13:
-        return _no(ctx, softmax, f"opset {graph.opset}: Softmax before opset 13 normalizes over flattened axes")
+        return rules.fail(f"opset {graph.opset}: Softmax before opset 13 normalizes over flattened axes")
     axis = int(gu.attr(softmax, "axis", -1))
     if axis not in (-1, 3):
-        return _no(ctx, softmax, f"Softmax over axis {axis}, not the last axis of [B, H, Sq, Sk]")
+        return rules.fail(f"Softmax over axis {axis}, not the last axis of [B, H, Sq, Sk]")
     probs = softmax.outputs[0]
     # Where(IsNaN(p), 0, p) between Softmax and the MatMul: transformers' guard for all-masked rows.
     guard = nan_to_zero_guard(graph, probs)
@@ -247,57 +207,22 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if not gu.is_private(graph, weights):
         readers = ", ".join(sorted(n.op for n in weights.outputs)) or "nothing"
         output = " and are a graph output" if any(weights is t for t in graph.outputs) else ""
-        return _no(ctx, softmax, f"the probabilities are read by {readers}{output}, not by MatMul(P, V) alone")
+        return rules.fail(f"the probabilities are read by {readers}{output}, not by MatMul(P, V) alone")
     pv = weights.outputs[0]
     if not gu.is_op(pv, "MatMul") or pv.inputs[0] is not weights:
         merged = " (a reshape of P, such as 3-D attention over batch*heads, is not matched)" if gu.is_op(pv, "Reshape") else ""
-        return _no(ctx, softmax, f"the probabilities are read by {pv.op}, not as the left operand of MatMul(P, V){merged}")
-    # Softmax input: ((scores * c) + mask) or (scores * c) or scores.
-    logits = softmax.inputs[0]
-    chain_before: list[gs.Node] = []
-    mask = None
-    mask_terms = None
-    add = gu.producer(logits)
-    if gu.is_op(add, "Add") and len(add.inputs) == 2:
-        found = masked_scores(graph, add)
-        if found is None:
-            # (scores + a) + b: T5 adds its relative-position bias, then the padding mask.
-            for i in (0, 1):
-                inner_add = gu.producer(add.inputs[i])
-                if not gu.is_op(inner_add, "Add") or len(inner_add.inputs) != 2:
-                    continue
-                if not gu.is_private(graph, add.inputs[i]) or reads_scores(inner_add, add.inputs[1 - i]):
-                    continue
-                inner = masked_scores(graph, inner_add)
-                if inner is not None:
-                    logits, first = inner
-                    mask_terms = (first, add.inputs[1 - i])
-                    chain_before += [add, inner_add]
-                    break
-            if mask_terms is None:
-                return _no(ctx, softmax, "the Softmax input is an Add, but neither operand is a (scaled) MatMul"
-                                         " of q and k read by it alone, nor (scores + a) + b")
-        else:
-            logits, mask = found
-            chain_before.append(add)
-    scores, scale, scale_node = scaled(graph, logits)
-    if scale_node is not None:
-        if not gu.is_private(graph, scores):
-            return _no(ctx, softmax, "the scores before the scale are read outside the attention chain")
-        chain_before.append(scale_node)
-    qk = gu.producer(scores)
-    if not gu.is_op(qk, "MatMul"):
-        return _no(ctx, softmax, f"the scores come from {qk.op if qk is not None else 'a graph input'},"
-                                 " not MatMul(Q, K^T) (through at most a constant scale and additive terms)")
-    if not gu.is_private(graph, scores) or not gu.is_private(graph, softmax.inputs[0]):
-        return _no(ctx, softmax, "the scores are read outside the attention chain")
+        return rules.fail(f"the probabilities are read by {pv.op}, not as the left operand of MatMul(P, V){merged}")
+    scores = match_scores(graph, softmax, {t.name for t in graph.outputs})
+    if isinstance(scores, str):
+        return rules.fail(scores)
+    qk, scale, mask, mask_terms = scores.qk, scores.scale, scores.mask, scores.mask_terms
     q_in, q_scale, q_scale_node = scaled(graph, qk.inputs[0])
     if q_scale_node is not None and not gu.is_private(graph, qk.inputs[0]):
-        return _no(ctx, softmax, "the scaled q is read outside the attention chain")
+        return rules.fail("the scaled q is read outside the attention chain")
     # The TorchScript exporter writes a scale split as sqrt(s) on q and on kT: (q*c) @ (kT*c).
     k_in, k_scale, k_scale_node = scaled(graph, qk.inputs[1])
     if k_scale_node is not None and not gu.is_private(graph, qk.inputs[1]):
-        return _no(ctx, softmax, "the scaled k is read outside the attention chain")
+        return rules.fail("the scaled k is read outside the attention chain")
     # Each of q, k, v: its head split, read in place, or (after a prologue: rotary, norms) the
     # [B, H, S, d] tensor itself, which the node reads heads first.
     q = operand_split(graph, q_in, shapes)
@@ -305,15 +230,15 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     v = operand_split(graph, pv.inputs[1], shapes)
     for name, heads in (("q", q), ("k", k), ("v", v)):
         if heads is None:
-            return _no(ctx, softmax, f"{name} is neither a head split this pass proves (a Reshape [B, S, H, dh] with a"
+            return rules.fail(f"{name} is neither a head split this pass proves (a Reshape [B, S, H, dh] with a"
                                      f" constant target, then Transpose to [B, H, S, dh]"
                                      f"{' (k: [B, H, dh, S])' if name == 'k' else ''}, read by the chain alone) nor"
                                      f" a float32 [B, H, S, d] tensor with H and d known"
                                      f"{' (k: transposed by Transpose(0, 1, 3, 2) read by the chain alone)' if name == 'k' else ''}")
     if qk.inputs[0] is qk.inputs[1]:
-        return _no(ctx, softmax, "q and k are the same tensor")
+        return rules.fail("q and k are the same tensor")
     if not (q.heads == k.heads == v.heads and q.width == k.width):
-        return _no(ctx, softmax, f"head counts q {q.heads}, k {k.heads}, v {v.heads} differ (repeat_kv is"
+        return rules.fail(f"head counts q {q.heads}, k {k.heads}, v {v.heads} differ (repeat_kv is"
                                  f" fuse-gqa's form) or q and k widths differ ({q.width}, {k.width})")
     if q_scale_node is not None:
         q.nodes.append(q_scale_node)
@@ -324,108 +249,58 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     ctx_heads = pv.outputs[0]
     back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
     if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
-        return _no(ctx, softmax, "the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
+        return rules.fail("the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
     merge = back.outputs[0].outputs[0]
     out_width = v.heads * v.width
     pinned = merge_pins_rows(merge, q, out_width, shapes)
     if pinned is None:
-        return _no(ctx, softmax, f"the merge Reshape's target is not provably [B, Sq, {out_width}]")
+        return rules.fail(f"the merge Reshape's target is not provably [B, Sq, {out_width}]")
     qd, kd, vd = (h.rows(shapes) for h in (q, k, v))
     if any(d is None for d in (qd, kd, vd)):
-        return _no(ctx, softmax, "the dims of q, k or v are unknown")
+        return rules.fail("the dims of q, k or v are unknown")
     # A batch broadcast between q, k and v would grow the output (a pinned merge fails on it in the
     # original too); a [B, H, S, d] operand's MatMul broadcasts its batch, which the kernel does not.
     either_first = q.heads_first or k.heads_first or v.heads_first
     if (not pinned or either_first) and not (same_dim(qd[0], kd[0]) and same_dim(kd[0], vd[0])):
-        return _no(ctx, softmax, f"batch dims of q, k, v not provably equal ({qd[0]}, {kd[0]}, {vd[0]})")
+        return rules.fail(f"batch dims of q, k, v not provably equal ({qd[0]}, {kd[0]}, {vd[0]})")
     causal = None
     target = [qd[0], q.heads, qd[1], kd[1]]
     if mask is not None:
         # The CUDA kernel has no causal mode: there the mask stays an input. A guarded chain keeps
         # its mask as an input too (the kernel's causal mode has no guard).
         if (ctx is None or ctx.target.attention_causal_mode) and guard is None:
-            causal = _causal_slice(graph, mask, q, k, shapes)
+            causal = causal_slice(graph, mask, q, k, shapes)
         if causal is None and not mask_fits(mask, target, shapes, pinned):
-            return _no(ctx, softmax, f"the additive term's dims are not provably 1 or those of the scores {target}")
+            return rules.fail(f"the additive term's dims are not provably 1 or those of the scores {target}")
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
-        return _no(ctx, softmax, f"the two additive terms' dims are not provably 1 or those of the scores {target}")
+        return rules.fail(f"the two additive terms' dims are not provably 1 or those of the scores {target}")
     if (ctx is not None and not ctx.target.attention_measured_faster_always
             and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None)):
-        return _no(ctx, softmax, "the key length is above what the CPU kernel is measured faster at"
+        return rules.fail("the key length is above what the CPU kernel is measured faster at"
                                  f" ({CPU_MAX_CAUSAL_KEYS if causal is not None else CPU_MAX_KEYS} keys)")
-    chain = [qk] + list(reversed(chain_before)) + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
+    chain = scores.nodes + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
     m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms,
               nan_to_zero=guard is not None)
-    m.split = _packed_split(graph, m, shapes)
+    m.split = packed_split(graph, m, shapes)
     if m.split is not None:
-        folded = _qkv_bias(graph, m.split, shapes)
+        folded = qkv_bias(graph, m.split, shapes)
         if folded is not None:
             m.bias_add, m.bias = folded
     return m
 
 
-def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | None:
+def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | rules.Failure:
     found = match_merged(graph, softmax, weights, guard, shapes)
     if isinstance(found, str):
-        return _no(ctx, softmax, found)
+        return rules.fail(found)
     q, k, v = (Heads(t, None, found.heads, shapes.dims(t)[2], n, merged=True)
                for t, n in ((found.q, found.q_nodes), (found.k, found.k_nodes), (found.v, [])))
     if ctx is not None and ctx.target.compiles_kernels:
-        return _no(ctx, softmax, "3-D attention over batch*heads: the CUDA kernel reads head splits of [B, S, H*d] alone")
+        return rules.fail("3-D attention over batch*heads: the CUDA kernel reads head splits of [B, S, H*d] alone")
     if ctx is not None and not ctx.target.attention_measured_faster_always and not _keys_pay_on_cpu(k, shapes, ctx, False):
-        return _no(ctx, softmax, f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
+        return rules.fail(f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
     return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,
                  out_dims=found.out_dims)
-
-
-def _packed_split(graph: gs.Graph, m: Match, shapes: facts.ShapeTable) -> gs.Node | None:
-    """The Split whose outputs 0, 1, 2 are exactly q, k, v, in equal pieces on the last axis."""
-    if m.q.heads_first or m.k.heads_first or m.v.heads_first:
-        return None
-    split = gu.producer(m.q.source)
-    if not gu.is_op(split, "Split") or len(split.outputs) != 3:
-        return None
-    if [t is s for t, s in zip(split.outputs, (m.q.source, m.k.source, m.v.source))] != [True] * 3:
-        return None
-    if not all(gu.is_private(graph, t) for t in split.outputs):
-        return None
-    src = split.inputs[0]
-    sd = shapes.dims(src)
-    if sd is None or len(sd) != 3 or int(gu.attr(split, "axis", 0)) not in (2, -1):
-        return None
-    if not isinstance(sd[2], int) or src.dtype != np.float32:
-        return None
-    width = m.q.heads * m.q.width
-    if sd[2] != 3 * width or m.v.width != m.q.width:
-        return None
-    sizes = gu.constant_ints(split.inputs[1]) if len(split.inputs) > 1 and gu.is_present(split.inputs[1]) else gu.attr(split, "split")
-    if sizes is not None and [int(s) for s in sizes] != [width] * 3:
-        return None
-    return split
-
-
-def _qkv_bias(graph: gs.Graph, split: gs.Node, shapes: facts.ShapeTable) -> tuple[gs.Node, np.ndarray] | None:
-    """The packed Split's input as Add(t, c) / Add(c, t), read by the Split alone, with c a
-    float32 constant varying only along the last axis of t [B, S, 3D]: (the Add, c as [3D])."""
-    src = split.inputs[0]
-    add = gu.producer(src)
-    if not gu.is_op(add, "Add") or len(add.inputs) != 2 or not gu.is_private(graph, src):
-        return None
-    width = shapes.dims(src)[2]
-    for i in (0, 1):
-        t, c = add.inputs[i], add.inputs[1 - i]
-        if not gu.is_constant(c) or gu.is_constant(t):
-            continue
-        td = shapes.dims(t)
-        if t.dtype != np.float32 or td is None or len(td) != 3 or td[2] != width:
-            continue
-        value = gu.constant_value(c)
-        if value is None or value.dtype != np.float32 or not 1 <= value.ndim <= 3:
-            continue
-        if value.shape[-1] != width or any(d != 1 for d in value.shape[:-1]):
-            continue
-        return add, value.reshape(width)
-    return None
 
 
 def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -> None:
@@ -537,29 +412,28 @@ def _causal_body(graph: gs.Graph, m: Match, nodes: list) -> None:
 
 
 def fuse_attention(graph: gs.Graph, ctx: Context) -> int:
+    if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
+        return 0
     # On --target cuda the generated kernel (onnxfuse/cuda/attention_codegen.py) has been checked
     # with nvcc/ptxas and a numpy model of its indexing, but not yet timed or run on a GPU: until
     # it is, the CUDA rewrite is opt-in (pass option attention_cuda; python -m bench.gpu --attention).
     if not ctx.target.measured and not ctx.options.attention_cuda:
-        return 0
-    if not any(gu.is_op(n, "Softmax") for n in graph.nodes):
+        for n in graph.nodes:
+            if gu.is_op(n, "Softmax"):
+                ctx.reject(n, f"the {ctx.target.name} kernel is not yet measured: opt-in (pass option attention_cuda)")
         return 0
     refresh_shapes(graph)
     # Dims inference alone leaves unnamed: a mask or position bias built from Ranges over the
     # sequence (T5) must be proved [.., Sq, Sk] to be the node's mask input.
     shapes, _ = refined_dims(graph, facts.ShapeTable(graph))
-    matches = [m for m in (match(graph, n, shapes, ctx) for n in list(graph.nodes)) if m is not None]
-    if ctx.target.compiles_kernels:
-        from onnxfuse.cuda.attention_codegen import supported
-
-        matches = [m for m in matches if supported(m.q.width, m.v.width)]
+    # Every Softmax left gets its reason, asked for or not (the summary counts them).
+    matches = [m["attention"] for _, m in rules.find_all(graph, [rule(shapes, ctx)], explain=ctx.reject)]
     sums: dict = {}  # summed mask terms, one Add per pair (_summed_mask)
     for m in matches:
         rewrite(graph, m, ctx, sums)
     if matches:
         gu.toposort(graph)
     return len(matches)
-
 
 PASS = Pass(
     "fuse-attention",

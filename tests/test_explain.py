@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import onnx
+import pytest
 from click.testing import CliRunner
 
 from onnxfuse.api import optimize
@@ -31,6 +32,22 @@ def test_probabilities_read_outside_the_chain_name_their_readers():
     result = optimize(attention_model(extra_output="probs"), passes=["fuse-attention"], dims={"B": 1, "S": 4})
     ((why,),) = result.summary["unmatched"]["fuse-attention"].values()
     assert why == "the probabilities are read by MatMul and are a graph output, not by MatMul(P, V) alone"
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    # the scores chain, matched by the rule engine: its words name where the form stops
+    ({"scale": "input"}, "the Softmax input is not (scaled) MatMul(q, kT) plus terms: input 1 of Div 'scale' is 'c', not a constant of one element"),
+    ({"extra_output": "scaled"}, "the (scaled) scores are read outside the attention chain"),
+    ({"extra_output": "scores"}, "the scores before the scale are read outside the attention chain"),
+    ({"extra_output": "masked"}, "the scores are read outside the attention chain"),
+    ({"extra_output": "ctx"}, "the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape"),
+    ({"softmax_axis": 2}, "Softmax over axis 2, not the last axis of [B, H, Sq, Sk]"),
+    ({"opset": 12}, "opset 12: Softmax before opset 13 normalizes over flattened axes"),
+])
+def test_every_attention_rejection_is_explained_in_words(kwargs, reason):
+    result = optimize(attention_model(**kwargs), passes=["fuse-attention"], dims={"B": 1, "S": 4}, verify_outputs=False,
+                      count_kernels=False)
+    assert result.summary["unmatched"]["fuse-attention"] == {"softmax": [reason]}
 
 
 def test_a_fused_attention_leaves_no_softmax_and_no_reason():

@@ -305,3 +305,7 @@ def test_alternatives_are_tried_in_order_and_bind_only_their_own_names():
     either = op.Relu(rules.alt(op.Neg(Var("a")), Var("b")))
     m = rules.match(either, root(neg), condition=lambda m: "a" not in m.bindings)
     assert m is not None and m["b"].name == "n"
+    # Alternatives that are all ops say so in one reason.
+    why = []
+    assert rules.match(op.Relu(rules.alt(op.Mul(x, 2.0), op.Div(x, 2.0), op.Neg(x))), root(sub), why=why) is None
+    assert why == ["input 0 of Relu is computed by Sub, not by Mul, Div or Neg"]

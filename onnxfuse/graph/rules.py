@@ -296,6 +296,13 @@ class _Matcher:
         elif isinstance(p, AnyInput):
             yield
         elif isinstance(p, Alt):
+            node = t.inputs[0] if isinstance(t, gs.Tensor) and t.inputs else None
+            if node is not None and all(isinstance(o, OpPattern) for o in p.options) and not any(
+                    o.op == node.op and _in_domain(node, o.domain) for o in p.options):
+                labels = list(dict.fromkeys(o.label for o in p.options))
+                either = " or ".join([", ".join(labels[:-1]), labels[-1]] if len(labels) > 1 else labels)
+                self.fail(lambda: f"{where} is computed by {_named(node)}, not by {either}")
+                return
             for option in p.options:
                 yield from self._tensor(option, t, bound, nodes, where)
         elif isinstance(p, Const):
