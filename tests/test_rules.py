@@ -309,3 +309,25 @@ def test_alternatives_are_tried_in_order_and_bind_only_their_own_names():
     why = []
     assert rules.match(op.Relu(rules.alt(op.Mul(x, 2.0), op.Div(x, 2.0), op.Neg(x))), root(sub), why=why) is None
     assert why == ["input 0 of Relu is computed by Sub, not by Mul, Div or Neg"]
+
+
+def test_commit_judges_the_first_way_only_and_a_matched_rule_gives_the_reason():
+    # Mul(x, x2): commuted, both orders match op.Mul(Var a, Var b).
+    g = graph_of([helper.make_node("Mul", ["x", "x2"], ["y"])], inputs=("x", "x2"))
+    pattern = op.Mul(Var("a"), Var("b"))
+    first_only = []
+
+    def not_x_first(m):
+        first_only.append(m["a"].name)
+        return rules.fail("a is x") if m["a"].name == "x" else True
+
+    assert rules.match(pattern, root(g), condition=not_x_first)["a"].name == "x2"
+    first_only.clear()
+    why = []
+    assert rules.match(pattern, root(g), condition=not_x_first, commit=True, why=why) is None
+    assert first_only == ["x"] and why == ["a is x"]
+    # Of several rules, those whose pattern matched say why; the others are left out.
+    said = []
+    rules.apply(g, [Rule("relu", op.Mul(op.Relu(x), Var("b"))), Rule("cond", pattern, condition=lambda m, gr: rules.fail("no")),
+                    Rule("neg", op.Mul(op.Neg(x), Var("b")))], explain=lambda node, w: said.append(w))
+    assert said == ["no"]

@@ -401,12 +401,20 @@ def _not_private(m: Match, graph_outputs: set[str]) -> str | None:
     return None
 
 
+class Declined(str):
+    """A reason given by a condition or a rewrite (its pattern matched): explain_failures
+    prefers these to the reasons of rules whose patterns did not match."""
+
+
 def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset = frozenset(),
           bind: dict[str, object] | None = None, private: bool = True,
-          condition: Callable[[Match], object] | None = None, why: list[str] | None = None) -> Match | None:
+          condition: Callable[[Match], object] | None = None, why: list[str] | None = None,
+          commit: bool = False) -> Match | None:
     """The first way `root` matches `pattern` whose intermediates are private (when asked) and
     that satisfies `condition`; `bind` fixes some names beforehand (a Var to a given tensor).
-    Without a match, the reason is appended to `why` when one is given (see Failure)."""
+    commit: only the first way with private intermediates is judged by the condition (a
+    decline is final, as a hand matcher that takes the first form it finds). Without a match,
+    the reason is appended to `why` when one is given (see Failure)."""
     bound = dict(bind or {})
     nodes: list[gs.Node] = []
     # A set the caller holds is read as it is: copying it per match costs the graph's outputs
@@ -423,7 +431,9 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
         ok = True if condition is None else condition(m)
         if ok:
             return m
-        declined = declined or _declined(ok, condition)
+        declined = declined or Declined(_declined(ok, condition))
+        if commit:
+            break
     if why is not None:
         why.append(declined or matcher.reason or f"{_named(root)} does not match")
     return None
@@ -434,13 +444,14 @@ class Rule:
     """name: what reports call it; pattern: the subgraph, rooted at the op that computes its
     value; condition(match, graph) -> whether to rewrite; rewrite(graph, match) -> whether it
     rewrote (or how many rewrites it made); private: intermediates must be read inside the match
-    only. A condition or rewrite that declines may say why: fail("reason")."""
+    only; commit: see `match`. A condition or rewrite that declines may say why: fail("reason")."""
 
     name: str
     pattern: OpPattern
     rewrite: Callable[[gs.Graph, Match], object] | None = None
     condition: Callable[[Match, gs.Graph], object] | None = None
     private: bool = True
+    commit: bool = False  # the condition judges the first way only (see `match`)
 
     def match(self, graph: gs.Graph | None, root: gs.Node, graph_outputs: set[str] | None = None,
               bind: dict[str, object] | None = None, why: list[str] | None = None) -> Match | None:
@@ -452,7 +463,7 @@ class Rule:
             def cond(m):
                 return self.condition(m, graph)
             cond.__name__ = getattr(self.condition, "__name__", "condition")
-        return match(self.pattern, root, outs, bind, self.private, cond, why)
+        return match(self.pattern, root, outs, bind, self.private, cond, why, self.commit)
 
 
 def by_root_op(rules: Iterable[Rule]) -> dict[str, list[Rule]]:
@@ -513,9 +524,10 @@ Explain = Callable[[gs.Node, str], object]
 
 def explain_failures(explain: Explain | None, node: gs.Node, tried: list[tuple[str, str]]) -> None:
     """Hand `explain` one line for a candidate root that no rule rewrote: the reason of the
-    one rule tried, or each rule's, named."""
+    one rule tried, or each rule's, named (only those whose pattern matched, when some did)."""
     if explain is None or not tried:
         return
+    tried = [t for t in tried if isinstance(t[1], Declined)] or tried
     explain(node, tried[0][1] if len(tried) == 1 else "; ".join(f"{name}: {why}" for name, why in tried))
 
 
@@ -576,6 +588,6 @@ def apply(graph: gs.Graph, rules: Sequence[Rule], explain: Explain | None = None
                 tried = []
                 break
             if explain is not None:
-                tried.append((rule.name, _declined(done, rule.rewrite)))
+                tried.append((rule.name, Declined(_declined(done, rule.rewrite))))
         explain_failures(explain, node, tried)
     return count
