@@ -69,6 +69,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.rules import ANY, Const, Var, alt, op
 from onnxfuse.graph.gqa_inputs import GQAInputs, name_output_dims
 from onnxfuse.graph.shape_values import ShapeEvaluator
 from onnxfuse.graph.transformer_forms import GQA_FORMS, gqa_attention, heads, rotary
@@ -209,31 +210,33 @@ def _slice_half(ev: ShapeEvaluator, node: gs.Node, width: int, upper: bool) -> b
     return st == [0] and en == [half]
 
 
-def _freqs(t: gs.Tensor, fn: str, width: int, shapes: facts.ShapeTable) -> gs.Tensor | None:
-    """t = Unsqueeze([Cast to float](Mul(fn(Concat(f, f, -1)), 1.0) | fn(Concat(f, f, -1))), [1]):
-    f float32 [1, S', d/2]."""
-    node = gu.producer(t)
-    if not gu.is_op(node, "Unsqueeze"):
+def _freqs_rule(fn: str) -> rules.Rule:
+    """Unsqueeze([Cast to float](Mul(fn(Concat(f, f)), 1.0) | fn(Concat(f, f))), axes)."""
+    f = Var("f")
+    wave = getattr(op, fn)(op.Concat(f, f, _name="cat"))
+    scaled = alt(op.Mul(wave, Const(1.0)), wave)
+    return rules.Rule(f"freqs/{fn}", op.Unsqueeze(alt(op.Cast(scaled, to=1), scaled), ANY, _name="unsqueeze"),
+                      private=False)
+
+
+FREQS = {fn: _freqs_rule(fn) for fn in ("Cos", "Sin")}
+PAST = rules.Rule("past", op.Concat(Var("past"), Var("new"), _name="concat",
+                                    axis=lambda a: int(a if a is not None else 0) in (2, -2)), private=False)
+
+
+def _freqs(graph: gs.Graph, t: gs.Tensor, fn: str, width: int, shapes: facts.ShapeTable, outs) -> gs.Tensor | None:
+    """t = FREQS[fn] unsqueezed on axis 1, its Concat on the last axis: f float32 [1, S', d/2]."""
+    found = rules.match_at([FREQS[fn]], graph, t, outs)
+    if found is None:
         return None
+    m = found[1]
+    node = m["unsqueeze"]
     axes = gu.constant_ints(node.inputs[1]) if len(node.inputs) > 1 else gu.attr(node, "axes")
     if axes is None or list(axes) != [1]:
         return None
-    node = gu.producer(node.inputs[0])
-    if gu.is_op(node, "Cast") and int(gu.attr(node, "to", 0)) == 1:
-        node = gu.producer(node.inputs[0])
-    if gu.is_op(node, "Mul") and len(node.inputs) == 2:
-        ones = [i for i in (0, 1) if gu.scalar(node.inputs[i]) == 1.0]
-        if not ones:
-            return None
-        node = gu.producer(node.inputs[1 - ones[0]])
-    if not gu.is_op(node, fn):
-        return None
-    cat = gu.producer(node.inputs[0])
-    if not gu.is_op(cat, "Concat") or len(cat.inputs) != 2 or cat.inputs[0] is not cat.inputs[1]:
-        return None
-    f = cat.inputs[0]
+    f = m["f"]
     fd = shapes.dims(f)
-    if int(gu.attr(cat, "axis", 0)) not in (-1, 2) or fd is None or len(fd) != 3:
+    if int(gu.attr(m["cat"], "axis", 0)) not in (-1, 2) or fd is None or len(fd) != 3:
         return None
     if fd[0] != 1 or fd[2] != width // 2 or f.dtype != np.float32:
         return None
@@ -272,29 +275,33 @@ def _mask_fits(ev: ShapeEvaluator, mask: gs.Tensor, b, s) -> bool:
     return ((md[0] == _const(1) or _is(md[0], b)) and md[1] == _const(1) and _is(md[2], s) and _is(md[3], s))
 
 
-def match(graph: gs.Graph, root: gs.Node, shapes: facts.ShapeTable, ev: ShapeEvaluator, outs) -> Layer | None:
-    if not gu.is_op(root, "Reshape"):
-        return None
-    for form, pattern in PATTERNS:
-        m = rules.match(pattern, root, outs, private=False)
-        if m is None:
-            continue
-        layer = _check(graph, m, form, shapes, ev, outs)
-        if layer is not None:
-            return layer
-    return None
+def _condition(form, shapes: facts.ShapeTable, ev: ShapeEvaluator, outs):
+    def layer(m: rules.Match, graph: gs.Graph):
+        found = _check(graph, m, form, shapes, ev, outs)
+        if found:
+            m.bindings["layer"] = found
+        return found
+    return layer
 
 
-def _past(ev: ShapeEvaluator, t: gs.Tensor):
-    """t = Concat(past, new) on axis 2 of [B, Hkv, L, d] (a decode step's keys or values):
+def layer_rules(shapes: facts.ShapeTable, ev: ShapeEvaluator, outs) -> list[rules.Rule]:
+    """One rule per form (GQA_FORMS, in that order), rooted at the merge Reshape: the first
+    way a form matches is the one its condition (_check) judges."""
+    return [rules.Rule("gqa/" + "-".join(str(x) for x in form), pattern, condition=_condition(form, shapes, ev, outs),
+                       private=False, commit=True) for form, pattern in PATTERNS]
+
+
+def _past(graph: gs.Graph, ev: ShapeEvaluator, t: gs.Tensor, outs):
+    """t = PAST: Concat(past, new) on axis 2 of [B, Hkv, L, d] (a decode step's keys or values):
     (past, new, the Concat), else None. The dims are checked by the caller."""
-    node = gu.producer(t)
-    if not gu.is_op(node, "Concat") or len(node.inputs) != 2 or int(gu.attr(node, "axis", 0)) not in (2, -2):
+    found = rules.match_at([PAST], graph, t, outs)
+    if found is None:
         return None
+    m = found[1]
     dims = ev.dim_symbols(t)
-    if dims is None or len(dims) != 4 or node.inputs[0].dtype != np.float32:
+    if dims is None or len(dims) != 4 or m["past"].dtype != np.float32:
         return None
-    return node.inputs[0], node.inputs[1], node
+    return m["past"], m["new"], m["concat"]
 
 
 def _decode_length(total):
@@ -320,65 +327,66 @@ def _noop_view(ev: ShapeEvaluator, m: rules.Match, known: list) -> bool:
     return all(kept) or (kept.count(False) == 1 and t[kept.index(False)] == _const(-1))
 
 
-def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
+def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | rules.Failure:
     exporter, scale_form, probs, view, repeat = form
     extra = []
     if probs == "nan_to_zero":
         isnan = gu.producer(m["isnan"])
         sm = m["softmax"].outputs[0]
         if not gu.is_op(isnan, "IsNaN") or isnan.inputs[0] is not sm or not gu.is_private(graph, m["isnan"]):
-            return None
+            return rules.fail("the NaN guard's IsNaN does not read the Softmax's output alone")
         extra.append(isnan)
     # Intermediates are read inside the match only, or by a Shape.
     held = list(m.nodes) + extra
     if not all(_read_within(graph, t, held) for n in held if n is not m.root for t in n.outputs):
-        return None
+        return rules.fail("an intermediate of the attention is read outside it (other than by a Shape) or is a graph output")
     qr, kr, vh = m["qr"], m["kr"], m["vh"]
     # A decode step: k and v each Concat(past, new) on the sequence axis, the rotary and the
     # head split on the new ones.
-    kpast, vpast = _past(ev, kr), _past(ev, vh)
+    kpast, vpast = _past(graph, ev, kr, outs), _past(graph, ev, vh, outs)
     if (kpast is None) != (vpast is None):
-        return None
+        return rules.fail("one of k and v is Concat(past, new) and the other is not")
     if kpast is None and not repeat:  # multi-head attention without a past: fuse-attention's
-        return None
+        return rules.fail("no repeat_kv and no past: multi-head attention, fuse-attention's form")
     if kpast is not None:
         kr, vh = kpast[1], vpast[1]
     # Head widths: from v's split (the rotary is checked against it).
     vs = _split(graph, vh, "v", outs, [vpast[2]] if vpast else m.nodes)
     if vs is None:
-        return None
+        return rules.fail("v is not a head split Reshape(v, [B, S, Hkv, d]) -> Transpose(0, 2, 1, 3) read by the attention alone")
     vd = ev.dim_symbols(vs["v"])
     vt = _monos(ev, vs["v_target"])
     if vd is None or vt is None or len(vt) != 4 or vt[3][1]:
-        return None
+        return rules.fail("v's head-split target or dims are unknown, or its head width is not a constant")
     width = vt[3][0]
     if width <= 0:
-        return None
+        return rules.fail(f"v's head width {width} is not positive")
     kv_heads = _split_heads(ev, vs, "v", width)
     if kv_heads is None:
-        return None
+        return rules.fail("v's head-split target is not provably [B, S, Hkv, d] of v [B, S, Hkv*d]")
     k_readers = [kpast[2]] if kpast else m.nodes
     qm = km = None
     qs, ks = _split(graph, qr, "q", outs, m.nodes), _split(graph, kr, "k", outs, k_readers)
     if qs is None or ks is None:  # rotary on both (a head split on either alone: no match)
         if qs is not None or ks is not None or width % 2:
-            return None
+            return rules.fail("q and k are not both head splits, nor both rotated head splits of an even width")
         qm = _rotated(graph, ev, qr, "qh", width, outs, m.nodes)
         km = _rotated(graph, ev, kr, "kh", width, outs, k_readers)
         if qm is None or km is None or qm["cos"] is not km["cos"] or qm["sin"] is not km["sin"]:
-            return None
+            return rules.fail("q and k are not both rotated (x * cos + rotate_half(x) * sin) with one cos and sin")
         qs = _split(graph, qm["qh"], "q", outs, qm.nodes)
         ks = _split(graph, km["kh"], "k", outs, km.nodes)
         if qs is None or ks is None:
-            return None
+            return rules.fail("the rotated q or k is not a head split Reshape -> Transpose(0, 2, 1, 3) read by the rotary alone")
     heads_ = _split_heads(ev, qs, "q", width)
     k_heads = _split_heads(ev, ks, "k", width)
     if heads_ is None or k_heads != kv_heads or (not repeat and heads_ != kv_heads):
-        return None
+        return rules.fail("q's and k's head splits are not provably [B, S, H, d] and [B, S, Hkv, d] with v's Hkv and d"
+                          " (and H = Hkv without repeat_kv)")
     qd, kd = ev.dim_symbols(qs["q"]), ev.dim_symbols(ks["k"])
     b, s = qd[0], qd[1]
     if not (_is(kd[0], b) and _is(vd[0], b) and _is(kd[1], s) and _is(vd[1], s)):
-        return None
+        return rules.fail("the batch and sequence dims of q, k and v are not provably equal")
     d = _const(width)
     key_len, past = (lambda e: _is(e, s)), None
     if kpast is not None:
@@ -386,33 +394,33 @@ def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
         # B, Hkv, d are the new k's and v's (proved above); their length is L = P + S
         pk, pv = ev.dim_symbols(kpast[0]), ev.dim_symbols(vpast[0])
         if pk is None or pv is None or len(pk) != 4 or len(pv) != 4 or vpast[0].dtype != np.float32:
-            return None
+            return rules.fail("the past keys and values are not float32 [B, Hkv, P, d] with known dims")
         key_len, past = _decode_length(ev.dim_symbols(m["kr"])[2]), (kpast[0], vpast[0])
     if repeat and not _repeat(ev, m, "kr", kv_heads, heads_, key_len if past else None):
-        return None
+        return rules.fail("repeat_kv of k is not provably Unsqueeze(2), Expand to [B, Hkv, H/Hkv, S, d], Reshape to [B, H, S, d]")
     if repeat and not _repeat(ev, m, "vh", kv_heads, heads_, key_len if past else None):
-        return None
+        return rules.fail("repeat_kv of v is not provably Unsqueeze(2), Expand to [B, Hkv, H/Hkv, S, d], Reshape to [B, H, S, d]")
     if not _keys_transposed(ev, m, exporter, heads_, b, key_len, d):
-        return None
+        return rules.fail("the key transpose's reshape targets are not provably those of k [B*H, L, d] and [B, H, d, L]")
     if view and not _noop_view(ev, m, [b, _const(heads_), s, d]):
-        return None
+        return rules.fail("the view of the weighted sum is not provably a no-op")
     merge = _monos(ev, m["merge_target"])
     flat = merge is not None and merge == [_const(-1), _const(heads_ * width)]  # [B*S, H*d] (torch.export's GPT-2)
     if flat and past is not None:
         merge = [_const(0), _const(0), _const(-1)]
     if merge is None or len(merge) != 3 or int(gu.attr(m["merge"], "allowzero", 0)) == 1 and _const(0) in merge:
-        return None
+        return rules.fail("the merge Reshape's target is unknown or not of rank 3 (or copies a 0 with allowzero)")
     # [B, S] as proved, or as inference gives the merged tensor's own dims
     own = ev.dim_symbols(m["merge"].inputs[0]) or [None, None]
     lead = _is(merge[0], b) or _is(merge[0], own[0]) or merge[0] == _const(0)
     mid = _is(merge[1], s) or _is(merge[1], own[1]) or merge[1] == _const(0)
     if not (lead and mid and merge[2] in (_const(heads_ * width), _const(-1))
             or merge[0] == _const(-1) and mid and merge[2] == _const(heads_ * width)):
-        return None
+        return rules.fail("the merge Reshape's target is not provably [B, S, H*d]")
     mask = m["mask"]
     md = shapes.dims(mask)
     if mask.dtype != np.float32 or md is None or len(md) > 4:
-        return None
+        return rules.fail("the mask is not float32 of known rank <= 4")
     if past is None:
         expand_mask = not _mask_fits(ev, mask, b, s)
     else:  # [B|1, 1, S, T], T a named dim (an input's: the original's Add fails unless T = P + S or 1)
@@ -422,12 +430,12 @@ def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | None:
                            and key_len(md[3]) and not md[3][1][0].startswith("\0"))
     f = None
     if qm is not None:
-        f = _freqs(qm["cos"], "Cos", width, shapes)
-        if f is None or _freqs(qm["sin"], "Sin", width, shapes) is not f:
-            return None
+        f = _freqs(graph, qm["cos"], "Cos", width, shapes, outs)
+        if f is None or _freqs(graph, qm["sin"], "Sin", width, shapes, outs) is not f:
+            return rules.fail("cos and sin are not Cos and Sin of Concat(f, f) unsqueezed on axis 1, f float32 [1, S', d/2], one f")
     scale = m["scale"] if scale_form == "ts" else m["q_scale"] * m["k_scale"]
     if not np.isfinite(scale) or scale == 0.0:
-        return None
+        return rules.fail(f"the scale {scale} is not finite and nonzero")
     return Layer(qs["q"], ks["k"], vs["v"], heads_, kv_heads, width, float(np.float32(scale)), mask, f,
                  m.root.outputs[0], probs == "nan_to_zero", s, b, expand_mask,
                  f is not None and _is((ev.dim_symbols(f) or [None, None])[1], s),
@@ -548,7 +556,7 @@ def fuse_gqa(graph: gs.Graph, ctx: Context) -> int:
     shapes = facts.ShapeTable(graph)
     ev = ShapeEvaluator(graph, shapes)
     outs = {t.name for t in graph.outputs}
-    layers = [layer for layer in (match(graph, n, shapes, ev, outs) for n in list(graph.nodes)) if layer is not None]
+    layers = [m["layer"] for _, m in rules.find_all(graph, layer_rules(shapes, ev, outs), explain=ctx.explainer)]
     if not layers:
         return 0
     shared = GQAInputs(graph)

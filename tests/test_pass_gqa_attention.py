@@ -80,6 +80,22 @@ def test_rotary_caches_with_unequal_halves_stay_unfused(name):
     assert_same(m, out, FEEDS[:2])
 
 
+@pytest.mark.parametrize("name", EXPORTS)
+def test_explain_says_why_each_layer_stayed_unfused(name):
+    from onnxfuse.api import optimize as optimize_model
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    m = llama(name)
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two"))
+    cat = next(n for n in m.graph.node if n.op_type == "Concat" and len(n.input) == 2 and n.input[0] == n.input[1])
+    _replace_input(m, cat, 1, "Mul", "two")
+    result = optimize_model(m, settings=OptimizeOptions(passes=tuple(PASSES), explain=("fuse-gqa",), verify=False,
+                                                        count_kernels=False))
+    reasons = [r for rs in result.summary["unmatched"]["fuse-gqa"].values() for r in rs]
+    said = [r for r in reasons if "cos and sin are not Cos and Sin of Concat(f, f)" in r]
+    assert len(said) == 2  # one per layer: the reasons of the forms whose patterns matched
+
+
 def test_rotate_half_not_at_the_middle_stays_unfused():
     # rotate_half split at d/4: Concat(-x[..., 4:], x[..., :4]) is not the rotary GroupQueryAttention applies
     m = llama("llama_dynamo")
