@@ -26,7 +26,9 @@ from onnxfuse.fused import DOMAIN as FUSED_DOMAIN
 from onnxfuse.fused import FusedRecord
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
+from onnxfuse.graph import rules
 from onnxfuse.graph.facts import _vague, refresh_shapes
+from onnxfuse.graph.rules import Var, op, ops
 from onnxfuse.ops.attention_nan_guard import OP
 from onnxfuse.pipeline import Context, Pass
 
@@ -35,34 +37,33 @@ def _dims(shapes: facts.ShapeTable, t: gs.Tensor):
     return shapes.dims(t) if t.shape is None or _vague(t.shape) else list(t.shape)
 
 
-def _match(graph: gs.Graph, node: gs.Node, shapes: facts.ShapeTable):
-    if node.op != OP.name or node.domain != FUSED_DOMAIN or len(node.inputs) != 2:
-        return None
-    y = node.outputs[0]
-    if gu.is_graph_output(graph, y) or len(y.outputs) != 1:
-        return None
-    mm = y.outputs[0]
-    if not gu.is_op(mm, "MatMul") or mm.inputs[0] is not y or not isinstance(mm.inputs[1], gs.Constant):
-        return None
-    w = mm.inputs[1]
-    wv = w.values
-    yd = _dims(shapes, y)
-    if wv.ndim != 2 or wv.dtype != np.float32 or yd is None or len(yd) != 3 or yd[2] != wv.shape[0]:
-        return None
-    p = mm.outputs[0]
-    if gu.is_graph_output(graph, p) or len(p.outputs) != 1:
-        return None
-    add = p.outputs[0]
-    if not gu.is_op(add, "Add") or len(add.inputs) != 2 or add.inputs[0] is add.inputs[1]:
-        return None
-    r = add.inputs[1] if add.inputs[0] is p else add.inputs[0]
-    pd = _dims(shapes, p)
-    rd = _dims(shapes, r)
-    if r.dtype != np.float32 or pd is None or rd is None or _vague(pd) or list(pd) != list(rd):
-        return None
-    if len(pd) != 3 or list(pd[:2]) != list(yd[:2]) or pd[2] != wv.shape[1]:
-        return None
-    return mm, add, w, r
+# residual + MatMul(AttentionNanGuard(out, values), W), the Add's operands in either order
+PATTERN = op.Add(op.MatMul(ops(FUSED_DOMAIN).AttentionNanGuard(Var("out"), Var("values"), _name="guard"), Var("w"),
+                           _name="mm"), Var("r"), _name="add")
+
+
+def _condition(shapes: facts.ShapeTable):
+    def fits(m: rules.Match, graph: gs.Graph):
+        """The guarded output and the projection read by the match alone; W a float32 [H*d, D]
+        initializer; the residual float32 of the projection's shape [B, S, D] (no broadcast)."""
+        guard, mm, add, w, r = m["guard"], m["mm"], m["add"], m["w"], m["r"]
+        y, p = guard.outputs[0], mm.outputs[0]
+        if len(y.outputs) != 1 or len(p.outputs) != 1 or add.inputs[0] is add.inputs[1]:
+            return rules.fail("the guarded output or its projection is read outside the match")
+        if not isinstance(w, gs.Constant):
+            return rules.fail("the projection's weight is not an initializer")
+        wv = w.values
+        yd = _dims(shapes, y)
+        if wv.ndim != 2 or wv.dtype != np.float32 or yd is None or len(yd) != 3 or yd[2] != wv.shape[0]:
+            return rules.fail("the projection is not of [B, S, H*d] by a float32 [H*d, D] weight")
+        pd = _dims(shapes, p)
+        rd = _dims(shapes, r)
+        if r.dtype != np.float32 or pd is None or rd is None or _vague(pd) or list(pd) != list(rd):
+            return rules.fail("the residual is not float32 of the projection's known shape")
+        if len(pd) != 3 or list(pd[:2]) != list(yd[:2]) or pd[2] != wv.shape[1]:
+            return rules.fail("the projection's output is not [B, S, D]")
+        return True
+    return fits
 
 
 def _fold(graph: gs.Graph, ctx: Context, node: gs.Node, mm: gs.Node, add: gs.Node, w: gs.Tensor, r: gs.Tensor) -> bool:
@@ -109,10 +110,13 @@ def fold_gqa_residual(graph: gs.Graph, ctx: Context) -> int:
         return 0
     refresh_shapes(graph)
     shapes = facts.ShapeTable(graph)
+    rule = rules.Rule("gqa-residual", PATTERN, condition=_condition(shapes))
+    # the guards in the graph's order (the registry names the fused nodes in that order)
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    found = sorted((m for _, m in rules.find_all(graph, [rule], explain=ctx.explainer)), key=lambda m: order[id(m["guard"])])
     count = 0
-    for node in list(graph.nodes):
-        found = _match(graph, node, shapes)
-        if found is not None and _fold(graph, ctx, node, *found):
+    for m in found:
+        if _fold(graph, ctx, m["guard"], m["mm"], m["add"], m["w"], m["r"]):
             count += 1
     if count:
         gu.cleanup(graph)
