@@ -33,7 +33,7 @@ from onnxfuse.fused import DOMAIN, DOMAIN_VERSION
 from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.ort_fusions import PROBE_ELEMENTS
-from onnxfuse.graph.rules import Match, Rule, Var, apply, op
+from onnxfuse.graph.rules import Match, Rule, Var, apply, fail, op
 from onnxfuse.pipeline import Context, Pass
 
 TO_NCHW = [0, 3, 1, 2]
@@ -66,10 +66,10 @@ def _sink(graph: gs.Graph, m: Match) -> bool:
     add, branch = m.root, m["branch"]
     stream = m["r"]
     if gu.rank(stream) != 4 or gu.rank(m["z"]) != 4 or gu.is_constant(stream):
-        return False
+        return fail("the stream or the branch is not of known rank 4, or the stream is a constant")
     out = add.outputs[0]
     if gu.dims(stream) != gu.dims(out):  # the stream is not broadcast by the Add
-        return False
+        return fail("the Add broadcasts the stream (its dims are not the sum's)")
     nhwc = _nhwc_of(graph, stream)
     shape = gu.dims(out)
     summed = gs.Variable(gu.unique_name(graph, f"{out.name}_nhwc"), dtype=out.dtype,
@@ -87,10 +87,10 @@ def _cancel(graph: gs.Graph, m: Match) -> bool:
     first, second = m["first"], m.root
     p, q = _perm(first), _perm(second)
     if p is None or q is None or len(p) != len(q) or [p[i] for i in q] != list(range(len(p))):
-        return False
+        return fail(f"the permutations {p} and {q} do not cancel")
     out = second.outputs[0]
     if gu.is_graph_output(graph, out):
-        return False
+        return fail("the second Transpose's output is a graph output")
     gu.replace_uses(out, m["inner"])
     gu.disconnect(second)
     return True
@@ -116,11 +116,12 @@ def _executed_nodes(graph: gs.Graph, ctx: Context) -> int | None:
         return None
 
 
-def _rewrite(graph: gs.Graph) -> int:
-    """Sink every branch Transpose past its residual Add, cancelling the pairs that meet."""
+def _rewrite(graph: gs.Graph, explain=None) -> int:
+    """Sink every branch Transpose past its residual Add, cancelling the pairs that meet;
+    explain(node, reason) for each Add the first round leaves."""
     count = 0
     while True:
-        done = apply(graph, [SINK])
+        done = apply(graph, [SINK], explain if not count else None)
         if not done:
             return count
         count += done
@@ -137,11 +138,17 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         return 0
     # The rewrite is tried on a copy: onnxruntime's count for it decides whether the graph gets it.
     trial = graph.copy()
-    if not _rewrite(trial):
+    if not _rewrite(trial, ctx.explainer):
         return 0
     before = _executed_nodes(graph, ctx)
     after = _executed_nodes(trial, ctx)
     if before is None or after is None or after >= before:
+        if ctx.explainer is not None:
+            why = "onnxruntime cannot be asked" if before is None or after is None else \
+                f"onnxruntime would execute {after} nodes with it, not fewer than {before}"
+            for n in graph.nodes:
+                if gu.is_op(n, "Add") and SINK.match(graph, n):
+                    ctx.reject(n, why)
         return 0
     return _rewrite(graph)
 
