@@ -46,7 +46,8 @@ import onnx_graphsurgeon as gs
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.activations import BY_OP
-from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, op
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, fail, op
 from onnxfuse.ops.conv_bias_act import OP as CONV_BIAS_ACT
 from onnxfuse.ops.squeeze_excite import MAX_MAP, OP
 from onnxfuse.pipeline import Context, fused_op_pass
@@ -146,52 +147,73 @@ def _mean_over_hw(m: Match) -> bool:
             and int(mean.attrs.get("keepdims", 1)) == 1)
 
 
+def _block(graph: gs.Graph, m: Match, hidden: tuple, gate: tuple, outs: set[str], shapes: facts.ShapeTable,
+           take_input_silu: bool, max_map: int | None):
+    """The rest of the block a rule matched at the Mul (Conv1 and its mean, the convolutions'
+    forms, the activations' parameters, the SiLU before it): (nodes, spec), or why not."""
+    xt = m["x"]
+    xd = shapes.dims(xt)
+    if xd is None or len(xd) != 4 or not isinstance(xd[1], int) or (xt.dtype is not None and np.dtype(xt.dtype) != FLOAT):
+        return fail("x is not float32 [N, C, H, W] with C known")
+    if max_map is not None and not (isinstance(xd[2], int) and isinstance(xd[3], int) and xd[2] * xd[3] <= max_map):
+        return fail(f"x's H * W is unknown or above {max_map} (larger maps run faster as onnxruntime's kernels)")
+    conv1_node = gu.producer(m["h"])
+    if conv1_node is None or m["h"].name in outs:
+        return fail("the hidden activation's input is a graph input or a graph output")
+    squeeze = None
+    for srule in SQUEEZE_RULES:
+        squeeze = srule.match(graph, conv1_node, outs, bind={"x": xt})
+        if squeeze is not None and _mean_over_hw(squeeze):
+            break
+        squeeze = None
+    if squeeze is None:
+        return fail("the hidden activation's input is not Conv1(GlobalAveragePool(x)) or Conv1(ReduceMean(x) over"
+                    " axes 2 and 3, keeping them), read by the block alone")
+    # h is read by the hidden activation alone, the mean by Conv1 alone.
+    if not all(m.holds(r) for r in m["h"].outputs):
+        return fail("Conv1's output is read outside the block")
+    rc = _pointwise_conv(squeeze["conv1"], None, xd[1])
+    if rc is None or _pointwise_conv(m["conv2"], xd[1], rc[0]) is None:
+        return fail("Conv1 and Conv2 are not 1x1 convolutions (group 1, stride 1, unpadded) with constant float32"
+                    " weights [R, C, 1, 1] and [C, R, 1, 1] and constant biases")
+    hp, gp = hidden[2](m), gate[2](m)
+    if hp is None or gp is None:
+        return fail("an activation's parameters are not constants")
+    nodes = squeeze.nodes + m.nodes
+    attrs = {"input_activation": "none",
+             "hidden_activation": hidden[0], "hidden_alpha": float(hp[0]), "hidden_beta": float(hp[1]),
+             "gate_activation": gate[0], "gate_alpha": float(gp[0]), "gate_beta": float(gp[1])}
+    source = xt
+    silu = _input_silu(graph, xt, nodes, outs) if take_input_silu else None
+    if silu is not None:
+        nodes = silu.nodes + nodes
+        source = silu["y"]
+        attrs["input_activation"] = "silu"
+    return nodes, {"source": source, "convs": (squeeze["conv1"], m["conv2"]), "attrs": attrs}
+
+
 def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.ShapeTable,
-                take_input_silu: bool = True, max_map: int | None = None) -> tuple[list[gs.Node], dict] | None:
+                take_input_silu: bool = True, max_map: int | None = None,
+                explain: rules.Explain | None = None) -> tuple[list[gs.Node], dict] | None:
     """The squeeze-and-excitation block rooted at `mul`: (nodes, node inputs and attributes),
     with the SiLU before it when `take_input_silu` and only the block reads x; when `max_map` is
-    given, only where x's H and W are known and H * W is at most that."""
+    given, only where x's H and W are known and H * W is at most that. Each form's rule judges
+    the first way its pattern matches; explain(mul, reason) when none is a block."""
+    tried = []
     for rule, hidden, gate in BLOCK_RULES:
-        m = rule.match(graph, mul, outs)
-        if m is None:
-            continue
-        xt = m["x"]
-        xd = shapes.dims(xt)
-        if xd is None or len(xd) != 4 or not isinstance(xd[1], int) or (xt.dtype is not None and np.dtype(xt.dtype) != FLOAT):
-            continue
-        if max_map is not None and not (isinstance(xd[2], int) and isinstance(xd[3], int) and xd[2] * xd[3] <= max_map):
-            continue
-        conv1_node = gu.producer(m["h"])
-        if conv1_node is None or m["h"].name in outs:
-            continue
-        squeeze = None
-        for srule in SQUEEZE_RULES:
-            squeeze = srule.match(graph, conv1_node, outs, bind={"x": xt})
-            if squeeze is not None and _mean_over_hw(squeeze):
-                break
-            squeeze = None
-        if squeeze is None:
-            continue
-        # h is read by the hidden activation alone, the mean by Conv1 alone.
-        if not all(m.holds(r) for r in m["h"].outputs):
-            continue
-        rc = _pointwise_conv(squeeze["conv1"], None, xd[1])
-        if rc is None or _pointwise_conv(m["conv2"], xd[1], rc[0]) is None:
-            continue
-        hp, gp = hidden[2](m), gate[2](m)
-        if hp is None or gp is None:
-            continue
-        nodes = squeeze.nodes + m.nodes
-        attrs = {"input_activation": "none",
-                 "hidden_activation": hidden[0], "hidden_alpha": float(hp[0]), "hidden_beta": float(hp[1]),
-                 "gate_activation": gate[0], "gate_alpha": float(gp[0]), "gate_beta": float(gp[1])}
-        source = xt
-        silu = _input_silu(graph, xt, nodes, outs) if take_input_silu else None
-        if silu is not None:
-            nodes = silu.nodes + nodes
-            source = silu["y"]
-            attrs["input_activation"] = "silu"
-        return nodes, {"source": source, "convs": (squeeze["conv1"], m["conv2"]), "attrs": attrs}
+        found = {}
+
+        def block(m: Match):
+            done = _block(graph, m, hidden, gate, outs, shapes, take_input_silu, max_map)
+            found["block"] = done
+            return bool(done) or done
+
+        why: list[str] | None = [] if explain is not None else None
+        if rules.match(rule.pattern, mul, outs, private=rule.private, condition=block, why=why, commit=True) is not None:
+            return found["block"]
+        if why:
+            tried.append((rule.name, why[0]))
+    rules.explain_failures(explain, mul, tried)
     return None
 
 
@@ -220,7 +242,7 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         # depthwise kernel), so the block's kernel reads x once per pass instead of computing it twice.
         # MAX_MAP is a CPU measurement: the CUDA kernel is not timed yet (opt-in above).
         found = match_block(graph, mul, outs, shapes, take_input_silu=not ctx.target.has_kernel(CONV_BIAS_ACT.name),
-                            max_map=MAX_MAP if ctx.target.measured else None)
+                            max_map=MAX_MAP if ctx.target.measured else None, explain=ctx.explainer)
         if found is None:
             continue
         nodes, spec = found

@@ -173,6 +173,15 @@ def test_reduce_mean_over_other_axes_is_not_the_pool():
     assert count == 0
 
 
+def test_explain_says_why_a_block_is_left():
+    b = Block()
+    ctx = Context(target="cpu", explain=frozenset({"squeeze-excite"}))
+    run_passes(b.model(conv_attrs={"strides": [2, 2]}), select_passes(["squeeze-excite"], "cpu"), ctx)
+    (reasons,) = ctx.rejections["squeeze-excite"].values()
+    assert reasons == ["Conv1 and Conv2 are not 1x1 convolutions (group 1, stride 1, unpadded) with constant float32"
+                       " weights [R, C, 1, 1] and [C, R, 1, 1] and constant biases"]
+
+
 @pytest.mark.parametrize("build", ["avx2", "baseline"])
 def test_special_values_match_onnxruntime_bit_for_bit(build, monkeypatch):
     if build == "baseline":
