@@ -34,12 +34,14 @@ from onnxfuse.graph import rules
 from onnxfuse.graph import facts
 from onnxfuse.graph.shape_values import refined_dims
 from onnxfuse.graph.patterns import BROADCASTING_BINARY, POSITION_LOOKUP, TABLE_LOOKUP
-from onnxfuse.graph.rules import Match, Rule
+from onnxfuse.graph.rules import Failure, Match, Rule, fail
 from onnxfuse.graph.slices import normalize_axis
 from onnxfuse.pipeline import Context, Pass
 
 # A position buffer longer than this is not read (its values are compared with an arange).
 _MAX_POSITIONS = 1 << 16
+_NOT_BROADCAST = fail("the lookup's output is a graph output, or read by other than broadcasting elementwise ops"
+                      " whose other operand keeps its leading dims")
 
 
 def _same_dim(a, b) -> bool:
@@ -74,36 +76,38 @@ def _table(t: gs.Tensor) -> bool:
 # position-ids-as-slice --------------------------------------------------------------------
 
 
-def _positions_axis(m: Match) -> int | None:
+def _positions_axis(m: Match) -> int | Failure:
     """The axis of P the Slice takes ids along, when P is an arange over T's rows on that axis
-    (other dims 1, ahead of it) and the Slice cuts that axis alone."""
+    (other dims 1, ahead of it) and the Slice cuts that axis alone; else why not."""
     table, positions, cut = m["table"], m["positions"], m["ids_slice"]
     if not _table(table) or not isinstance(positions, gs.Constant) or positions.shape is None:
-        return None
+        return fail("the table or the sliced ids are not initializers of known shape")
     shape = [int(d) for d in positions.shape]
     rows = int(table.shape[0])
     if not shape or shape[-1] != rows or any(d != 1 for d in shape[:-1]) or rows > _MAX_POSITIONS:
-        return None
+        return fail(f"the ids {shape} are not [1, ..., 1, {rows}] (one per table row, at most {_MAX_POSITIONS})")
     if len(cut.inputs) < 3:
-        return None  # Slice-1: bounds as attributes
+        return fail("the Slice's bounds are attributes (Slice-1)")
     axis = len(shape) - 1
     if len(cut.inputs) > 3 and gu.is_present(cut.inputs[3]):
         axes = gu.constant_ints(cut.inputs[3])
         if axes is None or len(axes) != 1 or normalize_axis(int(axes[0]), len(shape)) != axis:
-            return None
+            return fail("the Slice does not cut the ids' last axis alone")
     elif axis != 0:
-        return None
+        return fail("the Slice does not cut the ids' last axis alone")
     values = gu.constant_value(positions)
     if values is None or values.dtype.kind not in "iu":
-        return None
+        return fail("the ids are not integers")
     if not np.array_equal(values.reshape(-1), np.arange(rows)):
-        return None
+        return fail(f"the ids are not 0..{rows - 1}")
     return axis
 
 
-def _position_condition(shapes: facts.ShapeTable, m: Match, graph: gs.Graph) -> bool:
+def _position_condition(shapes: facts.ShapeTable, m: Match, graph: gs.Graph) -> bool | Failure:
     axis = _positions_axis(m)
-    return axis is not None and _readers_broadcast_over(graph, shapes, m.output, axis)
+    if isinstance(axis, Failure):
+        return axis
+    return _readers_broadcast_over(graph, shapes, m.output, axis) or _NOT_BROADCAST
 
 
 def _slice_rows(shapes: facts.ShapeTable, graph: gs.Graph, m: Match) -> bool:
@@ -135,10 +139,13 @@ def _uniform_index(m: Match) -> int | None:
     return int(v) if -rows <= int(v) < rows else None
 
 
-def _uniform_condition(shapes: facts.ShapeTable, m: Match, graph: gs.Graph) -> bool:
+def _uniform_condition(shapes: facts.ShapeTable, m: Match, graph: gs.Graph) -> bool | Failure:
     ids_dims = shapes.dims(m["ids"])
-    return (not isinstance(m["ids"], gs.Constant) and ids_dims is not None and _uniform_index(m) is not None
-            and _readers_broadcast_over(graph, shapes, m.output, len(ids_dims)))
+    if isinstance(m["ids"], gs.Constant) or ids_dims is None:
+        return fail("the ids are an initializer (fold-constants' case) or of unknown dims")
+    if _uniform_index(m) is None:
+        return fail("the ids are not provably one index within the table's rows")
+    return _readers_broadcast_over(graph, shapes, m.output, len(ids_dims)) or _NOT_BROADCAST
 
 
 def _read_row(graph: gs.Graph, m: Match) -> bool:

@@ -119,3 +119,20 @@ def test_in_the_default_pipeline_only_the_word_lookup_and_the_position_rows_slic
         got = make_session(out).run(None, f)[0]
         want = make_session(m).run(None, f)[0]
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_explain_says_why_each_lookup_keeps_its_gather():
+    from onnxfuse.api import optimize as optimize_model
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    token_types = np.zeros((1, ROWS), np.int64)
+    token_types[0, 3] = 1
+    positions = np.arange(ROWS, dtype=np.int64)[None][:, ::-1].copy()
+    m = embeddings_model(positions=positions, token_types=token_types)
+    result = optimize_model(m, settings=OptimizeOptions(passes=tuple(PASS), explain=tuple(PASS), verify=False,
+                                                        count_kernels=False))
+    said = [r for rs in result.summary["unmatched"]["embedding-lookups"].values() for r in rs]
+    # the position lookup: both rules' patterns match it, each says why
+    assert (f"position-ids-as-slice: the ids are not 0..{ROWS - 1}; uniform-index-lookup: the ids are not provably"
+            " one index within the table's rows") in said
+    assert "the ids are not provably one index within the table's rows" in said
