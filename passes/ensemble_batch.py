@@ -261,7 +261,12 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
             if len(members) < 2 or len({id(m.nodes[0]) for m in members}) != len(members):
                 continue
             layers = _branches(graph, x, members)
+            explain = ctx.explainer
             if len([l for l in layers if l.kind == "linear"]) < 2:
+                if explain is not None:
+                    explain(members[0].nodes[0], f"the {len(members)} branches on '{x.name}' do not continue in lockstep"
+                                                 " (same ops, weights of one shape, read by their branch alone)"
+                                                 " to a second linear layer")
                 continue
             fused_acts = _stacked_mlp_activations(layers) if ctx.target.has_kernel(STACKED_MLP_OP.name) else None
             if fused_acts is not None and (ctx.options.stacked_mlp == "always" or _stacked_mlp_pays(x, ctx)):
@@ -270,6 +275,9 @@ def batch_ensemble(graph: gs.Graph, ctx: Context) -> int:
             elif _pays(ctx, x, layers):
                 _rewrite(graph, x, layers, ctx, None)
                 rewrites += 1
+            elif explain is not None:
+                explain(members[0].nodes[0], f"the stacked form does not pay on {ctx.target.name} at batch"
+                                             f" {gu.dims(x)[0]} (see CPU_MAX_BATCH, CPU_MAX_BRANCH_WEIGHT)")
     return rewrites
 
 

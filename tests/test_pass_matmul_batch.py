@@ -406,3 +406,21 @@ def test_input_projections_over_a_sequence_become_one_matmul():
     # Two of six steps used: the hoisted GEMM would compute three times the work.
     _, n = optimize(unrolled_projection_model(table=False, used=[0, 3]), ["hoist-matmul-over-gather"])
     assert n == 0
+
+
+def test_explain_says_why_branches_are_not_batched():
+    from onnxfuse.api import optimize as optimize_model
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    rng = np.random.default_rng(0)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["y1"], name="b1"), helper.make_node("MatMul", ["x", "w2"], ["y2"], name="b2")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 3]) for n in ("y1", "y2")],
+        [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), n) for n in ("w1", "w2")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    result = optimize_model(model, settings=OptimizeOptions(passes=("batch-ensemble",), explain=("batch-ensemble",),
+                                                            verify=False, count_kernels=False))
+    assert result.summary["unmatched"]["batch-ensemble"] == {"b1": [
+        "the 2 branches on 'x' do not continue in lockstep (same ops, weights of one shape, read by their branch alone)"
+        " to a second linear layer"]}
