@@ -116,10 +116,10 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, keys_split, mask_fits, merge_pins_rows, operand_split,
-                                          same_dim, scaled, transpose_perm)
+from onnxfuse.graph.attention_heads import (Heads, keys_split, mask_fits, merge_pins_rows, operand_split, same_dim,
+                                          scaled)
 from onnxfuse.graph import rules
-from onnxfuse.graph.attention_rule import causal_slice, match_scores, packed_split, qkv_bias
+from onnxfuse.graph.attention_rule import MERGED_HEADS, causal_slice, match_scores, packed_split, qkv_bias
 from onnxfuse.graph.attention_scores import Fill, match_merged, rewrite_merged, summed_mask
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.rules import Var, op
@@ -246,11 +246,10 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if k_scale_node is not None:
         k.nodes.append(k_scale_node)
         scale *= k_scale
-    ctx_heads = pv.outputs[0]
-    back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
-    if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
+    merged = rules.match_after([MERGED_HEADS], graph, weights, "p", depth=3)
+    if merged is None:
         return rules.fail("the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
-    merge = back.outputs[0].outputs[0]
+    back, merge = merged[1]["back"], merged[1]["merge"]
     out_width = v.heads * v.width
     pinned = merge_pins_rows(merge, q, out_width, shapes)
     if pinned is None:

@@ -14,6 +14,8 @@ import onnx_graphsurgeon as gs
 
 from . import core as gu
 from . import facts
+from . import rules
+from .rules import Var, op
 from .shape_values import broadcast_dim
 from .transformer_forms import HEADS_PERM  # [B, S, H, d] <-> [B, H, S, d]
 
@@ -62,38 +64,60 @@ def scale_constant(t: gs.Tensor) -> float | None:
     return x if np.isfinite(x) else None
 
 
+# x times or over a constant c (Mul's operands in either order), by the op that computes t
+SCALED = {kind: getattr(op, kind)(Var("x"), Var("c"), _name="scale") for kind in ("Mul", "Div")}
+
+
+def _scale_of(m: rules.Match):
+    """The factor of a SCALED match: a constant scale_constant accepts (Div's nonzero), on a
+    computed x."""
+    c = scale_constant(m["c"])
+    div = m["scale"].op == "Div"
+    if c is None or (div and c == 0.0) or not isinstance(m["x"], gs.Variable):
+        return rules.fail("not a scale by a finite float32 constant of rank <= 4")
+    m.bindings["factor"] = float(np.float64(1.0) / np.float64(c)) if div else c
+    return True
+
+
 def scaled(graph: gs.Graph, t: gs.Tensor) -> tuple[gs.Tensor, float, gs.Node | None]:
     """t = Mul(x, c) / Mul(c, x) / Div(x, c) with x private to it: (x, factor, node); else (t, 1, None)."""
     node = gu.producer(t)
-    if gu.is_op(node, "Mul") and len(node.inputs) == 2:
-        for i in (0, 1):
-            c = scale_constant(node.inputs[1 - i])
-            if c is not None and isinstance(node.inputs[i], gs.Variable):
-                return node.inputs[i], c, node
-    if gu.is_op(node, "Div") and len(node.inputs) == 2:
-        c = scale_constant(node.inputs[1])
-        if c is not None and c != 0.0 and isinstance(node.inputs[0], gs.Variable):
-            return node.inputs[0], float(np.float64(1.0) / np.float64(c)), node
-    return t, 1.0, None
+    if node is None or node.op not in SCALED:
+        return t, 1.0, None
+    m = rules.match(SCALED[node.op], node, private=False, condition=_scale_of)
+    return (t, 1.0, None) if m is None else (m["x"], m["factor"], node)
 
 
 def same_dim(a, b) -> bool:
     return a is not None and a == b
 
 
+def _transposed(p: rules.Pattern, perm: list[int]) -> rules.OpPattern:
+    return op.Transpose(p, perm=lambda v: v is not None and [int(a) for a in v] == perm)
+
+
+def _split_pattern(perms: list[list[int]]) -> rules.OpPattern:
+    """Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, target)))."""
+    p = op.Reshape(Var("x"), Var("target"), _name="reshape")
+    for perm in perms:
+        p = _transposed(p, perm)
+    return p
+
+
+# The head splits an attention reads q, v (HEADS_PERM) and k^T (KEYS_PERM, or HEADS_PERM then
+# LAST_TWO_PERM) through.
+SPLITS = {tuple(map(tuple, perms)): _split_pattern(perms) for perms in ([HEADS_PERM], [KEYS_PERM], [HEADS_PERM, LAST_TWO_PERM])}
+
+
 def head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: facts.ShapeTable) -> Heads | None:
-    """t = Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, [0|B, 0|S, H, d]))), every
-    intermediate private; x float32 [B, S, H*d] with H*d static."""
-    nodes = []
-    cur = t
-    for perm in reversed(perms):
-        node = gu.producer(cur)
-        if transpose_perm(node) != perm or not gu.is_private(graph, node.inputs[0]):
-            return None
-        nodes.append(node)
-        cur = node.inputs[0]
-    reshape = gu.producer(cur)
-    if not gu.is_op(reshape, "Reshape") or len(reshape.inputs) != 2 or int(gu.attr(reshape, "allowzero", 0)) != 0:
+    """t = Transpose(perms[-1])(...Transpose(perms[0])(Reshape(x, [0|B, 0|S, H, d]))) (SPLITS),
+    every intermediate private; x float32 [B, S, H*d] with H*d static."""
+    node = gu.producer(t)
+    m = None if node is None else rules.match(SPLITS[tuple(map(tuple, perms))], node, {o.name for o in graph.outputs})
+    if m is None:
+        return None
+    reshape = m["reshape"]
+    if int(gu.attr(reshape, "allowzero", 0)) != 0:
         return None
     x = reshape.inputs[0]
     target = gu.constant_ints(reshape.inputs[1])
@@ -112,8 +136,7 @@ def head_split(graph: gs.Graph, t: gs.Tensor, perms: list[list[int]], shapes: fa
         width = xd[2] // heads
     if heads <= 0 or width <= 0 or heads * width != xd[2]:
         return None
-    nodes.append(reshape)
-    return Heads(x, reshape, heads, width, list(reversed(nodes)))
+    return Heads(x, reshape, heads, width, list(m.nodes))
 
 
 def heads_first(t: gs.Tensor, shapes: facts.ShapeTable) -> Heads | None:

@@ -10,6 +10,8 @@ The scores chain (SCORED_SOFTMAX), one way per form, tried in this order:
                                        every Add's operands in either order)
     Softmax(s)
 
+and after it MERGED_HEADS: Reshape(Transpose(MatMul(P, v), [0, 2, 1, 3]), target).
+
 The first way whose scores operand is private to its Add (and is a scale `scaled` accepts) is
 the match: what fails after it (a scale read outside the chain, any check of the pass's
 condition) rejects the Softmax, it does not try another way.
@@ -24,7 +26,7 @@ import onnx_graphsurgeon as gs
 from . import core as gu
 from . import facts
 from . import rules
-from .attention_heads import scaled
+from .attention_heads import HEADS_PERM, scaled
 from .attention_scores import reads_scores
 from .rules import Const, Var, alt, op
 from .shape_values import ShapeEvaluator
@@ -39,6 +41,12 @@ LOGITS = alt(op.Add(SCORES, Var("mask"), _name="add"),
              op.Add(op.Add(SCORES, Var("term_a"), _name="inner_add"), Var("term_b"), _name="add"),
              SCORES)
 SCORED_SOFTMAX = op.Softmax(LOGITS, _name="softmax")
+# After the Softmax: MatMul(P, v), its heads merged back (Transpose(0, 2, 1, 3), Reshape), every
+# intermediate read inside; matched from P (rules.match_after, Var p bound to the probabilities).
+MERGED_HEADS = rules.Rule("merged-heads", op.Reshape(
+    op.Transpose(op.MatMul(Var("p"), Var("v_in"), _name="pv"), _name="back",
+                 perm=lambda v: v is not None and [int(a) for a in v] == HEADS_PERM),
+    Var("target"), _name="merge"))
 
 
 @dataclass
