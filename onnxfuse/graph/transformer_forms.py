@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import core as gu
+from . import rules
 from .rules import ANY, Const, OpPattern, Var, op
 
 HEADS_PERM = [0, 2, 1, 3]
@@ -165,6 +166,10 @@ def seq_first_out_gemm() -> OpPattern:
     return op.Transpose(op.Reshape(proj, Var("unflat_target"), _name="unflat"), perm=SEQ_FIRST_PERM)
 
 
+# Where(IsNaN(p), zero, p), matched from p
+NAN_GUARD = rules.Rule("nan-to-zero", op.Where(op.IsNaN(Var("p"), _name="isnan"), Var("zero"), Var("p"), _name="where"))
+
+
 def nan_to_zero_guard(graph, probs):
     """The NaN-to-zero guard the exporters write after an attention's Softmax (transformers'
     eager attention with a -inf padding or causal mask: a query row whose keys are all masked
@@ -176,13 +181,10 @@ def nan_to_zero_guard(graph, probs):
     and a one-element constant), so the guarded probabilities replace p element for element."""
     if not gu.is_private(graph, probs, readers=2):
         return None
-    isnan = next((n for n in probs.outputs if gu.is_op(n, "IsNaN")), None)
-    where = next((n for n in probs.outputs if gu.is_op(n, "Where")), None)
-    if isnan is None or where is None or len(where.inputs) != 3:
+    found = rules.match_after([NAN_GUARD], graph, probs, "p", depth=1)
+    if found is None:
         return None
-    flag = isnan.outputs[0]
-    if not gu.is_private(graph, flag) or where.inputs[0] is not flag or where.inputs[2] is not probs:
-        return None
+    isnan, where = found[1]["isnan"], found[1]["where"]
     zero = gu.constant_value(where.inputs[1]) if gu.is_constant(where.inputs[1]) else None
     if zero is None or zero.size != 1 or zero.dtype != np.float32 or zero.ndim > 4:
         return None
