@@ -309,6 +309,9 @@ def test_alternatives_are_tried_in_order_and_bind_only_their_own_names():
     why = []
     assert rules.match(op.Relu(rules.alt(op.Mul(x, 2.0), op.Div(x, 2.0), op.Neg(x))), root(sub), why=why) is None
     assert why == ["input 0 of Relu is computed by Sub, not by Mul, Div or Neg"]
+    why = []  # nested alternatives alike
+    assert rules.match(op.Relu(rules.alt(op.Mul(x, 2.0), rules.alt(op.Div(x, 2.0), op.Neg(x)))), root(sub), why=why) is None
+    assert why == ["input 0 of Relu is computed by Sub, not by Mul, Div or Neg"]
 
 
 def test_commit_judges_the_first_way_only_and_a_matched_rule_gives_the_reason():

@@ -10,9 +10,8 @@ patterns (`ops("com.microsoft").Name(...)`: an op of another domain); Python ope
 Add, Sub, Mul and Div; a float is a scalar constant; a `Var` matches any tensor, the same tensor
 wherever the name recurs; `Rest("xs")`, the last operand, matches the inputs that remain, any
 number of them (Concat's, Sum's, a contrib op's optional ones), bound as a tuple; `alt(p, q)`
-matches what p or q matches (tried in that order; `alt(op.Cast(x, to=1), x)`: an optional node).
-The engine
-takes care of:
+matches what p or q matches (tried in that order; `alt(op.Cast(x, to=1), x)`: an optional
+node). The engine takes care of:
 
 - commuted operands of commutative ops (Add, Mul, Max, Min, Sum, And, Or, Xor, Equal): both
   orders are tried, so `x * 0.5` also matches Mul(0.5, x);
@@ -22,9 +21,8 @@ takes care of:
   match only, and none is a graph output (so the rewrite can drop them).
 
 A Rule bundles a pattern, a condition on the match and a rewrite; `apply` is the pass loop
-(every node in topological order tried as the root of every rule whose root op it has).
-
-Every candidate that does not match gets a reason in words, for `optimize --explain PASS`: the
+(every node in topological order tried as the root of every rule whose root op it has). Every
+candidate that does not match gets a reason in words, for `optimize --explain PASS`: the
 engine names the furthest point its pattern reached ("input 1 of Mul 'm' is computed by Add,
 not Clip"), a condition or a rewrite that declines returns `fail("why")` (falsy), and `apply`
 hands each reason to its `explain` callback.
@@ -297,9 +295,9 @@ class _Matcher:
             yield
         elif isinstance(p, Alt):
             node = t.inputs[0] if isinstance(t, gs.Tensor) and t.inputs else None
-            if node is not None and all(isinstance(o, OpPattern) for o in p.options) and not any(
-                    o.op == node.op and _in_domain(node, o.domain) for o in p.options):
-                labels = list(dict.fromkeys(o.label for o in p.options))
+            roots = _op_options(p)
+            if node is not None and roots and not any(o.op == node.op and _in_domain(node, o.domain) for o in roots):
+                labels = list(dict.fromkeys(o.label for o in roots))
                 either = " or ".join([", ".join(labels[:-1]), labels[-1]] if len(labels) > 1 else labels)
                 self.fail(lambda: f"{where} is computed by {_named(node)}, not by {either}")
                 return
@@ -381,6 +379,17 @@ class _Matcher:
             yield from self._all(pats, operands, i + 1, bound, nodes, node)
 
 
+def _op_options(p: Alt) -> list[OpPattern] | None:
+    """The op patterns an Alt's options (nested ones flattened) are, or None when one is not."""
+    out: list[OpPattern] = []
+    for o in p.options:
+        inner = _op_options(o) if isinstance(o, Alt) else [o] if isinstance(o, OpPattern) else None
+        if inner is None:
+            return None
+        out += inner
+    return out
+
+
 def _in_domain(node: gs.Node, domain: str) -> bool:
     return gu.is_default_domain(node) if not domain else node.domain == domain
 
@@ -402,8 +411,7 @@ def _not_private(m: Match, graph_outputs: set[str]) -> str | None:
 
 
 class Declined(str):
-    """A reason given by a condition or a rewrite (its pattern matched): explain_failures
-    prefers these to the reasons of rules whose patterns did not match."""
+    """A condition's or a rewrite's reason (the pattern matched): explain_failures prefers it."""
 
 
 def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset = frozenset(),
@@ -412,9 +420,8 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
           commit: bool = False) -> Match | None:
     """The first way `root` matches `pattern` whose intermediates are private (when asked) and
     that satisfies `condition`; `bind` fixes some names beforehand (a Var to a given tensor).
-    commit: only the first way with private intermediates is judged by the condition (a
-    decline is final, as a hand matcher that takes the first form it finds). Without a match,
-    the reason is appended to `why` when one is given (see Failure)."""
+    commit: the condition judges the first way with private intermediates only (a decline is
+    final). Without a match, the reason is appended to `why` when given (see Failure)."""
     bound = dict(bind or {})
     nodes: list[gs.Node] = []
     # A set the caller holds is read as it is: copying it per match costs the graph's outputs
