@@ -1,6 +1,11 @@
 """Scaled dot-product attention over split heads as one onnxfuse.Attention node.
 
 fuse-attention
+    rule:      every Softmax is a candidate (`rule`); the engine matches the scores chain before
+               it (attention_rule.SCORED_SOFTMAX), the merge after it (MERGED_HEADS), the head
+               splits and scales of q, k, v (attention_heads.SPLITS, SCALED) and the NaN guard
+               (transformer_forms.NAN_GUARD); each Softmax left gets its reason in words
+               (`optimize --explain fuse-attention`).
     match:     the multi-head attention chain written by torch.onnx.export for
                  q, k, v [B, S, H*dh] -> Reshape [B, S, H, dh] -> Transpose
                  scores = MatMul(q [B, H, Sq, dh], kT [B, H, dh, Sk])
