@@ -10,7 +10,9 @@ The scores chain (SCORED_SOFTMAX), one way per form, tried in this order:
                                        every Add's operands in either order)
     Softmax(s)
 
-and after it MERGED_HEADS: Reshape(Transpose(MatMul(P, v), [0, 2, 1, 3]), target).
+and after it MERGED_HEADS: Reshape(Transpose(MatMul(P, v), [0, 2, 1, 3]), target). The 3-D form
+over batch*heads (attention_scores.match_merged) reads its scores through VIEWED_SCORES, the
+first form or the last viewed as [B, H, Sq, Sk].
 
 The first way whose scores operand is private to its Add (and is a scale `scaled` accepts) is
 the match: what fails after it (a scale read outside the chain, any check of the pass's
@@ -27,7 +29,6 @@ from . import core as gu
 from . import facts
 from . import rules
 from .attention_heads import HEADS_PERM, scaled
-from .attention_scores import reads_scores
 from .rules import Const, Var, alt, op
 from .shape_values import ShapeEvaluator
 
@@ -41,6 +42,8 @@ LOGITS = alt(op.Add(SCORES, Var("mask"), _name="add"),
              op.Add(op.Add(SCORES, Var("term_a"), _name="inner_add"), Var("term_b"), _name="add"),
              SCORES)
 SCORED_SOFTMAX = op.Softmax(LOGITS, _name="softmax")
+# 3-D attention over batch*heads: [B*H, Sq, Sk] scores (plus one term) viewed as [B, H, Sq, Sk]
+VIEWED_SCORES = op.Reshape(alt(op.Add(SCORES, Var("mask"), _name="add"), SCORES), Var("view_target"), _name="view")
 # After the Softmax: MatMul(P, v), its heads merged back (Transpose(0, 2, 1, 3), Reshape), every
 # intermediate read inside; matched from P (rules.match_after, Var p bound to the probabilities).
 MERGED_HEADS = rules.Rule("merged-heads", op.Reshape(
@@ -59,6 +62,11 @@ class Scores:
     mask: gs.Tensor | None
     mask_terms: tuple[gs.Tensor, gs.Tensor] | None
     nodes: list
+
+
+def reads_scores(inner_add: gs.Node, term: gs.Tensor) -> bool:
+    """Whether `term` is the inner Add's own output (Add(t, t) has no second mask term)."""
+    return any(term is t for t in inner_add.outputs)
 
 
 def _scores_operand(m: rules.Match) -> gs.Tensor:
@@ -86,10 +94,11 @@ def _way(graph: gs.Graph):
     return way
 
 
-def match_scores(graph: gs.Graph, softmax: gs.Node, outs: set[str]) -> Scores | str:
-    """The scores chain feeding `softmax` (SCORED_SOFTMAX), or why there is none."""
+def match_scores(graph: gs.Graph, softmax: gs.Node, outs: set[str], pattern: rules.OpPattern = SCORED_SOFTMAX) -> Scores | str:
+    """The scores chain feeding `softmax` (SCORED_SOFTMAX; or VIEWED_SCORES at the view, whose
+    input's readers the caller checks), or why there is none."""
     why: list[str] = []
-    m = rules.match(SCORED_SOFTMAX, softmax, outs, private=False, condition=_way(graph), why=why)
+    m = rules.match(pattern, softmax, outs, private=False, condition=_way(graph), why=why)
     if m is None:  # the engine's words say where the form stops; a declined way's are a sentence
         structural = not why[0].startswith("the ")
         return f"the Softmax input is not (scaled) MatMul(q, kT) plus terms: {why[0]}" if structural else why[0]
@@ -97,7 +106,7 @@ def match_scores(graph: gs.Graph, softmax: gs.Node, outs: set[str]) -> Scores | 
     scale = scaled(graph, scale_node.outputs[0])[1] if scale_node is not None else 1.0
     if scale_node is not None and not gu.is_private(graph, qk.outputs[0]):
         return "the scores before the scale are read outside the attention chain"
-    if not gu.is_private(graph, qk.outputs[0]) or not gu.is_private(graph, softmax.inputs[0]):
+    if not gu.is_private(graph, qk.outputs[0]) or (pattern is SCORED_SOFTMAX and not gu.is_private(graph, softmax.inputs[0])):
         return "the scores are read outside the attention chain"
     terms = (m["term_a"], m["term_b"]) if m.get("inner_add") is not None else None
     return Scores(qk, scale, m.get("mask"), terms, m.nodes[:-1])

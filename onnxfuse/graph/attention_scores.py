@@ -26,24 +26,10 @@ import onnx_graphsurgeon as gs
 
 from . import core as gu
 from .attention_heads import broadcast_dims, scaled, transpose_perm
+from .attention_rule import VIEWED_SCORES, match_scores
 from .shape_values import ShapeEvaluator, element_count, exact_quotient
 
 MAX_PLUMBING = 64  # nodes a chain tensor's Shape readers may feed before the view targets
-
-
-def masked_scores(graph: gs.Graph, add: gs.Node) -> tuple[gs.Tensor, gs.Tensor] | None:
-    """add = Add(s, mask) / Add(mask, s) with s private to it and computed by a MatMul, possibly
-    through a scale (Mul / Div by a constant): (s, mask)."""
-    for i in (0, 1):
-        inner, _, _ = scaled(graph, add.inputs[i])
-        if gu.is_op(gu.producer(inner), "MatMul") and gu.is_private(graph, add.inputs[i]):
-            return add.inputs[i], add.inputs[1 - i]
-    return None
-
-
-def reads_scores(inner_add: gs.Node, term: gs.Tensor) -> bool:
-    """Whether `term` is the inner Add's own output (Add(t, t) has no second mask term)."""
-    return any(term is t for t in inner_add.outputs)
 
 
 def summed_mask(graph: gs.Graph, m, sums: dict) -> None:
@@ -269,22 +255,11 @@ def match_merged(graph: gs.Graph, softmax: gs.Node, weights: gs.Tensor, guard: l
     s3 = view_s.inputs[0]
     if _sole_reader(graph, s3, plumbing) is not view_s:
         return "the [B*H, Sq, Sk] scores are read outside the attention chain"
-    mask = None
-    add = gu.producer(s3)
-    if gu.is_op(add, "Add") and len(add.inputs) == 2:
-        found = masked_scores(graph, add)
-        if found is None:
-            return "the [B*H, Sq, Sk] scores are an Add, but neither operand is a (scaled) MatMul of q and k read by it alone"
-        s3, mask = found
-        before.append(add)
-    scores, scale, scale_node = scaled(graph, s3)
-    if scale_node is not None:
-        if not gu.is_private(graph, scores):
-            return "the scores before the scale are read outside the attention chain"
-        before.append(scale_node)
-    qk = gu.producer(scores)
-    if not gu.is_op(qk, "MatMul") or not gu.is_private(graph, scores):
-        return "the [B*H, Sq, Sk] scores are not MatMul(Q, K^T) read by the chain alone"
+    found = match_scores(graph, view_s, {t.name for t in graph.outputs}, VIEWED_SCORES)
+    if isinstance(found, str):
+        return f"the [B*H, Sq, Sk] scores: {found}"
+    qk, scale, mask = found.qk, found.scale, found.mask
+    before += list(reversed(found.nodes[1:]))  # the Add, then the scale, as the chain reads back
     q, q_scale, q_node = scaled(graph, qk.inputs[0])
     kt, k_scale, k_node = scaled(graph, qk.inputs[1])
     if (q_node is not None and not gu.is_private(graph, qk.inputs[0])) or (k_node is not None and not gu.is_private(graph, qk.inputs[1])):
