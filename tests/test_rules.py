@@ -334,3 +334,15 @@ def test_commit_judges_the_first_way_only_and_a_matched_rule_gives_the_reason():
     rules.apply(g, [Rule("relu", op.Mul(op.Relu(x), Var("b"))), Rule("cond", pattern, condition=lambda m, gr: rules.fail("no")),
                     Rule("neg", op.Mul(op.Neg(x), Var("b")))], explain=lambda node, w: said.append(w))
     assert said == ["no"]
+
+
+def test_of_rules_whose_patterns_did_not_match_the_furthest_say_why_once():
+    g = graph_of([helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["y"])])
+    said = []
+    two = [Rule("a", op.Relu(op.Abs(x))), Rule("b", op.Relu(op.Abs(x)))]
+    rules.apply(g, two, explain=lambda node, w: said.append(w))
+    assert said == ["Neg is not Abs"]  # one line, not two named
+    said.clear()
+    deeper = [Rule("shallow", op.Relu(op.Abs(x))), Rule("deep", op.Relu(op.Neg(op.Exp(x))))]
+    rules.apply(g, deeper, explain=lambda node, w: said.append(w))
+    assert said == ["input 0 of Neg is 'x', computed by no node, not by Exp"]

@@ -35,6 +35,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import onnx_graphsurgeon as gs
 
 from . import core as gu
+from .reasons import Declined, Explain, Failure, Unmatched, explain_failures, fail  # noqa: F401 (the engine's API)
+from .reasons import declined as _declined
 
 COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Xor", "Equal"})
 # Inputs that an op took as attributes in older opsets: (attribute per input position).
@@ -169,34 +171,6 @@ op = _OpBuilder()
 def ops(domain: str) -> _OpBuilder:
     """Op patterns of `domain`: `ops("com.microsoft").MultiHeadAttention(q, k, v, Rest("more"))`."""
     return _OpBuilder("" if domain == "ai.onnx" else domain)
-
-
-class Failure:
-    """Why a candidate did not match or was not rewritten; falsy, so that a condition or a
-    rewrite returns `fail("why")` where it would return False."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return f"fail({self.reason!r})"
-
-
-def fail(reason: str) -> Failure:
-    return Failure(reason)
-
-
-def _declined(result, what) -> str:
-    """The reason a falsy condition or rewrite result gives."""
-    if isinstance(result, Failure):
-        return result.reason
-    name = getattr(what, "__name__", "")
-    return f"{name} declined" if name and name != "<lambda>" else "its condition does not hold"
 
 
 def _named(node: gs.Node) -> str:
@@ -410,10 +384,6 @@ def _not_private(m: Match, graph_outputs: set[str]) -> str | None:
     return None
 
 
-class Declined(str):
-    """A condition's or a rewrite's reason (the pattern matched): explain_failures prefers it."""
-
-
 def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset = frozenset(),
           bind: dict[str, object] | None = None, private: bool = True,
           condition: Callable[[Match], object] | None = None, why: list[str] | None = None,
@@ -433,7 +403,7 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
         if private:
             shared = _not_private(m, matcher.graph_outputs)
             if shared is not None:
-                declined = declined or shared
+                declined = declined or Declined(shared)
                 continue
         ok = True if condition is None else condition(m)
         if ok:
@@ -442,7 +412,8 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
         if commit:
             break
     if why is not None:
-        why.append(declined or matcher.reason or f"{_named(root)} does not match")
+        reason = matcher.reason
+        why.append(declined or (Unmatched(reason, matcher.failure[0]) if reason else f"{_named(root)} does not match"))
     return None
 
 
@@ -524,18 +495,6 @@ def match_after(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor, var: 
                 if m is not None:
                     return rule, m
     return None
-
-
-Explain = Callable[[gs.Node, str], object]
-
-
-def explain_failures(explain: Explain | None, node: gs.Node, tried: list[tuple[str, str]]) -> None:
-    """Hand `explain` one line for a candidate root that no rule rewrote: the reason of the
-    one rule tried, or each rule's, named (only those whose pattern matched, when some did)."""
-    if explain is None or not tried:
-        return
-    tried = [t for t in tried if isinstance(t[1], Declined)] or tried
-    explain(node, tried[0][1] if len(tried) == 1 else "; ".join(f"{name}: {why}" for name, why in tried))
 
 
 def any_root(graph: gs.Graph, rules: Sequence[Rule]) -> bool:
