@@ -19,8 +19,11 @@ decode-mask
                Shape(i)) -> Unsqueeze(Slice(D, 0, n_k, axis 1)), D [R, T] of rank 2, the index
                i = a_b * T + a_k (Add of either order, Mul of either order) with a_b an arange
                Range(0, n_b, 1) over an axis p and a_k an arange Range(0, n_k, 1) over an axis
-               q > p of i (size-1 axes inserted by Unsqueeze), T the Gather of dim 1 of Shape(D),
-               n_b = R (both dims of one symbolic name, or the same static size). Then element
+               q > p of i (size-1 axes inserted by Unsqueeze), T a one-element value that is
+               D's dim 1 and n_b one that is D's dim 0 (by value over the model's dims, on the
+               facts of shape_values.refined_dims: Gather(Shape(D), 1), or a dim of another
+               tensor proved the same size, e.g. the ids' batch and length against
+               Reshape(mask, [B, -1])). Then element
                e of the Gather is D's flat element e[p] * T + e[q], which is D[e[p], e[q]] when
                e[q] < T; where n_k > T the last row's index passes R * T and the original
                fails (Gather's bounds check), so wherever it runs the Slice reads the same
@@ -38,6 +41,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
+from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
 _KEEP = ("Unsqueeze", "Reshape", "Squeeze", "Expand", "Identity", "Flatten")
@@ -380,30 +384,41 @@ def _noop_expands(graph: gs.Graph, shapes: facts.ShapeTable, known: dict) -> int
     return done
 
 
-def _shape_dim(t: gs.Tensor, data: gs.Tensor, axis: int) -> bool:
-    """t = Gather(Shape(data), axis)."""
-    found = _dim_of(t)
-    return found is not None and found[0] is data and found[1] == axis
+class _LazyDims:
+    """Values of shape tensors over the dims refined with shape_values.refined_dims, worked out
+    when a candidate first asks (they cost shape inference rounds a model without one skips)."""
+
+    def __init__(self, graph: gs.Graph, shapes: facts.ShapeTable) -> None:
+        self._graph, self._shapes, self._ev = graph, shapes, None
+
+    def get(self) -> ShapeEvaluator:
+        if self._ev is None:
+            self._ev = refined_dims(self._graph, self._shapes)[1]
+        return self._ev
 
 
-def _rows_of(shapes: facts.ShapeTable, range_node: gs.Node, rows) -> bool:
-    """The Range's length is `rows` (D's dim 0): by inference, or its limit is a dim of a tensor
-    that inference gives the same symbolic name or static size."""
-    n = shapes.dims(range_node.outputs[0])
-    if n is not None and _same_dim(n[0], rows):
-        return True
-    found = _dim_of(range_node.inputs[1])
-    if found is None:
-        return False
-    zd = shapes.dims(found[0])
-    return zd is not None and -len(zd) <= found[1] < len(zd) and _same_dim(zd[found[1]], rows)
+def _is_dim(lazy: _LazyDims, t: gs.Tensor, data: gs.Tensor, axis: int) -> bool:
+    """t's one element is dim `axis` of data: the same monomial over the model's dims
+    (shape_values), wherever t reads it from (Gather(Shape(data), axis), a dim of another tensor
+    the facts prove the same size, a constant equal to a static dim)."""
+    ev = lazy.get()
+    value, dims = ev.value(t), ev.dim_symbols(data)
+    return (value is not None and len(value.elems) == 1 and value.elems[0] is not None and dims is not None
+            and -len(dims) <= axis < len(dims) and value.elems[0] == dims[axis])
+
+
+def _rows_of(shapes: facts.ShapeTable, ev: _LazyDims, range_node: gs.Node, data: gs.Tensor) -> bool:
+    """The Range's length is D's dim 0: by inference (one symbolic name or static size), or its
+    limit's value is that dim."""
+    n, rows = shapes.dims(range_node.outputs[0]), shapes.dims(data)[0]
+    return (n is not None and _same_dim(n[0], rows)) or _is_dim(ev, range_node.inputs[1], data, 0)
 
 
 def _same_dim(a, b) -> bool:
     return a is not None and a == b and (isinstance(a, (int, np.integer)) or isinstance(a, str))
 
 
-def _flat_index(shapes: facts.ShapeTable, i: gs.Tensor, data: gs.Tensor):
+def _flat_index(shapes: facts.ShapeTable, ev: _LazyDims, i: gs.Tensor, data: gs.Tensor):
     """(p, q, rank, n_k) when i = a_b * T + a_k as described in the module docstring."""
     add = gu.producer(i)
     if not gu.is_op(add, "Add") or len(add.inputs) != 2:
@@ -418,18 +433,18 @@ def _flat_index(shapes: facts.ShapeTable, i: gs.Tensor, data: gs.Tensor):
         for m in (0, 1):
             ab, stride = mul.inputs[m], mul.inputs[1 - m]
             fb, fk = _arange(ab), _arange(ak)
-            if fb is None or fk is None or not _shape_dim(stride, data, 1):
+            if fb is None or fk is None or not _is_dim(ev, stride, data, 1):
                 continue
             (p, rb, range_b), (q, rk, range_k) = fb, fk
             rank = max(rb, rk)
             p, q = p + rank - rb, q + rank - rk
-            if p >= q or not _rows_of(shapes, range_b, dd[0]):
+            if p >= q or not _rows_of(shapes, ev, range_b, data):
                 continue
             return p, q, rank, range_k.inputs[1]
     return None
 
 
-def _flat_gather(graph: gs.Graph, shapes: facts.ShapeTable, known: dict) -> int:
+def _flat_gather(graph: gs.Graph, shapes: facts.ShapeTable, ev: _LazyDims, known: dict) -> int:
     done = 0
     for node in list(graph.nodes):
         if not gu.is_op(node, "Gather") or int(gu.attr(node, "axis", 0)) != 0 or not node.outputs:
@@ -462,7 +477,7 @@ def _flat_gather(graph: gs.Graph, shapes: facts.ShapeTable, known: dict) -> int:
         if not gu.is_op(target, "Shape") or target.attrs.get("start") or "end" in target.attrs \
                 or target.inputs[0] is not i:
             continue
-        found = _flat_index(shapes, i, data)
+        found = _flat_index(shapes, ev, i, data)
         if found is None:
             continue
         p, q, rank, n_k = found
@@ -492,9 +507,10 @@ def decode_mask(graph: gs.Graph, ctx: Context) -> int:
         return 0
     facts.refresh_shapes(graph)
     shapes = facts.ShapeTable(graph)
+    ev = _LazyDims(graph, shapes)
     known: dict = {}
     done = _fold_causal(graph, shapes)
-    done += _flat_gather(graph, shapes, known)
+    done += _flat_gather(graph, shapes, ev, known)
     done += _noop_expands(graph, shapes, known)
     if done:
         gu.cleanup(graph)
