@@ -206,3 +206,32 @@ def test_decode_step_mask_helpers_fold_in_the_default_pipeline(name):
     kv_heads = 4 if name.startswith("gpt2") else 2
     assert_same(m, out, [decode_feeds(s, b, p, kv_heads) for s, (b, p) in
                          enumerate([(2, 8), (1, 17), (3, 1), (2, 40), (2, 0)])])
+
+
+def _named(m: onnx.ModelProto) -> onnx.ModelProto:
+    for node in m.graph.node:
+        node.name = f"{node.output[0]}_node"
+    return m
+
+
+def _explained(m: onnx.ModelProto) -> dict:
+    from onnxfuse.api import optimize as optimize_model
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    settings = OptimizeOptions(passes=("decode-mask",), dims={"batch": 2, "past": 3, "total": 5},
+                               count_kernels=False, explain=("decode-mask",))
+    result = optimize_model(m, settings=settings)
+    return {node: why[0] for node, why in result.summary["unmatched"].get("decode-mask", {}).items()}
+
+
+def test_explain_says_why_a_causal_mask_of_two_new_tokens_is_kept():
+    why = _explained(_named(mask_step(new_tokens=2)))
+    assert "no affine bounds prove every 'kv4' <= every 'pos4'" in why["causal_t_node"], why
+    assert "neither input is proved true everywhere" in why["keep_node"], why
+
+
+def test_explain_says_why_a_flat_index_of_another_stride_stays_a_gather():
+    why = _explained(_named(mask_step(stride_from_mask=False)))
+    assert "the row stride 'five' is not provably dim 1 of the mask 'D'" in why["pad_node"], why
+    # only the padding form's Reshapes are its candidates
+    assert not {"g1_node", "idx_shape_node"} & set(why), why
