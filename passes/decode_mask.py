@@ -19,13 +19,20 @@ decode-mask
                Shape(i)) -> Unsqueeze(Slice(D, 0, n_k, axis 1)), D [R, T] of rank 2, the index
                i = a_b * T + a_k (Add of either order, Mul of either order) with a_b an arange
                Range(0, n_b, 1) over an axis p and a_k an arange Range(0, n_k, 1) over an axis
-               q > p of i (size-1 axes inserted by Unsqueeze), T the Gather of dim 1 of Shape(D),
-               n_b = R (both dims of one symbolic name, or the same static size). Then element
+               q > p of i (size-1 axes inserted by Unsqueeze), T a one-element value that is
+               D's dim 1 and n_b one that is D's dim 0 (by value over the model's dims, on the
+               facts of shape_values.refined_dims: Gather(Shape(D), 1), or a dim of another
+               tensor proved the same size, e.g. the ids' batch and length against
+               Reshape(mask, [B, -1])). Then element
                e of the Gather is D's flat element e[p] * T + e[q], which is D[e[p], e[q]] when
                e[q] < T; where n_k > T the last row's index passes R * T and the original
                fails (Gather's bounds check), so wherever it runs the Slice reads the same
                elements (the TorchScript export of transformers' padding mask,
                mask.flatten()[batch * T + kv]).
+Rules (onnxfuse/graph/rules.py): And(c, y) (decode-mask/causal), the four forms of the padding
+grid (decode-mask/padding/{flatten,reshape}/{shape,concat}: Flatten or Reshape to a column, the
+target Shape(i) or a one-input Concat of it), Expand(x, t) (decode-mask/expand); the proofs are
+their conditions, which say why they fail (`optimize --explain decode-mask`).
 Why: the mask helpers of a decode step ran as about 30 kernels of index arithmetic per step in
 onnxruntime (bench/results/corpus_decode.md); of them, the causal comparison and its And and the
 flat index grid (Range, Unsqueezes, Mul, Shape, Gather, Add, Flatten, Gather, two Reshapes)
@@ -38,6 +45,8 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
+from onnxfuse.graph.rules import Failure, Match, Rule, Var, apply, fail, op
+from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
 _KEEP = ("Unsqueeze", "Reshape", "Squeeze", "Expand", "Identity", "Flatten")
@@ -116,34 +125,42 @@ def _size_one(shapes: facts.ShapeTable, t: gs.Tensor, rank: int) -> bool:
     return d is not None and len(d) <= rank and all(x == 1 for x in d)
 
 
-def _all_true(shapes: facts.ShapeTable, t: gs.Tensor, depth: int = 0) -> gs.Tensor | None:
-    """A tensor of t's own shape when t is proved true everywhere (the witness of its shape)."""
+def _all_true(shapes: facts.ShapeTable, t: gs.Tensor, depth: int = 0) -> gs.Tensor | Failure:
+    """A tensor of t's own shape when t is proved true everywhere (the witness of its shape), else
+    why not."""
     if depth > _DEPTH:
-        return None
+        return fail(f"'{t.name}' is {_DEPTH} nodes deep in Casts and Ands")
     node = gu.producer(t)
     if gu.is_op(node, "Cast", "Identity") and (node.op == "Identity" or int(gu.attr(node, "to", 0)) == 9):
         if node.op == "Identity" or node.inputs[0].dtype == np.bool_:
             return _all_true(shapes, node.inputs[0], depth + 1)
-        return None
+        return fail(f"'{t.name}' is a Cast to bool of a non-bool tensor")
     if gu.is_op(node, "And") and len(node.inputs) == 2:
+        why = fail(f"And '{node.name}' has no constant true input of size-1 dims")
         for i in (0, 1):
             c = gu.constant_value(node.inputs[i])
             w = _all_true(shapes, node.inputs[1 - i], depth + 1)
-            if c is not None and c.dtype == np.bool_ and bool(c.all()) and w is not None:
+            if c is not None and c.dtype == np.bool_ and bool(c.all()):
+                if not isinstance(w, gs.Tensor):
+                    why = w
+                    continue
                 rank = shapes.rank(w)
                 if rank is not None and c.ndim <= rank and all(x == 1 for x in c.shape):
                     return w
-        return None
+        return why
     if gu.is_op(node, "LessOrEqual", "GreaterOrEqual") and len(node.inputs) == 2:
         lo, hi = node.inputs if node.op == "LessOrEqual" else node.inputs[::-1]
         if not _always_le(shapes, lo, hi):
-            return None
+            return fail(f"{node.op} '{node.name}': no affine bounds prove every '{lo.name}' <= every "
+                        f"'{hi.name}' (more than one new token, or a key past the position)")
         for i in (0, 1):  # the output's shape is the other operand's when this one is all 1s
             other = node.inputs[1 - i]
             rank = shapes.rank(other)
             if rank is not None and _size_one(shapes, node.inputs[i], rank):
                 return other
-    return None
+        return fail(f"{node.op} '{node.name}': neither operand has size-1 dims only (its shape is unknown)")
+    what = "a graph input or constant" if node is None else f"{node.op} '{node.name}'"
+    return fail(f"'{t.name}' is computed by {what}, not a LessOrEqual or GreaterOrEqual (or a Cast or And of one)")
 
 
 def _contains(shapes: facts.ShapeTable, y: gs.Tensor, w: gs.Tensor, depth: int = 0) -> bool:
@@ -171,23 +188,27 @@ def _contains(shapes: facts.ShapeTable, y: gs.Tensor, w: gs.Tensor, depth: int =
     return False
 
 
-def _fold_causal(graph: gs.Graph, shapes: facts.ShapeTable) -> int:
-    done = 0
-    for node in list(graph.nodes):
-        if not gu.is_op(node, "And") or len(node.inputs) != 2 or not node.outputs:
-            continue
-        out = node.outputs[0]
-        if gu.is_graph_output(graph, out):
-            continue
-        for i in (0, 1):
-            y = node.inputs[1 - i]
-            w = _all_true(shapes, node.inputs[i])
-            if w is not None and y.dtype == np.bool_ and _contains(shapes, y, w):
-                gu.replace_uses(out, y)
-                gu.disconnect(node)
-                done += 1
-                break
-    return done
+def _causal_proved(m: Match, graph: gs.Graph, shapes: facts.ShapeTable):
+    """c is proved true everywhere and y's shape contains its witness's (And(c, y) is y)."""
+    if gu.is_graph_output(graph, m.output):
+        return fail("its output is a graph output")
+    c, y = m["c"], m["y"]
+    w = _all_true(shapes, c)
+    if not isinstance(w, gs.Tensor):
+        other = _all_true(shapes, y)
+        return w if isinstance(other, gs.Tensor) else fail(f"neither input is proved true everywhere: {w.reason}; "
+                                                           f"{other.reason}")
+    if y.dtype != np.bool_:
+        return fail(f"'{y.name}' is not bool")
+    if not _contains(shapes, y, w):
+        return fail(f"'{y.name}''s shape is not provably a broadcast of '{w.name}''s (the And could widen it)")
+    return True
+
+
+def _drop_and(graph: gs.Graph, m: Match) -> bool:
+    gu.replace_uses(m.output, m["y"])
+    gu.disconnect(m.root)
+    return True
 
 
 def _arange(t: gs.Tensor):
@@ -363,54 +384,76 @@ def _broadcast(all_dims: list) -> list | None:
     return out
 
 
-def _noop_expands(graph: gs.Graph, shapes: facts.ShapeTable, known: dict) -> int:
-    """Expand(x, t) -> x where t broadcast to x's dims is x's dims (both as affine forms)."""
-    done = 0
-    for node in list(graph.nodes):
-        if not gu.is_op(node, "Expand") or len(node.inputs) != 2 or not node.outputs \
-                or gu.is_graph_output(graph, node.outputs[0]):
-            continue
-        x = node.inputs[0]
-        dx, dt = _tensor_dims(shapes, x, known), _shape_tokens(shapes, node.inputs[1])
-        if dx is None or dt is None or len(dt) > len(dx) or _broadcast([dx, dt]) != dx:
-            continue
-        gu.replace_uses(node.outputs[0], x)
-        gu.disconnect(node)
-        done += 1
-    return done
+def _expands_nothing(m: Match, graph: gs.Graph, shapes: facts.ShapeTable, known: dict):
+    """Expand(x, t) is x: t broadcast to x's dims is x's dims (both as affine forms)."""
+    if gu.is_graph_output(graph, m.output):
+        return fail("its output is a graph output")
+    x = m["x"]
+    dx, dt = _tensor_dims(shapes, x, known), _shape_tokens(shapes, m["shape"])
+    if dx is None:
+        return fail(f"the dims of '{x.name}' are not known as affine forms")
+    if dt is None:
+        return fail(f"the elements of its target '{m['shape'].name}' are not known as affine forms")
+    if len(dt) > len(dx) or _broadcast([dx, dt]) != dx:
+        return fail(f"its target is not provably one that leaves '{x.name}''s dims as they are")
+    return True
 
 
-def _shape_dim(t: gs.Tensor, data: gs.Tensor, axis: int) -> bool:
-    """t = Gather(Shape(data), axis)."""
-    found = _dim_of(t)
-    return found is not None and found[0] is data and found[1] == axis
+def _drop_expand(graph: gs.Graph, m: Match) -> bool:
+    gu.replace_uses(m.output, m["x"])
+    gu.disconnect(m.root)
+    return True
 
 
-def _rows_of(shapes: facts.ShapeTable, range_node: gs.Node, rows) -> bool:
-    """The Range's length is `rows` (D's dim 0): by inference, or its limit is a dim of a tensor
-    that inference gives the same symbolic name or static size."""
-    n = shapes.dims(range_node.outputs[0])
-    if n is not None and _same_dim(n[0], rows):
-        return True
-    found = _dim_of(range_node.inputs[1])
-    if found is None:
-        return False
-    zd = shapes.dims(found[0])
-    return zd is not None and -len(zd) <= found[1] < len(zd) and _same_dim(zd[found[1]], rows)
+class _LazyDims:
+    """Values of shape tensors over the dims refined with shape_values.refined_dims, worked out
+    when a candidate first asks (they cost shape inference rounds a model without one skips)."""
+
+    def __init__(self, graph: gs.Graph, shapes: facts.ShapeTable) -> None:
+        self._graph, self._shapes, self._ev = graph, shapes, None
+
+    def get(self) -> ShapeEvaluator:
+        if self._ev is None:
+            self._ev = refined_dims(self._graph, self._shapes)[1]
+        return self._ev
+
+
+def _is_dim(lazy: _LazyDims, t: gs.Tensor, data: gs.Tensor, axis: int) -> bool:
+    """t's one element is dim `axis` of data: the same monomial over the model's dims
+    (shape_values), wherever t reads it from (Gather(Shape(data), axis), a dim of another tensor
+    the facts prove the same size, a constant equal to a static dim)."""
+    ev = lazy.get()
+    value, dims = ev.value(t), ev.dim_symbols(data)
+    return (value is not None and len(value.elems) == 1 and value.elems[0] is not None and dims is not None
+            and -len(dims) <= axis < len(dims) and value.elems[0] == dims[axis])
+
+
+def _rows_of(shapes: facts.ShapeTable, ev: _LazyDims, range_node: gs.Node, data: gs.Tensor) -> bool:
+    """The Range's length is D's dim 0: by inference (one symbolic name or static size), or its
+    limit's value is that dim."""
+    n, rows = shapes.dims(range_node.outputs[0]), shapes.dims(data)[0]
+    return (n is not None and _same_dim(n[0], rows)) or _is_dim(ev, range_node.inputs[1], data, 0)
 
 
 def _same_dim(a, b) -> bool:
     return a is not None and a == b and (isinstance(a, (int, np.integer)) or isinstance(a, str))
 
 
-def _flat_index(shapes: facts.ShapeTable, i: gs.Tensor, data: gs.Tensor):
-    """(p, q, rank, n_k) when i = a_b * T + a_k as described in the module docstring."""
+def _flat_index(shapes: facts.ShapeTable, ev: _LazyDims, i: gs.Tensor, data: gs.Tensor):
+    """(p, q, rank, n_k) when i = a_b * T + a_k as described in the module docstring, else why not."""
     add = gu.producer(i)
     if not gu.is_op(add, "Add") or len(add.inputs) != 2:
-        return None
+        return fail(f"the index '{i.name}' is not an Add of two tensors")
     dd = shapes.dims(data)
     if dd is None or len(dd) != 2:
-        return None
+        return fail(f"the mask '{data.name}' is not of rank 2")
+    # the reason of the attempt that got furthest: (stage, reason)
+    why = (0, fail(f"neither input of Add '{add.name}' is a Mul of two tensors"))
+
+    def note(stage: int, reason: str) -> None:
+        nonlocal why
+        if stage >= why[0]:
+            why = (stage, fail(reason))
     for j in (0, 1):
         mul, ak = gu.producer(add.inputs[j]), add.inputs[1 - j]
         if not gu.is_op(mul, "Mul") or len(mul.inputs) != 2:
@@ -418,73 +461,93 @@ def _flat_index(shapes: facts.ShapeTable, i: gs.Tensor, data: gs.Tensor):
         for m in (0, 1):
             ab, stride = mul.inputs[m], mul.inputs[1 - m]
             fb, fk = _arange(ab), _arange(ak)
-            if fb is None or fk is None or not _shape_dim(stride, data, 1):
+            if fb is None or fk is None:
+                note(1, f"'{ab.name}' and '{ak.name}' are not both Range(0, n, 1) with size-1 axes inserted")
+                continue
+            if not _is_dim(ev, stride, data, 1):
+                note(2, f"the row stride '{stride.name}' is not provably dim 1 of the mask '{data.name}'")
                 continue
             (p, rb, range_b), (q, rk, range_k) = fb, fk
             rank = max(rb, rk)
             p, q = p + rank - rb, q + rank - rk
-            if p >= q or not _rows_of(shapes, range_b, dd[0]):
+            if p >= q:
+                note(3, f"the batch arange '{ab.name}' is not on an axis before the key arange's")
+                continue
+            if not _rows_of(shapes, ev, range_b, data):
+                note(4, f"the length of Range '{range_b.name}' is not provably dim 0 of the mask '{data.name}'")
                 continue
             return p, q, rank, range_k.inputs[1]
-    return None
+    return why[1]
 
 
-def _flat_gather(graph: gs.Graph, shapes: facts.ShapeTable, known: dict) -> int:
-    done = 0
-    for node in list(graph.nodes):
-        if not gu.is_op(node, "Gather") or int(gu.attr(node, "axis", 0)) != 0 or not node.outputs:
-            continue
-        flat = gu.producer(node.inputs[0])
-        if gu.is_op(flat, "Flatten"):
-            data = flat.inputs[0]
-            if shapes.rank(data) != 2 or int(gu.attr(flat, "axis", 1)) != 2:  # [R * T, 1]
-                continue
-        elif gu.is_op(flat, "Reshape"):
-            flat_shape = gu.constant_ints(flat.inputs[1])
-            data = flat.inputs[0]
-            if flat_shape not in ([-1, 1], [-1]) or shapes.rank(data) != 2:
-                continue
-        else:
-            continue
-        # the gathered elements put back in i's shape: Reshape(Reshape(g, [-1]), Shape(i))
-        g = node.outputs[0]
-        r1 = gu.single_consumer(g)
-        if r1 is None or not gu.is_op(r1, "Reshape") or gu.constant_ints(r1.inputs[1]) != [-1] \
-                or gu.is_graph_output(graph, g):
-            continue
-        r2 = gu.single_consumer(r1.outputs[0])
-        if r2 is None or not gu.is_op(r2, "Reshape") or gu.is_graph_output(graph, r1.outputs[0]):
-            continue
-        target = gu.producer(r2.inputs[1])
-        if gu.is_op(target, "Concat") and len(target.inputs) == 1:
-            target = gu.producer(target.inputs[0])
-        i = node.inputs[1]
-        if not gu.is_op(target, "Shape") or target.attrs.get("start") or "end" in target.attrs \
-                or target.inputs[0] is not i:
-            continue
-        found = _flat_index(shapes, i, data)
-        if found is None:
-            continue
-        p, q, rank, n_k = found
-        if n_k.dtype is None or np.dtype(n_k.dtype) != np.int64:
-            continue
-        out = r2.outputs[0]
-        rows, cols_form = _token(shapes.dims(data)[0]), _exact(shapes, n_k)
-        if rows is not None and cols_form is not None:  # the Slice has n_k columns wherever the original runs
-            known[out.name] = [rows if k == p else cols_form if k == q else {"": 1} for k in range(rank)]
-        end = gs.Variable(gu.unique_name(graph, f"{out.name}_columns"), dtype=np.int64, shape=[1])
-        cols = gs.Variable(gu.unique_name(graph, f"{out.name}_rows"), dtype=data.dtype)
-        axes = gu.make_constant(graph, f"{out.name}_axes", np.array([k for k in range(rank) if k not in (p, q)], np.int64))
-        zero = gu.make_constant(graph, "decode_mask_zero", np.array([0], np.int64))
-        one = gu.make_constant(graph, "decode_mask_one", np.array([1], np.int64))
-        r2.outputs.clear()
-        graph.nodes += [
-            gs.Node("Reshape", name=end.name, inputs=[n_k, one], outputs=[end]),
-            gs.Node("Slice", name=cols.name, inputs=[data, zero, end, one], outputs=[cols]),
-            gs.Node("Unsqueeze", name=gu.unique_name(graph, f"{out.name}_grid"), inputs=[cols, axes], outputs=[out]),
-        ]
-        done += 1
-    return done
+def _padding_grid(m: Match, graph: gs.Graph, shapes: facts.ShapeTable, ev: _LazyDims):
+    """Binds "grid": (p, q, rank, n_k) for the Slice, where the gathered elements are D[b, k]."""
+    data, g, r1 = m["data"], m["gather"].outputs[0], m["r1"].outputs[0]
+    if shapes.rank(data) != 2:
+        return fail(f"the mask '{data.name}' is not of rank 2")
+    if "flat_shape" in m.bindings and gu.constant_ints(m["flat_shape"]) not in ([-1, 1], [-1]):
+        return fail(f"Reshape '{m['flat'].name}' does not flatten to [-1, 1] or [-1]")
+    if gu.constant_ints(m["minus_one"]) != [-1]:
+        return fail(f"Reshape '{m['r1'].name}' does not flatten to [-1]")
+    for t in (g, r1):
+        if len(t.outputs) != 1 or gu.is_graph_output(graph, t):
+            return fail(f"'{t.name}' is read elsewhere")
+    found = _flat_index(shapes, ev, m["i"], data)
+    if isinstance(found, Failure):
+        return found
+    if found[3].dtype is None or np.dtype(found[3].dtype) != np.int64:
+        return fail(f"the key length '{found[3].name}' is not int64")
+    m.bindings["grid"] = found
+    return True
+
+
+def _slice_rows(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, known: dict) -> bool:
+    """Reshape(Reshape(Gather(flat D, i), [-1]), Shape(i)) -> Unsqueeze(Slice(D, 0, n_k, axis 1))."""
+    data, r2 = m["data"], m.root
+    p, q, rank, n_k = m["grid"]
+    out = r2.outputs[0]
+    rows, cols_form = _token(shapes.dims(data)[0]), _exact(shapes, n_k)
+    if rows is not None and cols_form is not None:  # the Slice has n_k columns wherever the original runs
+        known[out.name] = [rows if k == p else cols_form if k == q else {"": 1} for k in range(rank)]
+    end = gs.Variable(gu.unique_name(graph, f"{out.name}_columns"), dtype=np.int64, shape=[1])
+    cols = gs.Variable(gu.unique_name(graph, f"{out.name}_rows"), dtype=data.dtype)
+    axes = gu.make_constant(graph, f"{out.name}_axes", np.array([k for k in range(rank) if k not in (p, q)], np.int64))
+    zero = gu.make_constant(graph, "decode_mask_zero", np.array([0], np.int64))
+    one = gu.make_constant(graph, "decode_mask_one", np.array([1], np.int64))
+    r2.outputs.clear()
+    graph.nodes += [
+        gs.Node("Reshape", name=end.name, inputs=[n_k, one], outputs=[end]),
+        gs.Node("Slice", name=cols.name, inputs=[data, zero, end, one], outputs=[cols]),
+        gs.Node("Unsqueeze", name=gu.unique_name(graph, f"{out.name}_grid"), inputs=[cols, axes], outputs=[out]),
+    ]
+    return True
+
+
+_D, _I = Var("data"), Var("i")
+_FLAT = {
+    "flatten": op.Flatten(_D, _name="flat", axis=lambda v: v is not None and int(v) == 2),  # [R * T, 1]
+    "reshape": op.Reshape(_D, Var("flat_shape"), _name="flat"),
+}
+_SHAPE = op.Shape(_I, _name="shape", start=lambda v: not v, end=lambda v: v is None)
+_TARGET = {"shape": _SHAPE, "concat": op.Concat(_SHAPE)}
+
+
+def _padding(flat, target):
+    """The gathered elements put back in i's shape: Reshape(Reshape(g, [-1]), Shape(i))."""
+    gather = op.Gather(flat, _I, _name="gather", axis=lambda v: v is None or int(v) == 0)
+    return op.Reshape(op.Reshape(gather, Var("minus_one"), _name="r1"), target)
+
+
+CAUSAL = op.And(Var("c"), Var("y"))
+PADDING = {f"{f}/{t}": _padding(_FLAT[f], _TARGET[t]) for f in _FLAT for t in _TARGET}
+NOOP_EXPAND = op.Expand(Var("x"), Var("shape"))
+
+
+def _padding_candidate(node: gs.Node) -> bool:
+    """A Reshape of a Reshape of a Gather: the form --explain reports on (every other Reshape
+    is no candidate of the padding rules)."""
+    r1 = gu.producer(node.inputs[0]) if node.inputs else None
+    return gu.is_op(r1, "Reshape") and gu.is_op(gu.producer(r1.inputs[0]), "Gather")
 
 
 def decode_mask(graph: gs.Graph, ctx: Context) -> int:
@@ -492,10 +555,18 @@ def decode_mask(graph: gs.Graph, ctx: Context) -> int:
         return 0
     facts.refresh_shapes(graph)
     shapes = facts.ShapeTable(graph)
+    ev = _LazyDims(graph, shapes)
     known: dict = {}
-    done = _fold_causal(graph, shapes)
-    done += _flat_gather(graph, shapes, known)
-    done += _noop_expands(graph, shapes, known)
+    explain = ctx.explainer
+    padding_explain = None if explain is None else (
+        lambda node, why: explain(node, why) if _padding_candidate(node) else None)
+    done = apply(graph, [Rule("decode-mask/causal", CAUSAL, _drop_and,
+                              lambda m, g: _causal_proved(m, g, shapes), private=False)], explain)
+    done += apply(graph, [Rule(f"decode-mask/padding/{name}", pattern, lambda g, m: _slice_rows(g, m, shapes, known),
+                               lambda m, g: _padding_grid(m, g, shapes, ev), private=False)
+                          for name, pattern in PADDING.items()], padding_explain)
+    done += apply(graph, [Rule("decode-mask/expand", NOOP_EXPAND, _drop_expand,
+                               lambda m, g: _expands_nothing(m, g, shapes, known), private=False)], explain)
     if done:
         gu.cleanup(graph)
         gu.toposort(graph)

@@ -114,6 +114,65 @@ def test_the_original_fails_when_the_mask_is_shorter_than_the_keys():
         run(m, feeds)
 
 
+def mask_read_through_ids() -> onnx.ModelProto:
+    """mask_step's padding half as the TorchScript export of GPT-2 (inputs input_ids and
+    attention_mask) leaves it once shape-plumbing has read each dim where it is first known: the
+    mask is Reshape(attention_mask, [B, -1]) with B read from the ids, and the batch's Range and
+    the row stride are dims of the ids, not Gathers of the mask's own Shape. Only the dim facts
+    (B and -1 of the Reshape, over the symbols) say they are the mask's rows and columns."""
+    n = helper.make_node
+    nodes = [
+        n("Shape", ["ids"], ["ids_shape"]), n("Gather", ["ids_shape", "zero"], ["B"], axis=0),
+        n("Gather", ["ids_shape", "one"], ["S"], axis=0),
+        n("Unsqueeze", ["B", "axes0"], ["B1"]), n("Concat", ["B1", "minus_one"], ["target"], axis=0),
+        n("Reshape", ["mask", "target"], ["M"]), n("Cast", ["M"], ["D"], to=TensorProto.BOOL),
+        n("Reshape", ["D", "minus_one_one"], ["F"]),
+        n("Range", ["zero", "S", "one"], ["kv"]), n("Unsqueeze", ["kv", "axes012"], ["kv4"]),
+        n("Range", ["zero", "B", "one"], ["bi"]), n("Unsqueeze", ["bi", "axes123"], ["bi4"]),
+        n("Unsqueeze", ["S", "axes0"], ["T"]),  # the stride: the ids' length, as a 1-element vector
+        n("Mul", ["bi4", "T"], ["row_start"]), n("Add", ["kv4", "row_start"], ["idx"]),
+        n("Gather", ["F", "idx"], ["g"], axis=0), n("Reshape", ["g", "minus_one"], ["g1"]),
+        n("Shape", ["idx"], ["idx_shape"]), n("Reshape", ["g1", "idx_shape"], ["pad"]),
+        n("Where", ["pad", "zero_f", "minus_inf"], ["bias"]),
+    ]
+    inits = [_c("zero", np.int64(0)), _c("one", np.int64(1)), _c("axes0", np.array([0], np.int64)),
+             _c("axes012", np.array([0, 1, 2], np.int64)), _c("axes123", np.array([1, 2, 3], np.int64)),
+             _c("minus_one", np.array([-1], np.int64)), _c("minus_one_one", np.array([-1, 1], np.int64)),
+             _c("zero_f", np.float32(0)), _c("minus_inf", np.finfo(np.float32).min)]
+    graph = helper.make_graph(
+        nodes, "mask_read_through_ids",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
+         helper.make_tensor_value_info("mask", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("bias", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_mask_rows_and_stride_read_from_another_tensor_of_the_same_dims_are_a_slice():
+    # The zoo's gpt2_ts went from 47 to 51 kernels when the dim facts proved the mask's Reshape
+    # [batch, seq]: shape-plumbing then read the stride and the batch from the ids, and the pass,
+    # which compared where a dim was read rather than what it is, left the flat gather.
+    m = mask_read_through_ids()
+    out, matches = optimize(m, ["decode-mask"])
+    assert matches == 1
+    assert not {"Range", "Mul"} & set(ops(out)) and "Slice" in ops(out), ops(out)
+    assert ops(out).count("Gather") == 2, ops(out)  # the batch and length reads stay
+    rng = np.random.default_rng(7)
+    feeds = []
+    for b, s in ((1, 1), (2, 5), (3, 9)):
+        mask = (rng.random((b, s)) < 0.7).astype(np.int64)
+        mask[-1] = 0
+        feeds.append({"ids": rng.integers(0, 100, (b, s)).astype(np.int64), "mask": mask})
+    assert_same(m, out, feeds)
+
+
+def test_gpt2_ts_padding_mask_is_a_slice_in_the_default_pipeline():
+    from onnxfuse.api import optimize as optimize_model
+
+    out = optimize_model(zoo.get("gpt2_ts").load(), verify_outputs=False, count_kernels=False).model
+    assert ops(out).count("Range") == 1, ops(out)  # the positions' Range; the batch's is gone
+    assert "Flatten" not in ops(out) and "Slice" in ops(out), ops(out)
+
+
 DECODE_TS = ["llama_decode_ts", "gpt2_decode_ts"]
 
 
@@ -147,3 +206,32 @@ def test_decode_step_mask_helpers_fold_in_the_default_pipeline(name):
     kv_heads = 4 if name.startswith("gpt2") else 2
     assert_same(m, out, [decode_feeds(s, b, p, kv_heads) for s, (b, p) in
                          enumerate([(2, 8), (1, 17), (3, 1), (2, 40), (2, 0)])])
+
+
+def _named(m: onnx.ModelProto) -> onnx.ModelProto:
+    for node in m.graph.node:
+        node.name = f"{node.output[0]}_node"
+    return m
+
+
+def _explained(m: onnx.ModelProto) -> dict:
+    from onnxfuse.api import optimize as optimize_model
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    settings = OptimizeOptions(passes=("decode-mask",), dims={"batch": 2, "past": 3, "total": 5},
+                               count_kernels=False, explain=("decode-mask",))
+    result = optimize_model(m, settings=settings)
+    return {node: why[0] for node, why in result.summary["unmatched"].get("decode-mask", {}).items()}
+
+
+def test_explain_says_why_a_causal_mask_of_two_new_tokens_is_kept():
+    why = _explained(_named(mask_step(new_tokens=2)))
+    assert "no affine bounds prove every 'kv4' <= every 'pos4'" in why["causal_t_node"], why
+    assert "neither input is proved true everywhere" in why["keep_node"], why
+
+
+def test_explain_says_why_a_flat_index_of_another_stride_stays_a_gather():
+    why = _explained(_named(mask_step(stride_from_mask=False)))
+    assert "the row stride 'five' is not provably dim 1 of the mask 'D'" in why["pad_node"], why
+    # only the padding form's Reshapes are its candidates
+    assert not {"g1_node", "idx_shape_node"} & set(why), why
