@@ -211,7 +211,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
                 continue
             if exact is None or name not in exact or want.dtype.kind != "f":
                 continue
-            truth = np.asarray(exact[name], np.float64)
+            truth = np.asarray(exact[name])  # float64, or longdouble for a double model
+            truth = truth if truth.dtype == np.longdouble else truth.astype(np.float64)
             with np.errstate(all="ignore"):
                 ours, theirs = have.astype(np.float64), want.astype(np.float64)
                 finite = np.isfinite(ours) & np.isfinite(theirs) & np.isfinite(truth)

@@ -214,7 +214,13 @@ def near_equal_variant(model: onnx.ModelProto, scale: float) -> onnx.ModelProto 
 
 
 def _float64_outputs(model: onnx.ModelProto, feeds: dict) -> dict | None:
-    """The original evaluated in float64 by onnx's reference evaluator (None where it cannot)."""
+    """The original evaluated in float64 by onnx's reference evaluator (None where it cannot).
+
+    A model that already computes in double is evaluated in the platform's extended precision
+    where it has one (x86-64: 80 bits, exponents to 1e4932): its float64 evaluation is
+    onnxruntime's own arithmetic and overflows where onnxruntime does. A linear scale folded
+    into a MatMul's weight gives the finite x (W s) where onnxruntime's (x W) s overflowed first
+    (seed 9290199); only a wider range tells which is the result."""
     from onnx.reference import ReferenceEvaluator
 
     try:
@@ -222,8 +228,40 @@ def _float64_outputs(model: onnx.ModelProto, feeds: dict) -> dict | None:
         feeds64 = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
         names = [o.name for o in m64.graph.output]
         with np.errstate(all="ignore"):
+            if _computes_in_double(model) and np.finfo(np.longdouble).maxexp > np.finfo(np.float64).maxexp:
+                wide = _extended_outputs(ReferenceEvaluator(m64), feeds64)
+                if wide is not None:
+                    return dict(zip(names, wide))
             return dict(zip(names, ReferenceEvaluator(m64).run(None, feeds64)))
     except Exception:  # the reference evaluator lacks an op or a dtype: no float64 explanation
+        return None
+
+
+def _computes_in_double(model: onnx.ModelProto) -> bool:
+    g, double = model.graph, TensorProto.DOUBLE
+    return (any(vi.type.tensor_type.elem_type == double for vi in list(g.input) + list(g.output))
+            or any(t.data_type == double for t in g.initializer))
+
+
+def _extended_outputs(evaluator, feeds: dict) -> list | None:
+    """The evaluator's outputs with every float64 value held in np.longdouble: initializers and
+    inputs widened, and each node's float64 results widened again (a Constant, a Cast to double).
+    None where an operator refuses the wider type."""
+    def widen(v):
+        return v.astype(np.longdouble) if isinstance(v, np.ndarray) and v.dtype == np.float64 else v
+
+    def widening(run):
+        def wrapped(*args, **kwargs):
+            out = run(*args, **kwargs)
+            return tuple(widen(v) for v in out) if isinstance(out, (tuple, list)) else widen(out)
+        return wrapped
+
+    evaluator.rt_inits_ = {k: widen(v) for k, v in evaluator.rt_inits_.items()}
+    for node in evaluator.rt_nodes_:
+        node.run = widening(node.run)
+    try:
+        return evaluator.run(None, {k: widen(v) for k, v in feeds.items()})
+    except Exception:  # an operator's own dtype checks: the float64 evaluation stands
         return None
 
 

@@ -201,3 +201,32 @@ def test_each_jump_moved_alone_explains_a_float16_midpoint_before_a_pow():
     far = {"y": ref["y"].copy()}
     far["y"][0] = np.nan
     assert "1 position" in fuzz.unexplained(model, feeds, ref, far, TensorProto.FLOAT)
+
+
+def test_a_double_overflow_a_folded_scale_avoids_is_explained_by_the_wider_result():
+    """seed 9290199: fold-linear-scale writes (x W + b) s as x (W s) + b s in a double model.
+    At x = -1.7e308 onnxruntime's x W overflows to -inf before the scale 0.54 would bring it
+    back; the folded layer gives the finite -1.23e308 (in the seed -1.30e308). The float64
+    evaluation overflows where onnxruntime does, so only a wider one (x86-64's long double)
+    tells that the finite value is the result. A finite value far from it stays a failure."""
+    if np.finfo(np.longdouble).maxexp <= np.finfo(np.float64).maxexp:
+        pytest.skip("this platform's long double has float64's range")
+    f64 = TensorProto.DOUBLE
+    w = helper.make_tensor("w", f64, [1, 2], [1.3335658000544486, 0.5])
+    s = helper.make_tensor("s", f64, [1, 2], [0.542339765026643, 0.5])
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Mul", ["m", "s"], ["y"])],
+                   [_vi("x", f64, [1, 1])], [_vi("y", f64, [1, 2])])
+    model.graph.initializer.extend([w, s])
+    feeds = {"x": np.array([[-1.7e308]])}
+    ref = fuzz._run(model, feeds, with_library=False, level="disable")
+    assert np.isneginf(ref["y"][0, 0])
+    folded = {"y": np.array([[-1.7e308 * (1.3335658000544486 * 0.542339765026643), ref["y"][0, 1]]])}
+    assert np.isfinite(folded["y"][0, 0])
+    assert fuzz.unexplained(model, feeds, ref, folded, f64) is None
+    far = {"y": folded["y"] * np.array([[0.5, 1.0]])}
+    assert "1 position" in fuzz.unexplained(model, feeds, ref, far, f64)
+
+
+def test_seed_9290199_is_explained():
+    outcome = fuzz.run_case(9290199)
+    assert outcome.status == "tie", outcome.message
