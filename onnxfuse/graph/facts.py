@@ -194,14 +194,21 @@ def refresh_shapes(graph: gs.Graph) -> None:
     batch, bounds once computed from Shape) now has its static width, which the pointwise pass
     needs; without it only a second optimize found the regions."""
     tensors = gu.tensor_map(graph)
-    outer = {t.name for t in graph.inputs} | {t.name for t in graph.outputs}
+    # Graph outputs are refined too: an output declared [?, ?] that inference now knows as
+    # [N, 1] (an earlier pass removed what hid it) is that shape, and the pointwise pass reads
+    # it; left vague, only a second optimize fused what reads it (fuzz seed 9335061).
+    interface = {t.name for t in graph.inputs}
     vague = {name: t.shape for name, t in tensors.items()
-             if isinstance(t, gs.Variable) and name not in outer and _vague(t.shape)}
+             if isinstance(t, gs.Variable) and name not in interface and _vague(t.shape)}
     if not vague and all(t.dtype is not None and t.shape is not None
                          for t in tensors.values() if not isinstance(t, gs.Constant)):
         return  # nothing to fill in
+    # An output keeps its declared shape through inference (a constraint inference merges with
+    # what it derives; cleared, the tensors computed from it would lose their shapes too).
+    outputs = {t.name for t in graph.outputs}
     for name in vague:
-        tensors[name].shape = None
+        if name not in outputs:
+            tensors[name].shape = None
     try:
         # Large weights are described by type and shape: inferring on them costs their copies.
         model, left_out = inference_model(graph)
@@ -245,6 +252,11 @@ def refresh_shapes(graph: gs.Graph) -> None:
     # onnxruntime takes one name for one size (it planned a buffer of 2 rows for 4: fuzz seed
     # 9206914). So a new tensor's made-up name that the graph already uses becomes the recorded
     # name of the same dim where a re-inferred tensor shows it, else a name used nowhere.
+    for name in outputs & vague.keys():
+        tt = infos.get(name)
+        if tt is not None and tt.HasField("shape"):
+            tensors[name].shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                                   for d in tt.shape.dim]
     for name, shape in vague.items():
         new = tensors[name].shape
         if new is None or len(new) != len(shape):
