@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from test_pass_matmul_batch import assert_same, model, ops, optimize, rng_arrays
 
@@ -81,3 +81,36 @@ def test_the_same_index_twice_gives_distinct_node_names():
     names = [n.name for n in out.graph.node if n.name]
     assert len(names) == len(set(names))
     assert_same(m, out, [feeds])
+
+
+def half_rows_model(source):
+    """Two row Gathers of a float16 [2, 5, 6] y, each read by an Add: y a graph input ("input"),
+    a Cast of a float input to float16 ("cast") or a float16 product ("mul")."""
+    H, F = TensorProto.FLOAT16, TensorProto.FLOAT
+    y = {"input": [], "cast": [helper.make_node("Cast", ["Y"], ["y"], to=H)],
+         "mul": [helper.make_node("Mul", ["Y", "Y"], ["y"])]}[source]
+    nodes = y + [helper.make_node("Gather", ["Y" if source == "input" else "y", f"i{k}"], [f"g{k}"], axis=1)
+                 for k in (1, 3)]
+    nodes += [helper.make_node("Add", [f"g{k}", f"g{k}"], [f"o{k}"]) for k in (1, 3)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("Y", F if source == "cast" else H, [2, 5, 6])],
+                          [helper.make_tensor_value_info(f"o{k}", H, [2, 6]) for k in (1, 3)],
+                          [numpy_helper.from_array(np.asarray(k, np.int64), f"i{k}") for k in (1, 3)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def test_rows_of_a_computed_float16_value_stay_gathers():
+    # onnxruntime computes the float16 product in float32 and the Gather reads it unrounded;
+    # a Reshape and Slice would read it rounded to float16 (fuzz seed 9325856)
+    out, matches = optimize(half_rows_model("mul"), PASS)
+    assert matches == 0 and ops(out).count("Gather") == 2
+
+
+@pytest.mark.parametrize("source", ["input", "cast"])
+def test_rows_of_a_rounded_float16_value_become_slices(source):
+    m = half_rows_model(source)
+    out, matches = optimize(m, PASS)
+    assert matches == 2 and "Gather" not in ops(out)
+    x = np.random.default_rng(2).standard_normal((2, 5, 6)).astype(np.float16 if source == "input" else np.float32)
+    assert_same(m, out, [{"Y": x}])
