@@ -373,7 +373,7 @@ def profile(model_a, model_b, provider, threads, runs, warmup, profile_runs, lev
     from .inputs import check_dims, effective_dims
     from .zoo import resolve_input
 
-    loaded = [normalize(resolve_input(m)) for m in [model_a, model_b] if m is not None]
+    loaded = [normalize(resolve_input(m, weights_on_disk=True)) for m in [model_a, model_b] if m is not None]
     check_dims(dims, [m.model for m in loaded])
     defaults = {}
     for m in loaded:
