@@ -127,7 +127,13 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     if not any(n.op == "GroupQueryAttention" and n.domain == CONTRIB for n in graph.nodes):
         return 0
     refresh_shapes(graph)  # a bias's broadcast is read against the product's rank
-    count = apply(graph, RULES, ctx.explainer)
+    explain = ctx.explainer
+    if explain is not None:  # an op that already reads packed QKV is no candidate left
+        def explain_unpacked(node, why, said=explain):
+            if len(node.inputs) > 1 and gu.is_present(node.inputs[1]):
+                said(node, why)
+        explain = explain_unpacked
+    count = apply(graph, RULES, explain)
     if count:
         gu.cleanup(graph)
         gu.toposort(graph)

@@ -141,3 +141,16 @@ def test_projection_read_elsewhere_stays():
     m = decode_step(k_read_elsewhere=True)
     out, matches = optimize(m, PASSES)
     assert matches == 0 and op_counts(out)["MatMul"] == 3
+
+
+def test_explain_names_the_unpacked_op_alone():
+    from onnxfuse.optimize_options import OptimizeOptions
+
+    run_optimize = optimize_model
+    mixed = run_optimize(decode_step((True, False, True)), settings=OptimizeOptions(
+        explain=("pack-gqa-qkv",), verify=False, count_kernels=False))
+    packed = run_optimize(decode_step(), settings=OptimizeOptions(
+        explain=("pack-gqa-qkv",), verify=False, count_kernels=False))
+    # the op whose projections differ is named with its reason; the one packed is no candidate
+    assert "gqa" in mixed.summary["unmatched"]["pack-gqa-qkv"]
+    assert "gqa" not in packed.summary["unmatched"].get("pack-gqa-qkv", {})
