@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 LAYERS = (1, 2, 4)
-ARCHS = ("gpt2_decode", "llama_decode")
+ARCHS = ("gpt2_decode", "llama_decode", "qwen2_decode")
 EXPORTERS = ("ts", "dynamo")
 
 
@@ -34,6 +34,20 @@ def _case(arch: str, layers: int):
                              eos_token_id=0)
             feeds, axes = build._Decoder.inputs(1000, layers, 4, 16)
             return build._Decoder.wrap(GPT2Model(cfg), layers), feeds, axes
+        if arch == "qwen2_decode":  # LLaMA's layer with biases on the q, k, v projections
+            from transformers import Qwen2Config, Qwen2Model
+
+            cfg = Qwen2Config(vocab_size=1000, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+            model = Qwen2Model(cfg)
+            import torch
+
+            with torch.no_grad():  # transformers initializes biases to 0: give the packing something to add
+                for layer in model.layers:
+                    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                        proj.bias.normal_(0.0, 0.5)
+            feeds, axes = build._Decoder.inputs(1000, layers, 2, 16)
+            return build._Decoder.wrap(model, layers), feeds, axes
         from transformers import LlamaConfig, LlamaModel
 
         cfg = LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
@@ -44,11 +58,11 @@ def _case(arch: str, layers: int):
     return build, build.Case(arch, "transformer", f"{arch}, {layers} layers", make, build._Decoder.outputs(layers))
 
 
-def export(out_dir: Path) -> None:
+def export(out_dir: Path, archs=ARCHS) -> None:
     import onnx
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for arch in ARCHS:
+    for arch in archs:
         for layers in LAYERS:
             build, case = _case(arch, layers)
             for exporter in EXPORTERS:
@@ -59,7 +73,7 @@ def export(out_dir: Path) -> None:
                 print(f"{arch}_{exporter}_{layers}", file=sys.stderr)
 
 
-def count(out_dir: Path, past: int, out: Path | None) -> None:
+def count(out_dir: Path, past: int, out: Path | None, archs=ARCHS) -> None:
     import onnx
 
     from bench import harness
@@ -68,7 +82,7 @@ def count(out_dir: Path, past: int, out: Path | None) -> None:
 
     dims = {"batch": 1, "past": past, "total": past + 1}
     rows = []
-    for arch in ARCHS:
+    for arch in archs:
         for exporter in EXPORTERS:
             k = {}
             for layers in LAYERS:
@@ -102,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=("export", "count"))
     p.add_argument("--dir", type=Path, default=Path("/tmp/decode_layers"))
     p.add_argument("--past", type=int, default=128)
+    p.add_argument("--archs", default=",".join(ARCHS), help="comma-separated, of: " + ", ".join(ARCHS))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "decode_layers.md")
     args = p.parse_args(argv)
+    archs = tuple(a for a in args.archs.split(",") if a)
+    if any(a not in ARCHS for a in archs):
+        p.error(f"--archs: each of {', '.join(ARCHS)}")
     if args.mode == "export":
-        export(args.dir)
+        export(args.dir, archs)
     else:
-        count(args.dir, args.past, args.out)
+        count(args.dir, args.past, args.out, archs)
     return 0
 
 
