@@ -123,7 +123,10 @@ def test_pass_time_grows_about_linearly_with_nodes():
         return time.process_time() - t
 
     cpu_seconds(25)  # imports, first sessions
-    small, large = cpu_seconds(250), cpu_seconds(2500)
+    # The small model's one sample was the noisiest part (12.1x once on a quiet machine): its
+    # median of three.
+    small = sorted(cpu_seconds(250) for _ in range(3))[1]
+    large = cpu_seconds(2500)
     assert large <= 13 * small, (small, large)
 
 
