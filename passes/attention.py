@@ -370,8 +370,6 @@ def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | None:
         return _no(ctx, softmax, found)
     q, k, v = (Heads(t, None, found.heads, shapes.dims(t)[2], n, merged=True)
                for t, n in ((found.q, found.q_nodes), (found.k, found.k_nodes), (found.v, [])))
-    if ctx is not None and ctx.target.compiles_kernels:
-        return _no(ctx, softmax, "3-D attention over batch*heads: the CUDA kernel reads head splits of [B, S, H*d] alone")
     if ctx is not None and not ctx.target.attention_measured_faster_always and not _keys_pay_on_cpu(k, shapes, ctx, False):
         return _no(ctx, softmax, f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
     return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,
