@@ -118,7 +118,8 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
 from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, keys_split, mask_fits, merge_pins_rows, operand_split,
                                           same_dim, scaled, transpose_perm)
-from onnxfuse.graph.attention_scores import Fill, masked_scores, match_merged, reads_scores, rewrite_merged, summed_mask
+from onnxfuse.graph.attention_scores import (Fill, feeds_only, identity_view, masked_scores, match_merged,
+                                             pins_rows_by_value, reads_scores, rewrite_merged, summed_mask)
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.graph.transformer_forms import nan_to_zero_guard
@@ -152,6 +153,8 @@ class Match:
     fill: Fill | None = None  # 3-D over batch*heads (q.merged): a masked fill of the scores; the views
     views: list | None = None
     out_dims: list | None = None
+    # MatMul(P, v) read by a Reshape to its own dims (GPT-2's decode step), dropped by the rewrite
+    identity_view: gs.Node | None = None
 
 
 def _is_causal_constant(value: np.ndarray) -> bool:
@@ -322,12 +325,21 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         k.nodes.append(k_scale_node)
         scale *= k_scale
     ctx_heads = pv.outputs[0]
+    found_view = (identity_view(graph, ctx_heads, q.source, q.heads_first, shapes)
+                  if any(gu.is_op(n, "Reshape") for n in ctx_heads.outputs) else None)
+    view, plumbing = found_view if found_view is not None else (None, [])
+    if view is not None:
+        ctx_heads = view.outputs[0]
     back = gu.single_consumer(ctx_heads) if gu.is_private(graph, ctx_heads) else None
     if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
         return _no(ctx, softmax, "the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
     merge = back.outputs[0].outputs[0]
     out_width = v.heads * v.width
     pinned = merge_pins_rows(merge, q, out_width, shapes)
+    if pinned is None:  # a target computed from shapes (a decode step's): proved by value
+        pinned = pins_rows_by_value(graph, merge, q.source, q.heads_first, out_width, shapes)
+    if pinned is not None and plumbing and not feeds_only(graph, plumbing, [view, merge]):
+        return _no(ctx, softmax, "a Shape of MatMul(P, V) feeds more than the chain's own Reshape targets")
     if pinned is None:
         return _no(ctx, softmax, f"the merge Reshape's target is not provably [B, Sq, {out_width}]")
     qd, kd, vd = (h.rows(shapes) for h in (q, k, v))
@@ -345,7 +357,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         # its mask as an input too (the kernel's causal mode has no guard).
         if (ctx is None or ctx.target.attention_causal_mode) and guard is None:
             causal = _causal_slice(graph, mask, q, k, shapes)
-        if causal is None and not mask_fits(mask, target, shapes, pinned):
+        if causal is None and not mask_fits(mask, target, shapes, pinned, same_dim(kd[1], vd[1])):
             return _no(ctx, softmax, f"the additive term's dims are not provably 1 or those of the scores {target}")
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
         return _no(ctx, softmax, f"the two additive terms' dims are not provably 1 or those of the scores {target}")
@@ -355,7 +367,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
                                  f" ({CPU_MAX_CAUSAL_KEYS if causal is not None else CPU_MAX_KEYS} keys)")
     chain = [qk] + list(reversed(chain_before)) + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
     m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms,
-              nan_to_zero=guard is not None)
+              nan_to_zero=guard is not None, identity_view=view)
     m.split = _packed_split(graph, m, shapes)
     if m.split is not None:
         folded = _qkv_bias(graph, m.split, shapes)
@@ -432,6 +444,9 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -
     merge = m.merge
     out = merge.outputs[0]
     out_width = m.v.heads * m.v.width
+    if m.identity_view is not None:  # the body's Transpose reads MatMul(P, v) itself: the same values
+        m.nodes[-2].inputs[0] = m.identity_view.inputs[0]
+        gu.disconnect(m.identity_view)
     if gu.constant_ints(merge.inputs[1]) is None:
         # The target was a Shape proved equal to [B, Sq, H*dv]: the fallback body says so with a
         # constant, so the fused node reads no shape tensor.
