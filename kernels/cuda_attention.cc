@@ -5,10 +5,14 @@
 //
 // Inputs (float32): qkv_packed = 0: q [B, Sq, H*dh], k [B, Sk, H*dh], v [B, Sk, H*dv] (, mask);
 // with heads_first bit 0 (q), 1 (k), 2 (v) set, that operand is [B, H, S, d] (read with head
-// stride S*d: the generated kernel was specialised for the bits);
+// stride S*d: the generated kernel was specialised for the bits); with heads_merged bit 0, 1, 2
+// set, that operand is [B*H, S, d] (3-D attention over batch*heads: the memory of [B, H, S, d]);
 // qkv_packed = 1: qkv [B, S, 3*H*dh] (, mask), q, k, v read in place at its column offsets
 // 0, H*dh, 2*H*dh. mask: additive, broadcastable (rank <= 4) to [B, H, Sq, Sk]. bias (has_bias,
-// packed only): [3*H*dh], added to qkv's columns as the kernel reads them. Output
+// packed only): [3*H*dh], added to qkv's columns as the kernel reads them; with
+// mask_merged_heads the mask is rank <= 3, broadcastable to [B*H, Sq, Sk]. condition (fill_mode
+// 1 or 2, the last input): float32, broadcastable (rank <= 4) to [B, H, Sq, Sk]; a score is the
+// kernel's fill value where it is nonzero (1) or zero (2). Output
 // out [B, Sq, H*dv]. The kernel is specialised for H, dh, dv, the scale, packing and the mask's
 // and bias's presence; B, Sq, Sk and the mask's broadcast strides are arguments, so one kernel
 // serves every batch and sequence length.
@@ -30,7 +34,7 @@
 namespace onnxfuse {
 namespace {
 
-constexpr int64_t kAbiVersion = 2;  // attention_codegen.ABI_VERSION
+constexpr int64_t kAbiVersion = 3;  // attention_codegen.ABI_VERSION
 
 struct CudaAttentionKernel {
   OrtApiRef api;
@@ -39,7 +43,30 @@ struct CudaAttentionKernel {
   int64_t heads, dh, dv, rows, threads;
   bool packed, has_mask, has_bias;
   int64_t heads_first;  // bit 0 q, 1 k, 2 v: that operand is [B, H, S, d]
+  int64_t heads_merged;  // bit 0 q, 1 k, 2 v: that operand is [B*H, S, d]
+  bool mask_merged;      // the mask is rank <= 3, broadcast to [B*H, Sq, Sk]
+  int64_t fill_mode;     // 0 none; 1 (2): the last input is the fill condition
 };
+
+// strides[i] of a tensor of dims `d` read as broadcast to `target` [B, H, Sq, Sk] (0 on broadcast
+// axes); false when a dim is neither 1 nor the target's. merged: d (rank <= 3) is broadcast to
+// [B*H, Sq, Sk], whose first axis holds (b, h) as b * H + h: h's stride is that axis's, b's H
+// times it (as kernels/attention_cpu.cc reads it).
+bool broadcast_strides(const std::vector<int64_t>& d, const int64_t target[4], bool merged, int64_t strides[4]) {
+  const size_t rank = merged ? 3 : 4;
+  if (d.size() > rank) return false;
+  int64_t dims[4] = {1, 1, 1, 1};
+  for (size_t i = 0; i < d.size(); ++i) dims[4 - d.size() + i] = d[i];
+  int64_t running = 1;
+  for (int i = 3; i >= (merged ? 1 : 0); --i) {
+    const int64_t want = merged && i == 1 ? target[0] * target[1] : target[i];
+    if (dims[i] != 1 && dims[i] != want) return false;
+    strides[i] = dims[i] == 1 ? 0 : running;
+    running *= dims[i];
+  }
+  if (merged) strides[0] = strides[1] * target[1];
+  return true;
+}
 
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelInfo* info, void** out) noexcept {
   return create_guarded(
@@ -52,22 +79,28 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
       return status;
     if (v[4] != 32 * v[3] || v[4] > 1024)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "cuda_block is not 32 * cuda_rows").c_str());
-    int64_t packed = 0, has_mask = 0, has_bias = 0, causal = 0, heads_first = 0;
+    int64_t packed = 0, has_mask = 0, has_bias = 0, causal = 0, heads_first = 0, heads_merged = 0, mask_merged = 0,
+            fill_mode = 0;
     cuda::int_attr(api, info, "qkv_packed", &packed);
     cuda::int_attr(api, info, "has_mask", &has_mask);
     cuda::int_attr(api, info, "has_bias", &has_bias);  // absent = 0
     cuda::int_attr(api, info, "causal", &causal);      // absent = 0
     cuda::int_attr(api, info, "heads_first", &heads_first);  // absent = 0
+    cuda::int_attr(api, info, "heads_merged", &heads_merged);  // absent = 0
+    cuda::int_attr(api, info, "mask_merged_heads", &mask_merged);  // absent = 0
+    cuda::int_attr(api, info, "fill_mode", &fill_mode);  // absent = 0 (the fill value is the kernel's)
     // fuse-attention writes causal = 1 for the CPU target alone; this kernel has no causal mode.
     if (causal != 0)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "causal = 1 is not implemented by the CUDA kernel "
                                                      "(optimize the model with --target cuda)").c_str());
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
-    const size_t expected = (packed ? 1 : 3) + (has_mask ? 1 : 0) + (has_bias ? 1 : 0);
+    if (fill_mode < 0 || fill_mode > 2)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "fill_mode must be 0, 1 or 2").c_str());
+    const size_t expected = (packed ? 1 : 3) + (has_mask ? 1 : 0) + (has_bias ? 1 : 0) + (fill_mode ? 1 : 0);
     if (n_in != expected)
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the node has " + std::to_string(n_in) +
-                                                     " inputs, qkv_packed, has_mask and has_bias say " +
+                                                     " inputs, qkv_packed, has_mask, has_bias and fill_mode say " +
                                                      std::to_string(expected)).c_str());
     if (packed && v[1] != v[2])
       return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "packed qkv needs cuda_dh == cuda_dv").c_str());
@@ -76,8 +109,15 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     if (heads_first < 0 || heads_first > 7 || (heads_first != 0 && packed))
       return api.CreateStatus(ORT_INVALID_ARGUMENT,
                               (where + "heads_first must be a mask of bits 0-2 (q, k, v), and 0 with qkv_packed").c_str());
-    *out = new CudaAttentionKernel{api,  where, cuda::StoredKernel(std::move(image)), v[0], v[1], v[2], v[3], v[4],
-                                   packed != 0, has_mask != 0, has_bias != 0, heads_first};
+    if (heads_merged < 0 || heads_merged > 7 || (heads_merged & heads_first) != 0 || (heads_merged != 0 && packed))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT,
+                              (where + "heads_merged must be a mask of bits 0-2 (q, k, v), apart from heads_first's, "
+                                       "and 0 with qkv_packed").c_str());
+    if (mask_merged != 0 && has_mask == 0)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "mask_merged_heads needs has_mask = 1").c_str());
+    *out = new CudaAttentionKernel{api,     where, cuda::StoredKernel(std::move(image)), v[0], v[1], v[2], v[3], v[4],
+                                   packed != 0, has_mask != 0, has_bias != 0, heads_first, heads_merged,
+                                   mask_merged != 0, fill_mode};
     return nullptr;
   });
 }
@@ -105,14 +145,18 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
     ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 1, &ks, &kt, &kp), where);
     ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, 2, &vs, &vt, &vp), where);
     if (kt != f32 || vt != f32) return invalid("the kernel reads float32 tensors only");
-    // Each operand's (B, S): [B, S, H*d], or [B, H, S, d] where its heads_first bit is set.
+    // Each operand's (B, S): [B, S, H*d], [B, H, S, d] where its heads_first bit is set, or
+    // [B*H, S, d] where its heads_merged bit is.
     const std::vector<int64_t>* dims[3] = {&qs, &ks, &vs};
     const int64_t widths[3] = {k->dh, k->dh, k->dv};
     int64_t bs[3][2] = {};
     bool fits = true;
     for (int o = 0; o < 3; ++o) {
       const std::vector<int64_t>& d = *dims[o];
-      if ((k->heads_first >> o) & 1) {
+      if ((k->heads_merged >> o) & 1) {
+        fits = fits && d.size() == 3 && d[0] % H == 0 && d[2] == widths[o];
+        if (d.size() == 3) bs[o][0] = d[0] / H, bs[o][1] = d[1];
+      } else if ((k->heads_first >> o) & 1) {
         fits = fits && d.size() == 4 && d[1] == H && d[3] == widths[o];
         if (d.size() == 4) bs[o][0] = d[0], bs[o][1] = d[2];
       } else {
@@ -123,6 +167,7 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
     if (!fits || bs[1][0] != bs[0][0] || bs[2][0] != bs[0][0] || bs[2][1] != bs[1][1]) {
       auto form = [&](int o, const char* s) {
         const std::string d = std::to_string(widths[o]);
+        if ((k->heads_merged >> o) & 1) return "[B*" + std::to_string(H) + ", " + s + ", " + d + "]";
         return ((k->heads_first >> o) & 1) ? "[B, " + std::to_string(H) + ", " + s + ", " + d + "]"
                                            : "[B, " + std::string(s) + ", " + std::to_string(H * widths[o]) + "]";
       };
@@ -140,18 +185,11 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
     ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, k->packed ? 1 : 3, &ms, &mt, &mask, &present), where);
     if (!present) return invalid("has_mask is 1 but the mask input is missing");
     if (mt != f32) return invalid("the mask must be float32");
-    if (ms.size() > 4) return invalid("the mask " + dims_text(ms) + " has rank > 4");
     const int64_t target[4] = {batch, H, sq, sk};
-    const size_t pad = 4 - ms.size();
-    int64_t running = 1;
-    for (int i = 3; i >= 0; --i) {
-      const int64_t dim = i < static_cast<int>(pad) ? 1 : ms[i - pad];
-      if (dim != 1 && dim != target[i])
-        return invalid("the mask " + dims_text(ms) + " does not broadcast to [" + std::to_string(batch) + ", " +
-                       std::to_string(H) + ", " + std::to_string(sq) + ", " + std::to_string(sk) + "]");
-      mask_strides[i] = dim == 1 ? 0 : running;
-      running *= dim;
-    }
+    if (!broadcast_strides(ms, target, k->mask_merged, mask_strides))
+      return invalid("the mask " + dims_text(ms) + " does not broadcast to " +
+                     (k->mask_merged ? "[B*H, Sq, Sk] = " + dims_text({batch * H, sq, sk})
+                                     : "[B, H, Sq, Sk] = " + dims_text({batch, H, sq, sk})));
   }
   if (k->has_bias) {
     std::vector<int64_t> bs;
@@ -163,6 +201,22 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
     if (bs.size() != 1 || bs[0] != 3 * H * k->dh)
       return invalid("the bias is " + dims_text(bs) + ", the kernel was generated for [" +
                      std::to_string(3 * H * k->dh) + "]");
+  }
+  // The fill condition's element strides over [B, H, Sq, Sk] (fill_mode: the last input).
+  const void* cond = nullptr;
+  int64_t cond_strides[4] = {0, 0, 0, 0};
+  if (k->fill_mode != 0) {
+    std::vector<int64_t> cs;
+    ONNXTensorElementDataType ct = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    bool present = false;
+    const size_t at = (k->packed ? 1 : 3) + (k->has_mask ? 1 : 0) + (k->has_bias ? 1 : 0);
+    ONNXFUSE_RETURN_IF_ERROR(read_input(api, ctx, at, &cs, &ct, &cond, &present), where);
+    if (!present) return invalid("fill_mode is set but the condition input is missing");
+    if (ct != f32) return invalid("the fill condition must be float32");
+    const int64_t target[4] = {batch, H, sq, sk};
+    if (!broadcast_strides(cs, target, false, cond_strides))
+      return invalid("the fill condition " + dims_text(cs) + " does not broadcast to [B, H, Sq, Sk] = " +
+                     dims_text({batch, H, sq, sk}));
   }
   const int64_t out_dims[3] = {batch, sq, H * k->dv};
   OrtValue* ov = nullptr;
@@ -176,8 +230,9 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
   if (batch > max_grid / H || batch * H > max_grid / row_blocks)
     return invalid("batch " + std::to_string(batch) + " x sequence " + std::to_string(sq) + " is too large");
 
-  // The argument struct of attention_codegen ABI 2, as 8-byte words.
-  int64_t words[13] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
+  // The argument struct of attention_codegen ABI 3, as 8-byte words (a kernel without a fill
+  // declares the first 13 only; the driver copies the size the kernel declares).
+  int64_t words[18] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(q)),
                        static_cast<int64_t>(reinterpret_cast<uintptr_t>(kp)),
                        static_cast<int64_t>(reinterpret_cast<uintptr_t>(vp)),
                        static_cast<int64_t>(reinterpret_cast<uintptr_t>(mask)),
@@ -189,7 +244,12 @@ OrtStatus* run(CudaAttentionKernel* k, OrtKernelContext* ctx) {
                        mask_strides[0],
                        mask_strides[1],
                        mask_strides[2],
-                       mask_strides[3]};
+                       mask_strides[3],
+                       static_cast<int64_t>(reinterpret_cast<uintptr_t>(cond)),
+                       cond_strides[0],
+                       cond_strides[1],
+                       cond_strides[2],
+                       cond_strides[3]};
   return cuda::launch_on_ort_stream(api, ctx, k->kernel, cuda::grid_of(batch * H * row_blocks), k->threads, words,
                                     where);
 }

@@ -121,11 +121,12 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.attention_heads import (Heads, keys_split, mask_fits, merge_pins_rows, operand_split, same_dim,
-                                          scaled)
+from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, keys_split, mask_fits, merge_pins_rows, operand_split,
+                                          same_dim, scaled, transpose_perm)
 from onnxfuse.graph import rules
 from onnxfuse.graph.attention_rule import MERGED_HEADS, causal_slice, match_scores, packed_split, qkv_bias
-from onnxfuse.graph.attention_scores import Fill, match_merged, rewrite_merged, summed_mask
+from onnxfuse.graph.attention_scores import (Fill, feeds_only, identity_view, match_merged, pins_rows_by_value,
+                                             rewrite_merged, summed_mask)
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.rules import Var, op
 from onnxfuse.graph.shape_values import refined_dims
@@ -157,6 +158,8 @@ class Match:
     fill: Fill | None = None  # 3-D over batch*heads (q.merged): a masked fill of the scores; the views
     views: list | None = None
     out_dims: list | None = None
+    # MatMul(P, v) read by a Reshape to its own dims (GPT-2's decode step), dropped by the rewrite
+    identity_view: gs.Node | None = None
 
 
 def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> bool:
@@ -252,11 +255,26 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         k.nodes.append(k_scale_node)
         scale *= k_scale
     merged = rules.match_after([MERGED_HEADS], graph, weights, "p", depth=3)
-    if merged is None:
-        return rules.fail("the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
-    back, merge = merged[1]["back"], merged[1]["merge"]
+    view, plumbing = None, []
+    if merged is not None:
+        back, merge = merged[1]["back"], merged[1]["merge"]
+    else:
+        # MatMul(P, v) read first by a Reshape to its own dims (GPT-2's decode step)
+        ctx_heads = pv.outputs[0]
+        found_view = (identity_view(graph, ctx_heads, q.source, q.heads_first, shapes)
+                      if any(gu.is_op(n, "Reshape") for n in ctx_heads.outputs) else None)
+        view, plumbing = found_view if found_view is not None else (None, [])
+        back = (gu.single_consumer(view.outputs[0]) if view is not None and gu.is_private(graph, view.outputs[0])
+                else None)
+        if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
+            return rules.fail("the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
+        merge = back.outputs[0].outputs[0]
     out_width = v.heads * v.width
     pinned = merge_pins_rows(merge, q, out_width, shapes)
+    if pinned is None:  # a target computed from shapes (a decode step's): proved by value
+        pinned = pins_rows_by_value(graph, merge, q.source, q.heads_first, out_width, shapes)
+    if pinned is not None and plumbing and not feeds_only(graph, plumbing, [view, merge]):
+        return rules.fail("a Shape of MatMul(P, V) feeds more than the chain's own Reshape targets")
     if pinned is None:
         return rules.fail(f"the merge Reshape's target is not provably [B, Sq, {out_width}]")
     qd, kd, vd = (h.rows(shapes) for h in (q, k, v))
@@ -274,7 +292,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         # its mask as an input too (the kernel's causal mode has no guard).
         if (ctx is None or ctx.target.attention_causal_mode) and guard is None:
             causal = causal_slice(graph, mask, q, k, shapes)
-        if causal is None and not mask_fits(mask, target, shapes, pinned):
+        if causal is None and not mask_fits(mask, target, shapes, pinned, same_dim(kd[1], vd[1])):
             return rules.fail(f"the additive term's dims are not provably 1 or those of the scores {target}")
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
         return rules.fail(f"the two additive terms' dims are not provably 1 or those of the scores {target}")
@@ -284,7 +302,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
                                  f" ({CPU_MAX_CAUSAL_KEYS if causal is not None else CPU_MAX_KEYS} keys)")
     chain = scores.nodes + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
     m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms,
-              nan_to_zero=guard is not None)
+              nan_to_zero=guard is not None, identity_view=view)
     m.split = packed_split(graph, m, shapes)
     if m.split is not None:
         folded = qkv_bias(graph, m.split, shapes)
@@ -299,8 +317,6 @@ def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | rules.Failur
         return rules.fail(found)
     q, k, v = (Heads(t, None, found.heads, shapes.dims(t)[2], n, merged=True)
                for t, n in ((found.q, found.q_nodes), (found.k, found.k_nodes), (found.v, [])))
-    if ctx is not None and ctx.target.compiles_kernels:
-        return rules.fail("3-D attention over batch*heads: the CUDA kernel reads head splits of [B, S, H*d] alone")
     if ctx is not None and not ctx.target.attention_measured_faster_always and not _keys_pay_on_cpu(k, shapes, ctx, False):
         return rules.fail(f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
     return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,
@@ -313,6 +329,9 @@ def rewrite(graph: gs.Graph, m: Match, ctx: Context, sums: dict | None = None) -
     merge = m.merge
     out = merge.outputs[0]
     out_width = m.v.heads * m.v.width
+    if m.identity_view is not None:  # the body's Transpose reads MatMul(P, v) itself: the same values
+        m.nodes[-2].inputs[0] = m.identity_view.inputs[0]
+        gu.disconnect(m.identity_view)
     if gu.constant_ints(merge.inputs[1]) is None:
         # The target was a Shape proved equal to [B, Sq, H*dv]: the fallback body says so with a
         # constant, so the fused node reads no shape tensor.

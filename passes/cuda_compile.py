@@ -8,7 +8,8 @@
     condition: --target cuda; runs after every fusion pass (order 900); an Attention node gets a
                kernel only when every attribute it carries is one the generator implements
                (attention_codegen.NODE_ATTRIBUTES) and it is not in the CPU-only causal mode;
-               a heads_first operand [B, H, S, d] gives its head size by its last dim
+               a heads_first operand [B, H, S, d] or heads_merged one [B*H, S, d] gives its head
+               size by its last dim
     rewrite:   attributes read by the CUDA-EP kernels (kernels/cuda_launch.h):
                  cuda_entry  the kernel's extern "C" name
                  cuda_arch   the cubin's architecture (--arch, default sm_90)
@@ -67,8 +68,16 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
     has_bias = bool(int(node.attrs.get("has_bias", 0)))
     nan_to_zero = bool(int(node.attrs.get("nan_to_zero", 0)))
     first_bits = int(node.attrs.get("heads_first", 0))
+    merged_bits = int(node.attrs.get("heads_merged", 0))
+    mask_merged = bool(int(node.attrs.get("mask_merged_heads", 0)))
+    fill_mode = int(node.attrs.get("fill_mode", 0))
     if heads < 1 or not node.inputs or not 0 <= first_bits <= 7 or (first_bits and packed):
         return None
+    if not 0 <= merged_bits <= 7 or (merged_bits and packed) or merged_bits & first_bits or fill_mode not in (0, 1, 2):
+        return None
+    if mask_merged and not has_mask:
+        return None
+    layout_bits = first_bits | merged_bits  # operands whose last dim is d: [B, H, S, d] or [B*H, S, d]
     if int(node.attrs.get("causal", 0)):
         return None  # fuse-attention's CPU-only causal mode: the generated kernel has none
     if any(not a.startswith("cuda_") and a not in attention_codegen.NODE_ATTRIBUTES and a != fused.OPSET_ATTRIBUTE
@@ -88,7 +97,7 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
         if vdim is None:
             return None
         # [B, S, H*d], or [B, H, S, d] (last dim d) where the operand's heads_first bit is set
-        (dh, q_split), (dv, v_split) = ((d, False) if first_bits >> bit & 1 else (d // heads, d % heads != 0)
+        (dh, q_split), (dv, v_split) = ((d, False) if layout_bits >> bit & 1 else (d // heads, d % heads != 0)
                                         for d, bit in ((first, 0), (vdim, 2)))
         if q_split or v_split:
             return None
@@ -97,7 +106,8 @@ def attention_spec(node: gs.Node, shapes: facts.ShapeTable | None = None) -> att
     if has_bias and not packed:
         return None
     return attention_codegen.AttentionSpec(heads, dh, dv, float(node.attrs.get("scale", 1.0)), packed, has_mask,
-                                           has_bias, nan_to_zero, first_bits)
+                                           has_bias, nan_to_zero, first_bits, merged_bits, mask_merged, fill_mode,
+                                           float(node.attrs.get("fill_value", 0.0)) if fill_mode else 0.0)
 
 
 def shuffle_spec(node: gs.Node, shapes: facts.ShapeTable) -> shuffle_codegen.ShuffleSpec | None:

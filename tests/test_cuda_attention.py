@@ -272,9 +272,11 @@ def test_mask_strides_broadcast_like_onnx():
 
 def test_index_expressions_appear_verbatim_in_the_source():
     k = ac.generate(spec_of(CASES[0]))
-    for table in ac.INDEX.values():
+    fill = ac.generate(AttentionSpec(2, 16, 16, 0.25, heads_merged=7, fill_mode=2, fill_value=-1e30))
+    for table_name, table in ac.INDEX.items():
         for name, expr in table:
-            assert f"const auto {name} = {expr};" in k.source
+            assert f"const auto {name} = {expr};" in (fill if table_name == "fill" else k).source
+    assert "c_src" not in k.source  # the fill's reads only where the node has a fill
 
 
 def test_entry_is_deterministic_and_names_the_specialisation():
@@ -306,7 +308,7 @@ def test_launch_rule_covers_every_query_row():
     k = ac.generate(AttentionSpec(3, 32, 32, 1.0))
     assert k.threads == 32 * k.rows_per_block
     assert k.grid(2, 9) == 2 * 3 * 3 and k.grid(1, 8) == 3 * 2 and k.grid(0, 5) == 0
-    assert k.attrs() == {"cuda_abi": 2, "cuda_block": k.threads, "cuda_rows": k.rows_per_block,
+    assert k.attrs() == {"cuda_abi": ac.ABI_VERSION, "cuda_block": k.threads, "cuda_rows": k.rows_per_block,
                          "cuda_dh": 32, "cuda_dv": 32}
 
 

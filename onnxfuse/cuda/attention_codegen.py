@@ -19,6 +19,20 @@ Sq and Sk are run-time arguments. A [B, S, H*d] operand's row s of head h starts
 (b*S + s)*ROW + OFF + h*d (ROW its row width, 3*H*dh for packed qkv, OFF its column block); a
 heads-first one's at ((b*H + h)*S + s)*d, as the CPU kernel's views read them (head stride S*d).
 
+with `heads_merged` (a bit per operand, 3-D attention over batch*heads: DeBERTa-v2) that operand
+is [B*H, S, d]: the memory of [B, H, S, d], read by the heads-first arithmetic (the host takes
+B = dim 0 / H). With `mask_merged` the additive term is rank <= 3, broadcastable to
+[B*H, Sq, Sk]; the host turns its strides into strides over [B, H, Sq, Sk] (h's stride that of
+the merged axis, b's H times it), so the kernel reads it like any mask. With `fill_mode` 1 (2) a
+score is replaced by FILL_VALUE where the condition (float32, broadcastable to [B, H, Sq, Sk],
+read through its own strides, INDEX["fill"]) is nonzero (zero), after the mask: Where's masked
+fill, as the CPU kernel applies it (a NaN condition is nonzero, as Cast to bool reads it). A row
+filled entirely with a finite value (DeBERTa's -FLT_MAX) then has uniform probabilities, as
+Softmax gives; a -inf fill takes the skip of fully masked tiles below.
+
+A decode step (one query row against Concat(past, new) keys and values, [B, H, Sk, d] present
+tensors) is the heads-first form with Sq = 1: one block serves one (b, h), one warp its row.
+
 Design (simple on purpose; every B, Sq, Sk works):
 
 * grid.x = B * H * ceil(Sq / ROWS) blocks of ROWS warps; block `bid` serves head h of batch b
@@ -61,7 +75,9 @@ Kernel ABI (shared with kernels/cuda_attention.cc): every argument is one 8-byte
                         const float* bias;                                // [3*H*dh]; nullptr without one
                         float* out;
                         long long batch, sq, sk;
-                        long long mask_strides[4]; };   // element strides over [B, H, Sq, Sk], 0 = broadcast
+                        long long mask_strides[4];      // element strides over [B, H, Sq, Sk], 0 = broadcast
+                        const float* cond;               // fill_mode's condition (declared with fill_mode only:
+                        long long cond_strides[4]; };    //   the host always passes them), strides as mask_strides
     extern "C" __global__ void ENTRY(const ENTRY_args a)
     block = (ROWS * 32, 1, 1), grid = (batch * H * ceil(sq / ROWS), 1, 1)   (Kernel.attrs())
 """
@@ -73,7 +89,7 @@ from dataclasses import dataclass
 
 from .emit import CSource
 
-ABI_VERSION = 2  # 2: the bias pointer after the mask's
+ABI_VERSION = 3  # 2: the bias pointer after the mask's; 3: the fill condition and its strides last
 ROWS = 4  # query rows (warps) per block
 MAX_HEAD_DIM = 256  # dh and dv the kernel supports (shared memory and accumulators)
 SHARED_LIMIT = 48 * 1024  # static shared memory per block
@@ -90,6 +106,10 @@ class AttentionSpec:
     has_bias: bool = False
     nan_to_zero: bool = False  # the node's nan_to_zero: a row of NaN probabilities weighs v by 0
     heads_first: int = 0  # bit 0 q, 1 k, 2 v: that operand is [B, H, S, d] (the node's heads_first)
+    heads_merged: int = 0  # bit 0 q, 1 k, 2 v: that operand is [B*H, S, d] (the node's heads_merged)
+    mask_merged: bool = False  # the mask is rank <= 3, broadcast to [B*H, Sq, Sk] (mask_merged_heads)
+    fill_mode: int = 0  # 1 (2): a score is fill_value where the condition is nonzero (zero)
+    fill_value: float = 0.0
 
     def __post_init__(self) -> None:
         if self.heads < 1 or self.dh < 1 or self.dv < 1:
@@ -100,6 +120,17 @@ class AttentionSpec:
             raise ValueError("has_bias needs packed qkv")
         if not 0 <= self.heads_first <= 7 or (self.heads_first and self.packed):
             raise ValueError("heads_first is a mask of bits 0-2 (q, k, v), and 0 with packed qkv")
+        if not 0 <= self.heads_merged <= 7 or (self.heads_merged and self.packed) or self.heads_merged & self.heads_first:
+            raise ValueError("heads_merged is a mask of bits 0-2 (q, k, v) apart from heads_first's, and 0 with packed qkv")
+        if self.mask_merged and not self.has_mask:
+            raise ValueError("mask_merged needs a mask")
+        if self.fill_mode not in (0, 1, 2):
+            raise ValueError("fill_mode is 0, 1 or 2")
+
+    @property
+    def layout_first(self) -> int:
+        """The operands read by the heads-first arithmetic: [B, H, S, d] or [B*H, S, d] (same memory)."""
+        return self.heads_first | self.heads_merged
 
     @property
     def tile(self) -> int:
@@ -120,7 +151,8 @@ class AttentionSpec:
             "QOFF": 0, "KOFF": d if self.packed else 0, "VOFF": 2 * d if self.packed else 0,
             "HAS_MASK": int(self.has_mask), "HAS_BIAS": int(self.has_bias),
             "NAN_TO_ZERO": int(self.nan_to_zero),
-            "QF": self.heads_first & 1, "KF": (self.heads_first >> 1) & 1, "VF": (self.heads_first >> 2) & 1,
+            "QF": self.layout_first & 1, "KF": (self.layout_first >> 1) & 1, "VF": (self.layout_first >> 2) & 1,
+            "FILL_MODE": self.fill_mode,
         }
 
 
@@ -138,7 +170,8 @@ def shared_bytes(dh: int, dv: int, tile: int) -> int:
 # (a form added to the op's contract later) gets no kernel until the generator learns it, so that
 # a CUDA session never runs a kernel that ignores part of the node's semantics.
 NODE_ATTRIBUTES = frozenset({"num_heads", "scale", "has_mask", "qkv_packed", "has_bias", "nan_to_zero", "causal",
-                             "causal_max_queries", "causal_max_keys", "heads_first"})
+                             "causal_max_queries", "causal_max_keys", "heads_first", "heads_merged",
+                             "mask_merged_heads", "fill_mode", "fill_value"})
 
 
 def supported(dh: int, dv: int) -> bool:
@@ -179,6 +212,8 @@ INDEX = {
     ],
     # the mask element lane `lane` adds to its score
     "mask": [("m_src", "b * ms0 + h * ms1 + s * ms2 + (t0 + lane) * ms3")],
+    # the fill condition element lane `lane` reads (fill_mode)
+    "fill": [("c_src", "b * cs0 + h * cs1 + s * cs2 + (t0 + lane) * cs3")],
     # output column col of the warp's row
     "store": [("o_dst", "(b * sq + s) * (H * DV) + h * DV + col")],
     # nan_to_zero: column col of value row t, read from global memory for a row of NaN probabilities
@@ -220,7 +255,10 @@ class Kernel:
 def entry_name(spec: AttentionSpec) -> str:
     key = (f"abi{ABI_VERSION} rows{ROWS} {spec.heads} {spec.dh} {spec.dv} {float_bits(spec.scale):08x} {spec.packed}"
            f" {spec.has_mask} {spec.has_bias}" + (" nan_to_zero" if spec.nan_to_zero else "")
-           + (f" heads_first{spec.heads_first}" if spec.heads_first else ""))
+           + (f" heads_first{spec.heads_first}" if spec.heads_first else "")
+           + (f" heads_merged{spec.heads_merged}" if spec.heads_merged else "")
+           + (" mask_merged" if spec.mask_merged else "")
+           + (f" fill{spec.fill_mode} {float_bits(spec.fill_value):08x}" if spec.fill_mode else ""))
     return "onnxfuse_attn_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -235,6 +273,8 @@ def generate(spec: AttentionSpec) -> Kernel:
         src.line("const float* q; const float* k; const float* v;", "const float* mask;  // nullptr without one",
                  "const float* bias;  // nullptr without one", "float* out;",
                  "long long batch; long long sq; long long sk;", "long long mask_strides[4];")
+        if spec.fill_mode:  # the host passes these words always; a kernel without a fill does not declare them
+            src.line("const float* cond;", "long long cond_strides[4];")
     with src.block(f'extern "C" __global__ void __launch_bounds__({c["THREADS"]}) {entry}(const {entry}_args a)'):
         _body(src, spec, c)
     return Kernel(entry, src.text(), spec, c["THREADS"], ROWS)
@@ -250,6 +290,10 @@ def _body(src: CSource, spec: AttentionSpec, c: dict) -> None:
              "const long long ms0 = a.mask_strides[0], ms1 = a.mask_strides[1], ms2 = a.mask_strides[2],"
              " ms3 = a.mask_strides[3];",
              "(void)ms0; (void)ms1; (void)ms2; (void)ms3;")
+    if spec.fill_mode:
+        src.line(f"const float fill_value = __int_as_float({float_bits(spec.fill_value):#010x});  // {spec.fill_value!r}",
+                 "const long long cs0 = a.cond_strides[0], cs1 = a.cond_strides[1], cs2 = a.cond_strides[2],"
+                 " cs3 = a.cond_strides[3];")
     src.decls(INDEX["block"])
     with src.block("for (int d = lane; d < DH; d += 32)"):
         src.decls(INDEX["q_load"])
@@ -266,7 +310,7 @@ def _body(src: CSource, spec: AttentionSpec, c: dict) -> None:
             src.line("vs[v_dst] = v_ok ? (HAS_BIAS ? a.v[v_src] + a.bias[vb_src] : a.v[v_src]) : 0.0f;")
         src.line("__syncthreads();", "const int n_valid = sk - t0 < TILE ? (int)(sk - t0) : TILE;")
         with src.block("if (row_ok)", comment="uniform in the warp: every lane takes part in the shuffles below"):
-            _tile_softmax(src)
+            _tile_softmax(src, spec)
     with src.block("if (row_ok)"):
         src.pragma("unroll")
         with src.block("for (int c = 0; c < DVL; ++c)"):
@@ -281,7 +325,7 @@ def _body(src: CSource, spec: AttentionSpec, c: dict) -> None:
             src.line("a.out[o_dst] = o;")
 
 
-def _tile_softmax(src: CSource) -> None:
+def _tile_softmax(src: CSource, spec: AttentionSpec) -> None:
     """A warp's scores against the tile's keys (lane j: key t0 + j) and the online-softmax step."""
     src.line("float score = -INFINITY;")
     with src.block("if (lane < n_valid)"):
@@ -291,6 +335,10 @@ def _tile_softmax(src: CSource) -> None:
         with src.block("if (HAS_MASK)"):
             src.decls(INDEX["mask"])
             src.line("score += a.mask[m_src];")
+        if spec.fill_mode:  # after the mask, as Where reads the masked scores; NaN is nonzero
+            src.decls(INDEX["fill"])
+            src.line("const float c = a.cond[c_src];",
+                     f"if ({'c != 0.0f' if spec.fill_mode == 1 else 'c == 0.0f'}) score = fill_value;")
     src.line("float tile_max = score;").pragma("unroll")
     src.line("for (int o = 16; o > 0; o >>= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL, tile_max, o));",
              "const float m_new = fmaxf(m, tile_max);",

@@ -25,9 +25,17 @@ def _eval(table: str, env: dict) -> dict:
     return env
 
 
-def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int]) -> list[int]:
+def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int], merged: bool = False) -> list[int]:
     """Element strides of a contiguous mask over [B, H, Sq, Sk], 0 where it broadcasts (as
-    kernels/cuda_attention.cc computes them)."""
+    kernels/cuda_attention.cc computes them). merged: the mask is rank <= 3, broadcast to
+    [B*H, Sq, Sk], whose first axis holds (b, h) as b * H + h: h's stride is that axis's, b's H
+    times it (0 and 0 where it broadcasts)."""
+    if merged:
+        if len(mask_shape) > 3:
+            raise ValueError("merged mask rank > 3")
+        b, h, sq, sk = target
+        inner = mask_strides(mask_shape, (1, b * h, sq, sk))
+        return [inner[1] * h, inner[1], inner[2], inner[3]]
     if len(mask_shape) > 4:
         raise ValueError("mask rank > 4")
     dims = [1] * (4 - len(mask_shape)) + list(mask_shape)
@@ -42,15 +50,21 @@ def mask_strides(mask_shape: tuple[int, ...], target: tuple[int, int, int, int])
 
 
 def _rows(spec: AttentionSpec, t: np.ndarray, bit: int) -> tuple[int, int]:
-    """(B, S) of an operand: [B, S, H*d], or [B, H, S, d] when its heads_first bit is set."""
+    """(B, S) of an operand: [B, S, H*d], [B, H, S, d] when its heads_first bit is set, or
+    [B*H, S, d] when its heads_merged bit is."""
+    if spec.heads_merged >> bit & 1:
+        if t.ndim != 3 or t.shape[0] % spec.heads:
+            raise ValueError(f"a merged operand {t.shape} is not [B*{spec.heads}, S, d]")
+        return t.shape[0] // spec.heads, t.shape[1]
     if spec.heads_first >> bit & 1:
         return t.shape[0], t.shape[2]
     return t.shape[0], t.shape[1]
 
 
-def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
-    """The kernel's output for q, k, v (or packed qkv as `q`), an optional mask and (packed) bias;
-    an operand whose heads_first bit is set is [B, H, S, d]."""
+def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None, cond=None) -> np.ndarray:
+    """The kernel's output for q, k, v (or packed qkv as `q`), an optional mask and (packed) bias
+    and, with fill_mode, the fill condition; an operand whose heads_first bit is set is
+    [B, H, S, d], whose heads_merged bit is set [B*H, S, d]."""
     c = spec.constants()
     q = np.ascontiguousarray(q, F)
     if spec.packed:
@@ -62,11 +76,16 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
     qf, kf, vf = q.ravel(), k.ravel(), v.ravel()
     if spec.has_mask:
         m_arr = np.ascontiguousarray(mask, F)
-        ms = mask_strides(m_arr.shape, (batch, spec.heads, sq, sk))
+        ms = mask_strides(m_arr.shape, (batch, spec.heads, sq, sk), spec.mask_merged)
         mf = m_arr.ravel()
     else:
         ms, mf = [0, 0, 0, 0], None
     bf = np.ascontiguousarray(bias, F).ravel() if spec.has_bias else None
+    if spec.fill_mode:
+        c_arr = np.ascontiguousarray(cond, F)
+        cs, cf = mask_strides(c_arr.shape, (batch, spec.heads, sq, sk)), c_arr.ravel()
+    else:
+        cs, cf = [0, 0, 0, 0], None
 
     def biased(values, index, ok):  # the kernel's load, plus bias[index] where HAS_BIAS
         if bf is None:
@@ -74,7 +93,8 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
         return np.where(ok, (values + guarded_load(bf, index, ok)).astype(F), values)
     grid = batch * spec.heads * (-(-sq // c["ROWS"]))
     lanes = np.arange(32)
-    env0 = {**c, "sq": sq, "sk": sk, "ms0": ms[0], "ms1": ms[1], "ms2": ms[2], "ms3": ms[3]}
+    env0 = {**c, "sq": sq, "sk": sk, "ms0": ms[0], "ms1": ms[1], "ms2": ms[2], "ms3": ms[3],
+            "cs0": cs[0], "cs1": cs[1], "cs2": cs[2], "cs3": cs[3]}
     tile, dv = c["TILE"], c["DV"]
     cols = lanes[:, None] + 32 * np.arange(c["DVL"])[None, :]  # [lane, c]
     col_ok = cols < dv
@@ -110,6 +130,11 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
                     if spec.has_mask:
                         me = _eval("mask", {**env, "t0": t0, "lane": lanes})
                         score = np.where(valid, score + guarded_load(mf, me["m_src"], valid), score).astype(F)
+                    if spec.fill_mode:  # NaN conditions are nonzero (c != 0 is true, c == 0 false)
+                        ce = _eval("fill", {**env, "t0": t0, "lane": lanes})
+                        cv = guarded_load(cf, ce["c_src"], valid)
+                        hit = (cv != 0) if spec.fill_mode == 1 else (cv == 0)
+                        score = np.where(valid & hit, F(spec.fill_value), score).astype(F)
                     finite = score[~np.isnan(score)]
                     tile_max = finite.max() if finite.size else F(np.nan)  # fmaxf ignores NaN
                     m_new = F(np.fmax(m, tile_max))
@@ -139,10 +164,12 @@ def run(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndar
     return out.reshape(batch, sq, spec.heads * spec.dv)
 
 
-def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> np.ndarray:
+def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None, cond=None) -> np.ndarray:
     """Direct attention in float64: softmax(scale * q.k^T + mask) . v per head (packed qkv: plus
     the bias on its columns first; nan_to_zero: NaN probabilities read as 0, as Where(IsNaN(p), 0, p)
-    gives them; heads_first operands [B, H, S, d])."""
+    gives them; heads_first operands [B, H, S, d], heads_merged ones [B*H, S, d]; a merged mask
+    broadcast to [B*H, Sq, Sk]; fill_mode: the masked scores replaced where the condition is
+    nonzero (1) or zero (2))."""
     q = np.asarray(q, np.float64)
     d = spec.heads * spec.dh
     if spec.has_bias:
@@ -153,6 +180,8 @@ def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> n
 
     def heads(t, bit, d):  # -> [B, H, S, d]
         t = np.asarray(t, np.float64)
+        if spec.heads_merged >> bit & 1:
+            return t.reshape(t.shape[0] // h, h, *t.shape[1:])
         if spec.heads_first >> bit & 1:
             return t
         return t.reshape(t.shape[0], t.shape[1], h, d).transpose(0, 2, 1, 3)
@@ -160,7 +189,15 @@ def reference(spec: AttentionSpec, q, k=None, v=None, mask=None, bias=None) -> n
     batch, sq, sk = qh.shape[0], qh.shape[2], kh.shape[2]
     scores = spec.scale * (qh @ kh.transpose(0, 1, 3, 2))
     if spec.has_mask:
-        scores = scores + np.asarray(mask, np.float64)
+        m = np.asarray(mask, np.float64)
+        if spec.mask_merged:
+            m = np.broadcast_to(m, (batch * h, sq, sk)).reshape(batch, h, sq, sk)
+        scores = scores + m
+    if spec.fill_mode:
+        c = np.asarray(cond, np.float32)
+        with np.errstate(invalid="ignore"):
+            hit = c != 0 if spec.fill_mode == 1 else c == 0
+        scores = np.where(hit, np.float64(np.float32(spec.fill_value)), scores)
     if sk == 0:
         return np.zeros((batch, sq, h * spec.dv), np.float64)
     with np.errstate(invalid="ignore"):

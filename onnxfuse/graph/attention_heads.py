@@ -223,9 +223,14 @@ def broadcast_dims(a: list | None, b: list | None) -> list | None:
     return out
 
 
-def mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, pinned: bool) -> bool:
+def mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, pinned: bool,
+              keys_checked: bool = False) -> bool:
     """Whether the additive mask (a tensor, or the pair of terms the node reads summed) is
-    float32 of rank <= 4 and provably broadcasts to `target` [B, H, Sq, Sk] without growing it."""
+    float32 of rank <= 4 and provably broadcasts to `target` [B, H, Sq, Sk] without growing it.
+    keys_checked: v's key length is provably k's, so a term that grew the key axis (Sk = 1, the
+    term's X > 1) makes MatMul(P [.., X], v [.., 1, dv]) fail in the original, as any other
+    mismatch there makes its Add fail: the key axis needs no proof (the kernel's broadcast check
+    fails in those runs too)."""
     terms = mask if isinstance(mask, tuple) else (mask,)
     if any(t.dtype != np.float32 for t in terms):
         return False
@@ -240,4 +245,5 @@ def mask_fits(mask: gs.Tensor | tuple, target: list, shapes: facts.ShapeTable, p
     # Add succeeds never grows the scores: 1, the same dim, or the slice of a causal constant to
     # the sequence, min(S, C), against S (where S > C the original fails, and so does the
     # kernel's broadcast check).
-    return all(m == 1 or (t is not None and broadcast_dim(m, t) == t) for m, t in zip(md[::-1], target[::-1]))
+    return all(m == 1 or (t is not None and broadcast_dim(m, t) == t) or (keys_checked and i == 0)
+               for i, (m, t) in enumerate(zip(md[::-1], target[::-1])))

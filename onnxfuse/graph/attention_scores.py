@@ -398,3 +398,50 @@ def rewrite_merged(graph: gs.Graph, m, nodes: list, inputs: list, attrs: dict, c
     nodes[at:at] = made
     attrs["fill_mode"] = mode
     attrs["fill_value"] = fill.value
+
+
+def identity_view(graph: gs.Graph, t: gs.Tensor, q: gs.Tensor, q_first: bool, shapes) -> tuple[gs.Node, list] | None:
+    """(view, Shapes) when t = MatMul(P, v) [B, H, Sq, dv] is read by one Reshape whose target is
+    provably t's own dims and otherwise by Shape nodes alone (t not a graph output): each entry
+    equal to its dim, Sq read as q's (q [B, S, H*d], or [B, H, S, d] when q_first; the scores'
+    rows are q's unless a term broadcast them up, which a pinned merge makes fail in the original),
+    and at most one -1, which is then the remaining dim. GPT-2's decode step reshapes MatMul(P, v)
+    to [Shape(it)[0], -1, Sq, dv] before its Transpose."""
+    plumbing: list = []
+    view = _sole_reader(graph, t, plumbing)
+    if not gu.is_op(view, "Reshape") or len(view.inputs) != 2 or view.inputs[0] is not t:
+        return None
+    ev = ShapeEvaluator(graph, shapes)
+    d, qd, target = ev.dim_symbols(t), ev.dim_symbols(q), _target(ev, view, 4)
+    if d is None or qd is None or len(d) != 4 or len(qd) != (4 if q_first else 3) or target is None:
+        return None
+    d = [d[0], d[1], qd[2 if q_first else 1], d[3]]
+    free = [i for i, e in enumerate(target) if e == (-1, ())]
+    if len(free) > 1 or any(e != x for i, (e, x) in enumerate(zip(target, d)) if i not in free):
+        return None
+    return view, plumbing
+
+
+def pins_rows_by_value(graph: gs.Graph, merge: gs.Node, q: gs.Tensor, q_first: bool, out_width: int,
+                       shapes) -> bool | None:
+    """Whether the merge Reshape's target, computed (not constant), is provably [B, Sq, H*dv]: its
+    first two entries each q's batch or sequence dim (q [B, S, H*d], or [B, H, S, d] when
+    q_first) or the merge input's own dim there (a copy, as 0 is), and H*dv or -1 last. True when
+    B and Sq are q's and H*dv is last (fixed by value, not copied from the attention output that a
+    term broadcast could have grown, nor taken up by -1); False when it copies or ends in -1; None
+    when not provable."""
+    ev = ShapeEvaluator(graph, shapes)
+    target, d, own = _target(ev, merge, 3), ev.dim_symbols(q), ev.dim_symbols(merge.inputs[0])
+    if target is None or d is None or len(d) != (4 if q_first else 3) or own is None or len(own) != 4:
+        return None
+    if int(gu.attr(merge, "allowzero", 0)) or target[2] not in ((out_width, ()), (-1, ())):
+        return None
+    rows = (d[0], d[2 if q_first else 1])
+    if any(target[i] != rows[i] and target[i] != own[i] for i in (0, 1)):
+        return None
+    return target[0] == rows[0] and target[1] == rows[1] and target[2] == (out_width, ())
+
+
+def feeds_only(graph: gs.Graph, shapes: list, views: list) -> bool:
+    """Whether the Shape nodes feed nothing but the targets of `views` (Reshapes), through any plumbing."""
+    return _feeds_only(graph, shapes, [(v, False) for v in views])

@@ -85,9 +85,11 @@ def form(a: dict, n_inputs: int, n_outputs: int) -> str:
         parts.append("causal")
     if int(a.get("nan_to_zero", 0)):
         parts.append("nan_to_zero")
-    first = int(a.get("heads_first", 0))
+    first, merged = int(a.get("heads_first", 0)), int(a.get("heads_merged", 0))
     if first:
         parts.append("heads first " + ",".join(n for i, n in enumerate("qkv") if first >> i & 1))
+    if merged:
+        parts.append("[B*H, S, d] " + ",".join(n for i, n in enumerate("qkv") if merged >> i & 1))
     parts.append(f"scale={float(a.get('scale', 1.0)):.4g}")
     return " ".join(parts)
 

@@ -56,7 +56,8 @@ def test_generated_kernel_alone_matches_its_numpy_model_and_direct_attention(run
         dev["bias"] = runner.to_device(feeds["bias"])
         bias_ptr = dev["bias"][1]
     out, out_ptr = runner.empty((case.batch, case.sq, case.heads * case.dv), np.float32)
-    args = struct.pack("<13q", *ptrs, mask_ptr, bias_ptr, out_ptr, case.batch, case.sq, case.sk, *strides)
+    args = struct.pack("<18q", *ptrs, mask_ptr, bias_ptr, out_ptr, case.batch, case.sq, case.sk, *strides,
+                       0, 0, 0, 0, 0)  # ABI 3: no fill condition
     runner.launch(fn, kernel.grid(case.batch, case.sq), kernel.threads, args)
     got = runner.to_host(out)
     if case.packed:
@@ -185,3 +186,26 @@ def test_optimized_gpt_stack_runs_attention_on_our_cuda_kernel_and_matches_onnxr
         assert_close(got, want, f"gpt_stack {dims}")
     providers = profiled_node_providers(cuda_ort, optimized, feeds, tmp_path)
     assert [p for op, p in providers if op == "Attention"] == ["CUDAExecutionProvider"] * 4, providers
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(term=False), dict(fill_branch="fill_second", not_cond=False)],
+                         ids=["term_fill", "fill", "keep_second"])
+def test_deberta_form_on_cuda_matches_the_original_on_the_cpu_provider(cuda_ort, variant, tmp_path):
+    # 3-D attention over batch*heads with DeBERTa's [B*H, Sq, Sk] term and Where(Not(keep),
+    # -FLT_MAX, s), fully masked rows included (uniform probabilities): the generated kernel's
+    # heads_merged, mask_merged_heads and fill_mode forms.
+    from test_pass_attention_merged import feeds as merged_feeds
+    from test_pass_attention_merged import merged_model
+
+    from onnxfuse.runtime import make_session
+
+    original = merged_model(**variant)
+    optimized = optimize_like_the_cli(original, {})
+    assert "Softmax" not in [n.op_type for n in optimized.graph.node]
+    sess = cuda_session(cuda_ort, optimized, with_library=True)
+    for b, s in ((2, 6), (1, 1), (3, 2)):
+        feeds = merged_feeds(b, s, seed=b)
+        want = make_session(original, with_library=False).run(None, feeds)[0]
+        assert_attention_close(sess.run(None, feeds)[0], want, f"batch {b}, seq {s}")
+    providers = profiled_node_providers(cuda_ort, optimized, merged_feeds(2, 6), tmp_path)
+    assert ("Attention", "CUDAExecutionProvider") in providers, providers
