@@ -11,9 +11,22 @@ remove-dropout
     condition: inference mode (training_mode absent or constant false; is_test=1 before opset 7),
                the mask output unused
     rewrite:   as Identity
+
+cast-round-trip-outer-scope
+    match:     Cast(Cast(x, to=U), to=T) -> y, x of type T with no producer (a graph input or
+               an initializer), U a type that holds every value of T (T -> U -> T is exact)
+    condition: y is read by a subgraph (If, Loop, Scan) from the outer scope, and is no graph output
+    rewrite:   readers of y read x
+    why:       onnxruntime (1.32, every optimization level) removes such a pair itself and, when x
+               has no producer, rewires y's readers without renaming y inside their subgraphs: the
+               subgraph then fails with "Missing Input: y". A pass that drops a no-op node before
+               the first Cast (a full-range Slice, an Identity) would otherwise write this form;
+               it runs before pointwise fusion, whose inlined fallback would hold the pair.
 """
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
@@ -48,6 +61,57 @@ DROPOUT = Rule("remove-dropout", op.Dropout(x, ANY, ANY, _outputs=None), rewrite
                condition=_dropout_in_inference)
 
 
+# Element types by (kind, bits): a Cast from T to U and back is exact when U holds every value of T.
+_KIND = {"b": "bool", "i": "int", "u": "uint", "f": "float"}
+
+
+def _holds_all(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether every value of element type `src` is a value of `dst` (so src -> dst -> src is
+    the identity): bool into anything numeric, integers into wider integers of a range that
+    covers them or floats whose significand holds them, floats into wider floats."""
+    a, b = _KIND.get(src.kind), _KIND.get(dst.kind)
+    bits_a, bits_b = src.itemsize * 8, dst.itemsize * 8
+    if a is None or b is None or src == dst:
+        return False
+    if a == "bool":
+        return True
+    if b == "float":
+        significand = {16: 11, 32: 24, 64: 53}.get(bits_b, 0)
+        return (a == "float" and bits_b > bits_a) or (a in ("int", "uint") and bits_a + (a == "uint") <= significand)
+    if a == "float" or b == "bool":
+        return False
+    return bits_b > bits_a if (a == b or a == "uint") else False
+
+
+def _np_type(t) -> np.dtype | None:
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t) if isinstance(t, int) else t)
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def collapse_outer_scope_cast_round_trips(graph: gs.Graph, ctx: Context) -> int:
+    local = {id(n) for n in graph.nodes}
+    count = 0
+    for node in list(graph.nodes):
+        if not gu.is_op(node, "Cast") or not node.inputs or not node.outputs:
+            continue
+        first = gu.producer(node.inputs[0])
+        if not gu.is_op(first, "Cast") or not first.inputs or gu.producer(first.inputs[0]) is not None:
+            continue
+        x, mid, y = first.inputs[0], node.inputs[0], node.outputs[0]
+        t, u, back = _np_type(x.dtype), _np_type(gu.attr(first, "to")), _np_type(gu.attr(node, "to"))
+        if any(v is None for v in (t, u, back)) or back != t or not _holds_all(t, u) or gu.is_graph_output(graph, y) \
+                or gu.is_graph_output(graph, mid):
+            continue
+        if not any(id(reader) not in local for reader in y.outputs):
+            continue
+        gu.replace_uses(y, x)
+        gu.disconnect(node)
+        count += 1
+    return count
+
+
 def remove_identity(graph: gs.Graph, ctx: Context) -> int:
     return rules.apply(graph, [IDENTITY], ctx.explainer)
 
@@ -59,4 +123,7 @@ def remove_dropout(graph: gs.Graph, ctx: Context) -> int:
 PASSES = [
     Pass("remove-identity", 100, "drop Identity nodes (graph output names kept)", remove_identity),
     Pass("remove-dropout", 105, "drop inference-mode Dropout whose mask is unused", remove_dropout),
+    Pass("cast-round-trip-outer-scope", 490,
+         "an exact Cast round trip of a graph input read by a subgraph reads the input (runs in onnxruntime)",
+         collapse_outer_scope_cast_round_trips),
 ]
