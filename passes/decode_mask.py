@@ -205,10 +205,13 @@ def _causal_proved(m: Match, graph: gs.Graph, shapes: facts.ShapeTable):
     return True
 
 
-def _drop_and(graph: gs.Graph, m: Match) -> bool:
-    gu.replace_uses(m.output, m["y"])
-    gu.disconnect(m.root)
-    return True
+def _readers_read(name: str):
+    """A rewrite dropping the matched root: its readers read the bound tensor `name` instead."""
+    def rewrite(graph: gs.Graph, m: Match) -> bool:
+        gu.replace_uses(m.output, m[name])
+        gu.disconnect(m.root)
+        return True
+    return rewrite
 
 
 def _arange(t: gs.Tensor):
@@ -399,12 +402,6 @@ def _expands_nothing(m: Match, graph: gs.Graph, shapes: facts.ShapeTable, known:
     return True
 
 
-def _drop_expand(graph: gs.Graph, m: Match) -> bool:
-    gu.replace_uses(m.output, m["x"])
-    gu.disconnect(m.root)
-    return True
-
-
 class _LazyDims:
     """Values of shape tensors over the dims refined with shape_values.refined_dims, worked out
     when a candidate first asks (they cost shape inference rounds a model without one skips)."""
@@ -560,12 +557,12 @@ def decode_mask(graph: gs.Graph, ctx: Context) -> int:
     explain = ctx.explainer
     padding_explain = None if explain is None else (
         lambda node, why: explain(node, why) if _padding_candidate(node) else None)
-    done = apply(graph, [Rule("decode-mask/causal", CAUSAL, _drop_and,
+    done = apply(graph, [Rule("decode-mask/causal", CAUSAL, _readers_read("y"),
                               lambda m, g: _causal_proved(m, g, shapes), private=False)], explain)
     done += apply(graph, [Rule(f"decode-mask/padding/{name}", pattern, lambda g, m: _slice_rows(g, m, shapes, known),
                                lambda m, g: _padding_grid(m, g, shapes, ev), private=False)
                           for name, pattern in PADDING.items()], padding_explain)
-    done += apply(graph, [Rule("decode-mask/expand", NOOP_EXPAND, _drop_expand,
+    done += apply(graph, [Rule("decode-mask/expand", NOOP_EXPAND, _readers_read("x"),
                                lambda m, g: _expands_nothing(m, g, shapes, known), private=False)], explain)
     if done:
         gu.cleanup(graph)

@@ -85,9 +85,9 @@ def test_optimize_keeps_weights_on_disk_and_spills_new_ones(llama, tmp_path):
     np.testing.assert_allclose(run_file(out), run_file(llama), rtol=1e-5, atol=1e-5)
 
 
-def test_save_streams_references_into_the_data_file(llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(modelsave, "INLINE_REFERENCED_MAX", 1024)  # as if the weights were gigabytes
-    model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
+def _serialized_sizes(monkeypatch) -> list[int]:
+    """The size of every message serialized from now on (a model holding its weights shows as one
+    the size of the weights)."""
     serialized = []
     real = onnx.ModelProto.SerializeToString
 
@@ -97,6 +97,13 @@ def test_save_streams_references_into_the_data_file(llama, tmp_path, monkeypatch
         return data
 
     monkeypatch.setattr(onnx.ModelProto, "SerializeToString", spy)
+    return serialized
+
+
+def test_save_streams_references_into_the_data_file(llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(modelsave, "INLINE_REFERENCED_MAX", 1024)  # as if the weights were gigabytes
+    model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
+    serialized = _serialized_sizes(monkeypatch)
     out = tmp_path / "out.onnx"
     written = save_model(model, out)
     assert len(written) == 2 and written[0] == str(out)
@@ -153,15 +160,7 @@ def test_profile_holds_external_weights_by_reference(llama, monkeypatch):
 
     from onnxfuse.cli import main
 
-    serialized = []
-    real = onnx.ModelProto.SerializeToString
-
-    def spy(self, *args, **kwargs):
-        data = real(self, *args, **kwargs)
-        serialized.append(len(data))
-        return data
-
-    monkeypatch.setattr(onnx.ModelProto, "SerializeToString", spy)
+    serialized = _serialized_sizes(monkeypatch)
     result = CliRunner().invoke(main, ["profile", str(llama), "--runs", "1", "--warmup", "0", "--profile-runs", "1"])
     assert result.exit_code == 0, result.output
     assert "kernels / inference" in result.output
