@@ -231,6 +231,16 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
                 right_finite = (~np.isfinite(theirs) & np.isfinite(truth) & np.isfinite(ours)
                                 & (np.abs(ours - truth) <= atol + rtol * np.abs(truth)))
                 right_special |= right_finite
+                # ... or within what the exact result is determined to: where it moves by S when the
+                # inputs move by rounding noise (the Cos of 1.66e38, whose argument the float64
+                # evaluation computes without the float32 overflow to inf that gives onnxruntime
+                # its NaN: seed 9372421), it is known only to within S of the values it took.
+                unexplained = ~np.isfinite(theirs) & np.isfinite(truth) & np.isfinite(ours) & ~right_finite
+                if unexplained.any():
+                    low, high = _exact_span(model, feeds, dtype, name, truth)
+                    spread = high - low
+                    right_special |= (unexplained & (spread > atol + rtol * np.abs(truth))
+                                      & (low - spread <= ours) & (ours <= high + spread))
                 sign_of_zero = (ours == 0) & (theirs == 0)
             open_[name] = open_[name] & ~((as_close & ~sign_of_zero) | right_special)
             if not open_[name].any():
@@ -254,6 +264,20 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
     return (f"a deterministic difference at {int(mask.sum())} position(s) of output {name}, e.g. element {i}:"
             f" {got[name].reshape(-1)[i]!r} where onnxruntime gives {ref[name].reshape(-1)[i]!r}, unchanged when"
             " the inputs move by a few ulps, and not closer to the float64 result")
+
+
+def _exact_span(model: onnx.ModelProto, feeds: dict, dtype, name: str, truth: np.ndarray):
+    """The lowest and highest finite float64 value of output `name` over the original's exact
+    results on its feeds and on the feeds moved by rounding noise (a move may overflow an input)."""
+    seen = [np.asarray(truth, np.float64)]
+    for moved in perturbed_feeds(feeds, dtype):
+        exact = _float64_outputs(model, moved)
+        if exact is not None and name in exact:
+            seen.append(np.asarray(exact[name]).astype(np.float64))
+    stacked = np.stack(seen)
+    finite = np.isfinite(stacked)
+    with np.errstate(all="ignore"):
+        return (np.where(finite, stacked, np.inf).min(axis=0), np.where(finite, stacked, -np.inf).max(axis=0))
 
 
 # Operators with a jump (a discontinuity): a value within rounding noise of it may land on either
