@@ -354,6 +354,16 @@ def test_refreshing_shapes_refines_a_vague_graph_output_and_keeps_what_it_declar
     assert z.shape == ["n", 1]
 
 
+def test_seed_whose_output_rows_only_inference_names_is_optimized_in_one_run():
+    """seed 9381154: Cast(Cast(MatMul(Relu(x), W[7, 4]))) is an output declared [?, ?], x of
+    unknown rank until common-subexpression elimination makes the MatMul read a declared output.
+    Inference then knows the output as [unk, 4], the MatMul's rows by the same name, but the
+    output kept None for its rows: the pointwise pass could not prove the Cast pair's output the
+    shape it iterates, and only a second optimize fused it (14 nodes after one run, 13 after two)."""
+    outcome = fuzz.run_case(9381154)
+    assert outcome.status == "ok", outcome.message
+
+
 def test_seed_whose_exact_result_is_ill_conditioned_where_onnxruntime_overflows_is_explained():
     """seed 9372421: Cos(-(MatMul(1.43 x, W) + b)) with x[0] the largest float. onnxruntime runs the
     original's MatMul and Add as a Gemm on 1.43 x = inf: NaN. Once the Add is in a fused region it
@@ -363,6 +373,24 @@ def test_seed_whose_exact_result_is_ill_conditioned_where_onnxruntime_overflows_
     outcome = fuzz.run_case(9372421)
     assert outcome.status == "tie", outcome.message
     assert "or by the float64 result" in outcome.message
+
+
+def test_refreshing_shapes_names_an_unknown_output_dim_as_the_values_it_is_computed_from():
+    import onnx_graphsurgeon as gs
+
+    from onnxfuse.graph.facts import refresh_shapes
+
+    x = gs.Variable("x", np.float32, None)
+    w = gs.Constant("w", np.ones((7, 4), np.float32))
+    y = gs.Variable("y", np.float32, [None, None])  # declared, vaguely
+    h = gs.Variable("h", None, None)
+    z = gs.Variable("z", np.float32, [None, None])
+    graph = gs.Graph(nodes=[gs.Node("Relu", inputs=[x], outputs=[y]), gs.Node("MatMul", inputs=[y, w], outputs=[h]),
+                            gs.Node("Neg", inputs=[h], outputs=[z])],
+                     inputs=[x], outputs=[y, z], opset=17)
+    refresh_shapes(graph)
+    assert h.shape[1] == 4 and isinstance(h.shape[0], str)
+    assert z.shape == h.shape  # one name for one size, where None would say nothing
 
 
 def test_a_zero_of_either_sign_from_a_max_or_min_of_opposite_zeros_is_explained_downstream():

@@ -257,22 +257,32 @@ def refresh_shapes(graph: gs.Graph) -> None:
         if tt is not None and tt.HasField("shape"):
             tensors[name].shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                                    for d in tt.shape.dim]
+    # An unknown dim (None) that inference names (unk__N) takes the name: it says which dims are
+    # equal (an output the same size as the values it is computed from), where None says nothing
+    # and left the pointwise pass unable to fuse what a second optimize fused (fuzz seed 9381154).
+    named: list[tuple[gs.Tensor, int]] = []
     for name, shape in vague.items():
         new = tensors[name].shape
         if new is None or len(new) != len(shape):
             tensors[name].shape = shape
             continue
-        tensors[name].shape = [o if _vague([d]) or not _vague([o]) else d for o, d in zip(shape, new)]
-    if filled:
+        tensors[name].shape = [o if (_vague([d]) and o is not None) or not _vague([o]) else d for o, d in zip(shape, new)]
+        named += [(tensors[name], i) for i, (o, d) in enumerate(zip(shape, new)) if o is None and _made_up(d)]
+    if filled or named:
         new = {id(t) for t in filled}
         used = {d for t in gu.tensor_map(graph).values() if isinstance(t, gs.Variable) and t.shape
-                and id(t) not in new for d in t.shape if isinstance(d, str)}
+                and id(t) not in new for i, d in enumerate(t.shape) if isinstance(d, str) and (t, i) not in named}
         fresh = (f"unk__{i}" for i in itertools.count() if f"unk__{i}" not in used)
         for t in filled:
             for d in t.shape:
                 if _made_up(d) and d in used and d not in renamed:
                     renamed[d] = next(fresh)
             t.shape = [renamed.get(d, d) if _made_up(d) and d in used else d for d in t.shape]
+        for t, i in named:  # this run's name, in the namespace the filled tensors now use
+            d = t.shape[i]
+            if d in used and d not in renamed:
+                renamed[d] = next(fresh)
+            t.shape = [renamed.get(d, d) if k == i and d in used else v for k, v in enumerate(t.shape)]
 
 
 def _made_up(d) -> bool:
