@@ -167,11 +167,17 @@ ONNXFUSE_INLINE float sigmoid_f32(float x) {
   return num / (1.0f + e);
 }
 
-// erf(x) = x P(x^2) / Q(x^2) for |x| <= 4, one rational fitted for the AVX2 build (relative error
-// 6.5e-8 before rounding, within 6 ulps in float32); |x| is clamped to 4, where it reaches 1.
-constexpr float kErfP[7] = {1.9111043414e-08f, -1.9423230242e-06f, 1.4728694805e-04f, 3.9905770682e-03f,
-                            5.1524884999e-02f, 2.0712527633e-01f, 1.1283791065e+00f};
-constexpr float kErfQ[5] = {1.0211149929e-03f, 1.4958074316e-02f, 1.1797075719e-01f, 5.1689124107e-01f, 1.0f};
+// erf(x) = x H(x^2 / 4.5 - 1) for |x| < 3, evaluated in double: H of degree 18 (power form of a
+// Chebyshev fit of erf(x) / x on x^2 in [0, 9]), relative error 1.2e-13, so the float32 result is
+// erf correctly rounded but within 2e-6 ulps of a midpoint. A float32 rational was within
+// 6 ulps, which a Pow of a value near 0 raised to an erf amplifies 87-fold (fuzz seed 9366658).
+constexpr int kErfHDegree = 18;
+constexpr double kErfH[kErfHDegree + 1] = {
+    0.47013182472159265,     -0.2287983322310371,     0.15749669387980966,    -0.11009416191186082,
+    0.07253517337770865,     -0.043864160405738345,   0.0241456909540396,     -0.0120946989529372,
+    0.005530244279120697,    -0.0023187688516154723,  0.0008958909081988671,  -0.0003204397840384968,
+    0.00010664297054821486,  -3.326623502114925e-05,  9.693625560581116e-06,  -2.5552484703141132e-06,
+    6.642310746433439e-07,   -2.1500982829918985e-07, 4.9517264400503856e-08};
 // erf(x) for |x| >= 3, within 370 ulps of 1, where a few ulps decide whether it is exactly +-1
 // (which a Pow with a negative base or a Ceil turns into a jump: fuzz seed 13516): 1 - erfc(|x|),
 // erfc(a) = exp(-a^2) G(a - 3.5) with G of degree 5 fitted to erfc(a) exp(a^2) on [3, 4]

@@ -208,21 +208,29 @@ ONNXFUSE_INLINE void log_n(V* x) {
   }
 }
 
-// erf(x) = x P(x^2) / Q(x^2) for |x| <= 4 (num::kErfP, kErfQ: one rational fitted for this
-// file, relative error 6.5e-8 before rounding, within 6 ulps evaluated in float32); |x| is clamped
-// to 4, where erf rounds to 1 in float32 (past 3.92), and the result to 1. From |x| = 3 on it is
-// 1 - exp(-x^2) G(|x|) instead (num::kErfcG), rounded once: exactly 1 where erf rounds to 1.
+// erf(x) = x H(x^2 / 4.5 - 1) for |x| < 3 (num::kErfH), each half of the lanes in double and
+// rounded once to float32: erf correctly rounded. From |x| = 3 on it is 1 - exp(-x^2) G(|x|)
+// instead (num::kErfcG), rounded once: exactly 1 where erf rounds to 1 (past 3.92). |x| is clamped
+// to 4 first.
 template <int N>
 ONNXFUSE_INLINE void erf_n(V* x) {
   const V sign = splat(-0.0f);
   V a[N], z[N], p[N], q[N];
   ONNXFUSE_EACH a[i] = min_keep_nan(4.0f, _mm256_andnot_ps(sign, x[i]));
   ONNXFUSE_EACH z[i] = _mm256_mul_ps(a[i], a[i]);
-  ONNXFUSE_EACH p[i] = _mm256_fmadd_ps(splat(num::kErfP[0]), z[i], splat(num::kErfP[1]));
-  ONNXFUSE_EACH q[i] = _mm256_fmadd_ps(splat(num::kErfQ[0]), z[i], splat(num::kErfQ[1]));
-  for (int k = 2; k < 7; ++k) ONNXFUSE_EACH p[i] = _mm256_fmadd_ps(p[i], z[i], splat(num::kErfP[k]));
-  for (int k = 2; k < 5; ++k) ONNXFUSE_EACH q[i] = _mm256_fmadd_ps(q[i], z[i], splat(num::kErfQ[k]));
-  ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_div_ps(_mm256_mul_ps(a[i], p[i]), q[i]));
+  // Both halves of every vector at once: the 2N Horner chains are independent, so their FMAs
+  // overlap instead of each waiting on the one before.
+  __m256d d[2 * N], u[2 * N], h[2 * N];
+  ONNXFUSE_EACH d[2 * i] = _mm256_cvtps_pd(_mm256_castps256_ps128(a[i]));
+  ONNXFUSE_EACH d[2 * i + 1] = _mm256_cvtps_pd(_mm256_extractf128_ps(a[i], 1));
+  for (int j = 0; j < 2 * N; ++j) {
+    u[j] = _mm256_fmadd_pd(_mm256_mul_pd(d[j], d[j]), _mm256_set1_pd(1.0 / 4.5), _mm256_set1_pd(-1.0));
+    h[j] = _mm256_set1_pd(num::kErfH[num::kErfHDegree]);
+  }
+  for (int k = num::kErfHDegree - 1; k >= 0; --k)
+    for (int j = 0; j < 2 * N; ++j) h[j] = _mm256_fmadd_pd(h[j], u[j], _mm256_set1_pd(num::kErfH[k]));
+  ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(d[2 * i + 1], h[2 * i + 1])),
+                                                         _mm256_cvtpd_ps(_mm256_mul_pd(d[2 * i], h[2 * i]))));
   V far[N], any = _mm256_setzero_ps();
   ONNXFUSE_EACH far[i] = _mm256_cmp_ps(a[i], splat(num::kErfTailFrom), _CMP_GE_OQ);  // NaN: no
   ONNXFUSE_EACH any = _mm256_or_ps(any, far[i]);

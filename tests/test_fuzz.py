@@ -354,6 +354,15 @@ def test_refreshing_shapes_refines_a_vague_graph_output_and_keeps_what_it_declar
     assert z.shape == ["n", 1]
 
 
+def test_seed_whose_pow_amplifies_an_erf_ulp_matches_onnxruntime():
+    """seed 9366658: Pow(PRelu(erf(x), s), erf(x)) with s = -1.18e-38: a base near 1e-38 raised to
+    an erf near -0.95, which multiplies erf's relative error by |log(base)| = 87. The AVX2 erf was
+    within 6 ulps (onnxruntime's within 1): 1.7589761e36 where the exact result is 1.7589672e36.
+    erf is now correctly rounded."""
+    outcome = fuzz.run_case(9366658)
+    assert outcome.status == "ok", outcome.message
+
+
 def test_seed_whose_output_rows_only_inference_names_is_optimized_in_one_run():
     """seed 9381154: Cast(Cast(MatMul(Relu(x), W[7, 4]))) is an output declared [?, ?], x of
     unknown rank until common-subexpression elimination makes the MatMul read a declared output.
