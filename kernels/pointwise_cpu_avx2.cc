@@ -220,17 +220,19 @@ ONNXFUSE_INLINE void erf_n(V* x) {
   ONNXFUSE_EACH z[i] = _mm256_mul_ps(a[i], a[i]);
   // Both halves of every vector at once: the 2N Horner chains are independent, so their FMAs
   // overlap instead of each waiting on the one before.
-  __m256d d[2 * N], u[2 * N], h[2 * N];
-  ONNXFUSE_EACH d[2 * i] = _mm256_cvtps_pd(_mm256_castps256_ps128(a[i]));
-  ONNXFUSE_EACH d[2 * i + 1] = _mm256_cvtps_pd(_mm256_extractf128_ps(a[i], 1));
+  auto half = [&a](int j) {
+    return _mm256_cvtps_pd(j % 2 ? _mm256_extractf128_ps(a[j / 2], 1) : _mm256_castps256_ps128(a[j / 2]));
+  };
+  __m256d u[2 * N], h[2 * N];
   for (int j = 0; j < 2 * N; ++j) {
-    u[j] = _mm256_fmadd_pd(_mm256_mul_pd(d[j], d[j]), _mm256_set1_pd(1.0 / 4.5), _mm256_set1_pd(-1.0));
+    const __m256d d = half(j);
+    u[j] = _mm256_fmadd_pd(_mm256_mul_pd(d, d), _mm256_set1_pd(1.0 / 4.5), _mm256_set1_pd(-1.0));
     h[j] = _mm256_set1_pd(num::kErfH[num::kErfHDegree]);
   }
   for (int k = num::kErfHDegree - 1; k >= 0; --k)
     for (int j = 0; j < 2 * N; ++j) h[j] = _mm256_fmadd_pd(h[j], u[j], _mm256_set1_pd(num::kErfH[k]));
-  ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(d[2 * i + 1], h[2 * i + 1])),
-                                                         _mm256_cvtpd_ps(_mm256_mul_pd(d[2 * i], h[2 * i]))));
+  ONNXFUSE_EACH p[i] = min_keep_nan(1.0f, _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(half(2 * i + 1), h[2 * i + 1])),
+                                                         _mm256_cvtpd_ps(_mm256_mul_pd(half(2 * i), h[2 * i]))));
   V far[N], any = _mm256_setzero_ps();
   ONNXFUSE_EACH far[i] = _mm256_cmp_ps(a[i], splat(num::kErfTailFrom), _CMP_GE_OQ);  // NaN: no
   ONNXFUSE_EACH any = _mm256_or_ps(any, far[i]);
@@ -342,8 +344,11 @@ ONNXFUSE_INLINE void apply_stage(const StageLoop& c, V* x, int64_t j, __m256i ma
 // others four). The functions are bound by the throughput of the floating-point ports, not by
 // latency or the divider, so more vectors at a time, Estrin's scheme for the polynomials or a
 // reciprocal estimate in place of the division all ran slower (bench/results/cpu_kernel_design.md).
+#ifndef ERF_G
+#define ERF_G 4
+#endif
 template <ChainStage::Kind Kind>
-constexpr int unary_group() { return Kind == ChainStage::Erf || Kind == ChainStage::Tanh ? 2 : 4; }
+constexpr int unary_group() { return Kind == ChainStage::Tanh ? 2 : Kind == ChainStage::Erf ? ERF_G : 4; }
 
 // out[0..m) = the elementary function Kind of in[0..m): unary_group vectors at a time, then
 // single vectors, then the rest through masked loads and stores (lanes past the end read nothing:

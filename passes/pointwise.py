@@ -19,7 +19,9 @@ condition
     - the region pays: at least 2 ops that compute something, or 1 op and a Slice/Split that
       disappears, or 1 op that would otherwise go into a fusion of onnxruntime that is slower
       on the target (PREEMPT in onnxfuse/graph/ort_fusions.py: SkipLayerNormalization on the
-      CPU) while the other regions save the kernel that costs;
+      CPU) while the other regions save the kernel that costs; one op more for each op whose
+      kernel is slower than onnxruntime's on the target (EXTRA_WORK: the CPU's correctly rounded
+      Erf);
     - the target policy (POLICY in onnxfuse/graph/ort_fusions.py): ops that onnxruntime fuses
       into its own kernels (FusedConv, Gemm, LayerNormalization, Gelu...), or runs in place in
       its NCHWc layout, are left to it; the LayerNormalization and GELU rules only where the
@@ -39,17 +41,21 @@ from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.ort_fusions import preempted_from_runtime, reserved_for_runtime
 from onnxfuse.graph.index import GraphIndex
 from onnxfuse.graph.patterns import VIEW_OPS
-from onnxfuse.ops.pointwise import MIN_WORK, OP
+from onnxfuse.ops.pointwise import EXTRA_WORK, MIN_WORK, OP
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.regions import Analysis, Region, build_regions, work
 
 
-def pays(a: Analysis, r: Region, fused: set[int]) -> bool:
+def pays(a: Analysis, r: Region, fused: set[int], extra: dict[str, int]) -> bool:
     """At least two ops that compute, or one and a Slice/Split that disappears, or one that a
-    slower fusion of onnxruntime would otherwise take (PREEMPT)."""
+    slower fusion of onnxruntime would otherwise take (PREEMPT); `extra` more ops for each op of
+    the region whose kernel is slower than onnxruntime's (EXTRA_WORK of the target's provider)."""
     if _copies_its_input(r):
         return False
     work_ops = work(r)
+    needed = sum(extra.get(n.op, 0) for n in r.members.values())
+    if needed and work_ops < MIN_WORK + needed:
+        return False
     if work_ops >= MIN_WORK:
         return True
     if work_ops == 0:
@@ -118,9 +124,10 @@ def run(graph: gs.Graph, ctx: Context) -> int:
     # Decide which regions pay; a region whose only work is one op pays when a Slice/Split
     # it reads disappears, which needs every reader of that Slice/Split fused.
     chosen = [r for r in regions if work(r) >= 1]
+    extra = EXTRA_WORK.get(ctx.target.provider, {})
     while True:
         fused = {k for r in chosen for k in r.members}
-        keep = _within_kernel_budget([r for r in chosen if pays(a, r, fused)], a)
+        keep = _within_kernel_budget([r for r in chosen if pays(a, r, fused, extra)], a)
         if len(keep) == len(chosen):
             break
         chosen = keep
