@@ -340,15 +340,13 @@ ONNXFUSE_INLINE void apply_stage(const StageLoop& c, V* x, int64_t j, __m256i ma
 
 // Vectors an elementary function takes at once (the N of the functions above): more independent
 // chains per step keep the ports busier until their temporaries no longer fit in the sixteen
-// vector registers (erf, with two polynomials, and tanh between add/mul stages fit two; the
-// others four). The functions are bound by the throughput of the floating-point ports, not by
-// latency or the divider, so more vectors at a time, Estrin's scheme for the polynomials or a
-// reciprocal estimate in place of the division all ran slower (bench/results/cpu_kernel_design.md).
-#ifndef ERF_G
-#define ERF_G 4
-#endif
+// vector registers (tanh, between add/mul stages, fits two; the others four: erf's eight double
+// chains ran faster than four or twelve). The functions are bound by the throughput of the
+// floating-point ports, not by latency or the divider, so more vectors at a time, Estrin's scheme
+// for the polynomials or a reciprocal estimate in place of the division all ran slower
+// (bench/results/cpu_kernel_design.md).
 template <ChainStage::Kind Kind>
-constexpr int unary_group() { return Kind == ChainStage::Tanh ? 2 : Kind == ChainStage::Erf ? ERF_G : 4; }
+constexpr int unary_group() { return Kind == ChainStage::Tanh ? 2 : 4; }
 
 // out[0..m) = the elementary function Kind of in[0..m): unary_group vectors at a time, then
 // single vectors, then the rest through masked loads and stores (lanes past the end read nothing:
