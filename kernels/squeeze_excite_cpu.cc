@@ -114,21 +114,17 @@ struct Job {
   float* gates;  // [N, C]
 };
 
-// The kernel's loops, inlined into a baseline and an AVX2 + FMA build of each (below): channel i
-// of all N * C with its input activation stored in Y (or X read as it is) and its mean; one image's
+// The kernel's loops, inlined into a baseline and an AVX2 + FMA build of each (below): a task's
+// channels of all N * C with their input activation stored in Y (or X read as it is) and their
+// means; one image's
 // two 1x1 convolutions; channel i scaled by its gate. Sums run in kLanes independent lanes, which
 // the compiler keeps in vector registers.
 constexpr int kLanes = 16;
 
+// Channel i's mean, of Y when the input activation was stored there, else of X.
 ONNXFUSE_INLINE void squeeze_channel(Job* job, int64_t i) {
   const int64_t hw = job->hw;
-  const float* x = job->x + i * hw;
-  float* y = job->y + i * hw;
-  const SqueezeExciteKernel* k = job->k;
-  if (k->input_act.kind == Activation::Kind::Silu) {  // stored in Y, the values the block scales
-    silu(k->input_act.ins, k->apply, x, y, hw);
-    x = y;
-  }
+  const float* x = (job->k->input_act.kind == Activation::Kind::Silu ? job->y : job->x) + i * hw;
   if (hw < kLanes) {  // a late layer's few values: one sum, no lanes to fold
     float sum = 0.0f;
     for (int64_t j = 0; j < hw; ++j) sum += x[j];
@@ -205,8 +201,15 @@ int64_t chunks(int64_t channels) { return (channels + kChunk - 1) / kChunk; }
 
 ONNXFUSE_INLINE void squeeze_body(void* data, size_t t) {
   auto* job = static_cast<Job*>(data);
-  const int64_t end = std::min<int64_t>(job->n * job->c, (static_cast<int64_t>(t) + 1) * kChunk);
-  for (int64_t i = static_cast<int64_t>(t) * kChunk; i < end; ++i) squeeze_channel(job, i);
+  const int64_t begin = static_cast<int64_t>(t) * kChunk;
+  const int64_t end = std::min<int64_t>(job->n * job->c, begin + kChunk);
+  // The task's channels are contiguous: their input activation in one call, stored in Y (the
+  // values the block scales). One call per channel cost more than the work on late layers' 7x7
+  // and smaller maps.
+  if (job->k->input_act.kind == Activation::Kind::Silu)
+    silu(job->k->input_act.ins, job->k->apply, job->x + begin * job->hw, job->y + begin * job->hw,
+         (end - begin) * job->hw);
+  for (int64_t i = begin; i < end; ++i) squeeze_channel(job, i);
 }
 
 ONNXFUSE_INLINE void excite_body(void* data, size_t t) {
