@@ -67,14 +67,20 @@ def _replace_input(m: onnx.ModelProto, node, index: int, op_type: str, *others) 
     node.input[index] = name
 
 
-@pytest.mark.parametrize("name", EXPORTS)
-def test_rotary_caches_with_unequal_halves_stay_unfused(name):
-    # cos = Cos(Concat(f, 2 f)): each half its own rows, which GroupQueryAttention's half-width
-    # caches cannot hold.
+def _llama_with_unequal_rotary_halves(name: str) -> onnx.ModelProto:
+    """The LLaMA export with its rotary angles Concat(f, f) changed to Concat(f, 2 f)."""
     m = llama(name)
     m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two"))
     cat = next(n for n in m.graph.node if n.op_type == "Concat" and len(n.input) == 2 and n.input[0] == n.input[1])
     _replace_input(m, cat, 1, "Mul", "two")
+    return m
+
+
+@pytest.mark.parametrize("name", EXPORTS)
+def test_rotary_caches_with_unequal_halves_stay_unfused(name):
+    # cos = Cos(Concat(f, 2 f)): each half its own rows, which GroupQueryAttention's half-width
+    # caches cannot hold.
+    m = _llama_with_unequal_rotary_halves(name)
     out, _ = optimize(m, PASSES)
     assert not gqa_nodes(out)
     assert_same(m, out, FEEDS[:2])
@@ -85,10 +91,7 @@ def test_explain_says_why_each_layer_stayed_unfused(name):
     from onnxfuse.api import optimize as optimize_model
     from onnxfuse.optimize_options import OptimizeOptions
 
-    m = llama(name)
-    m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two"))
-    cat = next(n for n in m.graph.node if n.op_type == "Concat" and len(n.input) == 2 and n.input[0] == n.input[1])
-    _replace_input(m, cat, 1, "Mul", "two")
+    m = _llama_with_unequal_rotary_halves(name)
     result = optimize_model(m, settings=OptimizeOptions(passes=tuple(PASSES), explain=("fuse-gqa",), verify=False,
                                                         count_kernels=False))
     reasons = [r for rs in result.summary["unmatched"]["fuse-gqa"].values() for r in rs]
