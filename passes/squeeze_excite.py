@@ -18,7 +18,9 @@ match
 condition
     the intermediates are read inside the block only (the rule engine's private matches);
     on --target cpu, x's H * W known and at most MAX_MAP (32x32: larger maps run faster as
-    onnxruntime's kernels, bench/results/cnn224.md);
+    onnxruntime's kernels, bench/results/cnn224.md), and C * R under 20,000 for a block with no
+    input activation (MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION: such a node with larger weights ran
+    slower in whole models);
     --target cpu (kernels/squeeze_excite_cpu.cc) or cuda (the kernel cuda-compile generates,
     onnxfuse/cuda/squeeze_excite_codegen.py, launched by kernels/cuda_squeeze_excite.cc).
 rewrite
@@ -49,7 +51,7 @@ from onnxfuse.graph.activations import BY_OP
 from onnxfuse.graph import rules
 from onnxfuse.graph.rules import ANY, Match, OpPattern, Rule, Var, fail, op
 from onnxfuse.ops.conv_bias_act import OP as CONV_BIAS_ACT
-from onnxfuse.ops.squeeze_excite import MAX_MAP, OP
+from onnxfuse.ops.squeeze_excite import MAX_MAP, MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION, OP
 from onnxfuse.pipeline import Context, fused_op_pass
 
 FLOAT = np.dtype(np.float32)
@@ -189,6 +191,9 @@ def _block(graph: gs.Graph, m: Match, hidden: tuple, gate: tuple, outs: set[str]
         nodes = silu.nodes + nodes
         source = silu["y"]
         attrs["input_activation"] = "silu"
+    elif max_map is not None and xd[1] * rc[0] >= MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION:
+        return fail(f"C * R is {xd[1] * rc[0]}, at least {MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION}, and the block has no"
+                    " input activation to take (onnxruntime's kernels run such blocks faster in a model)")
     return nodes, {"source": source, "convs": (squeeze["conv1"], m["conv2"]), "attrs": attrs}
 
 
@@ -197,7 +202,8 @@ def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.Sha
                 explain: rules.Explain | None = None) -> tuple[list[gs.Node], dict] | None:
     """The squeeze-and-excitation block rooted at `mul`: (nodes, node inputs and attributes),
     with the SiLU before it when `take_input_silu` and only the block reads x; when `max_map` is
-    given, only where x's H and W are known and H * W is at most that. Each form's rule judges
+    given, only where x's H and W are known and H * W is at most that (and, for a block with no
+    input activation, C * R under MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION). Each form's rule judges
     the first way its pattern matches; explain(mul, reason) when none is a block."""
     tried = []
     for rule, hidden, gate in BLOCK_RULES:

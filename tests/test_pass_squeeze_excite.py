@@ -203,6 +203,17 @@ def test_special_values_match_onnxruntime_bit_for_bit(build, monkeypatch):
                 assert_matches_onnxruntime(m, out, y)
 
 
+@pytest.mark.parametrize("c, r, input_silu, fused", [(240, 64, False, True), (288, 72, False, False),
+                                                      (576, 144, True, True)])
+def test_cpu_rewrite_of_a_block_without_input_activation_only_under_20000_weights(c, r, input_silu, fused):
+    # Such a block saves no pass over x, and with larger weights (MobileNetV3's C=288 R=72 and
+    # C=576 R=144) its node ran slower in whole models; a block that takes the SiLU before it pays.
+    m = Block(c=c, r=r, hw=4).model(hidden="Relu", gate="HardSigmoid", input_silu=input_silu)
+    out, count = optimize(m)
+    assert (count == 1) == fused
+    assert ("SqueezeExcite" in ops(out)) == fused
+
+
 @pytest.mark.parametrize("hw, spatial, fused", [(32, None, True), (56, None, False), (5, "side", False)])
 def test_cpu_rewrite_only_on_maps_where_it_pays(hw, spatial, fused):
     # At 224x224 images the blocks on 56x56 and 112x112 maps ran slower as the node than as

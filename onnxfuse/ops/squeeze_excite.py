@@ -7,7 +7,9 @@ model      reference below
 kernels    kernels/squeeze_excite_cpu.cc; kernels/cuda_squeeze_excite.cc launching
            onnxfuse/cuda/squeeze_excite_codegen.py's kernel
 pass       squeeze-excite (passes/squeeze_excite.py)
-pays       on the CPU where H * W is known and at most MAX_MAP; on CUDA opt-in until timed on a GPU
+pays       on the CPU where H * W is known and at most MAX_MAP, and, for a block
+           with no input activation, C * R under MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION; on CUDA opt-in
+           until timed on a GPU
            (option squeeze_excite_cuda)
 """
 from __future__ import annotations
@@ -21,6 +23,15 @@ from .contract import CPU, CUDA, Attribute, FusedOp, Port, activation, activatio
 # slower as the node than as onnxruntime's kernels, those on 28x28 and smaller faster.
 # A symbolic H or W may be any size, so the block stays as it is there.
 MAX_MAP = 32 * 32
+# The most weights (C * R, each of the two convolutions) the node replaces a block without an input
+# activation at. Such a block saves no pass over x, and in whole models its node ran slower than
+# onnxruntime's kernels where its weights are large (thread CPU time, 1 thread, interleaved, ratio
+# to onnxruntime alone; every block fused / those of C * R >= 20,000 left): mobilenet_v3_small_ts,
+# with blocks C=288 R=72 and C=576 R=144 on 2x2 maps, 1.080 / 0.964; its dynamo export 1.060 /
+# 0.944; at 224x224 (the same blocks on 7x7 maps) 1.018 / 0.994. The bundled mobilenetv3, whose
+# blocks are C=240 R=64 at most, reads 0.88 with every block fused. A block that takes the SiLU
+# before it saves that pass (efficientnet_b0_ts 0.935 with every block fused).
+MAX_WEIGHTS_WITHOUT_INPUT_ACTIVATION = 20_000
 
 ACTIVATIONS = ("input", "hidden", "gate")
 
