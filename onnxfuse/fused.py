@@ -161,7 +161,17 @@ def _relu_apart_from_clip(body: list[onnx.NodeProto], nodes: Sequence[gs.Node],
     fuses a Relu into a Clip it feeds, and throws when that Clip's min is neither float nor
     float16. A region can bring such a pair together (a no-op Slice between them removed), so
     such a Relu is written as Clip(x, 0, max of its type), which is Relu bit for bit (NaN, -0
-    and +inf kept) and which the fusion does not match."""
+    and +inf kept) and which the fusion does not match. That Clip is such a Clip in turn: a Relu
+    feeding it is written so too (Relu(Relu(x)) before a double Clip: fuzz seed 9427244)."""
+    while True:
+        rewritten = _relus_before_clips_once(body, nodes, defined)
+        if len(rewritten) == len(body):
+            return rewritten
+        body = rewritten
+
+
+def _relus_before_clips_once(body: list[onnx.NodeProto], nodes: Sequence[gs.Node],
+                             defined: set[str]) -> list[onnx.NodeProto]:
     dtypes = {t.name: t.dtype for n in nodes for t in list(n.inputs) + list(n.outputs) if t.name}
     # Relu output -> the element type of the Clip it feeds (Clip's min has its input's type).
     hazards = {n.input[0]: dtypes.get(n.input[1]) if dtypes.get(n.input[1]) is not None else dtypes.get(n.input[0])

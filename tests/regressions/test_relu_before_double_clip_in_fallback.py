@@ -83,3 +83,12 @@ def test_float_relu_is_left_for_onnxruntime_to_fuse():
     opt = optimize_model(_model(TensorProto.FLOAT, -1.0, 1.0))
     ops = [n.op_type for f in opt.functions for n in f.node]
     assert "Relu" in ops
+
+
+def test_relu_of_a_relu_before_a_double_clip_loads_without_the_library():
+    """Fuzz seed 9427244: Clip(Relu(Relu(x)), lo, hi) in double. The Relu before the Clip became
+    Clip(r, 0, inf), and the first Relu then fed that Clip: the same fusion threw on it."""
+    from onnxfuse import fuzz
+
+    outcome = fuzz.run_case(9427244)
+    assert outcome.status == "ok", outcome.message
