@@ -382,31 +382,41 @@ def _every_value_an_output(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _relu_on_flat_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The original with each top-level Relu applied to its input flattened to one dimension and
-    reshaped back (the same values). onnxruntime 1.31 runs the float16 Relu of an opset-18 model
-    as its function body, Max(X, 0) (of other opsets: in float32), and its Max of -0 and +0 picks
-    by the broadcast loop: -0 for shape [16], +0 for [16, 1, 1]."""
+    """The original with each Relu applied to its input flattened to one dimension and reshaped
+    back (the same values), in subgraphs too (a Loop body's, seed 9468840). onnxruntime 1.31 runs
+    the float16 Relu of an opset-18 model as its function body, Max(X, 0) (of other opsets: in
+    float32), and its Max of -0 and +0 picks by the broadcast loop: -0 for shape [16], +0 for
+    [16, 1, 1]."""
     variant = onnx.ModelProto()
     variant.CopyFrom(model)
-    graph = variant.graph
-    if not any(n.op_type == "Relu" and n.domain in ("", "ai.onnx") for n in graph.node):
-        return variant
     flat = "relu_flat__shape"
-    graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), flat))
+    if _flatten_relus(variant.graph, flat, ""):
+        variant.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), flat))
+    return variant
+
+
+def _flatten_relus(graph: onnx.GraphProto, flat: str, scope: str) -> bool:
+    """Each Relu of `graph` and its subgraphs rewritten so (`flat`: [-1]); whether any was."""
+    found = False
     nodes = []
     for k, n in enumerate(graph.node):
+        for attr in n.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for j, g in enumerate(subgraphs):
+                found |= _flatten_relus(g, flat, f"{scope}{k}_{attr.name}{j}_")
         if n.op_type != "Relu" or n.domain not in ("", "ai.onnx"):
             nodes.append(n)
             continue
+        found = True
         x, y = n.input[0], n.output[0]
-        names = [f"{y}__relu_flat_{k}_{part}" for part in ("shape", "in", "out")]
+        names = [f"{y}__relu_flat_{scope}{k}_{part}" for part in ("shape", "in", "out")]
         nodes += [onnx.helper.make_node("Shape", [x], [names[0]]),
                   onnx.helper.make_node("Reshape", [x, flat], [names[1]]),
                   onnx.helper.make_node("Relu", [names[1]], [names[2]]),
                   onnx.helper.make_node("Reshape", [names[2], names[0]], [y])]
     del graph.node[:]
     graph.node.extend(nodes)
-    return variant
+    return found
 
 
 SUMS_OF_PRODUCTS = {"MatMul", "Gemm", "Conv", "ConvTranspose"}
