@@ -201,3 +201,26 @@ def test_sums_are_canonical_and_divide_exactly_or_not_at_all():
     assert ss.divide(sq, p1) == p1
     assert ss.never_equal(p1, (-1, ())) and ss.never_equal(p1, p) and not ss.never_equal(p1, b)
     assert ss.nonnegative(p1) and not ss.nonnegative(ss.add(p, one, -1))
+
+
+def test_a_scalar_reshaped_to_one_element_keeps_its_value_and_a_given_name_stays_over_a_sum():
+    # torch.export writes the key length of repeat_kv's expand target as Reshape(past + 1, [-1]);
+    # its Range over the keys is recorded as [total] (the attention mask's dim), which must stay:
+    # the mask is proved with it (index-grid GatherND of the padding mask).
+    past = gs.Variable("past_key", np.float32, ["batch", 2, "past", 16])
+    c = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
+    t = {k: gs.Variable(k, np.int64) for k in ("p1", "p", "length", "length1", "keys")}
+    t["keys"].shape = ["total"]
+    nodes = [
+        gs.Node("Shape", inputs=[past], outputs=[t["p1"]], attrs={"start": 2, "end": 3}),
+        gs.Node("Squeeze", inputs=[t["p1"], c("axes", [0])], outputs=[t["p"]]),
+        gs.Node("Add", inputs=[t["p"], c("one", 1)], outputs=[t["length"]]),
+        gs.Node("Reshape", inputs=[t["length"], c("flat", [-1])], outputs=[t["length1"]]),
+        gs.Node("Range", inputs=[c("start", 0), t["length"], c("step", 1)], outputs=[t["keys"]]),
+    ]
+    graph = gs.Graph(nodes=nodes, inputs=[past], outputs=[t["length1"], t["keys"]], opset=17)
+    shapes, ev = refined_dims(graph, facts.ShapeTable(graph))
+    v = ev.value(t["length1"])
+    assert v is not None and v.rank == 1 and v.elems == ev.value(t["length"]).elems
+    assert "past + 1" in v.elems[0][1][0]
+    assert shapes.dims(t["keys"]) == ["total"]

@@ -268,11 +268,14 @@ class ShapeEvaluator:
         if op == "Slice":
             return self._slice(node, ins)
         if op == "Reshape":
-            # a 1-D value reshaped to 1-D ([-1] or its length): the same elements
+            # a 1-D value (or a scalar) reshaped to 1-D ([-1] or its length): the same elements;
+            # one element reshaped to a scalar ([]): that element
             x, to = ins[0], ins[1]
-            if x is None or to is None or x.rank != 1 or to.constant not in ([-1], [len(x.elems)]):
+            if x is None or to is None or x.rank > 1:
                 return None
-            return x
+            if to.constant in ([-1], [len(x.elems)]):
+                return ShapeValue(1, x.elems, x.dtype)
+            return ShapeValue(0, x.elems, x.dtype) if to.constant == [] and len(x.elems) == 1 else None
         if op == "ConstantOfShape":
             shape = ins[0].constant if ins[0] is not None else None
             value = node.attrs.get("value")
@@ -377,7 +380,7 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
             for out in node.outputs:
                 old = shapes.dims(out)
                 if new is not None and gu.is_present(out) and (old is None or len(old) == len(new)):
-                    merged = [n if n is not None else o for n, o in zip(new, old)] if old is not None else new
+                    merged = _merge_facts(new, old) if old is not None else new
                     if _better(merged, old):
                         found[out.name] = merged
             continue
@@ -417,7 +420,7 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
             continue
         old = shapes.dims(out)
         if old is not None and len(old) == len(new):
-            new = [n if n is not None else o for n, o in zip(new, old)]
+            new = _merge_facts(new, old)
         if _better(new, old):
             found[out.name] = new
     return found
@@ -442,6 +445,15 @@ def _concat_dims(node: gs.Node, ins: list, old: list | None) -> list | None:
     # A number is left to inference (re-inferring what reads it renames dims it had named).
     name = _dim_name(total) if total is not None and total[1] else None
     return None if name is None else [name if i == axis else None for i in range(len(old))]
+
+
+def _merge_facts(new: list, old: list) -> list:
+    """New dims over old ones, except that a name the model gives (`total`, which other tensors
+    share) stays over a sum symbol for the same dim (past + 1): the names say the same size, and
+    the given one is what the rest of the graph is proved with."""
+    return [o if n is None or (isinstance(n, str) and shape_sums.is_sum(n) and isinstance(o, str)
+                               and _settled(o) and not shape_sums.is_sum(o)) else n
+            for n, o in zip(new, old)]
 
 
 def _broadcast_of(ins: list) -> list | None:
