@@ -227,6 +227,10 @@ NEW_FORM_SPECS = [
     AttentionSpec(8, 256, 256, 0.0625, has_mask=True, heads_merged=7, mask_merged=True, fill_mode=2, fill_value=FILL),
     AttentionSpec(12, 64, 64, 0.125, has_mask=True, nan_to_zero=True, heads_first=6),  # GPT-2 decode (present k, v)
     AttentionSpec(32, 128, 128, 128 ** -0.5, has_mask=True, heads_first=7),  # LLaMA decode (rotary q, k; repeated v)
+    # the corpus's TorchScript decode steps as --target cuda fuses them (H 4, d 16; the mask is the
+    # computed padding term over past + 1 keys)
+    AttentionSpec(4, 16, 16, 0.25, has_mask=True, nan_to_zero=True, heads_first=6),  # gpt2_decode_ts
+    AttentionSpec(4, 16, 16, 0.25, has_mask=True, heads_first=7),  # llama_decode_ts
 ]
 
 

@@ -24,7 +24,7 @@ needs_ptxas = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("p
 FAST = ("lstm_ts", "bert_dynamo", "resnet18_ts")
 # With attention_cuda also BERT's TorchScript export: the generated Attention kernel with the
 # NaN-to-zero guard (bert_dynamo's attention is onnxruntime's Attention there).
-FAST_ATTENTION = ("bert_ts",)
+FAST_ATTENTION = ("bert_ts", "gpt2_decode_ts")
 
 # What each corpus transformer's attention is on cuda with attention_cuda: onnxfuse.Attention (the
 # generated kernel), or onnxruntime's Attention / MultiHeadAttention from the onnxscript-fusions
@@ -40,9 +40,11 @@ ATTENTION_ON_CUDA = {
     "whisper_encoder_ts": "onnxfuse.Attention", "whisper_encoder_dynamo": "com.microsoft.MultiHeadAttention",
     "vit_ts": "onnxfuse.Attention", "vit_dynamo": "onnxfuse.Attention",
     # decode steps: GroupQueryAttention (the CPU's) has no float32 CUDA kernel; onnxscript's
-    # MultiHeadAttention takes the past on the dynamo exports
-    "gpt2_decode_ts": None, "gpt2_decode_dynamo": "com.microsoft.MultiHeadAttention",
-    "llama_decode_ts": None, "llama_decode_dynamo": "com.microsoft.MultiHeadAttention",
+    # MultiHeadAttention takes the past on the dynamo exports; on the TorchScript exports the
+    # generated kernel reads the present k, v heads first, with the computed padding term (key
+    # length past + 1) as its mask
+    "gpt2_decode_ts": "onnxfuse.Attention", "gpt2_decode_dynamo": "com.microsoft.MultiHeadAttention",
+    "llama_decode_ts": "onnxfuse.Attention", "llama_decode_dynamo": "com.microsoft.MultiHeadAttention",
 }
 ATTENTION_OPS = {"onnxfuse.Attention", "com.microsoft.Attention", "com.microsoft.MultiHeadAttention",
                  "com.microsoft.GroupQueryAttention"}

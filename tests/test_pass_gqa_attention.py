@@ -191,6 +191,28 @@ def test_decode_keys_appended_before_the_past_stay_unfused(name):
     assert_same(m, out, DECODE_FEEDS[:2])
 
 
+def test_decode_key_length_written_as_past_plus_one_is_proved():
+    # torch.export's 1-layer decode step writes repeat_kv's expand target with the key length
+    # computed, Reshape(Shape(past)[2] + 1, [-1]), where the 2-layer export reads the mask's
+    # Shape: a sum of dims, which the shape facts carry (before: MultiHeadAttention, 66 kernels).
+    m = llama("llama_decode_dynamo")
+    target = next(n for n in m.graph.node if n.op_type == "Expand" and n.output[0] == "expand_1").input[1]
+    concat = next(n for n in m.graph.node if n.output[0] == target)
+    one = helper.make_tensor("one_key", onnx.TensorProto.INT64, [], [1])
+    flat = helper.make_tensor("flat_key", onnx.TensorProto.INT64, [1], [-1])
+    sq = helper.make_tensor("sq_axis", onnx.TensorProto.INT64, [1], [0])
+    m.graph.initializer.extend([one, flat, sq])
+    i = list(m.graph.node).index(concat)
+    m.graph.node.insert(i, helper.make_node("Reshape", ["key_len", "flat_key"], ["key_len_1"]))
+    m.graph.node.insert(i, helper.make_node("Add", ["past_len", "one_key"], ["key_len"]))
+    m.graph.node.insert(i, helper.make_node("Squeeze", ["past_len_1", "sq_axis"], ["past_len"]))
+    m.graph.node.insert(i, helper.make_node("Shape", ["past_key_0"], ["past_len_1"], start=2, end=3))
+    concat.input[3] = "key_len_1"
+    out, _ = optimize(m, PASSES)
+    assert len(gqa_nodes(out)) == 2
+    assert_same(m, out, DECODE_FEEDS)
+
+
 def test_multi_head_attention_without_a_past_is_left_to_fuse_attention():
     # GPT-2's full-sequence attention has the decode step's form less the Concat(past, new):
     # onnxfuse.Attention (causal mode, no past) takes it, not GroupQueryAttention

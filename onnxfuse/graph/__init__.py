@@ -5,6 +5,7 @@ index         a graph's top-level nodes by identity, with producers and consumer
 facts         element types and shapes filled in by inference
 slices        ONNX Slice semantics
 shape_values  symbolic values of integer shape tensors
+shape_sums    sums of monomials over dims (past + 1) as shape_values carries them
 linear        linear layers (MatMul/Gemm with a constant weight, + row bias)
 rules         the rule engine: patterns as expressions, rules as data (match, condition, rewrite)
 activations   the activation vocabulary: every elementwise activation the passes know, one table

@@ -3,7 +3,9 @@
 Every element is a monomial coef * d1 * d2 ... over the model's dims, where a dim is a number
 when static and a symbol otherwise (a symbolic dim name, or one anonymous symbol per unnamed
 position). Dims of tensors come from shape inference, so two tensors whose dims carry the same
-symbolic name have the same size there.
+symbolic name have the same size there. A sum of monomials (a decode step's key length past + 1)
+is one monomial too, over a symbol that names the sum (shape_sums.py): such a symbol can name a
+dim in the facts below, as `onnxfuse.sum(past + 1)`.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import onnx_graphsurgeon as gs
 
 from . import core as gu
 from . import facts
+from . import shape_sums
 from .slices import read_slice, slice_indices
 
 # A monomial coef * product(symbols); symbols sorted. None: an element we cannot describe.
@@ -65,22 +68,22 @@ def _broadcast_binary(a: "ShapeValue | None", b: "ShapeValue | None", fn, dtype)
 
 def _equal(a: Mono | None, b: Mono | None) -> Mono | None:
     """a == b as 1 or 0 where it holds for every value of the symbols: equal monomials, two
-    different constants, or a monomial of dims (never negative) against a negative constant."""
+    different constants, or values whose difference has one sign for every value of the dims
+    (never negative): a monomial of dims against a negative constant, past + 1 against -1."""
     if a is None or b is None:
         return None
     if a == b:
         return _const(1)
-    if not a[1] and not b[1]:
+    if not a[1] and not b[1] or shape_sums.never_equal(a, b):
         return _const(0)
-    for x, y in ((a, b), (b, a)):
-        if x[1] and x[0] > 0 and not y[1] and y[0] < 0:
-            return _const(0)
     return None
 
 
 def _mul(a: Mono | None, b: Mono | None) -> Mono | None:
     if a is None or b is None:
         return None
+    if shape_sums.has_sum(a) or shape_sums.has_sum(b):
+        return shape_sums.mul(a, b)  # a sum times anything: the terms multiplied out
     coef = a[0] * b[0]
     return (0, ()) if coef == 0 else (coef, tuple(sorted(a[1] + b[1])))
 
@@ -92,7 +95,8 @@ def _div(a: Mono | None, b: Mono | None) -> Mono | None:
         return None
     num, den = Counter(a[1]), Counter(b[1])
     if any(num[s] < n for s, n in den.items()):
-        return None
+        # (B*P + B) / (P + 1): exact division of sums, term by term
+        return shape_sums.divide(a, b) if shape_sums.has_sum(a) or shape_sums.has_sum(b) else None
     if a[0] % b[0] != 0:
         if a[1] or b[1] or a[0] < 0:
             return None
@@ -102,8 +106,10 @@ def _div(a: Mono | None, b: Mono | None) -> Mono | None:
 
 
 def _add(a: Mono | None, b: Mono | None, sign: int) -> Mono | None:
-    if a is None or b is None or a[1] != b[1]:
+    if a is None or b is None:
         return None
+    if a[1] != b[1] or shape_sums.has_sum(a):
+        return shape_sums.add(a, b, sign)  # a sum (past + 1), or a sum's terms combined
     coef = a[0] + sign * b[0]
     return (0, ()) if coef == 0 else (coef, a[1])
 
@@ -137,7 +143,7 @@ def reshaped_dims(in_dims: list[Mono | None] | None, target: list | None, allowz
     for i, t in enumerate(target):
         if isinstance(t, tuple):
             if t[1]:
-                if t[0] <= 0:
+                if t[0] <= 0 or not shape_sums.nonnegative(t):  # a sum that may be -1 would infer
                     return None
                 out.append(t)
                 continue
@@ -262,11 +268,14 @@ class ShapeEvaluator:
         if op == "Slice":
             return self._slice(node, ins)
         if op == "Reshape":
-            # a 1-D value reshaped to 1-D ([-1] or its length): the same elements
+            # a 1-D value (or a scalar) reshaped to 1-D ([-1] or its length): the same elements;
+            # one element reshaped to a scalar ([]): that element
             x, to = ins[0], ins[1]
-            if x is None or to is None or x.rank != 1 or to.constant not in ([-1], [len(x.elems)]):
+            if x is None or to is None or x.rank > 1:
                 return None
-            return x
+            if to.constant in ([-1], [len(x.elems)]):
+                return ShapeValue(1, x.elems, x.dtype)
+            return ShapeValue(0, x.elems, x.dtype) if to.constant == [] and len(x.elems) == 1 else None
         if op == "ConstantOfShape":
             shape = ins[0].constant if ins[0] is not None else None
             value = node.attrs.get("value")
@@ -371,7 +380,7 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
             for out in node.outputs:
                 old = shapes.dims(out)
                 if new is not None and gu.is_present(out) and (old is None or len(old) == len(new)):
-                    merged = [n if n is not None else o for n, o in zip(new, old)] if old is not None else new
+                    merged = _merge_facts(new, old) if old is not None else new
                     if _better(merged, old):
                         found[out.name] = merged
             continue
@@ -396,7 +405,9 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
                 new = _dims_of_monomials(reshaped_dims(ev.dim_symbols(node.inputs[0]), list(target.elems),
                                                        int(gu.attr(node, "allowzero", 0))))
                 if new is not None:
-                    new = [None if isinstance(d, str) and d.startswith("unk__") else d for d in new]
+                    new = [None if isinstance(d, str) and not _settled(d) else d for d in new]
+        elif node.op == "Concat" and node.inputs:
+            new = _concat_dims(node, [dims(t) for t in node.inputs], shapes.dims(out))
         elif node.op == "Expand" and len(node.inputs) == 2:
             to, x = _dims_of_value(ev.value(node.inputs[1])), dims(node.inputs[0])
             if to is not None and x is not None:
@@ -409,10 +420,40 @@ def _dim_facts(graph: gs.Graph, shapes: facts.ShapeTable, ev: ShapeEvaluator) ->
             continue
         old = shapes.dims(out)
         if old is not None and len(old) == len(new):
-            new = [n if n is not None else o for n, o in zip(new, old)]
+            new = _merge_facts(new, old)
         if _better(new, old):
             found[out.name] = new
     return found
+
+
+def _concat_dims(node: gs.Node, ins: list, old: list | None) -> list | None:
+    """Concat(past, new) along an axis whose output dim inference leaves unknown (or names itself):
+    the sum of the inputs' dims there (past + 1), where each is a number or a given name and one
+    is a name. A name the graph gives that axis (a declared output's `total`) is kept."""
+    if old is None or any(d is None or len(d) != len(old) for d in ins):
+        return None
+    axis = int(gu.attr(node, "axis", 0))
+    axis = axis + len(old) if axis < 0 else axis
+    if not 0 <= axis < len(old) or _settled(old[axis]):
+        return None
+    total: Mono | None = _const(0)
+    for d in ins:
+        x = d[axis]
+        if not _settled(x) or (isinstance(x, str) and x.startswith("\0")):
+            return None
+        total = _add(total, _const(x) if isinstance(x, int) else (1, (x,)), 1)
+    # A number is left to inference (re-inferring what reads it renames dims it had named).
+    name = _dim_name(total) if total is not None and total[1] else None
+    return None if name is None else [name if i == axis else None for i in range(len(old))]
+
+
+def _merge_facts(new: list, old: list) -> list:
+    """New dims over old ones, except that a name the model gives (`total`, which other tensors
+    share) stays over a sum symbol for the same dim (past + 1): the names say the same size, and
+    the given one is what the rest of the graph is proved with."""
+    return [o if n is None or (isinstance(n, str) and shape_sums.is_sum(n) and isinstance(o, str)
+                               and _settled(o) and not shape_sums.is_sum(o)) else n
+            for n, o in zip(new, old)]
 
 
 def _broadcast_of(ins: list) -> list | None:
@@ -439,6 +480,19 @@ def _no_view_pointwise(node: gs.Node) -> bool:
     return isinstance(program, str) and " view=" not in program
 
 
+def _dim_name(e: Mono | None) -> str | None:
+    """The dim an element is, by name: one named dim, or a sum symbol of named dims that is never
+    negative (past + 1; a sum that may be negative is no length: a Slice end or Reshape target
+    reads it otherwise)."""
+    if e is None or e[0] != 1 or len(e[1]) != 1 or e[1][0].startswith("\0"):
+        return None
+    name = e[1][0]
+    if shape_sums.is_sum(name) and (not shape_sums.nonnegative(e)
+                                    or any(s.startswith("\0") for s in shape_sums.symbols(e))):
+        return None
+    return name
+
+
 def _dims_of_value(v: ShapeValue | None) -> list | None:
     """The dims a shape tensor's value spells: each element a number or one named dim."""
     if v is None or v.rank != 1:
@@ -447,10 +501,8 @@ def _dims_of_value(v: ShapeValue | None) -> list | None:
     for e in v.elems:
         if e is not None and not e[1]:
             dims.append(e[0])
-        elif e is not None and e[0] == 1 and len(e[1]) == 1 and not e[1][0].startswith("\0"):
-            dims.append(e[1][0])
         else:
-            dims.append(None)
+            dims.append(_dim_name(e))
     return dims
 
 
@@ -465,10 +517,8 @@ def _range_dims(start, limit, delta) -> list | None:
     """Range(0, e, 1) has e elements: e's name, where e is one named dim."""
     if start is None or limit is None or delta is None or start.constant != [0] or delta.constant != [1]:
         return None
-    e = limit.elems[0]
-    if e is None or e[0] != 1 or len(e[1]) != 1 or e[1][0].startswith("\0"):
-        return None
-    return [e[1][0]]
+    name = _dim_name(limit.elems[0])
+    return None if name is None else [name]
 
 
 def _slice_dims(node: gs.Node, in_dims: list | None, ev: ShapeEvaluator) -> list | None:
@@ -491,9 +541,8 @@ def _slice_dims(node: gs.Node, in_dims: list | None, ev: ShapeEvaluator) -> list
         dim = in_dims[a]
         if e is not None and not e[1] and isinstance(dim, int) and k != 0:
             out[a] = len(slice_indices(dim, s0, e[0], k))
-        elif (e is not None and s0 == 0 and k == 1 and isinstance(dim, int) and dim >= 1 and e[0] == 1
-              and len(e[1]) == 1 and not e[1][0].startswith("\0")):
-            out[a] = _min_name(e[1][0], dim)
+        elif e is not None and s0 == 0 and k == 1 and isinstance(dim, int) and dim >= 1 and _dim_name(e):
+            out[a] = _min_name(_dim_name(e), dim)
         elif e is not None and s0 == 0 and k == 1 and isinstance(dim, str) and dim and e == (1, (dim,)):
             out[a] = dim  # x[0:S] of an axis of length S (DeBERTa's relative positions, TorchScript)
         else:
@@ -521,5 +570,8 @@ def refined_dims(graph: gs.Graph, shapes: facts.ShapeTable, rounds: int = 8) -> 
 
 
 def _settled(d) -> bool:
-    """A dim that means the same in every inference: a number or a name the model gives."""
+    """A dim that means the same in every inference: a number or a name the model gives (a sum
+    of them)."""
+    if isinstance(d, str) and shape_sums.is_sum(d):
+        return all(_settled(s) for s in shape_sums.symbols((1, (d,))))
     return isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__"))
