@@ -293,3 +293,80 @@ def _to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 
     graph64(m.graph)
     return m
+
+
+WRAPPED_DOMAIN = "onnxfuse.fuzz.wrapped"
+
+
+def wrapped_in_a_function(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """The model as one call of a model-local function holding all its nodes, the initializers
+    passed in as inputs (the same computation); None for a graph with subgraphs."""
+    graph = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node
+           for a in n.attribute):
+        return None
+    names = [i.name for i in graph.input]
+    names += [t.name for t in graph.initializer if t.name not in set(names)]
+    outputs = [o.name for o in graph.output]
+    if set(outputs) & set(names):
+        return None
+    body = onnx.helper.make_function(WRAPPED_DOMAIN, "Graph", names, outputs, list(graph.node),
+                                     list(model.opset_import))
+    variant = onnx.ModelProto()
+    variant.CopyFrom(model)
+    del variant.graph.node[:]
+    variant.graph.node.append(onnx.helper.make_node("Graph", names, outputs, domain=WRAPPED_DOMAIN))
+    variant.opset_import.append(onnx.helper.make_opsetid(WRAPPED_DOMAIN, 1))
+    variant.functions.append(body)
+    return variant
+
+
+def _every_value_an_output(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every top-level node output also a graph output (same computation)."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    have = {o.name for o in probe.graph.output}
+    for node in model.graph.node:
+        for name in node.output:
+            if name and name not in have:
+                probe.graph.output.append(onnx.ValueInfoProto(name=name))
+                have.add(name)
+    return probe
+
+
+def _relu_on_flat_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The original with each Relu applied to its input flattened to one dimension and reshaped
+    back (the same values), in subgraphs too (a Loop body's, seed 9468840). onnxruntime 1.31 runs
+    the float16 Relu of an opset-18 model as its function body, Max(X, 0) (of other opsets: in
+    float32), and its Max of -0 and +0 picks by the broadcast loop: -0 for shape [16], +0 for
+    [16, 1, 1]."""
+    variant = onnx.ModelProto()
+    variant.CopyFrom(model)
+    flat = "relu_flat__shape"
+    if _flatten_relus(variant.graph, flat, ""):
+        variant.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), flat))
+    return variant
+
+
+def _flatten_relus(graph: onnx.GraphProto, flat: str, scope: str) -> bool:
+    """Each Relu of `graph` and its subgraphs rewritten so (`flat`: [-1]); whether any was."""
+    found = False
+    nodes = []
+    for k, n in enumerate(graph.node):
+        for attr in n.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for j, g in enumerate(subgraphs):
+                found |= _flatten_relus(g, flat, f"{scope}{k}_{attr.name}{j}_")
+        if n.op_type != "Relu" or n.domain not in ("", "ai.onnx"):
+            nodes.append(n)
+            continue
+        found = True
+        x, y = n.input[0], n.output[0]
+        names = [f"{y}__relu_flat_{scope}{k}_{part}" for part in ("shape", "in", "out")]
+        nodes += [onnx.helper.make_node("Shape", [x], [names[0]]),
+                  onnx.helper.make_node("Reshape", [x, flat], [names[1]]),
+                  onnx.helper.make_node("Relu", [names[1]], [names[2]]),
+                  onnx.helper.make_node("Reshape", [names[2], names[0]], [y])]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return found
