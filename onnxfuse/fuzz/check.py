@@ -12,7 +12,7 @@ from .cases import build_case
 from .generate import F16, F64
 from .variants import (FLOAT_TYPES, _every_value_an_output, _float64_outputs, _relu_on_flat_tensors,  # noqa: F401
                        _to_float64, casts_double_to_half, float16_in_float32, near_equal_variant, node_by_node,
-                       value_types, wrapped_in_a_function, zero_tie_variants)
+                       rounding_noise_variants, value_types, wrapped_in_a_function, zero_tie_variants)
 
 
 
@@ -124,6 +124,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
     runs = [(model, feeds, "all"), (_every_value_an_output(model), feeds, "disable"),
             (_relu_on_flat_tensors(model), feeds, "disable")]
     runs += [(model, moved, "disable") for moved in perturbed_feeds(feeds, dtype)]
+    noisy = list(rounding_noise_variants(model, PERTURBATIONS.get(dtype, PERTURBATIONS_F32)[0]))
+    runs += [(variant, feeds, "disable") for variant in noisy]
     runs += [(variant, feeds, "disable") for variant in jump_variants(model, dtype)]
     runs += [(variant, feeds, "disable") for variant in zero_tie_variants(model)]
     # Equal taken as near-equal, alone and with the jump operands moved (a tie that then decides
@@ -169,7 +171,8 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
             continue
         for name in list(open_):
             want = again[name]
-            if variant is model and moved is not feeds and want.shape == got[name].shape:
+            spanning = (variant is model and moved is not feeds) or any(variant is v for v in noisy)
+            if spanning and want.shape == got[name].shape:
                 spans.setdefault(name, []).append(want)
             explained = ~differing(want, got[name], loose)
             open_[name] = open_[name] & ~explained

@@ -370,3 +370,47 @@ def _flatten_relus(graph: onnx.GraphProto, flat: str, scope: str) -> bool:
     del graph.node[:]
     graph.node.extend(nodes)
     return found
+
+
+# Ops whose float results two correct implementations may give a few ulps apart: the elementary
+# functions (each within its ulp bound) and sums whose order is the kernel's. Exact ones (Add,
+# Mul, Div, Sqrt, Cast...) are left out.
+INEXACT_OPS = {"Exp", "Log", "Pow", "Tanh", "Sigmoid", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh",
+               "Cosh", "Asinh", "Acosh", "Atanh", "Erf", "Softplus", "Elu", "Selu", "Celu", "Gelu", "Mish",
+               "HardSwish", "Softmax", "LogSoftmax", "MatMul", "Gemm", "Conv", "ReduceSum", "ReduceMean",
+               "ReduceLogSumExp", "ReduceL2", "LpNormalization", "LayerNormalization", "InstanceNormalization"}
+NOISE_DRAWS = 3
+
+
+def rounding_noise_variants(model: onnx.ModelProto, scale: float):
+    """The original with each float result of an inexact op (INEXACT_OPS, top level) scaled by
+    1 + scale * u, u uniform in [-1, 1] and one per value: the same computation with those ops a
+    few ulps off, as another correct implementation may give them. Behind an integer Cast the
+    moved inputs move nothing (seed 9487524: Tanh(-Pow(-2, -2)) an ulp apart, then a MatMul, a
+    Div by values near 0 and a Cos of 4.6e7); these moves still show how far the answer follows
+    such differences."""
+    types = value_types(model)
+    if types is None:
+        return
+    rng = np.random.default_rng(11)
+    for _ in range(NOISE_DRAWS):
+        variant = onnx.ModelProto()
+        variant.CopyFrom(model)
+        graph = variant.graph
+        nodes = []
+        for n in graph.node:
+            nodes.append(n)
+            if n.op_type not in INEXACT_OPS or n.domain not in ("", "ai.onnx"):
+                continue
+            for k, name in enumerate(n.output):
+                np_type = FLOAT_TYPES.get(types.get(name))
+                factor = np_type(1 + scale * rng.uniform(-1.0, 1.0)) if np_type is not None and name else None
+                if factor is None or factor == 1:
+                    continue
+                exact, f = f"{name}__noise_exact", f"{name}__noise_factor"
+                n.output[k] = exact
+                graph.initializer.append(numpy_helper.from_array(np.array(factor, np_type), f))
+                nodes.append(onnx.helper.make_node("Mul", [exact, f], [name]))
+        del graph.node[:]
+        graph.node.extend(nodes)
+        yield variant

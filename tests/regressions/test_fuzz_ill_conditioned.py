@@ -47,3 +47,47 @@ def test_a_value_within_the_spread_of_an_ill_conditioned_position_is_explained()
 def test_seed_9703068_is_explained():
     outcome = fuzz.run_case(9703068)
     assert outcome.status == "tie", outcome.message
+
+
+def _sin_of_scaled_exp_of_integers():
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["i"], to=TensorProto.INT32), helper.make_node("Cast", ["i"], ["f"], to=f32),
+         helper.make_node("Exp", ["f"], ["e"]), helper.make_node("Mul", ["e", "k"], ["p"]),
+         helper.make_node("Sin", ["p"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", f32, [2])], [helper.make_tensor_value_info("y", f32, [2])],
+        [helper.make_tensor("k", f32, [], [1e5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def test_an_ill_conditioned_position_behind_an_integer_cast_is_explained():
+    """seed 9487524: Tanh(-Pow(-2, -2)) an ulp from onnxruntime's behind a Cast to int32, then a
+    MatMul, a Div by values near 0 and a Cos of 4.6e7. Inputs moved by rounding noise do not move
+    an integer, so the position looked well-conditioned; the original with its inexact ops (Exp
+    here) a few ulps off shows how far the Sin of exp(2) * 1e5 = 7.4e5 follows them."""
+    model = _sin_of_scaled_exp_of_integers()
+    feeds = {"x": np.array([2.7, -3.2], np.float32)}
+    ref = fuzz._run(model, feeds, with_library=False, level="disable")
+    for moved in perturbed_feeds(feeds, TensorProto.FLOAT):  # the inputs' moves change nothing
+        np.testing.assert_array_equal(fuzz._run(model, moved, with_library=False, level="disable")["y"], ref["y"])
+    # exp(2) two ulps up (one may round to the same product): what an exp within its bound may give
+    e = np.float32(np.exp(np.float32(2.0)))
+    e_up = np.nextafter(np.nextafter(e, np.float32(np.inf)), np.float32(np.inf))
+    ours = ref["y"].copy()
+    ours[0] = np.sin(np.float32(e_up * np.float32(1e5)))
+    assert abs(ours[0] - ref["y"][0]) > 1e-3
+    assert fuzz.unexplained(model, feeds, ref, {"y": ours}, TensorProto.FLOAT) is None
+    far = ours.copy()
+    far[0] = 100.0
+    assert "1 position" in fuzz.unexplained(model, feeds, ref, {"y": far}, TensorProto.FLOAT)
+    # exp(-3) * 1e5 = 4979: the noise moves the Sin by about 15 tolerances, not ill-conditioned
+    near = ref["y"].copy()
+    near[1] = ref["y"][1] + np.float32(0.05)
+    assert "1 position" in fuzz.unexplained(model, feeds, ref, {"y": near}, TensorProto.FLOAT)
+
+
+def test_seed_9487524_is_explained():
+    outcome = fuzz.run_case(9487524)
+    assert outcome.status == "tie", outcome.message
