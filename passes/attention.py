@@ -53,7 +53,9 @@ fuse-attention
                1 (so the Add's output is t's [B, S, 3*H*dh]).
                cpu: the key length, static or declared (--dim; else read as 1), at most
                CPU_MAX_KEYS (measured faster up to 256 keys, slower at 512), or in causal mode
-               (below) CPU_MAX_CAUSAL_KEYS (measured faster at 512: half the work). cuda: always.
+               (below) CPU_MAX_CAUSAL_KEYS (measured faster at 512: half the work), and keys x
+               head size at most CPU_MAX_KEY_PANEL (twice that causal: one head's key panel in
+               L1; ViT-B/16's 197 x 64 is slower). cuda: always.
                causal (cpu only): the mask is Slice(c, starts [0, 0], ends, axes the last two,
                steps [1, 1]) of a float32 constant c [1, ..., 1, R, C], R, C >= 2, that is 0 on and
                below the diagonal and <= CAUSAL_MASKED_MAX (-1e4) or -inf above it, with ends
@@ -133,9 +135,12 @@ from onnxfuse.graph.shape_values import refined_dims
 from onnxfuse.graph.transformer_forms import nan_to_zero_guard
 from onnxfuse.pipeline import Context, Pass
 
-# Longest key sequence (static or declared) for which the CPU kernel is applied: see _keys_pay_on_cpu.
+# Longest key sequence (static or declared) for which the CPU kernel is applied, and the most
+# keys x head size of one head's key panel: see _keys_pay_on_cpu.
 CPU_MAX_KEYS = 256
 CPU_MAX_CAUSAL_KEYS = 512  # in causal mode, which skips the masked half of the scores
+CPU_MAX_KEY_PANEL = 8192  # 32 KiB of float32
+CPU_MAX_CAUSAL_KEY_PANEL = 16384
 
 
 @dataclass
@@ -162,16 +167,27 @@ class Match:
     identity_view: gs.Node | None = None
 
 
-def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> bool:
-    """The CPU kernel against onnxruntime's chain (bench/results/attention_cpu.md): faster up to
-    CPU_MAX_KEYS keys, slower at 512 (its key panel and v rows leave L1 for every 4 query rows);
-    in causal mode faster than the chain at 512 keys too (untimed beyond: CPU_MAX_CAUSAL_KEYS).
-    A symbolic key length is read as declared (optimize --dim, a zoo model's defaults), else as 1,
-    the value verification uses."""
+def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> str | None:
+    """Why the CPU kernel would not pay at this key length, or None. Against onnxruntime's chain
+    (bench/results/attention_cpu.md): faster up to CPU_MAX_KEYS keys of 32, slower at 512 (its
+    key panel and v rows leave L1 for every 4 query rows); in causal mode faster at 512 keys of 32
+    too (untimed beyond: CPU_MAX_CAUSAL_KEYS). With heads of 64 it is faster at 128 keys (BERT-base,
+    whole model 0.982 against 0.990 without it) and slower at 197 (ViT-B/16: 1.013 against 0.997
+    for the chain): one head's key panel, keys x head size, at most CPU_MAX_KEY_PANEL floats (32
+    KiB, L1), twice that in causal mode. A symbolic key length is read as declared (optimize
+    --dim, a zoo model's defaults), else as 1, the value verification uses."""
     sk = k.rows(shapes)[1]
     if isinstance(sk, str):
         sk = ctx.options.dims.get(sk, 1)
-    return not isinstance(sk, int) or sk <= (CPU_MAX_CAUSAL_KEYS if causal else CPU_MAX_KEYS)
+    if not isinstance(sk, int):
+        return None
+    keys, panel = (CPU_MAX_CAUSAL_KEYS, CPU_MAX_CAUSAL_KEY_PANEL) if causal else (CPU_MAX_KEYS, CPU_MAX_KEY_PANEL)
+    if sk > keys:
+        return f"the key length is above what the CPU kernel is measured faster at ({keys} keys)"
+    if isinstance(k.width, int) and sk * k.width > panel:
+        return (f"one head's keys ({sk} x {k.width}) are above what the CPU kernel is measured faster at"
+                f" ({panel} elements)")
+    return None
 
 
 def _condition(shapes: facts.ShapeTable, ctx: Context | None):
@@ -296,10 +312,10 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
             return rules.fail(f"the additive term's dims are not provably 1 or those of the scores {target}")
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
         return rules.fail(f"the two additive terms' dims are not provably 1 or those of the scores {target}")
-    if (ctx is not None and not ctx.target.attention_measured_faster_always
-            and not _keys_pay_on_cpu(k, shapes, ctx, causal is not None)):
-        return rules.fail("the key length is above what the CPU kernel is measured faster at"
-                                 f" ({CPU_MAX_CAUSAL_KEYS if causal is not None else CPU_MAX_KEYS} keys)")
+    unpaid = (None if ctx is None or ctx.target.attention_measured_faster_always
+              else _keys_pay_on_cpu(k, shapes, ctx, causal is not None))
+    if unpaid is not None:
+        return rules.fail(unpaid)
     chain = scores.nodes + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
     m = Match(q, k, v, float(np.float32(scale)), mask, chain, merge, causal=causal, mask_terms=mask_terms,
               nan_to_zero=guard is not None, identity_view=view)
@@ -317,8 +333,9 @@ def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | rules.Failur
         return rules.fail(found)
     q, k, v = (Heads(t, None, found.heads, shapes.dims(t)[2], n, merged=True)
                for t, n in ((found.q, found.q_nodes), (found.k, found.k_nodes), (found.v, [])))
-    if ctx is not None and not ctx.target.attention_measured_faster_always and not _keys_pay_on_cpu(k, shapes, ctx, False):
-        return rules.fail(f"the key length is above what the CPU kernel is measured faster at ({CPU_MAX_KEYS} keys)")
+    unpaid = None if ctx is None or ctx.target.attention_measured_faster_always else _keys_pay_on_cpu(k, shapes, ctx, False)
+    if unpaid is not None:
+        return rules.fail(unpaid)
     return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,
                  out_dims=found.out_dims)
 

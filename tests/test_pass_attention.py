@@ -233,6 +233,21 @@ def test_cpu_applies_causal_mode_up_to_its_own_key_limit():
     assert optimize(attention_model(), PASS, dims={"S": CPU_MAX_KEYS + 1})[1] == 0
 
 
+def test_cpu_leaves_a_key_panel_beyond_l1_to_onnxruntime():
+    """ViT-B/16: 197 keys of 64 (a 50 KiB key panel per head) ran 1.013x onnxruntime alone with
+    the fused op and 0.997x with onnxruntime's chain; BERT-base's 128 of 64 (32 KiB) is faster
+    fused. The limit is keys x head size, twice as much in causal mode."""
+    from onnxfuse.passes.attention import CPU_MAX_CAUSAL_KEY_PANEL, CPU_MAX_KEY_PANEL
+
+    wide = attention_model(mask=None, dh=64)
+    assert optimize(wide, PASS, dims={"S": CPU_MAX_KEY_PANEL // 64})[1] == 1
+    assert optimize(wide, PASS, dims={"S": CPU_MAX_KEY_PANEL // 64 + 1})[1] == 0
+    assert optimize(wide, PASS, target="cuda", dims={"S": 197}, attention_cuda=True)[1] == 1
+    causal = attention_model(mask=None, dh=64, causal=dict(size=16))
+    assert optimize(causal, PASS, dims={"S": CPU_MAX_CAUSAL_KEY_PANEL // 64})[1] == 1
+    assert optimize(causal, PASS, dims={"S": CPU_MAX_CAUSAL_KEY_PANEL // 64 + 1})[1] == 0
+
+
 CAUSAL_ATTRS = {"num_heads": 2, "scale": pytest.approx(0.25), "has_mask": 0, "qkv_packed": 1, "causal": 1}
 
 
