@@ -222,7 +222,12 @@ def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.Mo
         # link to /dev/null: what is asked is the graph, and writing the weights out would cost
         # more than the session), and weights are not packed for the kernels (a session that
         # never runs; packing does not change the graph).
-        if _weight_bytes(model) >= EXECUTED_LARGE_MODEL_BYTES:
+        from .weights import has_references
+
+        # A model holding weights by reference (a large single-file model, weights a pass
+        # spilled) gets the sink too: onnxruntime would save the tensors it leaves as they are
+        # still pointing at the session's links to their files.
+        if _weight_bytes(model) >= EXECUTED_LARGE_MODEL_BYTES or has_references(model):
             so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                         "executed.data")
             so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
