@@ -19,12 +19,13 @@ import onnx
 from .fused import DOMAIN
 from .dimchoice import DimChoice, choose_verify_dims
 from .inputs import check_dims, effective_dims
-from .modelio import InputError, LoadedModel, check_model, parse_model
+from .modelio import SPLIT_MIN_FILE_BYTES, InputError, LoadedModel, check_model, parse_model
 from .modelsave import save_model
 from .normalize import normalize
 from .optimize_options import OptimizeOptions
 from .pipeline import Context, PassOptions, PassStats, run_passes, select_passes
 from .verify import Verification, VerificationError, choose_mode, verify
+from .weights import hold_inline_weights_by_reference, inline_scratch_references
 from .zoo import ZooModel, resolve_input
 
 
@@ -73,11 +74,13 @@ def _as_loaded(model, label: str | None) -> LoadedModel:
         copy.CopyFrom(model)
         label = label or (model.graph.name or "model")
         check_model(copy, label)
+        hold_inline_weights_by_reference(copy, SPLIT_MIN_FILE_BYTES)
         return LoadedModel(copy, label)
     if isinstance(model, (bytes, bytearray)):
         label = label or "model"
         proto = parse_model(bytes(model), label)
         check_model(proto, label)
+        hold_inline_weights_by_reference(proto, SPLIT_MIN_FILE_BYTES)
         return LoadedModel(proto, label)
     # The optimizer holds external weights by reference: its memory does not grow with them.
     return resolve_input(str(model), weights_on_disk=True)
@@ -250,6 +253,10 @@ def optimize(
             "total": round(t_verified - t_start, 4),
         },
     }
+    if isinstance(model, (onnx.ModelProto, bytes, bytearray)):
+        # An in-memory model's large weights were held on disk while the passes ran (_as_loaded);
+        # the caller gets a model that owns its weights, as it gave one.
+        inline_scratch_references(optimized)
     result = OptimizeResult(optimized, stats, summary, verification, notes)
     if verification is not None and not verification.ok:
         raise VerificationError(f"verification failed: {verification.first_problem()}", result=verification)

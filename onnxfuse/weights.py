@@ -355,6 +355,32 @@ def is_inline_origin(region: FileRegion) -> bool:
     return _inline_scratch.path != "" and region.path == _inline_scratch.path
 
 
+def hold_inline_weights_by_reference(model: onnx.ModelProto, min_total: int) -> int:
+    """Move the large inline initializers (raw data of SPILL_MIN_BYTES or more) of an in-memory
+    model to the scratch file of inline weights and hold them by reference, as a large
+    single-file model's are at load (modelio): the optimizer's copies of the model (the
+    onnxscript stage copies it once per group it tries) then copy no weight. Nothing moves when
+    they total less than `min_total` bytes. How many moved."""
+    large = [t for t in model.graph.initializer
+             if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= SPILL_MIN_BYTES]
+    if sum(len(t.raw_data) for t in large) < min_total:
+        return 0
+    for t in large:
+        region = _inline_scratch.write(t.raw_data)
+        set_reference(t, region.path, region.offset, region.length)
+    return len(large)
+
+
+def inline_scratch_references(model: onnx.ModelProto) -> None:
+    """Give every tensor held by reference to a scratch file (an inline weight moved there, a
+    weight a pass made) its bytes back: a model that owns its weights, for a caller that gave
+    one."""
+    for t in all_tensors(model):
+        region = region_of(t)
+        if region is not None and region.path in (_inline_scratch.path, _scratch.path) and region.path:
+            inline_tensor(t)
+
+
 def spill(array: np.ndarray) -> FileRegion:
     """Write a new weight's bytes to the scratch file (in the temporary directory, TMPDIR):
     where they now are."""
