@@ -78,6 +78,11 @@ def _constant_node(t: gs.Constant) -> onnx.NodeProto:
     from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
     value = OnnxExporter.export_tensor_proto(t)
+    if value.data_location == onnx.TensorProto.EXTERNAL and not value.external_data:
+        # Values read from a weight held by reference (mapped): graphsurgeon keeps the imported
+        # data_location, but the bytes are inline now, and onnx rejects an external tensor
+        # without a location.
+        value.data_location = onnx.TensorProto.DEFAULT
     return helper.make_node("Constant", [], [t.name], name=f"{t.name}__const", value=value)
 
 
