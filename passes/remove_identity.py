@@ -90,26 +90,36 @@ def _np_type(t) -> np.dtype | None:
         return None
 
 
+def _outer_scope_round_trip(local: set[int]):
+    """The condition of cast-round-trip-outer-scope; `local`: ids of the top-level nodes (a
+    reader outside them is a node of a subgraph)."""
+
+    def condition(m: Match, graph: gs.Graph):
+        first, second = m.nodes
+        x, mid, y = m["x"], second.inputs[0], m.output
+        if gu.producer(x) is not None:
+            return fail(f"'{x.name}' is computed by a node (onnxruntime rewires such a pair correctly)")
+        t, u, back = _np_type(x.dtype), _np_type(gu.attr(first, "to")), _np_type(gu.attr(second, "to"))
+        if any(v is None for v in (t, u, back)) or back != t or not _holds_all(t, u):
+            return fail(f"the round trip {t} -> {u} -> {back} is not exact")
+        for v in (y, mid):
+            if gu.is_graph_output(graph, v):
+                return fail(f"'{v.name}' is a graph output")
+        return any(id(r) not in local for r in y.outputs) or fail("no subgraph reads the result")
+
+    return condition
+
+
+def _read_input(graph: gs.Graph, m: Match) -> bool:
+    gu.replace_uses(m.output, m["x"])
+    gu.disconnect(m.root)
+    return True
+
+
 def collapse_outer_scope_cast_round_trips(graph: gs.Graph, ctx: Context) -> int:
-    local = {id(n) for n in graph.nodes}
-    count = 0
-    for node in list(graph.nodes):
-        if not gu.is_op(node, "Cast") or not node.inputs or not node.outputs:
-            continue
-        first = gu.producer(node.inputs[0])
-        if not gu.is_op(first, "Cast") or not first.inputs or gu.producer(first.inputs[0]) is not None:
-            continue
-        x, mid, y = first.inputs[0], node.inputs[0], node.outputs[0]
-        t, u, back = _np_type(x.dtype), _np_type(gu.attr(first, "to")), _np_type(gu.attr(node, "to"))
-        if any(v is None for v in (t, u, back)) or back != t or not _holds_all(t, u) or gu.is_graph_output(graph, y) \
-                or gu.is_graph_output(graph, mid):
-            continue
-        if not any(id(reader) not in local for reader in y.outputs):
-            continue
-        gu.replace_uses(y, x)
-        gu.disconnect(node)
-        count += 1
-    return count
+    rule = Rule("cast-round-trip-outer-scope", op.Cast(op.Cast(x)), rewrite=_read_input,
+                condition=_outer_scope_round_trip({id(n) for n in graph.nodes}), private=False)
+    return rules.apply(graph, [rule], ctx.explainer)
 
 
 def remove_identity(graph: gs.Graph, ctx: Context) -> int:
