@@ -1,13 +1,12 @@
 """Real sizes: a single-file model's weights held by reference, and pass time linear in nodes."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from bench.node_scaling import parallel_chains
 from onnxfuse import modelio
 from onnxfuse.modelsave import save_model
 from onnxfuse.protowire import WireError, join_weights, split_weights
@@ -109,27 +108,6 @@ def test_in_memory_model_holds_its_weights_on_disk_while_passes_run(tmp_path, mo
             np.testing.assert_array_equal(weights[t.name], numpy_helper.to_array(t))
 
 
-def _chains(k: int, length: int = 10) -> onnx.ModelProto:
-    """k pointwise chains of `length` nodes on one input, each an output of the graph."""
-    nodes, inits, outs = [], [], []
-    ops = ["Add", "Mul", "Tanh", "Sub", "Relu"]
-    for c in range(k):
-        prev = "x"
-        for i in range(length):
-            op, out = ops[i % len(ops)], f"c{c}_{i}"
-            if op in ("Add", "Mul", "Sub"):
-                inits.append(numpy_helper.from_array(np.array([0.5 + c * 1e-3 + i * 1e-4], np.float32), f"k{c}_{i}"))
-                nodes.append(helper.make_node(op, [prev, f"k{c}_{i}"], [out]))
-            else:
-                nodes.append(helper.make_node(op, [prev], [out]))
-            prev = out
-        outs.append(helper.make_tensor_value_info(prev, 1, [1, 64]))
-    g = helper.make_graph(nodes, "chains", [helper.make_tensor_value_info("x", 1, [1, 64])], outs, inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 9
-    return m
-
-
 @pytest.mark.slow
 def test_pass_time_grows_about_linearly_with_nodes():
     """Before: 4.3 s at 6,250 nodes, 184 s at 25,000 (a map of regions copied per attempt, the
@@ -143,13 +121,7 @@ def test_pass_time_grows_about_linearly_with_nodes():
     set alone (cache misses on a heap of 500,000 objects against 90,000). 13x leaves room for
     that noise and fails for any pass that turns quadratic again; the issue's 10x is not
     reached on this machine."""
-    from onnxfuse.api import optimize
-
-    def cpu_seconds(k):
-        model = _chains(k)
-        t = time.process_time()
-        optimize(model, verify_outputs=False, count_kernels=False)
-        return time.process_time() - t
+    from bench.node_scaling import cpu_seconds
 
     cpu_seconds(25)  # imports, first sessions
     # The small model's one sample was the noisiest part (12.1x once on a quiet machine): its
@@ -177,7 +149,7 @@ def test_passes_run_with_a_high_young_collection_threshold_and_restore_the_calle
     def fail(graph, ctx):
         raise RuntimeError("pass failed")
 
-    model = normalize(modelio.LoadedModel(_chains(2), "m")).model
+    model = normalize(modelio.LoadedModel(parallel_chains(2), "m")).model
     before = gc.get_threshold()
     pipeline.run_passes(model, [pipeline.Pass("record", 1, "", record)], pipeline.Context())
     assert seen and seen[0][0] >= pipeline.YOUNG_COLLECTION_THRESHOLD and seen[0][1:] == before[1:]
@@ -196,7 +168,7 @@ def test_passes_over_a_5000_node_model_make_no_full_collection():
     from onnxfuse import pipeline
     from onnxfuse.normalize import normalize
 
-    model = normalize(modelio.LoadedModel(_chains(500), "m")).model
+    model = normalize(modelio.LoadedModel(parallel_chains(500), "m")).model
     passes = pipeline.select_passes(None, "cpu")
     full = []
 
@@ -243,7 +215,7 @@ def test_squeeze_excite_infers_shapes_only_for_a_block_it_matched(monkeypatch):
     from onnxfuse.pipeline import Context, import_graph, select_passes
 
     ctx = Context()
-    graph, _, _ = import_graph(normalize(modelio.LoadedModel(_chains(3), "m")).model, ctx)
+    graph, _, _ = import_graph(normalize(modelio.LoadedModel(parallel_chains(3), "m")).model, ctx)
     (p,) = select_passes(["squeeze-excite"], "cpu")
     made = []
     monkeypatch.setattr(facts, "ShapeTable", lambda *a, **k: made.append(1))
@@ -261,7 +233,7 @@ def test_passes_without_candidates_pay_no_shape_inference(name, monkeypatch):
     from onnxfuse.pipeline import Context, PassOptions, import_graph, select_passes
 
     ctx = Context(options=PassOptions(pipeline=[name]))
-    graph, _, _ = import_graph(normalize(modelio.LoadedModel(_chains(3), "m")).model, ctx)
+    graph, _, _ = import_graph(normalize(modelio.LoadedModel(parallel_chains(3), "m")).model, ctx)
     (p,) = select_passes([name], "cpu")
     asked = []
     monkeypatch.setattr(importlib.import_module(p.run.__module__), "refresh_shapes", lambda g: asked.append(1))
