@@ -174,20 +174,33 @@ def expanded_padding_mask(batch_from="x"):
     return m
 
 
-def test_guarded_attention_reads_a_mask_expanded_to_a_folded_target():
-    m = expanded_padding_mask()
+def _one_guarded_node_with_a_mask(m):
+    """The model optimized by the pass, which made exactly one guarded node reading a mask."""
     opt, n = optimize(m, PASS)
     assert n == 1
     [node] = fused(opt)
     assert attrs(node)["nan_to_zero"] == 1 and attrs(node)["has_mask"] == 1
-    rng = np.random.default_rng(3)
+    return opt
+
+
+def _feeds_with_batch_0_all_padded(m, mask_input, random_mask, seed):
+    """Feeds at (batch, seq) (1, 1), (2, 6), (3, 13), the mask input drawn by random_mask(rng,
+    b, s) with every key of batch 0 padded (zero)."""
+    rng = np.random.default_rng(seed)
     feed_list = []
     for b, s in ((1, 1), (2, 6), (3, 13)):
-        feeds = {k: v for k, v in feeds_for(m, b, s).items() if k != "pad"}
-        pad = rng.random((b, 1, 1, s)) < 0.7
-        pad[0] = False  # batch 0: every key padded
-        feeds["pad"] = pad
+        feeds = {k: v for k, v in feeds_for(m, b, s).items() if k != mask_input}
+        mask = random_mask(rng, b, s)
+        mask[0] = 0
+        feeds[mask_input] = mask
         feed_list.append(feeds)
+    return feed_list
+
+
+def test_guarded_attention_reads_a_mask_expanded_to_a_folded_target():
+    m = expanded_padding_mask()
+    opt = _one_guarded_node_with_a_mask(m)
+    feed_list = _feeds_with_batch_0_all_padded(m, "pad", lambda rng, b, s: rng.random((b, 1, 1, s)) < 0.7, seed=3)
     check_runs_like_original(m, opt, feed_list)
 
 
@@ -240,18 +253,9 @@ def test_mask_from_a_token_mask_reshaped_to_a_flattened_batch_is_the_nodes_input
     # The real-size GPT-2 TorchScript export (input_ids and attention_mask): every Softmax was
     # left because the mask's batch and key length were names of inference's own.
     m = padding_mask_from_token_mask()
-    opt, n = optimize(m, PASS)
-    assert n == 1
-    [node] = fused(opt)
-    assert attrs(node)["nan_to_zero"] == 1 and attrs(node)["has_mask"] == 1
-    rng = np.random.default_rng(5)
-    feed_list = []
-    for b, s in ((1, 1), (2, 6), (3, 13)):
-        feeds = {k: v for k, v in feeds_for(m, b, s).items() if k != "am"}
-        am = (rng.random((b, s)) < 0.7).astype(np.int64)
-        am[0] = 0  # batch 0: every key padded
-        feeds["am"] = am
-        feed_list.append(feeds)
+    opt = _one_guarded_node_with_a_mask(m)
+    feed_list = _feeds_with_batch_0_all_padded(m, "am", lambda rng, b, s: (rng.random((b, s)) < 0.7).astype(np.int64),
+                                               seed=5)
     check_runs_like_original(m, opt, feed_list)
     feeds = feed_list[2]
     feeds["x"][0, 0, :] = np.inf  # reaches v of the all-masked batch: 0 * inf is NaN there
