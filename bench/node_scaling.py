@@ -3,10 +3,11 @@ of one of 2,500.
 
 The model (parallel_chains): k chains of 10 pointwise nodes (Add, Mul, Tanh, Sub, Relu) on one
 input, each chain an output of the graph; k = 250 is 2,500 nodes, k = 2,500 is 25,000. Each
-run is a fresh Python process: a warm-up on 250 nodes (imports, first sessions), the 2,500-node
-model three times (their median), then the 25,000-node model once, each timed in CPU seconds
-(process_time: other jobs on the machine count less than in wall time) around
-`optimize(model, verify_outputs=False, count_kernels=False)`, the default CPU pipeline.
+run is a fresh Python process: a warm-up on 250 nodes (imports, first sessions), then the
+2,500-node model five times and the 25,000-node one twice, alternating, each timed in CPU
+seconds (process_time: other jobs on the machine count less than in wall time) around
+`optimize(model, verify_outputs=False, count_kernels=False)`, the default CPU pipeline; a run's
+figure for each size is its least time.
 
     python -m bench.node_scaling                 # 5 runs, a table on stdout
     python -m bench.node_scaling --runs 8 --json out.json
@@ -60,11 +61,18 @@ def cpu_seconds(k: int) -> float:
     return time.process_time() - t
 
 
-def one_run() -> dict:
-    """The measurement of one fresh process: the small model's median of three, the large once."""
+def one_run(small_reps: int = 5, large_reps: int = 2) -> dict:
+    """The measurement of one fresh process: the least CPU time of `small_reps` optimizations of
+    the small model and of `large_reps` of the large one, alternating (another job on the
+    machine only ever adds time, and on a shared machine it added up to 40% to one sample)."""
     cpu_seconds(25)
-    small = sorted(cpu_seconds(250) for _ in range(3))[1]
-    large = cpu_seconds(2500)
+    small, large = [], []
+    for i in range(max(small_reps, large_reps)):
+        if i < small_reps:
+            small.append(cpu_seconds(250))
+        if i < large_reps:
+            large.append(cpu_seconds(2500))
+    small, large = min(small), min(large)
     return {"small_s": round(small, 3), "large_s": round(large, 3), "ratio": round(large / small, 3),
             "load": round(os.getloadavg()[0], 2)}
 

@@ -115,20 +115,18 @@ def test_pass_time_grows_about_linearly_with_nodes():
     outputs copied per match, shape inference in passes with nothing to match). CPU time, so that
     other jobs on the machine count less.
 
-    The bound: measured 11.1-11.2x on a shared 2-core machine at load 12-15 once passes ran
-    without full collections of the heap (12.2-12.8x before; bench/results/node_scaling.md).
-    Every function's call count is exactly 10x; per-node time grows 1.1-1.2x from the working
-    set alone (cache misses on a heap of 500,000 objects against 90,000). 13x leaves room for
-    that noise and fails for any pass that turns quadratic again; the issue's 10x is not
-    reached on this machine."""
-    from bench.node_scaling import cpu_seconds
+    The bound: on this 2-core machine the ratio was 11.1-12.8x at load 12-15 (2026-11-28),
+    9.9-11.0x on a quiet machine (2026-11-29 01:00) and 12.3-15.2x on a quiet machine four hours
+    later (bench/results/node_scaling.md): every function's call count is exactly 10x, and the
+    per-node time grows with the working set (cache misses on a heap of 500,000 objects against
+    90,000), by as much as the host's caches are shared with others. 16x leaves room for that
+    and fails for any pass that turns quadratic again (43x for four times the nodes before);
+    the 10x is the issue's benchmark figure. The estimator is the benchmark's: each size's
+    least time over alternating samples (another job only adds time)."""
+    from bench.node_scaling import one_run
 
-    cpu_seconds(25)  # imports, first sessions
-    # The small model's one sample was the noisiest part (12.1x once on a quiet machine): its
-    # median of three.
-    small = sorted(cpu_seconds(250) for _ in range(3))[1]
-    large = cpu_seconds(2500)
-    assert large <= 13 * small, (small, large)
+    run = one_run(small_reps=5, large_reps=2)
+    assert run["ratio"] <= 16, run
 
 
 def test_passes_run_with_a_high_young_collection_threshold_and_restore_the_callers():
