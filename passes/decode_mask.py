@@ -45,7 +45,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.rules import Failure, Match, Rule, Var, apply, fail, op
+from onnxfuse.graph.rules import ANY, Failure, Match, Rule, Var, apply, fail, match, op
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
@@ -238,17 +238,19 @@ def _arange(t: gs.Tensor):
     return axis, rank, node
 
 
+# A dim read at run time: Gather(Shape(z), k), axis 0, the whole shape.
+DIM_OF = op.Gather(op.Shape(Var("z"), start=lambda v: not v, end=lambda v: v is None), Var("k"),
+                   axis=lambda v: v is None or int(v) == 0)
+
+
 def _dim_of(t: gs.Tensor):
     """(z, k) when t = Gather(Shape(z), k) (a scalar or a 1-element index), else None."""
     node = gu.producer(t)
-    if not gu.is_op(node, "Gather") or int(gu.attr(node, "axis", 0)) != 0:
+    m = match(DIM_OF, node, private=False) if node is not None and node.outputs[0] is t else None
+    idx = gu.constant_value(m["k"]) if m is not None else None
+    if idx is None or idx.size != 1:
         return None
-    idx = gu.constant_value(node.inputs[1])
-    shape = gu.producer(node.inputs[0])
-    if idx is None or idx.size != 1 or not gu.is_op(shape, "Shape") or shape.attrs.get("start") \
-            or "end" in shape.attrs:
-        return None
-    return shape.inputs[0], int(idx.reshape(-1)[0])
+    return m["z"], int(idx.reshape(-1)[0])
 
 
 def _dim_token(shapes: facts.ShapeTable, t: gs.Tensor) -> dict | None:
@@ -436,45 +438,49 @@ def _same_dim(a, b) -> bool:
     return a is not None and a == b and (isinstance(a, (int, np.integer)) or isinstance(a, str))
 
 
+# The flat index of the padding grid, i = a_b * T + a_k; the engine tries both orders of the Add
+# and of the Mul, in that order.
+FLAT_INDEX = op.Add(op.Mul(Var("ab"), Var("stride")), Var("ak"))
+
+
 def _flat_index(shapes: facts.ShapeTable, ev: _LazyDims, i: gs.Tensor, data: gs.Tensor):
     """(p, q, rank, n_k) when i = a_b * T + a_k as described in the module docstring, else why not."""
-    add = gu.producer(i)
-    if not gu.is_op(add, "Add") or len(add.inputs) != 2:
-        return fail(f"the index '{i.name}' is not an Add of two tensors")
     dd = shapes.dims(data)
     if dd is None or len(dd) != 2:
         return fail(f"the mask '{data.name}' is not of rank 2")
-    # the reason of the attempt that got furthest: (stage, reason)
-    why = (0, fail(f"neither input of Add '{add.name}' is a Mul of two tensors"))
+    add = gu.producer(i)
+    if add is None or add.outputs[0] is not i:
+        return fail(f"the index '{i.name}' is computed by no node")
+    # the reason of the way that got furthest: (stage, reason)
+    why: list = [(0, None)]
+    found = {}
 
-    def note(stage: int, reason: str) -> None:
-        nonlocal why
-        if stage >= why[0]:
-            why = (stage, fail(reason))
-    for j in (0, 1):
-        mul, ak = gu.producer(add.inputs[j]), add.inputs[1 - j]
-        if not gu.is_op(mul, "Mul") or len(mul.inputs) != 2:
-            continue
-        for m in (0, 1):
-            ab, stride = mul.inputs[m], mul.inputs[1 - m]
-            fb, fk = _arange(ab), _arange(ak)
-            if fb is None or fk is None:
-                note(1, f"'{ab.name}' and '{ak.name}' are not both Range(0, n, 1) with size-1 axes inserted")
-                continue
-            if not _is_dim(ev, stride, data, 1):
-                note(2, f"the row stride '{stride.name}' is not provably dim 1 of the mask '{data.name}'")
-                continue
-            (p, rb, range_b), (q, rk, range_k) = fb, fk
-            rank = max(rb, rk)
-            p, q = p + rank - rb, q + rank - rk
-            if p >= q:
-                note(3, f"the batch arange '{ab.name}' is not on an axis before the key arange's")
-                continue
-            if not _rows_of(shapes, ev, range_b, data):
-                note(4, f"the length of Range '{range_b.name}' is not provably dim 0 of the mask '{data.name}'")
-                continue
-            return p, q, rank, range_k.inputs[1]
-    return why[1]
+    def note(stage: int, reason: str) -> bool:
+        if stage >= why[0][0]:
+            why[0] = (stage, reason)
+        return False
+
+    def grid(m: Match) -> bool:
+        ab, stride, ak = m["ab"], m["stride"], m["ak"]
+        fb, fk = _arange(ab), _arange(ak)
+        if fb is None or fk is None:
+            return note(1, f"'{ab.name}' and '{ak.name}' are not both Range(0, n, 1) with size-1 axes inserted")
+        if not _is_dim(ev, stride, data, 1):
+            return note(2, f"the row stride '{stride.name}' is not provably dim 1 of the mask '{data.name}'")
+        (p, rb, range_b), (q, rk, range_k) = fb, fk
+        rank = max(rb, rk)
+        p, q = p + rank - rb, q + rank - rk
+        if p >= q:
+            return note(3, f"the batch arange '{ab.name}' is not on an axis before the key arange's")
+        if not _rows_of(shapes, ev, range_b, data):
+            return note(4, f"the length of Range '{range_b.name}' is not provably dim 0 of the mask '{data.name}'")
+        found["grid"] = (p, q, rank, range_k.inputs[1])
+        return True
+
+    unmatched: list = []
+    if match(FLAT_INDEX, add, frozenset(), private=False, condition=grid, why=unmatched) is not None:
+        return found["grid"]
+    return fail(why[0][1] or f"the index '{i.name}': {unmatched[0]}")
 
 
 def _padding_grid(m: Match, graph: gs.Graph, shapes: facts.ShapeTable, ev: _LazyDims):
@@ -540,11 +546,13 @@ PADDING = {f"{f}/{t}": _padding(_FLAT[f], _TARGET[t]) for f in _FLAT for t in _T
 NOOP_EXPAND = op.Expand(Var("x"), Var("shape"))
 
 
+# A Reshape of a Reshape of a Gather: the form --explain reports on (every other Reshape is no
+# candidate of the padding rules).
+PADDING_CANDIDATE = op.Reshape(op.Reshape(op.Gather(ANY, ANY), ANY), ANY)
+
+
 def _padding_candidate(node: gs.Node) -> bool:
-    """A Reshape of a Reshape of a Gather: the form --explain reports on (every other Reshape
-    is no candidate of the padding rules)."""
-    r1 = gu.producer(node.inputs[0]) if node.inputs else None
-    return gu.is_op(r1, "Reshape") and gu.is_op(gu.producer(r1.inputs[0]), "Gather")
+    return match(PADDING_CANDIDATE, node, private=False) is not None
 
 
 def decode_mask(graph: gs.Graph, ctx: Context) -> int:

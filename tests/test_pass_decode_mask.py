@@ -235,3 +235,12 @@ def test_explain_says_why_a_flat_index_of_another_stride_stays_a_gather():
     assert "the row stride 'five' is not provably dim 1 of the mask 'D'" in why["pad_node"], why
     # only the padding form's Reshapes are its candidates
     assert not {"g1_node", "idx_shape_node"} & set(why), why
+
+
+def test_explain_says_which_operand_of_the_flat_index_is_no_mul():
+    m = _named(mask_step())
+    for node in m.graph.node:
+        if node.op_type == "Mul" and node.output[0] == "row_start":
+            node.op_type = "Sub"
+    why = _explained(m)
+    assert "Sub 'row_start_node'" in why["pad_node"] and "Mul" in why["pad_node"], why
