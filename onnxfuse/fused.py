@@ -82,7 +82,7 @@ def _constant_node(t: gs.Constant) -> onnx.NodeProto:
         # Values read from a weight held by reference (mapped): graphsurgeon keeps the imported
         # data_location, but the bytes are inline now, and onnx rejects an external tensor
         # without a location.
-        value.data_location = onnx.TensorProto.DEFAULT
+        value.ClearField("data_location")
     return helper.make_node("Constant", [], [t.name], name=f"{t.name}__const", value=value)
 
 

@@ -275,7 +275,7 @@ def inline_tensor(t: onnx.TensorProto) -> None:
         return
     data = read_region(region)
     del t.external_data[:]
-    t.data_location = onnx.TensorProto.DEFAULT
+    t.ClearField("data_location")  # unset, as a tensor that was inline all along (same bytes)
     t.raw_data = data
 
 
