@@ -187,10 +187,9 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch
         nodes, act, alpha, beta, y = found
         m.nodes += nodes
     residual, post_relu = None, False
-    n = gu.single_consumer(y)
-    added = rules.first_match(RESIDUAL, graph, n, bind={"y": y}) if n is not None and gu.is_private(graph, y) else None
+    added = rules.match_reader(RESIDUAL, graph, y, "y")
     if added is not None:
-        z = added[1]["z"]
+        n, z = added[1].root, added[1]["z"]
         yd, zd = shapes.dims(y), shapes.dims(z) if z is not None else None
         same = (z is not None and yd is not None and zd is not None and len(yd) == len(zd) == 4
                 and yd[1:] == zd[1:] and all(isinstance(d, int) for d in yd[1:])
@@ -199,11 +198,11 @@ def match(graph: gs.Graph, conv: gs.Node, shapes: facts.ShapeTable) -> ConvMatch
             residual = z
             m.nodes.append(n)
             y = n.outputs[0]
-            r = gu.single_consumer(y)
-            if r is not None and gu.is_private(graph, y) and rules.first_match(POST_RELU, graph, r, bind={"y": y}):
+            relu = rules.match_reader(POST_RELU, graph, y, "y")
+            if relu is not None:
                 post_relu = True
-                m.nodes.append(r)
-                y = r.outputs[0]
+                m.nodes.append(relu[1].root)
+                y = relu[1].output
     if act == "none" and residual is None:
         return None  # a bare Conv: nothing for an epilogue to save
     m.epilogue = Epilogue(act, alpha, beta, residual is not None, post_relu)

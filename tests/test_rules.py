@@ -346,3 +346,18 @@ def test_of_rules_whose_patterns_did_not_match_the_furthest_say_why_once():
     deeper = [Rule("shallow", op.Relu(op.Abs(x))), Rule("deep", op.Relu(op.Neg(op.Exp(x))))]
     rules.apply(g, deeper, explain=lambda node, w: said.append(w))
     assert said == ["input 0 of Neg is 'x', computed by no node, not by Exp"]
+
+
+def test_match_reader_takes_a_private_tail_with_the_tensor_bound():
+    relu = (Rule("relu", op.Relu(Var("t"))),)
+    g = graph_of([helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Relu", ["e"], ["y"])])
+    e = root(g, "y").inputs[0]
+    rule, m = rules.match_reader(relu, g, e, "t")
+    assert m.root.op == "Relu" and m["t"] is e
+    # read twice, or a graph output: the tail would not be private
+    shared = graph_of([helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Relu", ["e"], ["y"]),
+                       helper.make_node("Neg", ["e"], ["z"])], outputs=("y", "z"))
+    assert rules.match_reader(relu, shared, root(shared, "y").inputs[0], "t") is None
+    exposed = graph_of([helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Relu", ["e"], ["y"])],
+                       outputs=("y", "e"))
+    assert rules.match_reader(relu, exposed, root(exposed, "y").inputs[0], "t") is None

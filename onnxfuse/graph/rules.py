@@ -473,6 +473,16 @@ def match_at(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor,
     return first_match(rules, graph, node, graph_outputs)
 
 
+def match_reader(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor, var: str) -> tuple[Rule, Match] | None:
+    """The first of `rules` rooted at the one node reading `tensor`, with Var `var` bound to it:
+    an optional tail after a match (an activation, a residual Add), taken only where `tensor` is
+    private (that node its only reader, no graph output), so that the tail can be fused with it."""
+    reader = gu.single_consumer(tensor)
+    if reader is None or not gu.is_private(graph, tensor):
+        return None
+    return first_match(rules, graph, reader, bind={var: tensor})
+
+
 def match_after(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor, var: str,
                 depth: int = 2) -> tuple[Rule, Match] | None:
     """The first of `rules` matching with Var `var` bound to `tensor`, rooted at a node at most
