@@ -45,7 +45,7 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.rules import ANY, Failure, Match, Rule, Var, apply, fail, match, op
+from onnxfuse.graph.rules import ANY, Const, Failure, Match, Rule, Var, apply, fail, match, match_value, op, through
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
@@ -214,18 +214,18 @@ def _readers_read(name: str):
     return rewrite
 
 
+# An arange over one axis: Range(0, n, 1) with size-1 axes inserted by Unsqueeze.
+ARANGE = through(["Unsqueeze"], op.Range(Const(0.0), ANY, Const(1.0), _name="range"), _DEPTH, name="unsqueezes")
+
+
 def _arange(t: gs.Tensor):
     """(axis, rank, Range node) when t is Range(0, n, 1) with size-1 axes inserted by Unsqueeze
     (constant axes): every element is its coordinate on that axis."""
-    chain = []
-    node = gu.producer(t)
-    while gu.is_op(node, "Unsqueeze") and len(chain) < _DEPTH:
-        chain.append(node)
-        node = gu.producer(node.inputs[0])
-    if not gu.is_op(node, "Range") or gu.scalar(node.inputs[0]) != 0 or gu.scalar(node.inputs[2]) != 1:
+    m = match_value(ARANGE, t)
+    if m is None:
         return None
     axis, rank = 0, 1
-    for unsqueeze in reversed(chain):
+    for unsqueeze in reversed(m["unsqueezes"]):
         axes = gu.constant_ints(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else gu.attr(unsqueeze, "axes")
         if axes is None:
             return None
@@ -235,7 +235,7 @@ def _arange(t: gs.Tensor):
             return None
         kept = [i for i in range(out_rank) if i not in inserted]
         axis, rank = kept[axis], out_rank
-    return axis, rank, node
+    return axis, rank, m["range"]
 
 
 # A dim read at run time: Gather(Shape(z), k), axis 0, the whole shape.

@@ -361,3 +361,23 @@ def test_match_reader_takes_a_private_tail_with_the_tensor_bound():
     exposed = graph_of([helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Relu", ["e"], ["y"])],
                        outputs=("y", "e"))
     assert rules.match_reader(relu, exposed, root(exposed, "y").inputs[0], "t") is None
+
+
+def test_through_follows_a_bounded_path_to_its_inner_pattern():
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("Neg", ["e"], ["n1"]),
+             helper.make_node("Neg", ["n1"], ["y"])]
+    g = graph_of(nodes)
+    y = root(g).outputs[0]
+    exp_after_negs = rules.through(["Neg"], op.Exp(x, _name="exp"), 2, name="negs")
+    m = rules.match_value(exp_after_negs, y)
+    assert [n.op for n in m.nodes] == ["Exp", "Neg", "Neg"]  # operands before readers
+    assert [n.outputs[0].name for n in m["negs"]] == ["y", "n1"]  # reader first
+    assert m["exp"].op == "Exp" and m["x"].name == "x"
+    # no node passed: the inner pattern itself
+    assert rules.match_value(exp_after_negs, root(g, "e").outputs[0])["negs"] == ()
+    # a path longer than allowed, and the reason the matcher gives for it
+    assert rules.match_value(rules.through(["Neg"], op.Exp(x), 1), y) is None
+    why: list = []
+    assert rules.match(op.Abs(rules.through(["Neg"], op.Exp(x), 1)),
+                       gs.Node("Abs", inputs=[y], outputs=[gs.Variable("z")]), why=why) is None
+    assert "through more than 1 of Neg" in why[0], why

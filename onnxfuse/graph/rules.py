@@ -37,140 +37,12 @@ import onnx_graphsurgeon as gs
 from . import core as gu
 from .reasons import Declined, Explain, Failure, Unmatched, explain_failures, fail  # noqa: F401 (the engine's API)
 from .reasons import declined as _declined
+from .rule_patterns import (ANY, Alt, AnyInput, Const, OpPattern, Pattern, Rest, Through, Var,  # noqa: F401 (the engine's API)
+                            alt, op, ops, through)
 
 COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "Sum", "And", "Or", "Xor", "Equal"})
 # Inputs that an op took as attributes in older opsets: (attribute per input position).
 ATTRIBUTE_INPUTS = {"Clip": (None, "min", "max")}
-
-
-def _binary(op_type: str, reflected: bool = False):
-    """The operator method that builds op_type(self, other), or op_type(other, self)."""
-
-    def method(self, other):
-        operands = (_lift(other), self) if reflected else (self, _lift(other))
-        return OpPattern(op_type, operands)
-
-    return method
-
-
-class Pattern:
-    """Base of pattern expressions; Python arithmetic builds op patterns."""
-
-    __add__, __radd__ = _binary("Add"), _binary("Add", reflected=True)
-    __sub__, __rsub__ = _binary("Sub"), _binary("Sub", reflected=True)
-    __mul__, __rmul__ = _binary("Mul"), _binary("Mul", reflected=True)
-    __truediv__, __rtruediv__ = _binary("Div"), _binary("Div", reflected=True)
-
-
-@dataclass(frozen=True, eq=False)
-class Var(Pattern):
-    """Any tensor; bound under `name`, the same tensor wherever the name recurs."""
-
-    name: str
-
-
-@dataclass(frozen=True, eq=False)
-class Const(Pattern):
-    """A constant of one element (initializer or Constant node): equal to `value` within `rtol`
-    when a value is given; its value is bound under `name` when one is given."""
-
-    value: float | None = None
-    name: str | None = None
-    rtol: float = 0.0
-
-
-@dataclass(frozen=True, eq=False)
-class Rest(Pattern):
-    """The last operand of an op pattern: every input that remains (at least `min`, present or
-    omitted), bound under `name` as a tuple."""
-
-    name: str
-    min: int = 0
-
-
-@dataclass(frozen=True, eq=False)
-class AnyInput(Pattern):
-    """Any operand, an omitted optional input included (the rule's condition looks at it)."""
-
-
-ANY = AnyInput()
-
-
-@dataclass(frozen=True, eq=False)
-class Alt(Pattern):
-    """One of several patterns for the same operand, tried in order (alternatives as data):
-    `alt(x * Const(name="c"), x / Const(name="c"), x)` is x scaled by a constant or not. A name
-    bound in one alternative only is absent from a match through another (Match.get)."""
-
-    options: tuple[Pattern, ...]
-
-
-def alt(*options) -> Alt:
-    return Alt(tuple(_lift(o) for o in options))
-
-
-@dataclass(frozen=True, eq=False)
-class OpPattern(Pattern):
-    """A node of op `op` in `domain` ("": the default ONNX domain) whose inputs match `inputs`
-    (a node with more inputs than patterns has them omitted, unless the last pattern is Rest).
-
-    attrs: attribute values the node must have (a callable is a predicate on the value, which is
-    None when the attribute is absent); name: the node is bound under it; outputs: how many
-    outputs the node may have (None: any)."""
-
-    op: str
-    inputs: tuple[Pattern, ...]
-    attrs: tuple[tuple[str, object], ...] = ()
-    name: str | None = None
-    outputs: int | None = 1
-    domain: str = ""
-
-    def __post_init__(self) -> None:
-        if any(isinstance(p, Rest) for p in self.inputs[:-1]):
-            raise ValueError(f"{self.op}: Rest must be the last operand")
-
-    @property
-    def fixed(self) -> tuple[Pattern, ...]:
-        """The operand patterns before a Rest."""
-        return self.inputs[:-1] if self.inputs and isinstance(self.inputs[-1], Rest) else self.inputs
-
-    @property
-    def label(self) -> str:
-        return self.op if not self.domain else f"{self.domain}.{self.op}"
-
-
-def _lift(value) -> Pattern:
-    if isinstance(value, Pattern):
-        return value
-    if isinstance(value, (int, float)):
-        return Const(float(value))
-    raise TypeError(f"cannot use {value!r} in a pattern")
-
-
-class _OpBuilder:
-    """`op.Relu(x)`, `op.HardSigmoid(x, alpha=0.2, _name="gate")`: op patterns by name, in the
-    builder's domain."""
-
-    def __init__(self, domain: str = "") -> None:
-        self._domain = domain
-
-    def __getattr__(self, op: str):
-        if op.startswith("_"):
-            raise AttributeError(op)
-
-        def build(*inputs, _name: str | None = None, _outputs: int | None = 1, **attrs) -> OpPattern:
-            return OpPattern(op, tuple(_lift(i) for i in inputs), tuple(sorted(attrs.items())), _name, _outputs,
-                             self._domain)
-
-        return build
-
-
-op = _OpBuilder()
-
-
-def ops(domain: str) -> _OpBuilder:
-    """Op patterns of `domain`: `ops("com.microsoft").MultiHeadAttention(q, k, v, Rest("more"))`."""
-    return _OpBuilder("" if domain == "ai.onnx" else domain)
 
 
 def _named(node: gs.Node) -> str:
@@ -277,6 +149,8 @@ class _Matcher:
                 return
             for option in p.options:
                 yield from self._tensor(option, t, bound, nodes, where)
+        elif isinstance(p, Through):
+            yield from self._through(p, t, bound, nodes, where, ())
         elif isinstance(p, Const):
             v = t if isinstance(t, float) else gu.scalar(t) if isinstance(t, gs.Tensor) else None
             if v is None or (p.value is not None and not _close(v, p.value, p.rtol)):
@@ -298,6 +172,29 @@ class _Matcher:
                 self.fail(lambda: f"{where} is an output of {_named(node)} other than its first")
                 return
             yield from self.node(p, node, bound, nodes)
+
+    def _through(self, p: Through, t, bound: dict, nodes: list, where: str, passed: tuple) -> Iterator[None]:
+        if p.name is not None:
+            bound[p.name] = passed
+        yield from self._tensor(p.inner, t, bound, nodes, where)
+        if p.name is not None:
+            del bound[p.name]
+        node = t.inputs[0] if isinstance(t, gs.Tensor) and t.inputs else None
+        if node is None or node.op not in p.ops or not gu.is_default_domain(node):
+            return  # the inner pattern's failure says why
+        if len(passed) == p.most:
+            # at the depth of the inner pattern's "Unsqueeze is not Range", and saying more
+            if self.failure is None or self.failure[0] <= self.held:
+                self.failure = (self.held, lambda: f"{where} is reached through more than {p.most} of {', '.join(p.ops)}")
+            return
+        if node.outputs[0] is not t or len(node.inputs) <= p.operand or any(node is n for n in nodes):
+            self.fail(lambda: f"{where} is not a path through {_named(node)}")
+            return
+        deeper = node.inputs[p.operand]
+        for _ in self._through(p, deeper, bound, nodes, f"input {p.operand} of {_named(node)}", passed + (node,)):
+            nodes.append(node)  # operands before readers, as op patterns record them
+            yield
+            nodes.pop()
 
     def node(self, p: OpPattern, node: gs.Node, bound: dict, nodes: list) -> Iterator[None]:
         if node.op != p.op or not _in_domain(node, p.domain):
@@ -414,6 +311,20 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
     if why is not None:
         reason = matcher.reason
         why.append(declined or (Unmatched(reason, matcher.failure[0]) if reason else f"{_named(root)} does not match"))
+    return None
+
+
+def match_value(pattern: Pattern, tensor: gs.Tensor, graph_outputs: set[str] | frozenset = frozenset(),
+                private: bool = False) -> Match | None:
+    """The first way the value `tensor` matches `pattern` (a pattern of an operand: Through, Alt,
+    an op pattern), with its intermediates private when asked; None when it does not."""
+    bound: dict = {}
+    nodes: list[gs.Node] = []
+    matcher = _Matcher(graph_outputs if isinstance(graph_outputs, (set, frozenset)) else set(graph_outputs))
+    for _ in matcher.tensor(pattern, tensor, bound, nodes, f"'{tensor.name}'"):
+        m = Match(list(nodes), dict(bound), tensor)
+        if not private or _not_private(m, matcher.graph_outputs) is None:
+            return m
     return None
 
 
