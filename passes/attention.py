@@ -136,7 +136,7 @@ from onnxfuse.graph.transformer_forms import nan_to_zero_guard
 from onnxfuse.pipeline import Context, Pass
 
 # Longest key sequence (static or declared) for which the CPU kernel is applied, and the most
-# keys x head size of one head's key panel: see _keys_pay_on_cpu.
+# keys x head size of one head's key panel: see _keys_unpaid_on_cpu.
 CPU_MAX_KEYS = 256
 CPU_MAX_CAUSAL_KEYS = 512  # in causal mode, which skips the masked half of the scores
 CPU_MAX_KEY_PANEL = 8192  # 32 KiB of float32
@@ -167,7 +167,7 @@ class Match:
     identity_view: gs.Node | None = None
 
 
-def _keys_pay_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> str | None:
+def _keys_unpaid_on_cpu(k: Heads, shapes: facts.ShapeTable, ctx: Context, causal: bool) -> str | None:
     """Why the CPU kernel would not pay at this key length, or None. Against onnxruntime's chain
     (bench/results/attention_cpu.md): faster up to CPU_MAX_KEYS keys of 32, slower at 512 (its
     key panel and v rows leave L1 for every 4 query rows); in causal mode faster at 512 keys of 32
@@ -313,7 +313,7 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
     if mask_terms is not None and not mask_fits(mask_terms, target, shapes, pinned):
         return rules.fail(f"the two additive terms' dims are not provably 1 or those of the scores {target}")
     unpaid = (None if ctx is None or ctx.target.attention_measured_faster_always
-              else _keys_pay_on_cpu(k, shapes, ctx, causal is not None))
+              else _keys_unpaid_on_cpu(k, shapes, ctx, causal is not None))
     if unpaid is not None:
         return rules.fail(unpaid)
     chain = scores.nodes + [softmax] + (list(guard) if guard is not None else []) + [pv, back, merge]
@@ -333,7 +333,7 @@ def _merged(graph, softmax, weights, guard, shapes, ctx) -> Match | rules.Failur
         return rules.fail(found)
     q, k, v = (Heads(t, None, found.heads, shapes.dims(t)[2], n, merged=True)
                for t, n in ((found.q, found.q_nodes), (found.k, found.k_nodes), (found.v, [])))
-    unpaid = None if ctx is None or ctx.target.attention_measured_faster_always else _keys_pay_on_cpu(k, shapes, ctx, False)
+    unpaid = None if ctx is None or ctx.target.attention_measured_faster_always else _keys_unpaid_on_cpu(k, shapes, ctx, False)
     if unpaid is not None:
         return rules.fail(unpaid)
     return Match(q, k, v, found.scale, found.mask, found.nodes, found.nodes[-1], fill=found.fill, views=found.views,

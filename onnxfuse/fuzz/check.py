@@ -169,9 +169,9 @@ def unexplained(model: onnx.ModelProto, feeds: dict, ref: dict, got: dict, dtype
                 again = _run(variant, moved, with_library=False, level=level)
         except Exception:  # onnxruntime's exception types: that draw explains nothing
             continue
+        spanning = (variant is model and moved is not feeds) or any(variant is v for v in noisy)
         for name in list(open_):
             want = again[name]
-            spanning = (variant is model and moved is not feeds) or any(variant is v for v in noisy)
             if spanning and want.shape == got[name].shape:
                 spans.setdefault(name, []).append(want)
             explained = ~differing(want, got[name], loose)
