@@ -12,7 +12,8 @@ from .cases import build_case
 from .generate import F16, F64
 from .variants import (FLOAT_TYPES, _every_value_an_output, _float64_outputs, _relu_on_flat_tensors,  # noqa: F401
                        _to_float64, casts_double_to_half, float16_in_float32, near_equal_variant, node_by_node,
-                       rounding_noise_variants, value_types, wrapped_in_a_function, zero_tie_variants)
+                       rounding_noise_variants, scaling_node, value_types, wrapped_in_a_function,
+                       zero_tie_variants)
 
 
 
@@ -348,8 +349,7 @@ def jump_variants(model: onnx.ModelProto, dtype: int, alone: int | None = None):
                             # Cast pair dropped: Cast(Cast(x, float16), float) lost its rounding
                             # (seed 9067949). Left as it is.
                             continue
-                        graph.initializer.append(numpy_helper.from_array(np.array(1 + step, np_type), factor))
-                        new_nodes.append(onnx.helper.make_node("Mul", [name, factor], [moved]))
+                        new_nodes.append(scaling_node(graph, name, 1 + step, np_type, factor, moved))
                         n.input[k] = moved
                 new_nodes.append(n)
             del graph.node[:]

@@ -382,6 +382,13 @@ INEXACT_OPS = {"Exp", "Log", "Pow", "Tanh", "Sigmoid", "Sin", "Cos", "Tan", "Asi
 NOISE_DRAWS = 3
 
 
+def scaling_node(graph: onnx.GraphProto, value: str, factor, np_type, factor_name: str, out: str) -> onnx.NodeProto:
+    """A Mul of `value` by the constant `factor` of type np_type into `out` (the factor an
+    initializer of `graph` named factor_name): how a variant moves a value."""
+    graph.initializer.append(numpy_helper.from_array(np.array(factor, np_type), factor_name))
+    return onnx.helper.make_node("Mul", [value, factor_name], [out])
+
+
 def rounding_noise_variants(model: onnx.ModelProto, scale: float):
     """The original with each float result of an inexact op (INEXACT_OPS, top level) scaled by
     1 + scale * u, u uniform in [-1, 1] and one per value: the same computation with those ops a
@@ -407,10 +414,9 @@ def rounding_noise_variants(model: onnx.ModelProto, scale: float):
                 factor = np_type(1 + scale * rng.uniform(-1.0, 1.0)) if np_type is not None and name else None
                 if factor is None or factor == 1:
                     continue
-                exact, f = f"{name}__noise_exact", f"{name}__noise_factor"
+                exact = f"{name}__noise_exact"
                 n.output[k] = exact
-                graph.initializer.append(numpy_helper.from_array(np.array(factor, np_type), f))
-                nodes.append(onnx.helper.make_node("Mul", [exact, f], [name]))
+                nodes.append(scaling_node(graph, exact, factor, np_type, f"{name}__noise_factor", name))
         del graph.node[:]
         graph.node.extend(nodes)
         yield variant
