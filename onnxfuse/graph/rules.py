@@ -11,7 +11,8 @@ Add, Sub, Mul and Div; a float is a scalar constant; a `Var` matches any tensor,
 wherever the name recurs; `Rest("xs")`, the last operand, matches the inputs that remain, any
 number of them (Concat's, Sum's, a contrib op's optional ones), bound as a tuple; `alt(p, q)`
 matches what p or q matches (tried in that order; `alt(op.Cast(x, to=1), x)`: an optional
-node). The engine takes care of:
+node); `through(["Unsqueeze"], p, 12)` matches p behind at most 12 Unsqueezes (a bounded path).
+The vocabulary lives in rule_patterns.py. The engine takes care of:
 
 - commuted operands of commutative ops (Add, Mul, Max, Min, Sum, And, Or, Xor, Equal): both
   orders are tried, so `x * 0.5` also matches Mul(0.5, x);
