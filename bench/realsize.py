@@ -9,6 +9,8 @@ run time by bench/realsize_models.py with a Python that has torch, torchvision a
     ort_transformers  onnxruntime.transformers.optimizer.optimize_model (model type, heads and
                       hidden size given; CPU)
     onnxscript        onnxscript's optimizer, then onnxscript.rewriter.ort_fusions.optimize_for_ort
+    onnxfuse-without-PASS[+PASS]   onnxfuse's default CPU pipeline without those passes (not
+                      run by default): what a pass earns, side by side with the whole pipeline
 
 each optimizer in its own process, whose wall time and peak resident memory (wait4) are the
 figures (onnxfuse's include loading, verification and saving; the peers' their API call and
@@ -19,6 +21,8 @@ share of the original's profiled kernel time in MatMul/Gemm kernels (how close i
 matmul floor).
 
     python -m bench.realsize --torch-python /path/to/python-with-torch [--models bert_ts,gpt2_ts]
+    python -m bench.realsize --models vit_ts --tools onnxfuse,onnxfuse-without-fuse-attention --workdir DIR
+        (a pass's A/B; reuses DIR/vit_ts.onnx when it is there; --out/--json-out elsewhere)
 """
 from __future__ import annotations
 
@@ -126,17 +130,35 @@ def _child(cmd: list[str], timeout: float) -> tuple[int, str, float, float, floa
     return proc.returncode, text, time.perf_counter() - t0, peak, cpu
 
 
+# A tool "onnxfuse-without-fuse-attention" (or "...-without-A+B") is onnxfuse's default CPU
+# pipeline without those passes: what a pass earns on a real model, measured side by side with
+# the whole pipeline (--tools onnxfuse,onnxfuse-without-fuse-attention).
+WITHOUT = "onnxfuse-without-"
+
+
+def default_passes_without(left_out: list[str]) -> list[str]:
+    from onnxfuse.pipeline import select_passes
+
+    names = [p.name for p in select_passes(None, "cpu")]
+    unknown = [n for n in left_out if n not in names]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)}: not in the default CPU pipeline ({', '.join(names)})")
+    return [n for n in names if n not in left_out]
+
+
 def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_python: str) -> dict:
     if tool == "ort_transformers":
         _, _, model_type, heads, hidden = MODELS[name]
         cmd = [torch_python, "-c", ORT_TRANSFORMERS, str(src), str(out), model_type, str(heads), str(hidden),
                RESULT_MARK]
-    elif tool == "onnxfuse":
+    elif tool == "onnxfuse" or tool.startswith(WITHOUT):
         report = out.with_suffix(".report.json")
         cmd = [sys.executable, "-m", "onnxfuse", "optimize", str(src), str(out), "--report", str(report)]
         dims = MODELS[name][1]
         if "past_sequence" in dims:  # a decode step: its cache and mask lengths must agree (1 and 1 do not)
             cmd += [f"--dim={k}={v}" for k, v in dims.items()]
+        if tool.startswith(WITHOUT):
+            cmd += ["--passes", ",".join(default_passes_without(tool[len(WITHOUT):].split("+")))]
     else:
         cmd = [sys.executable, "-m", "bench.realsize", "--worker", json.dumps([tool, str(src), str(out), name])]
     status, text, wall, peak, cpu = _child(cmd, timeout)
@@ -145,7 +167,7 @@ def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_p
     if status != 0:
         result["error"] = " ".join(text.strip().splitlines()[-1:])[:300]
         return result
-    if tool == "onnxfuse":
+    if tool == "onnxfuse" or tool.startswith(WITHOUT):
         summary = json.loads(report.read_text())["summary"]
         result["stages"] = summary["seconds"]
         result["kernels_reported"] = [summary.get("kernels_before"), summary.get("kernels_after")]
