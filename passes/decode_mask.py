@@ -45,7 +45,8 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.rules import ANY, Const, Failure, Match, Rule, Var, apply, fail, match, match_value, op, through
+from onnxfuse.graph.rules import (ANY, Const, Failure, Match, Rule, Var, apply, fail, match, match_value, op,
+                                  read_instead, through)
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 from onnxfuse.pipeline import Context, Pass
 
@@ -205,15 +206,6 @@ def _causal_proved(m: Match, graph: gs.Graph, shapes: facts.ShapeTable):
     return True
 
 
-def _readers_read(name: str):
-    """A rewrite dropping the matched root: its readers read the bound tensor `name` instead."""
-    def rewrite(graph: gs.Graph, m: Match) -> bool:
-        gu.replace_uses(m.output, m[name])
-        gu.disconnect(m.root)
-        return True
-    return rewrite
-
-
 # An arange over one axis: Range(0, n, 1) with size-1 axes inserted by Unsqueeze.
 ARANGE = through(["Unsqueeze"], op.Range(Const(0.0), ANY, Const(1.0), _name="range"), _DEPTH, name="unsqueezes")
 
@@ -245,8 +237,7 @@ DIM_OF = op.Gather(op.Shape(Var("z"), start=lambda v: not v, end=lambda v: v is 
 
 def _dim_of(t: gs.Tensor):
     """(z, k) when t = Gather(Shape(z), k) (a scalar or a 1-element index), else None."""
-    node = gu.producer(t)
-    m = match(DIM_OF, node, private=False) if node is not None and node.outputs[0] is t else None
+    m = match_value(DIM_OF, t)
     idx = gu.constant_value(m["k"]) if m is not None else None
     if idx is None or idx.size != 1:
         return None
@@ -565,12 +556,12 @@ def decode_mask(graph: gs.Graph, ctx: Context) -> int:
     explain = ctx.explainer
     padding_explain = None if explain is None else (
         lambda node, why: explain(node, why) if _padding_candidate(node) else None)
-    done = apply(graph, [Rule("decode-mask/causal", CAUSAL, _readers_read("y"),
+    done = apply(graph, [Rule("decode-mask/causal", CAUSAL, read_instead("y"),
                               lambda m, g: _causal_proved(m, g, shapes), private=False)], explain)
     done += apply(graph, [Rule(f"decode-mask/padding/{name}", pattern, lambda g, m: _slice_rows(g, m, shapes, known),
                                lambda m, g: _padding_grid(m, g, shapes, ev), private=False)
                           for name, pattern in PADDING.items()], padding_explain)
-    done += apply(graph, [Rule("decode-mask/expand", NOOP_EXPAND, _readers_read("x"),
+    done += apply(graph, [Rule("decode-mask/expand", NOOP_EXPAND, read_instead("x"),
                                lambda m, g: _expands_nothing(m, g, shapes, known), private=False)], explain)
     if done:
         gu.cleanup(graph)

@@ -110,14 +110,8 @@ def _outer_scope_round_trip(local: set[int]):
     return condition
 
 
-def _read_input(graph: gs.Graph, m: Match) -> bool:
-    gu.replace_uses(m.output, m["x"])
-    gu.disconnect(m.root)
-    return True
-
-
 def collapse_outer_scope_cast_round_trips(graph: gs.Graph, ctx: Context) -> int:
-    rule = Rule("cast-round-trip-outer-scope", op.Cast(op.Cast(x)), rewrite=_read_input,
+    rule = Rule("cast-round-trip-outer-scope", op.Cast(op.Cast(x)), rewrite=rules.read_instead("x"),
                 condition=_outer_scope_round_trip({id(n) for n in graph.nodes}), private=False)
     return rules.apply(graph, [rule], ctx.explainer)
 

@@ -385,6 +385,17 @@ def match_at(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor,
     return first_match(rules, graph, node, graph_outputs)
 
 
+def read_instead(name: str) -> Callable[[gs.Graph, Match], bool]:
+    """A rewrite that drops the matched root: its readers read the tensor bound to `name`."""
+
+    def rewrite(graph: gs.Graph, m: Match) -> bool:
+        gu.replace_uses(m.output, m[name])
+        gu.disconnect(m.root)
+        return True
+
+    return rewrite
+
+
 def match_reader(rules: Sequence[Rule], graph: gs.Graph, tensor: gs.Tensor, var: str) -> tuple[Rule, Match] | None:
     """The first of `rules` rooted at the one node reading `tensor`, with Var `var` bound to it:
     an optional tail after a match (an activation, a residual Add), taken only where `tensor` is
