@@ -329,15 +329,8 @@ def _noop_view(ev: ShapeEvaluator, m: rules.Match, known: list) -> bool:
 
 def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | rules.Failure:
     exporter, scale_form, probs, view, repeat = form
-    extra = []
-    if probs == "nan_to_zero":
-        isnan = gu.producer(m["isnan"])
-        sm = m["softmax"].outputs[0]
-        if not gu.is_op(isnan, "IsNaN") or isnan.inputs[0] is not sm or not gu.is_private(graph, m["isnan"]):
-            return rules.fail("the NaN guard's IsNaN does not read the Softmax's output alone")
-        extra.append(isnan)
     # Intermediates are read inside the match only, or by a Shape.
-    held = list(m.nodes) + extra
+    held = list(m.nodes)
     if not all(_read_within(graph, t, held) for n in held if n is not m.root for t in n.outputs):
         return rules.fail("an intermediate of the attention is read outside it (other than by a Shape) or is a graph output")
     qr, kr, vh = m["qr"], m["kr"], m["vh"]

@@ -44,6 +44,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
+from onnxfuse.graph import rules
+from onnxfuse.graph.rules import ANY, op
 from onnxfuse.graph.onnxscript_matching import linear_matching
 from onnxfuse.pipeline import Context, Pass
 from onnxfuse.target import CPU, Target
@@ -483,20 +485,10 @@ def _replace(graph: gs.Graph, model: onnx.ModelProto) -> None:
     graph.__dict__.pop("_onnxfuse_inferred_dims", None)
 
 
-def _attention_softmax(node: gs.Node) -> bool:
-    """A Softmax of scores: its input reaches a MatMul through at most three Add, Mul, Div or
-    Where nodes (scale, mask)."""
-    t = node.inputs[0] if node.inputs else None
-    for _ in range(4):
-        src = gu.producer(t) if t is not None else None
-        if src is None:
-            return False
-        if gu.is_op(src, "MatMul"):
-            return True
-        if not gu.is_op(src, "Add", "Mul", "Div", "Where") or not src.inputs:
-            return False
-        t = next((x for x in src.inputs if gu.producer(x) is not None), None)
-    return False
+# A Softmax of scores: its input reaches a MatMul through at most three Add, Mul, Div or Where
+# nodes (scale, mask), at any of their operands.
+ATTENTION_SOFTMAX = rules.Rule("attention-softmax", op.Softmax(
+    rules.through(["Add", "Mul", "Div", "Where"], op.MatMul(ANY, ANY), 3, operand=(0, 1, 2))), private=False)
 
 
 def _may_match(graph: gs.Graph, target: Target = CPU) -> bool:
@@ -508,7 +500,7 @@ def _may_match(graph: gs.Graph, target: Target = CPU) -> bool:
     ops = {n.op for n in nodes}
     if not ops & {"MatMul", "Gemm"}:
         return False
-    attention = any(n.op == "Softmax" and _attention_softmax(n) for n in nodes)
+    attention = any(n.op == "Softmax" and ATTENTION_SOFTMAX.match(None, n, frozenset()) is not None for n in nodes)
     if not target.measured:
         return attention  # the attention groups alone run there
     return (attention or "LayerNormalization" in ops or {"ReduceMean", "Sqrt"} <= ops or "Erf" in ops

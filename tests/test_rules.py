@@ -381,3 +381,31 @@ def test_through_follows_a_bounded_path_to_its_inner_pattern():
     assert rules.match(op.Abs(rules.through(["Neg"], op.Exp(x), 1)),
                        gs.Node("Abs", inputs=[y], outputs=[gs.Variable("z")]), why=why) is None
     assert "through more than 1 of Neg" in why[0], why
+
+
+def test_a_value_read_before_the_pattern_that_computes_it_is_the_same_tensor():
+    # Where(IsNaN(p), 0, p): IsNaN's operand comes first, the Softmax that computes p last
+    guard = op.Where(op.IsNaN(Var("p"), _name="isnan"), Const(0.0), op.Softmax(x, _value="p", _name="softmax"))
+    zero = {"zero": 0.0}
+    nodes = [helper.make_node("Softmax", ["x"], ["s"]), helper.make_node("IsNaN", ["s"], ["n"]),
+             helper.make_node("Where", ["n", "zero", "s"], ["y"])]
+    m = rules.match(guard, root(graph_of(nodes, zero)))
+    assert m is not None and m["p"] is m["softmax"].outputs[0]
+    assert [n.op for n in m.nodes] == ["IsNaN", "Softmax", "Where"]
+    # IsNaN of another tensor: the Softmax's output is not 'p'
+    other = [helper.make_node("Softmax", ["x"], ["s"]), helper.make_node("IsNaN", ["x"], ["n"]),
+             helper.make_node("Where", ["n", "zero", "s"], ["y"])]
+    why: list = []
+    assert rules.match(guard, root(graph_of(other, zero)), why=why) is None
+    assert "not 'p'" in str(why[0]), why
+
+
+def test_through_at_several_operands_follows_each_in_turn():
+    # Where(c, s, fill): the path goes on at operand 1, not at the condition (operand 0)
+    nodes = [helper.make_node("Exp", ["x"], ["e"]), helper.make_node("IsNaN", ["x"], ["c"]),
+             helper.make_node("Where", ["c", "e", "x"], ["y"])]
+    g = graph_of(nodes)
+    y = root(g).outputs[0]
+    assert rules.match_value(rules.through(["Where"], op.Exp(x), 1), y) is None  # operand 0 only
+    m = rules.match_value(rules.through(["Where"], op.Exp(x), 1, operand=(0, 1, 2)), y)
+    assert m is not None and [n.op for n in m.nodes] == ["Exp", "Where"]

@@ -71,18 +71,19 @@ class Alt(Pattern):
 class Through(Pattern):
     """`inner`, reached through at most `most` nodes of the default-domain ops `ops` (a bounded
     path: each passed node's first output is the tensor, and the path goes on at its operand
-    `operand`); the shortest path is tried first. The nodes passed, reader first, are bound
+    `operand`, or at each of a tuple of operands in turn); at each node the inner pattern is
+    tried before the path goes deeper. The nodes passed, reader first, are bound
     under `name` as a tuple when one is given. `through(["Unsqueeze"], op.Range(...), 12)` is a
     Range with axes inserted."""
 
     ops: tuple[str, ...]
     inner: Pattern
     most: int
-    operand: int = 0
+    operand: int | tuple[int, ...] = 0
     name: str | None = None
 
 
-def through(ops, inner, most: int, operand: int = 0, name: str | None = None) -> Through:
+def through(ops, inner, most: int, operand: int | tuple[int, ...] = 0, name: str | None = None) -> Through:
     return Through(tuple(ops), _lift(inner), most, operand, name)
 
 
@@ -97,7 +98,9 @@ class OpPattern(Pattern):
 
     attrs: attribute values the node must have (a callable is a predicate on the value, which is
     None when the attribute is absent); name: the node is bound under it; outputs: how many
-    outputs the node may have (None: any)."""
+    outputs the node may have (None: any); value: its output is bound under this name as a Var
+    is, the same tensor wherever the name recurs (a value read twice, once before the pattern
+    that computes it: Where(IsNaN(Var("p")), 0, op.Softmax(x, _value="p")))."""
 
     op: str
     inputs: tuple[Pattern, ...]
@@ -105,6 +108,7 @@ class OpPattern(Pattern):
     name: str | None = None
     outputs: int | None = 1
     domain: str = ""
+    value: str | None = None
 
     def __post_init__(self) -> None:
         if any(isinstance(p, Rest) for p in self.inputs[:-1]):
@@ -130,7 +134,7 @@ def _lift(value) -> Pattern:
 
 class _OpBuilder:
     """`op.Relu(x)`, `op.HardSigmoid(x, alpha=0.2, _name="gate")`: op patterns by name, in the
-    builder's domain."""
+    builder's domain (`_name`, `_outputs`, `_value`: OpPattern's name, outputs and value)."""
 
     def __init__(self, domain: str = "") -> None:
         self._domain = domain
@@ -139,9 +143,10 @@ class _OpBuilder:
         if op.startswith("_"):
             raise AttributeError(op)
 
-        def build(*inputs, _name: str | None = None, _outputs: int | None = 1, **attrs) -> OpPattern:
+        def build(*inputs, _name: str | None = None, _outputs: int | None = 1, _value: str | None = None,
+                  **attrs) -> OpPattern:
             return OpPattern(op, tuple(_lift(i) for i in inputs), tuple(sorted(attrs.items())), _name, _outputs,
-                             self._domain)
+                             self._domain, _value)
 
         return build
 

@@ -172,7 +172,18 @@ class _Matcher:
             if node.outputs[0] is not t:
                 self.fail(lambda: f"{where} is an output of {_named(node)} other than its first")
                 return
-            yield from self.node(p, node, bound, nodes)
+            if p.value is None:
+                yield from self.node(p, node, bound, nodes)
+            elif p.value in bound:
+                if bound[p.value] is t:
+                    yield from self.node(p, node, bound, nodes)
+                else:
+                    other = bound[p.value]
+                    self.fail(lambda: f"{where} is {_tensor_text(t)}, not '{p.value}' ({_tensor_text(other)})")
+            else:
+                bound[p.value] = t
+                yield from self.node(p, node, bound, nodes)
+                del bound[p.value]
 
     def _through(self, p: Through, t, bound: dict, nodes: list, where: str, passed: tuple) -> Iterator[None]:
         if p.name is not None:
@@ -188,14 +199,17 @@ class _Matcher:
             if self.failure is None or self.failure[0] <= self.held:
                 self.failure = (self.held, lambda: f"{where} is reached through more than {p.most} of {', '.join(p.ops)}")
             return
-        if node.outputs[0] is not t or len(node.inputs) <= p.operand or any(node is n for n in nodes):
+        operands = (p.operand,) if isinstance(p.operand, int) else p.operand
+        if node.outputs[0] is not t or len(node.inputs) <= min(operands) or any(node is n for n in nodes):
             self.fail(lambda: f"{where} is not a path through {_named(node)}")
             return
-        deeper = node.inputs[p.operand]
-        for _ in self._through(p, deeper, bound, nodes, f"input {p.operand} of {_named(node)}", passed + (node,)):
-            nodes.append(node)  # operands before readers, as op patterns record them
-            yield
-            nodes.pop()
+        for i in operands:
+            if i >= len(node.inputs) or not gu.is_present(node.inputs[i]):
+                continue
+            for _ in self._through(p, node.inputs[i], bound, nodes, f"input {i} of {_named(node)}", passed + (node,)):
+                nodes.append(node)  # operands before readers, as op patterns record them
+                yield
+                nodes.pop()
 
     def node(self, p: OpPattern, node: gs.Node, bound: dict, nodes: list) -> Iterator[None]:
         if node.op != p.op or not _in_domain(node, p.domain):

@@ -67,11 +67,11 @@ def scores(q: OpPattern, kt: OpPattern, exporter: str) -> OpPattern:
 
 
 def probabilities(logits: OpPattern, form: str) -> OpPattern:
-    p = op.Softmax(logits, axis=_last_axis, _name="softmax")
+    p = op.Softmax(logits, axis=_last_axis, _name="softmax", _value="probs")
     if form == "cast":
         return op.Cast(op.Cast(p, to=1), to=1)
     if form == "nan_to_zero":
-        return op.Where(Var("isnan"), Const(0.0), p, _name="nan_to_zero")
+        return op.Where(op.IsNaN(Var("probs"), _name="isnan"), Const(0.0), p, _name="nan_to_zero")
     return p
 
 
