@@ -61,21 +61,21 @@ def _same_act(a: gs.Node, b: gs.Node) -> bool:
 
 
 def _next_layer(graph: gs.Graph, tensors: list[gs.Tensor]) -> Layer | None:
-    readers = []
-    for t in tensors:
-        r = gu.single_consumer(t)
-        if r is None or gu.is_graph_output(graph, t):
-            return None
-        readers.append(r)
-    if any(readers[0] is r for r in readers[1:]):
+    """The branches' next layer: on each branch a rule matched at the one reader of its tensor
+    (match_reader: not a graph output, read by that node alone), the same activation on every
+    branch or a linear layer whose weights have one shape and type on every branch."""
+    readers = [gu.single_consumer(t) for t in tensors]
+    if any(r is None for r in readers) or any(readers[0] is r for r in readers[1:]):
         return None
-    if rules.first_match(ACTIVATION_RULES, graph, readers[0], bind={"y": tensors[0]}) is not None:
-        if all(_same_act(readers[0], r) for r in readers):
+    acts = [rules.match_reader(ACTIVATION_RULES, graph, t, "y") for t in tensors]
+    if acts[0] is not None:
+        if all(a is not None and _same_act(readers[0], a[1].root) for a in acts):
             return Layer("activation", readers)
         return None
-    members = [match_linear(graph, r, t) for r, t in zip(readers, tensors)]
+    members = [rules.match_reader(LINEAR, graph, t, "x") for t in tensors]
     if any(m is None for m in members):
         return None
+    members = [m[1]["linear"] for m in members]
     shape = members[0].weight.shape
     if any(m.weight.shape != shape or m.weight.dtype != members[0].weight.dtype for m in members):
         return None

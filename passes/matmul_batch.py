@@ -51,11 +51,10 @@ def _attach_activations(graph: gs.Graph, members: list[Linear]) -> None:
     """Absorb the activation of every member when all have the same one."""
     acts = []
     for m in members:
-        r = gu.single_consumer(m.output)
-        if r is None or not gl.rewirable(m.output, graph) or \
-                rules.first_match(ACTIVATION_RULES, graph, r, bind={"y": m.output}) is None:
+        found = rules.match_reader(ACTIVATION_RULES, graph, m.output, "y")
+        if found is None:
             return
-        acts.append(r)
+        acts.append(found[1].root)
     if all(_same_activation(acts[0], a) for a in acts[1:]):
         for m, a in zip(members, acts):
             m.activation = a

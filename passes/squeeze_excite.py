@@ -107,7 +107,13 @@ SQUEEZE_RULES: tuple[Rule, ...] = (
     Rule("squeeze/reduce-mean", op.Conv(op.ReduceMean(x, ANY, _name="mean"), w1, ANY, _name="conv1")),
 )
 # SiLU of x's producer's input: taken into the node when the block alone reads x.
-INPUT_SILU = Rule("squeeze-excite/input-silu", y * op.Sigmoid(y))
+def _silu_reads_y_alone(m: Match, graph: gs.Graph):
+    if m["y"].name in {t.name for t in graph.outputs} or not all(m.holds(r) for r in m["y"].outputs):
+        return fail("the SiLU's input is read outside it or is a graph output")
+    return True
+
+
+INPUT_SILU = Rule("squeeze-excite/input-silu", y * op.Sigmoid(y), condition=_silu_reads_y_alone)
 
 
 def _bias(conv: gs.Node) -> gs.Tensor | None:
@@ -225,13 +231,10 @@ def match_block(graph: gs.Graph, mul: gs.Node, outs: set[str], shapes: facts.Sha
 
 def _input_silu(graph: gs.Graph, xt: gs.Tensor, block: list[gs.Node], outs: set[str]) -> Match | None:
     """x = y * Sigmoid(y) when the block alone reads x."""
-    p = gu.producer(xt)
-    if p is None or xt.name in outs or not all(any(r is n for n in block) for r in xt.outputs):
+    if xt.name in outs or not all(any(r is n for n in block) for r in xt.outputs):
         return None
-    m = INPUT_SILU.match(graph, p, outs)
-    if m is None or m["y"].name in outs or not all(m.holds(r) for r in m["y"].outputs):
-        return None
-    return m
+    found = rules.match_at([INPUT_SILU], graph, xt, outs)
+    return found[1] if found else None
 
 
 def run(graph: gs.Graph, ctx: Context) -> int:
