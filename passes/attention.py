@@ -123,10 +123,10 @@ import onnx_graphsurgeon as gs
 
 from onnxfuse.graph import core as gu
 from onnxfuse.graph import facts
-from onnxfuse.graph.attention_heads import (HEADS_PERM, Heads, keys_split, mask_fits, merge_pins_rows, operand_split,
-                                          same_dim, scaled, transpose_perm)
+from onnxfuse.graph.attention_heads import (Heads, keys_split, mask_fits, merge_pins_rows, operand_split, same_dim,
+                                          scaled)
 from onnxfuse.graph import rules
-from onnxfuse.graph.attention_rule import MERGED_HEADS, causal_slice, match_scores, packed_split, qkv_bias
+from onnxfuse.graph.attention_rule import MERGED_AFTER_VIEW, MERGED_HEADS, causal_slice, match_scores, packed_split, qkv_bias
 from onnxfuse.graph.attention_scores import (Fill, feeds_only, identity_view, match_merged, pins_rows_by_value,
                                              rewrite_merged, summed_mask)
 from onnxfuse.graph.facts import refresh_shapes
@@ -276,19 +276,17 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         scale *= k_scale
     merged = rules.match_after([MERGED_HEADS], graph, weights, "p", depth=3)
     view, plumbing = None, []
-    if merged is not None:
-        back, merge = merged[1]["back"], merged[1]["merge"]
-    else:
+    if merged is None:
         # MatMul(P, v) read first by a Reshape to its own dims (GPT-2's decode step)
         ctx_heads = pv.outputs[0]
         found_view = (identity_view(graph, ctx_heads, q.source, q.heads_first, shapes)
                       if any(gu.is_op(n, "Reshape") for n in ctx_heads.outputs) else None)
-        view, plumbing = found_view if found_view is not None else (None, [])
-        back = (gu.single_consumer(view.outputs[0]) if view is not None and gu.is_private(graph, view.outputs[0])
-                else None)
-        if transpose_perm(back) != HEADS_PERM or not gu.is_private(graph, back.outputs[0]):
+        if found_view is not None:
+            view, plumbing = found_view
+            merged = rules.match_after([MERGED_AFTER_VIEW], graph, ctx_heads, "pv_out", depth=3)
+        if merged is None or merged[1].get("view", view) is not view:
             return rules.fail("the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
-        merge = back.outputs[0].outputs[0]
+    back, merge = merged[1]["back"], merged[1]["merge"]
     out_width = v.heads * v.width
     pinned = merge_pins_rows(merge, q, out_width, shapes)
     if pinned is None:  # a target computed from shapes (a decode step's): proved by value

@@ -10,7 +10,8 @@ The scores chain (SCORED_SOFTMAX), one way per form, tried in this order:
                                        every Add's operands in either order)
     Softmax(s)
 
-and after it MERGED_HEADS: Reshape(Transpose(MatMul(P, v), [0, 2, 1, 3]), target). The 3-D form
+and after it MERGED_HEADS: Reshape(Transpose(MatMul(P, v), [0, 2, 1, 3]), target), or
+MERGED_AFTER_VIEW with a no-op Reshape of MatMul(P, v) before the Transpose. The 3-D form
 over batch*heads (attention_scores.match_merged) reads its scores through VIEWED_SCORES, the
 first form or the last viewed as [B, H, Sq, Sk].
 
@@ -44,12 +45,20 @@ LOGITS = alt(op.Add(SCORES, Var("mask"), _name="add"),
 SCORED_SOFTMAX = op.Softmax(LOGITS, _name="softmax")
 # 3-D attention over batch*heads: [B*H, Sq, Sk] scores (plus one term) viewed as [B, H, Sq, Sk]
 VIEWED_SCORES = op.Reshape(alt(op.Add(SCORES, Var("mask"), _name="add"), SCORES), Var("view_target"), _name="view")
-# After the Softmax: MatMul(P, v), its heads merged back (Transpose(0, 2, 1, 3), Reshape), every
-# intermediate read inside; matched from P (rules.match_after, Var p bound to the probabilities).
-MERGED_HEADS = rules.Rule("merged-heads", op.Reshape(
-    op.Transpose(op.MatMul(Var("p"), Var("v_in"), _name="pv"), _name="back",
-                 perm=lambda v: v is not None and [int(a) for a in v] == HEADS_PERM),
-    Var("target"), _name="merge"))
+
+
+def _merged_back(heads) -> rules.OpPattern:
+    """`heads` [B, H, Sq, dv] merged back: Reshape(Transpose(heads, [0, 2, 1, 3]), target)."""
+    return op.Reshape(op.Transpose(heads, _name="back", perm=lambda v: v is not None and [int(a) for a in v] == HEADS_PERM),
+                      Var("target"), _name="merge")
+
+
+# After the Softmax: MatMul(P, v), its heads merged back, every intermediate read inside;
+# matched from P (rules.match_after, Var p bound to the probabilities).
+MERGED_HEADS = rules.Rule("merged-heads", _merged_back(op.MatMul(Var("p"), Var("v_in"), _name="pv")))
+# The same after a view of MatMul(P, v) (Var pv_out) that the pass proves a no-op (GPT-2's decode
+# step: attention_scores.identity_view); matched from MatMul(P, v)'s output.
+MERGED_AFTER_VIEW = rules.Rule("merged-heads-after-view", _merged_back(op.Reshape(Var("pv_out"), rules.ANY, _name="view")))
 
 
 @dataclass
