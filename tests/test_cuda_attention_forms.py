@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from test_cuda_attention import assert_compile_for_sm90_without_spills
 from test_pass_attention import attrs, fused
 from test_pass_attention_merged import FILL, H, merged_model
 from test_pass_attention_merged import feeds as merged_feeds
@@ -236,14 +237,7 @@ NEW_FORM_SPECS = [
 
 @needs_ptxas
 def test_new_form_kernels_compile_for_sm90_without_spills():
-    from onnxfuse.cuda.conv_tune import ptxas_check
-
-    kernels = [ac.generate(s) for s in NEW_FORM_SPECS]
-    report = ptxas_check(kernels, "sm_90")
-    for k in kernels:
-        info = report[k.entry]
-        assert info.spill_stores == 0 and info.spill_loads == 0, (k.spec, info)
-        assert info.smem_bytes <= ac.SHARED_LIMIT and info.registers * k.threads <= 65536, (k.spec, info)
+    assert_compile_for_sm90_without_spills(NEW_FORM_SPECS)
 
 
 def _cuda_model(model, tmp_path, monkeypatch):

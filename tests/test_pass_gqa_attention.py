@@ -37,6 +37,14 @@ def gqa_nodes(m: onnx.ModelProto) -> list:
     return [n for n in m.graph.node if n.domain == "com.microsoft" and n.op_type == "GroupQueryAttention"]
 
 
+def fused_layers(m: onnx.ModelProto, feeds=None) -> int:
+    """The GroupQueryAttention nodes fuse-gqa makes of m, its outputs checked on `feeds`
+    (FEEDS[:2] when not given)."""
+    out, _ = optimize(m, PASSES)
+    assert_same(m, out, FEEDS[:2] if feeds is None else feeds)
+    return len(gqa_nodes(out))
+
+
 def attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
@@ -81,9 +89,7 @@ def test_rotary_caches_with_unequal_halves_stay_unfused(name):
     # cos = Cos(Concat(f, 2 f)): each half its own rows, which GroupQueryAttention's half-width
     # caches cannot hold.
     m = _llama_with_unequal_rotary_halves(name)
-    out, _ = optimize(m, PASSES)
-    assert not gqa_nodes(out)
-    assert_same(m, out, FEEDS[:2])
+    assert fused_layers(m) == 0
 
 
 @pytest.mark.parametrize("name", EXPORTS)
@@ -108,9 +114,7 @@ def test_rotate_half_not_at_the_middle_stays_unfused():
     for init in m.graph.initializer:
         if init.name in half:
             init.CopyFrom(onnx.numpy_helper.from_array(np.array([4], np.int64), init.name))
-    out, _ = optimize(m, PASSES)
-    assert not gqa_nodes(out)
-    assert_same(m, out, FEEDS[:2])
+    assert fused_layers(m) == 0
 
 
 @pytest.mark.parametrize("name", EXPORTS)
@@ -118,9 +122,7 @@ def test_attention_probabilities_read_elsewhere_keep_their_layer_unfused(name):
     m = llama(name)
     softmax = next(n for n in m.graph.node if n.op_type == "Softmax")
     m.graph.output.append(helper.make_tensor_value_info(softmax.output[0], onnx.TensorProto.FLOAT, None))
-    out, _ = optimize(m, PASSES)
-    assert len(gqa_nodes(out)) == 1
-    assert_same(m, out, FEEDS[:2])
+    assert fused_layers(m) == 1
 
 
 # Decode steps: one new token after a past of P cached positions (past keys and values inputs,
@@ -186,9 +188,7 @@ def test_decode_keys_appended_before_the_past_stay_unfused(name):
     cat = next(n for n in m.graph.node if n.op_type == "Concat" and n.output[0] == "present_key_0")
     assert len(cat.input) == 2
     cat.input[0], cat.input[1] = cat.input[1], cat.input[0]
-    out, _ = optimize(m, PASSES)
-    assert len(gqa_nodes(out)) == 1
-    assert_same(m, out, DECODE_FEEDS[:2])
+    assert fused_layers(m, DECODE_FEEDS[:2]) == 1
 
 
 def test_decode_key_length_written_as_past_plus_one_is_proved():
@@ -208,9 +208,7 @@ def test_decode_key_length_written_as_past_plus_one_is_proved():
     m.graph.node.insert(i, helper.make_node("Squeeze", ["past_len_1", "sq_axis"], ["past_len"]))
     m.graph.node.insert(i, helper.make_node("Shape", ["past_key_0"], ["past_len_1"], start=2, end=3))
     concat.input[3] = "key_len_1"
-    out, _ = optimize(m, PASSES)
-    assert len(gqa_nodes(out)) == 2
-    assert_same(m, out, DECODE_FEEDS)
+    assert fused_layers(m, DECODE_FEEDS) == 2
 
 
 def test_multi_head_attention_without_a_past_is_left_to_fuse_attention():

@@ -9,23 +9,45 @@ from onnxfuse.graph import facts
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
 
 
+def ids_viewed_by_seq(ids: gs.Variable, t: dict) -> list[gs.Node]:
+    """ids.view(-1, seq) as the TorchScript exporter writes it: t["flat"] = Reshape(ids,
+    Concat([-1], Shape(ids)[1:2])), and t["flat_shape"] = Shape(t["flat"])."""
+    c = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
+    return [
+        gs.Node("Shape", inputs=[ids], outputs=[t["ids_shape"]]),
+        gs.Node("Slice", inputs=[t["ids_shape"], c("s0", [1]), c("s1", [2])], outputs=[t["seq_dim"]]),
+        gs.Node("Concat", inputs=[c("minus_one", [-1]), t["seq_dim"]], outputs=[t["flat_target"]], attrs={"axis": 0}),
+        gs.Node("Reshape", inputs=[ids, t["flat_target"]], outputs=[t["flat"]]),
+        gs.Node("Shape", inputs=[t["flat"]], outputs=[t["flat_shape"]]),
+    ]
+
+
+def expand_target_idiom(target: gs.Variable, out: gs.Variable, name: str) -> list[gs.Node]:
+    """The TorchScript exporter's expand(x, sizes) target: out = Where(Equal(target,
+    -1 * ConstantOfShape(Shape(target), 1)), 1, target), target itself for dims (>= 0)."""
+    length, ones, minus_ones = (gs.Variable(f"{name}_{k}", np.int64) for k in ("len", "ones", "minus_ones"))
+    is_minus_one = gs.Variable(f"{name}_is_minus_one", np.bool_)
+    return [
+        gs.Node("Shape", inputs=[target], outputs=[length]),
+        gs.Node("ConstantOfShape", inputs=[length], outputs=[ones],
+                attrs={"value": gs.Constant(f"{name}_one", np.array([1], np.int64))}),
+        gs.Node("Mul", inputs=[ones, gs.Constant(f"{name}_m1", np.array(-1, np.int64))], outputs=[minus_ones]),
+        gs.Node("Equal", inputs=[target, minus_ones], outputs=[is_minus_one]),
+        gs.Node("Where", inputs=[is_minus_one, ones, target], outputs=[out]),
+    ]
+
+
 def test_shape_values_follow_torchscripts_expand_target_idiom():
     # expand(x, sizes) in the TorchScript export: t = Reshape(Concat(dims), [-1]);
     # Where(Equal(t, -1 * ConstantOfShape(Shape(t), 1)), 1, t) is t itself for dims (>= 0).
     x = gs.Variable("x", np.float32, ["batch", "seq", 8])
     c = lambda name, v: gs.Constant(name, np.array(v, np.int64))  # noqa: E731
-    t = {k: gs.Variable(k, np.int64) for k in ("shape", "dims", "flat", "len", "ones", "neg", "eq", "target")}
-    eq = gs.Variable("eq", np.bool_)
+    t = {k: gs.Variable(k, np.int64) for k in ("shape", "dims", "flat", "target")}
     nodes = [
         gs.Node("Shape", inputs=[x], outputs=[t["shape"]]),
         gs.Node("Concat", inputs=[t["shape"], c("two", [2])], outputs=[t["dims"]], attrs={"axis": 0}),
         gs.Node("Reshape", inputs=[t["dims"], c("minus_one", [-1])], outputs=[t["flat"]]),
-        gs.Node("Shape", inputs=[t["flat"]], outputs=[t["len"]]),
-        gs.Node("ConstantOfShape", inputs=[t["len"]], outputs=[t["ones"]],
-                attrs={"value": gs.Constant("one", np.array([1], np.int64))}),
-        gs.Node("Mul", inputs=[t["ones"], c("m1", -1)], outputs=[t["neg"]]),
-        gs.Node("Equal", inputs=[t["flat"], t["neg"]], outputs=[eq]),
-        gs.Node("Where", inputs=[eq, t["ones"], t["flat"]], outputs=[t["target"]]),
+        *expand_target_idiom(t["flat"], t["target"], "idiom"),
     ]
     graph = gs.Graph(nodes=nodes, inputs=[x], outputs=[t["target"]], opset=17)
     ev = ShapeEvaluator(graph, facts.ShapeTable(graph))
@@ -65,11 +87,7 @@ def test_a_range_over_an_inferred_batch_keeps_that_batch_over_its_recorded_name(
     t = {k: gs.Variable(k, np.int64) for k in ("ids_shape", "seq_dim", "flat_target", "flat", "flat_shape", "b", "rows",
                                                "rows4", "doubled")}
     nodes = [
-        gs.Node("Shape", inputs=[ids], outputs=[t["ids_shape"]]),
-        gs.Node("Slice", inputs=[t["ids_shape"], c("s0", [1]), c("s1", [2])], outputs=[t["seq_dim"]]),
-        gs.Node("Concat", inputs=[c("minus_one", [-1]), t["seq_dim"]], outputs=[t["flat_target"]], attrs={"axis": 0}),
-        gs.Node("Reshape", inputs=[ids, t["flat_target"]], outputs=[t["flat"]]),
-        gs.Node("Shape", inputs=[t["flat"]], outputs=[t["flat_shape"]]),
+        *ids_viewed_by_seq(ids, t),
         gs.Node("Gather", inputs=[t["flat_shape"], c("zero", 0)], outputs=[t["b"]], attrs={"axis": 0}),
         gs.Node("Range", inputs=[c("start", 0), t["b"], c("step", 1)], outputs=[t["rows"]]),
         gs.Node("Unsqueeze", inputs=[t["rows"], c("axes", [1, 2, 3])], outputs=[t["rows4"]]),
@@ -95,11 +113,7 @@ def test_a_reshape_with_minus_one_keeps_the_dims_its_element_count_proves():
     t = {k: gs.Variable(k, np.int64) for k in ("ids_shape", "seq_dim", "flat_target", "flat", "flat_shape", "b",
                                                "am_target", "rows", "rows_by_two", "half_target")}
     nodes = [
-        gs.Node("Shape", inputs=[ids], outputs=[t["ids_shape"]]),
-        gs.Node("Slice", inputs=[t["ids_shape"], c("s0", [1]), c("s1", [2])], outputs=[t["seq_dim"]]),
-        gs.Node("Concat", inputs=[c("minus_one", [-1]), t["seq_dim"]], outputs=[t["flat_target"]], attrs={"axis": 0}),
-        gs.Node("Reshape", inputs=[ids, t["flat_target"]], outputs=[t["flat"]]),
-        gs.Node("Shape", inputs=[t["flat"]], outputs=[t["flat_shape"]]),
+        *ids_viewed_by_seq(ids, t),
         gs.Node("Slice", inputs=[t["flat_shape"], c("b0", [0]), c("b1", [1])], outputs=[t["b"]]),
         gs.Node("Concat", inputs=[t["b"], c("minus_one_again", [-1])], outputs=[t["am_target"]], attrs={"axis": 0}),
         gs.Node("Reshape", inputs=[am, t["am_target"]], outputs=[t["rows"]]),
@@ -125,11 +139,9 @@ def _decode_mask_graph(offset: int = 1):
     x = gs.Variable("x", np.float32, ["batch", 1, 64])
     past = gs.Variable("past_key", np.float32, ["batch", 4, "past", 16])
     c = lambda name, v, t=np.int64: gs.Constant(name, np.array(v, t))  # noqa: E731
-    names = ("past_shape", "p", "length", "keys", "keys4", "p4", "x_shape", "b", "b1", "length1", "target",
-             "target_len", "ones", "minus_ones", "target_ok")
+    names = ("past_shape", "p", "length", "keys", "keys4", "p4", "x_shape", "b", "b1", "length1", "target", "target_ok")
     t = {k: gs.Variable(k, np.int64) for k in names}
-    keep, is_minus_one, wide, term = (gs.Variable("keep", np.bool_), gs.Variable("is_minus_one", np.bool_),
-                                      gs.Variable("wide", np.bool_), gs.Variable("term", np.float32))
+    keep, wide, term = gs.Variable("keep", np.bool_), gs.Variable("wide", np.bool_), gs.Variable("term", np.float32)
     nodes = [
         gs.Node("Shape", inputs=[past], outputs=[t["past_shape"]]),
         gs.Node("Gather", inputs=[t["past_shape"], c("two", 2)], outputs=[t["p"]], attrs={"axis": 0}),
@@ -144,12 +156,7 @@ def _decode_mask_graph(offset: int = 1):
         gs.Node("Unsqueeze", inputs=[t["length"], c("axis0_again", [0])], outputs=[t["length1"]]),
         gs.Node("Concat", inputs=[t["b1"], c("minus_one", [-1]), c("one", [1]), t["length1"]], outputs=[t["target"]],
                 attrs={"axis": 0}),
-        gs.Node("Shape", inputs=[t["target"]], outputs=[t["target_len"]]),
-        gs.Node("ConstantOfShape", inputs=[t["target_len"]], outputs=[t["ones"]],
-                attrs={"value": gs.Constant("one_value", np.array([1], np.int64))}),
-        gs.Node("Mul", inputs=[t["ones"], c("m1", -1)], outputs=[t["minus_ones"]]),
-        gs.Node("Equal", inputs=[t["target"], t["minus_ones"]], outputs=[is_minus_one]),
-        gs.Node("Where", inputs=[is_minus_one, t["ones"], t["target"]], outputs=[t["target_ok"]]),
+        *expand_target_idiom(t["target"], t["target_ok"], "idiom"),
         gs.Node("Expand", inputs=[keep, t["target_ok"]], outputs=[wide]),
         gs.Node("Where", inputs=[wide, c("zero_f", 0.0, np.float32), c("lowest", np.finfo(np.float32).min, np.float32)],
                 outputs=[term]),
