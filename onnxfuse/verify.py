@@ -125,27 +125,30 @@ class Verification:
         return max((o.norm_rel for o in self.outputs), default=0.0)
 
     def first_problem(self) -> str | None:
-        stand_ins = self.input_dependence.runs if self.input_dependence else []
-        for r in self._all_runs() + ([self.special] if self.special is not None else []):
-            what = "tensor" if r in stand_ins else "output"
-            if r.error:
-                return f"{r.label}: {r.error}"
-            for o in r.outputs:
-                if not o.ok:
-                    return f"{what} '{o.name}' ({r.label}): {o.problem}"
-        for g in self.regions:
-            what, against = (("fused node", "its fallback body") if g.kind == "fused"
-                             else ("rewrite at", "the original subgraph"))
-            if g.error:
-                return f"{what} '{g.node}' ({g.op_type}): {g.error}"
-            for o in g.outputs:
-                if not o.ok:
-                    return f"{what} '{g.node}' ({g.op_type}), output '{o.name}' against {against}: {o.problem}"
+        for head, error, outputs, output_text in self._checked():
+            if error:
+                return f"{head}: {error}"
+            bad = next((o for o in outputs if not o.ok), None)
+            if bad is not None:
+                return f"{output_text(bad)}: {bad.problem}"
         for m in self.more:
             problem = m.first_problem()
             if problem:
                 return f"at dims {', '.join(f'{k}={v}' for k, v in m.dims.items())}: {problem}"
         return None
+
+    def _checked(self):
+        """Each run and region compared: (what it is, its error, its outputs, how one of them is
+        named in a problem)."""
+        stand_ins = self.input_dependence.runs if self.input_dependence else []
+        for r in self._all_runs() + ([self.special] if self.special is not None else []):
+            what = "tensor" if r in stand_ins else "output"
+            yield r.label, r.error, r.outputs, lambda o, what=what, label=r.label: f"{what} '{o.name}' ({label})"
+        for g in self.regions:
+            what, against = (("fused node", "its fallback body") if g.kind == "fused"
+                             else ("rewrite at", "the original subgraph"))
+            head = f"{what} '{g.node}' ({g.op_type})"
+            yield head, g.error, g.outputs, lambda o, head=head, against=against: f"{head}, output '{o.name}' against {against}"
 
     def as_dict(self) -> dict:
         return {
