@@ -66,8 +66,6 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     cuda::KernelImage image;
     if (OrtStatus* status = cuda::read_checked_launch(api, info, names, 3, kAbiVersion, &image, v, where))
       return status;
-    if (v[1] > 1024 || v[1] % 32 != 0)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "invalid attribute cuda_block").c_str());
     std::string text;
     std::vector<int64_t> channels;
     if (!cuda::string_attr(api, info, "cuda_channels", &text) || !parse_channels(text, &channels))

@@ -175,6 +175,9 @@ OrtStatus* read_checked_launch(const OrtApiRef& api, const OrtKernelInfo* info, 
     return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "the stored kernel's ABI " + std::to_string(values[count - 1]) +
                                                    " is not this library's " + std::to_string(abi) +
                                                    " (optimize the model again)").c_str());
+  for (size_t i = 0; i < count; ++i)
+    if (std::strcmp(names[i], "cuda_block") == 0 && (values[i] > 1024 || values[i] % 32 != 0))
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "invalid attribute cuda_block").c_str());
   return nullptr;
 }
 

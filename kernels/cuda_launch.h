@@ -46,8 +46,9 @@ bool read_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* co
                  KernelImage* image, int64_t* values, std::string* error);
 
 // read_launch for a node whose last launch constant (names[count - 1]) is cuda_abi: nullptr, or an
-// invalid-argument status prefixed by `where` when an attribute is missing or the stored kernel's
-// ABI is not `abi`, this library's (the model then has to be optimized again).
+// invalid-argument status prefixed by `where` when an attribute is missing, the stored kernel's
+// ABI is not `abi`, this library's (the model then has to be optimized again), or a cuda_block
+// among the names is not a whole number of warps up to 1024 threads.
 OrtStatus* read_checked_launch(const OrtApiRef& api, const OrtKernelInfo* info, const char* const* names,
                                size_t count, int64_t abi, KernelImage* image, int64_t* values,
                                const std::string& where);

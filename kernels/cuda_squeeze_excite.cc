@@ -38,8 +38,6 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* raw, const OrtKernelI
     cuda::KernelImage image;
     if (OrtStatus* status = cuda::read_checked_launch(api, info, names, 4, kAbiVersion, &image, v, where))
       return status;
-    if (v[0] > 1024 || v[0] % 32 != 0)
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (where + "invalid attribute cuda_block").c_str());
     size_t n_in = 0;
     ONNXFUSE_RETURN_IF_ERROR(api.KernelInfo_GetInputCount(info, &n_in), where);
     if (n_in != 5)
