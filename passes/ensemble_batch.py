@@ -37,6 +37,7 @@ from onnxfuse.graph.linear import LINEAR, Linear, match_linear
 from onnxfuse.graph import rules
 from onnxfuse.graph.patterns import ACTIVATION_RULES
 from onnxfuse.graph.rules import Rest, Rule, op
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.ops.stacked_mlp import MAX_BATCH as STACKED_MLP_MAX_BATCH
 from onnxfuse.ops.stacked_mlp import OP as STACKED_MLP_OP
 from onnxfuse.ops.stacked_mlp import PANEL, pack_panels
@@ -160,24 +161,18 @@ def _stacked_mlp_activations(layers: list[Layer]) -> list[str] | None:
     return acts
 
 
-def _unpack_nodes(graph: gs.Graph, nodes: list[gs.Node], packed: gs.Tensor, shape: tuple, base: str) -> gs.Tensor:
+def _unpack(w: NodeWriter, packed: gs.Tensor, shape: tuple, base: str) -> gs.Tensor:
     """Standard ops turning the packed weight back into [K, D_in, D_out] (for the fallback body)."""
     k, d_in, d_out = shape
     panels = -(-d_out // PANEL)
-    t = gs.Variable(f"{base}_w_t", dtype=packed.dtype)
-    nodes.append(gs.Node("Transpose", name=f"{base}/UnpackTranspose", attrs={"perm": [0, 2, 1, 3]}, inputs=[packed], outputs=[t]))
-    r = gs.Variable(f"{base}_w_r", dtype=packed.dtype)
-    nodes.append(gs.Node("Reshape", name=f"{base}/UnpackReshape",
-                         inputs=[t, gu.make_constant(graph, f"{base}_w_shape", np.array([k, d_in, panels * PANEL], np.int64))],
-                         outputs=[r]))
+    t = w.op("Transpose", packed, name=f"{base}/UnpackTranspose", out=f"{base}_w_t", attrs={"perm": [0, 2, 1, 3]})
+    target = w.constant(f"{base}_w_shape", np.array([k, d_in, panels * PANEL], np.int64))
+    r = w.op("Reshape", t, target, name=f"{base}/UnpackReshape", out=f"{base}_w_r")
     if panels * PANEL == d_out:
         return r
-    s = gs.Variable(f"{base}_w", dtype=packed.dtype)
-    nodes.append(gs.Node("Slice", name=f"{base}/UnpackSlice", inputs=[
-        r, gu.make_constant(graph, f"{base}_w_starts", np.array([0], np.int64)),
-        gu.make_constant(graph, f"{base}_w_ends", np.array([d_out], np.int64)),
-        gu.make_constant(graph, f"{base}_w_axes", np.array([2], np.int64))], outputs=[s]))
-    return s
+    starts, ends, axes = (w.constant(f"{base}_w_{what}", np.array([v], np.int64))
+                          for what, v in (("starts", 0), ("ends", d_out), ("axes", 2)))
+    return w.op("Slice", r, starts, ends, axes, name=f"{base}/UnpackSlice", out=f"{base}_w")
 
 
 def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, fused_acts: list[str] | None) -> None:
@@ -185,36 +180,31 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
     one onnxfuse.StackedMLP node whose fallback function is that stacked form."""
     k_count = len(layers[0].members)
     dtype = layers[0].members[0].weight.dtype
-    base = gu.unique_name(graph, f"{x.name}_ensemble")
-    nodes: list[gs.Node] = []
+    w = NodeWriter(graph)
+    base = w.base(f"{x.name}_ensemble")
     fused_inputs: list[gs.Tensor] = [x]
     cur: gs.Tensor = x
     for i, layer in enumerate(layers):
         if layer.kind == "linear":
-            w = np.stack([m.weight for m in layer.members])  # [K, D_in, D_out]
+            weights = np.stack([m.weight for m in layer.members])  # [K, D_in, D_out]
             if fused_acts is None:
-                w_t = w_in = gu.make_constant(graph, f"{base}_l{i}_weight", w)
+                w_t = w_in = w.constant(f"{base}_l{i}_weight", weights)
             else:  # the kernel's packed layout; the fallback body unpacks it (constant-folded)
-                w_t = gu.make_constant(graph, f"{base}_l{i}_weight_panels", pack_panels(w))
-                w_in = _unpack_nodes(graph, nodes, w_t, w.shape, f"{base}/l{i}")
-            y = gs.Variable(f"{base}_l{i}_matmul", dtype=dtype)
-            nodes.append(gs.Node("MatMul", name=f"{base}/l{i}/MatMul", inputs=[cur, w_in], outputs=[y]))
-            cur = y
+                w_t = w.constant(f"{base}_l{i}_weight_panels", pack_panels(weights))
+                w_in = _unpack(w, w_t, weights.shape, f"{base}/l{i}")
+            cur = w.op("MatMul", cur, w_in, name=f"{base}/l{i}/MatMul", out=f"{base}_l{i}_matmul", dtype=dtype)
             if fused_acts is not None or any(m.bias is not None for m in layer.members):
-                n = w.shape[2]
+                n = weights.shape[2]
                 # -0 for a member without a bias: x + -0 is x, -0 included (matmul_batch.py)
                 b = np.stack([m.bias if m.bias is not None else np.full(n, -0.0, dtype)
                               for m in layer.members])[:, None, :]
-                b_t = gu.make_constant(graph, f"{base}_l{i}_bias", b.astype(dtype))
-                y = gs.Variable(f"{base}_l{i}_add", dtype=dtype)
-                nodes.append(gs.Node("Add", name=f"{base}/l{i}/Add", inputs=[cur, b_t], outputs=[y]))
-                cur = y
+                b_t = w.constant(f"{base}_l{i}_bias", b.astype(dtype))
+                cur = w.op("Add", cur, b_t, name=f"{base}/l{i}/Add", out=f"{base}_l{i}_add", dtype=dtype)
                 fused_inputs += [w_t, b_t]
         else:
             a = layer.members[0]
-            y = gs.Variable(f"{base}_l{i}_{a.op.lower()}", dtype=dtype)
-            nodes.append(gs.Node(a.op, name=f"{base}/l{i}/{a.op}", attrs=dict(a.attrs), inputs=[cur], outputs=[y]))
-            cur = y
+            cur = w.op(a.op, cur, name=f"{base}/l{i}/{a.op}", out=f"{base}_l{i}_{a.op.lower()}", dtype=dtype,
+                       attrs=a.attrs)
     outs = [_output(layers[-1], k) for k in range(k_count)]
     out_width = next(l for l in reversed(layers) if l.kind == "linear").members[0].weight.shape[1]
     concat = _final_concat(graph, outs)
@@ -222,9 +212,8 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
         for m in layer.members:
             for n in (m.nodes if isinstance(m, Linear) else [m]):
                 gu.disconnect(n)
-    t = gs.Variable(f"{base}_bko", dtype=dtype)
-    nodes.append(gs.Node("Transpose", name=f"{base}/Transpose", attrs={"perm": [1, 0, 2]}, inputs=[cur], outputs=[t]))
-    shape = gu.make_constant(graph, f"{base}_shape", np.array([0, k_count * out_width], np.int64))
+    t = w.op("Transpose", cur, name=f"{base}/Transpose", out=f"{base}_bko", dtype=dtype, attrs={"perm": [1, 0, 2]})
+    shape = w.constant(f"{base}_shape", np.array([0, k_count * out_width], np.int64))
     split = None
     if concat is not None:
         flat = concat.outputs[0]
@@ -232,15 +221,15 @@ def _rewrite(graph: gs.Graph, x: gs.Tensor, layers: list[Layer], ctx: Context, f
     else:
         # Shape known here: the fused op's output has no shape inference of its own in this
         # pipeline, and the pointwise pass reads the Split pieces in place only with known ranks.
-        flat = gs.Variable(f"{base}_flat", dtype=dtype, shape=[gu.dims(x)[0], k_count * out_width])
-        split = gu.split_node(graph, flat, [out_width] * k_count, outs, name=f"{base}/Split")
-    nodes.append(gs.Node("Reshape", name=f"{base}/Reshape", inputs=[t, shape], outputs=[flat]))
+        flat = w.value(f"{base}_flat", dtype, [gu.dims(x)[0], k_count * out_width])
+        split = gu.split_node(graph, flat, [out_width] * k_count, outs, name=w.node_name(f"{base}/Split"))
+    w.op("Reshape", t, shape, name=f"{base}/Reshape", out=flat)
     if fused_acts is not None:
         if flat.dtype is None:
             flat.dtype = dtype
-        ctx.fuse(graph, STACKED_MLP_OP.name, nodes, fused_inputs, [flat], {"activations": ",".join(fused_acts)})
+        ctx.fuse(graph, STACKED_MLP_OP.name, w.nodes, fused_inputs, [flat], {"activations": ",".join(fused_acts)})
     else:
-        graph.nodes.extend(nodes)
+        graph.nodes.extend(w.nodes)
     if split is not None:
         graph.nodes.append(split)
 

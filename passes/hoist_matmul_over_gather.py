@@ -21,6 +21,7 @@ from onnxfuse.graph import linear as gl
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.rules import Match, Rule, Var, fail, op
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 FOLD_TABLE_MAX = 1 << 22  # elements of a folded embedding @ weight table (16 MiB of float32)
@@ -97,29 +98,26 @@ def hoist_matmul_over_gather(graph: gs.Graph, ctx: Context) -> int:
             continue
         w = gu.constant_value(w_t)
         dtype = w.dtype
-        base = gu.unique_name(graph, f"{src.name}_hoisted")
-        nodes: list[gs.Node] = []
+        writer = NodeWriter(graph)
+        base = writer.base(f"{src.name}_hoisted")
         lookup = _table(graph, src, dtype, w.shape[1])
         if lookup is not None:
             folded = (lookup[0].astype(np.float64) @ w.astype(np.float64))
             if bias is not None:
                 folded = folded + bias
-            y = gs.Variable(f"{base}_folded", dtype=dtype)
-            nodes.append(gs.Node("Gather", name=f"{base}/Gather", attrs={"axis": 0},
-                                 inputs=[gu.make_constant(graph, f"{base}_table", folded.astype(dtype)), lookup[1]], outputs=[y]))
+            table = writer.constant(f"{base}_table", folded.astype(dtype))
+            y = writer.op("Gather", table, lookup[1], name=f"{base}/Gather", out=f"{base}_folded", dtype=dtype,
+                          attrs={"axis": 0})
         else:
-            y = gs.Variable(f"{base}_matmul", dtype=dtype)
-            nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[src, w_t], outputs=[y]))
+            y = writer.op("MatMul", src, w_t, name=f"{base}/MatMul", out=f"{base}_matmul", dtype=dtype)
             if bias is not None:
-                yb = gs.Variable(f"{base}_add", dtype=dtype)
-                nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[y, gu.make_constant(graph, f"{base}_bias", bias)], outputs=[yb]))
-                y = yb
+                y = writer.op("Add", y, writer.constant(f"{base}_bias", bias), name=f"{base}/Add", out=f"{base}_add",
+                              dtype=dtype)
         for k, m in enumerate(members):
             for n in m["nodes"]:
                 gu.disconnect(n)
-            nodes.append(gs.Node("Gather", name=f"{base}/Gather_{k}", attrs={"axis": axis},
-                                 inputs=[y, m["gather"].inputs[1]], outputs=[m["out"]]))
-        graph.nodes.extend(nodes)
+            writer.op("Gather", y, m["gather"].inputs[1], name=f"{base}/Gather_{k}", out=m["out"], attrs={"axis": axis})
+        graph.nodes.extend(writer.nodes)
         rewrites += 1
     return rewrites
 

@@ -36,6 +36,7 @@ from onnxfuse.graph.linear import Linear, match_linear
 from onnxfuse.graph import rules
 from onnxfuse.graph.patterns import ACTIVATION_RULES, ELEMENTWISE
 from onnxfuse.graph.rules import ANY, Rule, Var, op
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 # A Split that stays a real copy pays only up to this many GEMM rows (static): its copy grows
@@ -124,47 +125,37 @@ def _batch_group(graph: gs.Graph, x: gs.Tensor, members: list[Linear], ctx: Cont
     if not duplicates and (after >= before or not copy_pays):
         return False
     dtype = members[0].weight.dtype
-    base = gu.unique_name(graph, f"{x.name}_batched")
-    w = np.concatenate([b.weight for b in blocks], axis=1)
+    w = NodeWriter(graph)
+    base = w.base(f"{x.name}_batched")
     sizes = [b.weight.shape[1] for b in blocks]
-    new_nodes: list[gs.Node] = []
-    cur: gs.Tensor = x
-    w_t = gu.make_constant(graph, f"{base}_weight", w)
-    y = gs.Variable(f"{base}_matmul", dtype=dtype)
-    new_nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cur, w_t], outputs=[y]))
-    cur = y
+    w_t = w.constant(f"{base}_weight", np.concatenate([b.weight for b in blocks], axis=1))
+    cur = w.op("MatMul", x, w_t, name=f"{base}/MatMul", out=f"{base}_matmul", dtype=dtype)
     if any(b.bias is not None for b in blocks):
         # A member without a bias gets -0, not +0: x + -0 is x for every x, where -0 + +0 is +0
         # (a MatMul's exact -0 divided into a number gave +inf for -inf: fuzz seed 9064573).
         bias = np.concatenate([b.bias if b.bias is not None else np.full(b.weight.shape[1], -0.0, dtype)
                                for b in blocks])
-        b_t = gu.make_constant(graph, f"{base}_bias", bias.astype(dtype))
-        y = gs.Variable(f"{base}_add", dtype=dtype)
-        new_nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[cur, b_t], outputs=[y]))
-        cur = y
+        b_t = w.constant(f"{base}_bias", bias.astype(dtype))
+        cur = w.op("Add", cur, b_t, name=f"{base}/Add", out=f"{base}_add", dtype=dtype)
     act = blocks[0].activation
     # Disconnect the members first: their output tensors are reused by the new nodes.
     for m in members:
         for n in m.nodes:
             gu.disconnect(n)
     if act is not None:
-        y = gs.Variable(f"{base}_{act.op.lower()}", dtype=dtype)
-        new_nodes.append(gs.Node(act.op, name=f"{base}/{act.op}", attrs=dict(act.attrs), inputs=[cur], outputs=[y]))
-        cur = y
+        cur = w.op(act.op, cur, name=f"{base}/{act.op}", out=f"{base}_{act.op.lower()}", dtype=dtype, attrs=act.attrs)
     if len(blocks) == 1:
         # Only duplicates: the single block writes its own output.
-        new_nodes[-1].outputs[0] = outputs[0]
+        w.nodes[-1].outputs[0] = outputs[0]
     else:
-        new_nodes.append(gu.split_node(graph, cur, sizes, outputs))
-        new_nodes[-1].name = f"{base}/Split"
+        w.add(gu.split_node(graph, cur, sizes, outputs, name=w.node_name(f"{base}/Split")))
     for i, (dup, first) in enumerate(duplicates):
         if gu.is_graph_output(graph, dup.output):
             # one Identity per duplicate that is a graph output: each needs a name of its own
-            new_nodes.append(gs.Node("Identity", name=f"{base}/Identity" + (f"_{i}" if i else ""),
-                                     inputs=[first.output], outputs=[dup.output]))
+            w.op("Identity", first.output, name=f"{base}/Identity", out=dup.output)
         else:
             gu.replace_uses(dup.output, first.output)
-    graph.nodes.extend(new_nodes)
+    graph.nodes.extend(w.nodes)
     return True
 
 

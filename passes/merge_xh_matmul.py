@@ -26,6 +26,7 @@ from onnxfuse.graph import linear as gl
 from onnxfuse.graph import rules
 from onnxfuse.graph.rules import Match, Rule, Var, fail, op
 from onnxfuse.graph.facts import refresh_shapes
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 @dataclass
@@ -130,28 +131,24 @@ def _merge(graph: gs.Graph, m: Match) -> bool:
             biases.append(b)
         else:
             others.append(t)
-    base = gu.unique_name(graph, f"{out.name}_xh")
-    cat = gs.Variable(f"{base}_concat", dtype=dtype)
-    nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": -1}, inputs=[p.inputs[0] for p, _ in terms], outputs=[cat])]
-    w_t = gu.make_constant(graph, f"{base}_weight", np.concatenate([w for _, w in terms], axis=0))
-    cur = gs.Variable(f"{base}_matmul", dtype=dtype)
-    nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[cat, w_t], outputs=[cur]))
+    w = NodeWriter(graph)
+    base = w.base(f"{out.name}_xh")
+    cat = w.op("Concat", *[p.inputs[0] for p, _ in terms], name=f"{base}/Concat", out=f"{base}_concat", dtype=dtype,
+               attrs={"axis": -1})
+    w_t = w.constant(f"{base}_weight", np.concatenate([wt for _, wt in terms], axis=0))
     extra = []
     if biases:
-        extra.append(gu.make_constant(graph, f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
+        extra.append(w.constant(f"{base}_bias", np.sum(biases, axis=0).astype(dtype)))
     extra += others
+    cur = w.op("MatMul", cat, w_t, name=f"{base}/MatMul", out=out if not extra else f"{base}_matmul", dtype=dtype)
+    for i, t in enumerate(extra):
+        last = i == len(extra) - 1
+        cur = w.op("Add", cur, t, name=f"{base}/Add{i}", out=out if last else f"{base}_add{i}", dtype=dtype)
     for n_ in tree.adds:
         gu.disconnect(n_)
     for p, _ in terms:
         gu.disconnect(p)
-    for i, t in enumerate(extra):
-        last = i == len(extra) - 1
-        y = out if last else gs.Variable(f"{base}_add{i}", dtype=dtype)
-        nodes.append(gs.Node("Add", name=f"{base}/Add{i}", inputs=[cur, t], outputs=[y]))
-        cur = y
-    if not extra:
-        nodes[-1].outputs[0] = out
-    graph.nodes.extend(nodes)
+    graph.nodes.extend(w.nodes)
     return True
 
 

@@ -47,6 +47,7 @@ from onnxfuse.graph.rules import ANY, Rule, Var, op
 from onnxfuse.graph.shape_values import ShapeEvaluator, element_count, reshaped_dims
 from onnxfuse.graph.transformer_forms import (seq_first_heads, seq_first_keys_transposed, seq_first_out_gemm,
                                               seq_first_out_projection, seq_first_pieces)
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 PIECES = ("q", "k", "v")
@@ -150,29 +151,24 @@ def _input_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
     # writing the heads tensor the attention reads.
     proj = m["in_proj"]
     base = proj.name or "attention_in_proj"
-    packed = gs.Variable(gu.unique_name(graph, f"{base}_batch_first"), dtype=np.float32)
-    new = [gs.Node("MatMul", name=gu.unique_name(graph, f"{base}_batch_first"), inputs=[x, m["in_weight"]],
-                   outputs=[packed])]
+    w = NodeWriter(graph)
+    f32 = np.float32
+    packed = w.op("MatMul", x, m["in_weight"], name=f"{base}_batch_first", dtype=f32)
     if in_bias is not None:
-        product, packed = packed, gs.Variable(gu.unique_name(graph, f"{base}_batch_first_bias"), dtype=np.float32)
-        new.append(gs.Node("Add", name=gu.unique_name(graph, f"{base}_batch_first_bias"), inputs=[product, in_bias],
-                           outputs=[packed]))
-    parts = [gs.Variable(gu.unique_name(graph, f"{base}_{p}"), dtype=np.float32) for p in PIECES]
-    new.append(gu.split_node(graph, packed, [width] * 3, parts, axis=2, name=gu.unique_name(graph, f"{base}_split")))
+        packed = w.op("Add", packed, in_bias, name=f"{base}_batch_first_bias", dtype=f32)
+    parts = [w.value(f"{base}_{p}", f32) for p in PIECES]
+    w.add(gu.split_node(graph, packed, [width] * 3, parts, axis=2, name=w.node_name(f"{base}_split")))
     old = list(m.nodes)
     for i in range(3):
         g, hm, h, dh, perm = heads[i]
-        out = hm.output
         old += [g] + list(hm.nodes)
-        split4 = gs.Variable(gu.unique_name(graph, f"{parts[i].name}_heads"), dtype=np.float32)
-        target = gu.make_constant(graph, f"{parts[i].name}_heads_target", np.array([0, 0, h, dh], np.int64))
-        new += [gs.Node("Reshape", name=gu.unique_name(graph, f"{parts[i].name}_split_heads"), inputs=[parts[i], target],
-                        outputs=[split4]),
-                gs.Node("Transpose", name=gu.unique_name(graph, f"{parts[i].name}_heads_first"), inputs=[split4],
-                        outputs=[out], attrs={"perm": perm})]
+        split4 = w.value(f"{parts[i].name}_heads", f32)
+        target = w.constant(f"{parts[i].name}_heads_target", np.array([0, 0, h, dh], np.int64))
+        w.op("Reshape", parts[i], target, name=f"{parts[i].name}_split_heads", out=split4)
+        w.op("Transpose", split4, name=f"{parts[i].name}_heads_first", out=hm.output, attrs={"perm": perm})
     for node in old:
         gu.disconnect(node)
-    graph.nodes.extend(new)
+    graph.nodes.extend(w.nodes)
     return True
 
 
@@ -217,26 +213,22 @@ def _output_side(ev: ShapeEvaluator, graph: gs.Graph, m: rules.Match) -> bool:
         return False
     if gemm_form and not _reshape_gives(m["unflat"], m["unflat_target"], rows + [(n, ())], [seq, batch, (n, ())]):
         return False
-    y = m.output
     merge = m["merge"]
     base = merge.name or "attention_merge"
-    moved = gs.Variable(gu.unique_name(graph, f"{base}_batch_first_heads"), dtype=np.float32)
-    merged = gs.Variable(gu.unique_name(graph, f"{base}_batch_first"), dtype=np.float32)
-    product = y if out_bias is None else gs.Variable(gu.unique_name(graph, f"{base}_batch_first_proj"),
-                                                     dtype=np.float32)
-    target = gu.make_constant(graph, f"{base}_batch_first_target", np.array([0, 0, width], np.int64))
+    w = NodeWriter(graph)
+    f32 = np.float32
+    moved = w.value(f"{base}_batch_first_heads", f32)
+    merged = w.value(f"{base}_batch_first", f32)
+    product = m.output if out_bias is None else w.value(f"{base}_batch_first_proj", f32)
+    target = w.constant(f"{base}_batch_first_target", np.array([0, 0, width], np.int64))
+    w.op("Transpose", heads, name=f"{base}_heads_back", out=moved, attrs={"perm": [0, 2, 1, 3]})
+    w.op("Reshape", moved, target, name=f"{base}_batch_first", out=merged)
+    w.op("MatMul", merged, m["out_weight"], name=f"{base}_out_proj", out=product)
+    if out_bias is not None:
+        w.op("Add", product, out_bias, name=f"{base}_out_proj_bias", out=m.output)
     for old in m.nodes:
         gu.disconnect(old)
-    graph.nodes.extend([
-        gs.Node("Transpose", name=gu.unique_name(graph, f"{base}_heads_back"), inputs=[heads], outputs=[moved],
-                attrs={"perm": [0, 2, 1, 3]}),
-        gs.Node("Reshape", name=gu.unique_name(graph, f"{base}_batch_first"), inputs=[moved, target], outputs=[merged]),
-        gs.Node("MatMul", name=gu.unique_name(graph, f"{base}_out_proj"), inputs=[merged, m["out_weight"]],
-                outputs=[product]),
-    ])
-    if out_bias is not None:
-        graph.nodes.append(gs.Node("Add", name=gu.unique_name(graph, f"{base}_out_proj_bias"),
-                                   inputs=[product, out_bias], outputs=[y]))
+    graph.nodes.extend(w.nodes)
     return True
 
 
