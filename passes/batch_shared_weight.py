@@ -29,6 +29,7 @@ from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph import rules
 from onnxfuse.graph.linear import LINEAR, Linear, as_linear
 from onnxfuse.graph.rules import Match, fail
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 MAX_ROWS = 256
@@ -115,21 +116,19 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         while f"{base}/Concat" in node_names:
             i += 1
             base = f"{stem}_{i}"
-        stacked = gs.Variable(gu.unique_name(graph, f"{base}/rows"), dtype=lin0.weight.dtype, shape=[rows * len(members), k])
-        nodes = [gs.Node("Concat", name=f"{base}/Concat", attrs={"axis": 0},
-                         inputs=[x for x, _ in members], outputs=[stacked])]
-        n = lin0.weight.shape[1]
-        y = gs.Variable(gu.unique_name(graph, f"{base}/product"), dtype=lin0.weight.dtype, shape=[rows * len(members), n])
-        w = gu.make_constant(graph, f"{base}_weight", lin0.weight)
-        nodes.append(gs.Node("MatMul", name=f"{base}/MatMul", inputs=[stacked, w], outputs=[y]))
+        dtype, n = lin0.weight.dtype, lin0.weight.shape[1]
+        w = NodeWriter(graph)
+        stacked = w.op("Concat", *[x for x, _ in members], name=f"{base}/Concat", out=f"{base}/rows", dtype=dtype,
+                       shape=[rows * len(members), k], attrs={"axis": 0})
+        weight = w.constant(f"{base}_weight", lin0.weight)
+        y = w.op("MatMul", stacked, weight, name=f"{base}/MatMul", out=f"{base}/product", dtype=dtype,
+                 shape=[rows * len(members), n])
         if lin0.bias is not None:
-            yb = gs.Variable(gu.unique_name(graph, f"{base}/biased"), dtype=lin0.weight.dtype, shape=[rows * len(members), n])
-            b = gu.make_constant(graph, f"{base}_bias", lin0.bias)
-            nodes.append(gs.Node("Add", name=f"{base}/Add", inputs=[y, b], outputs=[yb]))
-            y = yb
+            y = w.op("Add", y, w.constant(f"{base}_bias", lin0.bias), name=f"{base}/Add", out=f"{base}/biased",
+                     dtype=dtype, shape=[rows * len(members), n])
         outputs = [gu.take_output(lin.nodes, lin.output, [rows, n]) for _, lin in members]
-        nodes.append(gu.split_node(graph, y, [rows] * len(members), outputs, axis=0, name=f"{base}/Split"))
-        graph.nodes.extend(nodes)
+        w.add(gu.split_node(graph, y, [rows] * len(members), outputs, axis=0, name=w.node_name(f"{base}/Split")))
+        graph.nodes.extend(w.nodes)
         made += len(members)
     return made  # the pipeline sorts the graph after a pass that rewrote
 

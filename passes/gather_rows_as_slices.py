@@ -27,6 +27,7 @@ from onnxfuse.graph import rules
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.patterns import ELEMENTWISE
 from onnxfuse.graph.rules import Match, Rule, Var, fail, op
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 
@@ -96,19 +97,19 @@ def run(graph: gs.Graph, ctx: Context) -> int:
         shape = list(gu.static_shape(y))
         rows = shape[axis + 1]
         flat_shape = shape[:axis] + [shape[axis] * rows] + shape[axis + 2:]
-        base = gu.unique_name(graph, f"{y.name}_rows")
-        flat = gs.Variable(base, dtype=y.dtype, shape=flat_shape)
-        nodes = [gs.Node("Reshape", name=f"{base}/Reshape",
-                         inputs=[y, gu.make_constant(graph, f"{base}_shape", np.asarray(flat_shape, np.int64))],
-                         outputs=[flat])]
-        axes = gu.make_constant(graph, f"{base}_axes", np.asarray([axis], np.int64))
+        w = NodeWriter(graph)
+        flat = w.value(f"{y.name}_rows", y.dtype, flat_shape)
+        base = flat.name
+        target = w.constant(f"{base}_shape", np.asarray(flat_shape, np.int64))
+        w.op("Reshape", y, target, name=f"{base}/Reshape", out=flat)
+        axes = w.constant(f"{base}_axes", np.asarray([axis], np.int64))
         for k, m in enumerate(members):
             node, i = m.root, m["row"]
             out = gu.take_output([node], node.outputs[0], shape[:axis] + shape[axis + 1:])
-            starts = gu.make_constant(graph, f"{base}_start{i}", np.asarray([i * rows], np.int64))
-            ends = gu.make_constant(graph, f"{base}_end{i}", np.asarray([(i + 1) * rows], np.int64))
-            nodes.append(gs.Node("Slice", name=f"{base}/Slice_{k}", inputs=[flat, starts, ends, axes], outputs=[out]))
-        graph.nodes.extend(nodes)
+            starts = w.constant(f"{base}_start{i}", np.asarray([i * rows], np.int64))
+            ends = w.constant(f"{base}_end{i}", np.asarray([(i + 1) * rows], np.int64))
+            w.op("Slice", flat, starts, ends, axes, name=f"{base}/Slice_{k}", out=out)
+        graph.nodes.extend(w.nodes)
         made += len(members)
     return made  # the pipeline sorts the graph after a pass that rewrote
 

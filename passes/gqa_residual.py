@@ -29,6 +29,7 @@ from onnxfuse.graph import facts
 from onnxfuse.graph import rules
 from onnxfuse.graph.facts import _vague, refresh_shapes
 from onnxfuse.graph.rules import Var, op, ops
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.ops.attention_nan_guard import OP
 from onnxfuse.pipeline import Context, Pass
 
@@ -76,9 +77,10 @@ def _fold(graph: gs.Graph, ctx: Context, node: gs.Node, mm: gs.Node, add: gs.Nod
     formals = list(fn.input) + [p.name, w.name, r.name]
     if len(set(formals)) != len(formals) or p.name in fn.output:
         return False
-    projected = gs.Variable(gu.unique_name(graph, f"{p.name}_unguarded"), dtype=np.float32, shape=p.shape)
-    graph.nodes.append(gs.Node("MatMul", name=gu.unique_name(graph, f"{mm.name}_unguarded"), inputs=[out, w],
-                               outputs=[projected]))
+    writer = NodeWriter(graph)
+    projected = writer.op("MatMul", out, w, name=f"{mm.name}_unguarded", out=f"{p.name}_unguarded", dtype=np.float32,
+                          shape=p.shape)
+    graph.nodes.extend(writer.nodes)
     result = add.outputs[0]
     body = list(fn.node) + [
         helper.make_node("MatMul", [y.name, w.name], [p.name], name=mm.name),

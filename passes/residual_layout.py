@@ -34,6 +34,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.ort_fusions import PROBE_ELEMENTS
 from onnxfuse.graph.rules import Match, Rule, Var, apply, fail, op
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 TO_NCHW = [0, 3, 1, 2]
@@ -55,10 +56,10 @@ def _nhwc_of(graph: gs.Graph, stream: gs.Tensor) -> gs.Tensor:
     if gu.is_op(node, "Transpose") and _perm(node) == TO_NCHW:
         return node.inputs[0]
     shape = gu.dims(stream)
-    out = gs.Variable(gu.unique_name(graph, f"{stream.name}_nhwc"), dtype=stream.dtype,
-                      shape=None if shape is None else [shape[i] for i in TO_NHWC])
-    graph.nodes.append(gs.Node("Transpose", gu.unique_name(graph, f"{stream.name}_to_nhwc"), {"perm": TO_NHWC},
-                               [stream], [out]))
+    w = NodeWriter(graph)
+    out = w.op("Transpose", stream, name=f"{stream.name}_to_nhwc", out=f"{stream.name}_nhwc",
+               shape=None if shape is None else [shape[i] for i in TO_NHWC], attrs={"perm": TO_NHWC})
+    graph.nodes.extend(w.nodes)
     return out
 
 
@@ -72,14 +73,14 @@ def _sink(graph: gs.Graph, m: Match) -> bool:
         return fail("the Add broadcasts the stream (its dims are not the sum's)")
     nhwc = _nhwc_of(graph, stream)
     shape = gu.dims(out)
-    summed = gs.Variable(gu.unique_name(graph, f"{out.name}_nhwc"), dtype=out.dtype,
-                         shape=None if shape is None else [shape[i] for i in TO_NHWC])
+    w = NodeWriter(graph)
+    summed = w.value(f"{out.name}_nhwc", out.dtype, None if shape is None else [shape[i] for i in TO_NHWC])
     add.inputs[0], add.inputs[1] = nhwc, m["z"]
     add.outputs[0] = summed
     # The branch's Transpose now turns the NHWC sum back into the stream's NCHW tensor.
     gu.disconnect(branch)
-    graph.nodes.append(gs.Node("Transpose", gu.unique_name(graph, f"{out.name}_to_nchw"), {"perm": TO_NCHW},
-                               [summed], [out]))
+    w.op("Transpose", summed, name=f"{out.name}_to_nchw", out=out, attrs={"perm": TO_NCHW})
+    graph.nodes.extend(w.nodes)
     return True
 
 

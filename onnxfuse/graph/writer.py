@@ -60,12 +60,13 @@ class NodeWriter:
         return name
 
     def op(self, op_type: str, *inputs: gs.Tensor, name: str, out: gs.Variable | str | None = None,
-           dtype=None, attrs: dict | None = None, domain: str | None = None) -> gs.Variable:
+           dtype=None, shape: Sequence | None = None, attrs: dict | None = None,
+           domain: str | None = None) -> gs.Variable:
         """A node `op_type`(inputs) named after `name`, and its one output: `out` when it is a
         value (one the replaced subgraph computed, which keeps its readers), else a new value
-        named after `out` or `name`, of `dtype` (the first input's when not given)."""
+        named after `out` or `name`, of `dtype` (the first input's when not given) and `shape`."""
         if not isinstance(out, gs.Variable):
-            out = self.value(out or name, dtype if dtype is not None else inputs[0].dtype)
+            out = self.value(out or name, dtype if dtype is not None else inputs[0].dtype, shape)
         self.add(gs.Node(op_type, name=self.node_name(name), inputs=list(inputs), outputs=[out],
                          attrs=dict(attrs or {}), domain=domain))
         return out
