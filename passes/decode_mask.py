@@ -48,6 +48,7 @@ from onnxfuse.graph import facts
 from onnxfuse.graph.rules import (ANY, Const, Failure, Match, Rule, Var, apply, fail, match, match_value, op,
                                   read_instead, through)
 from onnxfuse.graph.shape_values import ShapeEvaluator, refined_dims
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 _KEEP = ("Unsqueeze", "Reshape", "Squeeze", "Expand", "Identity", "Flatten")
@@ -503,17 +504,17 @@ def _slice_rows(graph: gs.Graph, m: Match, shapes: facts.ShapeTable, known: dict
     rows, cols_form = _token(shapes.dims(data)[0]), _exact(shapes, n_k)
     if rows is not None and cols_form is not None:  # the Slice has n_k columns wherever the original runs
         known[out.name] = [rows if k == p else cols_form if k == q else {"": 1} for k in range(rank)]
-    end = gs.Variable(gu.unique_name(graph, f"{out.name}_columns"), dtype=np.int64, shape=[1])
-    cols = gs.Variable(gu.unique_name(graph, f"{out.name}_rows"), dtype=data.dtype)
-    axes = gu.make_constant(graph, f"{out.name}_axes", np.array([k for k in range(rank) if k not in (p, q)], np.int64))
-    zero = gu.make_constant(graph, "decode_mask_zero", np.array([0], np.int64))
-    one = gu.make_constant(graph, "decode_mask_one", np.array([1], np.int64))
+    w = NodeWriter(graph)
+    end = w.value(f"{out.name}_columns", np.int64, [1])
+    cols = w.value(f"{out.name}_rows", data.dtype)
+    axes = w.constant(f"{out.name}_axes", np.array([k for k in range(rank) if k not in (p, q)], np.int64))
+    zero = w.constant("decode_mask_zero", np.array([0], np.int64))
+    one = w.constant("decode_mask_one", np.array([1], np.int64))
     r2.outputs.clear()
-    graph.nodes += [
-        gs.Node("Reshape", name=end.name, inputs=[n_k, one], outputs=[end]),
-        gs.Node("Slice", name=cols.name, inputs=[data, zero, end, one], outputs=[cols]),
-        gs.Node("Unsqueeze", name=gu.unique_name(graph, f"{out.name}_grid"), inputs=[cols, axes], outputs=[out]),
-    ]
+    w.op("Reshape", n_k, one, name=end.name, out=end)
+    w.op("Slice", data, zero, end, one, name=cols.name, out=cols)
+    w.op("Unsqueeze", cols, axes, name=f"{out.name}_grid", out=out)
+    graph.nodes += w.nodes
     return True
 
 

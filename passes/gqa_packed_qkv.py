@@ -32,6 +32,7 @@ from onnxfuse.graph import core as gu
 from onnxfuse.graph.facts import refresh_shapes
 from onnxfuse.graph.linear import FLOAT_KINDS, row_bias
 from onnxfuse.graph.rules import Failure, Match, Rule, Rest, Var, apply, fail, op, ops
+from onnxfuse.graph.writer import NodeWriter
 from onnxfuse.pipeline import Context, Pass
 
 CONTRIB = "com.microsoft"
@@ -99,24 +100,21 @@ def _pack(graph: gs.Graph, m: Match):
         return biases
     first = m["mmq"]
     base = first.name or "qkv"
-    packed = gs.Variable(gu.unique_name(graph, f"{base}_qkv_packed"), dtype=weights[0].dtype)
-    w = gu.make_constant(graph, f"{m['wq'].name}_qkv_packed", np.concatenate(weights, axis=1))
+    writer = NodeWriter(graph)
+    dtype = weights[0].dtype
+    w = writer.constant(f"{m['wq'].name}_qkv_packed", np.concatenate(weights, axis=1))
     if biases is None:
-        nodes = [gs.Node("MatMul", name=gu.unique_name(graph, f"{base}_qkv_packed"), inputs=[m["x"], w],
-                         outputs=[packed])]
+        packed = writer.op("MatMul", m["x"], w, name=f"{base}_qkv_packed", dtype=dtype)
     else:
-        product = gs.Variable(gu.unique_name(graph, f"{base}_qkv_product"), dtype=weights[0].dtype)
-        b = gu.make_constant(graph, f"{m['bq'].name}_qkv_packed", np.concatenate(biases))
-        nodes = [gs.Node("MatMul", name=gu.unique_name(graph, f"{base}_qkv_packed"), inputs=[m["x"], w],
-                         outputs=[product]),
-                 gs.Node("Add", name=gu.unique_name(graph, f"{base}_qkv_bias"), inputs=[product, b],
-                         outputs=[packed])]
+        b = writer.constant(f"{m['bq'].name}_qkv_packed", np.concatenate(biases))
+        product = writer.op("MatMul", m["x"], w, name=f"{base}_qkv_packed", out=f"{base}_qkv_product", dtype=dtype)
+        packed = writer.op("Add", product, b, name=f"{base}_qkv_bias", out=f"{base}_qkv_packed", dtype=dtype)
     for n in m.nodes[:-1]:  # the three projections (and their Adds) go
         gu.disconnect(n)
     gqa.inputs[0] = packed
     gqa.inputs[1] = gs.Variable.empty()
     gqa.inputs[2] = gs.Variable.empty()
-    graph.nodes.extend(nodes)
+    graph.nodes.extend(writer.nodes)
     return True
 
 
