@@ -70,8 +70,8 @@ class Alt(Pattern):
 @dataclass(frozen=True, eq=False)
 class Through(Pattern):
     """`inner`, reached through at most `most` nodes of the default-domain ops `ops` (a bounded
-    path: each passed node's first output is the tensor, and the path goes on at its operand
-    `operand`, or at each of a tuple of operands in turn); at each node the inner pattern is
+    path: each passed node's first output is the tensor, and the path goes on at each of its
+    `operands` in turn); at each node the inner pattern is
     tried before the path goes deeper. The nodes passed, reader first, are bound
     under `name` as a tuple when one is given. `through(["Unsqueeze"], op.Range(...), 12)` is a
     Range with axes inserted."""
@@ -79,12 +79,14 @@ class Through(Pattern):
     ops: tuple[str, ...]
     inner: Pattern
     most: int
-    operand: int | tuple[int, ...] = 0
+    operands: tuple[int, ...] = (0,)
     name: str | None = None
 
 
 def through(ops, inner, most: int, operand: int | tuple[int, ...] = 0, name: str | None = None) -> Through:
-    return Through(tuple(ops), _lift(inner), most, operand, name)
+    """Through `ops` at operand `operand` (an index, or a tuple of them tried in turn)."""
+    operands = (operand,) if isinstance(operand, int) else tuple(operand)
+    return Through(tuple(ops), _lift(inner), most, operands, name)
 
 
 def alt(*options) -> Alt:

@@ -95,8 +95,10 @@ def _operands(node: gs.Node, count: int) -> list[gs.Tensor | float | None] | Non
 
 
 class _Matcher:
-    def __init__(self, graph_outputs: set[str]):
-        self.graph_outputs = graph_outputs
+    def __init__(self, graph_outputs: Iterable[str]):
+        # A set the caller holds is read as it is: copying it per match costs the graph's outputs
+        # per candidate (quadratic in a graph whose outputs grow with it).
+        self.graph_outputs = graph_outputs if isinstance(graph_outputs, (set, frozenset)) else set(graph_outputs)
         # Why the furthest attempt failed: (operands matched when it failed, the reason).
         self.held = 0
         self.failure: tuple[int, str] | None = None
@@ -123,21 +125,26 @@ class _Matcher:
         finally:
             self.held -= 1
 
+    def _bound_as(self, name: str, t, bound: dict, where: str, then=None) -> Iterator[None]:
+        """The ways `then()` matches (once when None) with `name` standing for `t`: where the name
+        is bound already (a Var that recurs, an op pattern's value), only if it is `t`."""
+        if name in bound:
+            if bound[name] is t:
+                yield from then() if then is not None else (None,)
+            else:
+                other = bound[name]
+                self.fail(lambda: f"{where} is {_tensor_text(t)}, not '{name}' ({_tensor_text(other)})")
+            return
+        bound[name] = t
+        yield from then() if then is not None else (None,)
+        del bound[name]
+
     def _tensor(self, p: Pattern, t, bound: dict, nodes: list, where: str) -> Iterator[None]:
         if isinstance(p, Var):
-            if p.name in bound:
-                if bound[p.name] is t:
-                    yield
-                else:
-                    other = bound[p.name]
-                    self.fail(lambda: f"{where} is {_tensor_text(t)}, not '{p.name}' ({_tensor_text(other)})")
-                return
-            if not isinstance(t, gs.Tensor) or not gu.is_present(t):
+            if p.name not in bound and (not isinstance(t, gs.Tensor) or not gu.is_present(t)):
                 self.fail(lambda: f"{where} is absent")
                 return
-            bound[p.name] = t
-            yield
-            del bound[p.name]
+            yield from self._bound_as(p.name, t, bound, where)
         elif isinstance(p, AnyInput):
             yield
         elif isinstance(p, Alt):
@@ -174,16 +181,8 @@ class _Matcher:
                 return
             if p.value is None:
                 yield from self.node(p, node, bound, nodes)
-            elif p.value in bound:
-                if bound[p.value] is t:
-                    yield from self.node(p, node, bound, nodes)
-                else:
-                    other = bound[p.value]
-                    self.fail(lambda: f"{where} is {_tensor_text(t)}, not '{p.value}' ({_tensor_text(other)})")
             else:
-                bound[p.value] = t
-                yield from self.node(p, node, bound, nodes)
-                del bound[p.value]
+                yield from self._bound_as(p.value, t, bound, where, lambda: self.node(p, node, bound, nodes))
 
     def _through(self, p: Through, t, bound: dict, nodes: list, where: str, passed: tuple) -> Iterator[None]:
         if p.name is not None:
@@ -199,11 +198,10 @@ class _Matcher:
             if self.failure is None or self.failure[0] <= self.held:
                 self.failure = (self.held, lambda: f"{where} is reached through more than {p.most} of {', '.join(p.ops)}")
             return
-        operands = (p.operand,) if isinstance(p.operand, int) else p.operand
-        if node.outputs[0] is not t or len(node.inputs) <= min(operands) or any(node is n for n in nodes):
+        if node.outputs[0] is not t or len(node.inputs) <= min(p.operands) or any(node is n for n in nodes):
             self.fail(lambda: f"{where} is not a path through {_named(node)}")
             return
-        for i in operands:
+        for i in p.operands:
             if i >= len(node.inputs) or not gu.is_present(node.inputs[i]):
                 continue
             for _ in self._through(p, node.inputs[i], bound, nodes, f"input {i} of {_named(node)}", passed + (node,)):
@@ -306,9 +304,7 @@ def match(pattern: OpPattern, root: gs.Node, graph_outputs: set[str] | frozenset
     final). Without a match, the reason is appended to `why` when given (see Failure)."""
     bound = dict(bind or {})
     nodes: list[gs.Node] = []
-    # A set the caller holds is read as it is: copying it per match costs the graph's outputs
-    # per candidate (quadratic in a graph whose outputs grow with it).
-    matcher = _Matcher(graph_outputs if isinstance(graph_outputs, (set, frozenset)) else set(graph_outputs))
+    matcher = _Matcher(graph_outputs)
     declined = None
     for _ in matcher.node(pattern, root, bound, nodes):
         m = Match(list(nodes), dict(bound), root.outputs[0])
@@ -335,7 +331,7 @@ def match_value(pattern: Pattern, tensor: gs.Tensor, graph_outputs: set[str] | f
     an op pattern), with its intermediates private when asked; None when it does not."""
     bound: dict = {}
     nodes: list[gs.Node] = []
-    matcher = _Matcher(graph_outputs if isinstance(graph_outputs, (set, frozenset)) else set(graph_outputs))
+    matcher = _Matcher(graph_outputs)
     for _ in matcher.tensor(pattern, tensor, bound, nodes, f"'{tensor.name}'"):
         m = Match(list(nodes), dict(bound), tensor)
         if not private or _not_private(m, matcher.graph_outputs) is None:
