@@ -28,7 +28,6 @@ FOLD_TABLE_MAX = 1 << 22  # elements of a folded embedding @ weight table (16 Mi
 
 # The Gather may have other readers: it stays for them.
 PROJECTION = op.MatMul(op.Gather(Var("src"), Var("idx"), _name="gather"), Var("w"))
-BIAS = op.Add(Var("y"), Var("b"))
 # T as an embedding lookup: Gather(E, ids, axis=0) of a constant 2-D table E.
 LOOKUP = op.Gather(Var("table"), Var("ids"), axis=lambda a: a in (None, 0, -2))
 
@@ -48,10 +47,10 @@ def _member(m: Match, graph: gs.Graph):
     if not 0 <= axis < rank - 1:
         return fail(f"it gathers along axis {axis}, the last (or none) of rank {rank}")
     nodes, out, bias = [mm], mm.outputs[0], None
-    reader = gu.single_consumer(out)
-    added = rules.match(BIAS, reader, bind={"y": out}) if reader is not None and gl.rewirable(out, graph) else None
+    added = rules.match_reader([gl.BIAS], graph, out, "y")
     if added is not None:
-        b = gu.constant_value(added["b"]) if added["b"] is not out else None
+        reader, other = added[1].root, added[1]["b"]
+        b = gu.constant_value(other) if other is not out else None
         b = gl.row_bias(b, w.shape[1], None) if b is not None and b.dtype == w.dtype else None
         if b is not None:
             nodes.append(reader)

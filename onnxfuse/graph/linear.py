@@ -8,7 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from . import core as gu
-from .rules import ANY, Match, Rule, Var, fail, first_match, match, op
+from .rules import ANY, Match, Rule, Var, fail, first_match, match_reader, op
 
 FLOAT_KINDS = "f"
 
@@ -46,7 +46,7 @@ def rewirable(t: gs.Tensor, graph: gs.Graph) -> bool:
 
 X, W = Var("x"), Var("w")
 # MatMul/Gemm + Add(constant row bias): the Add that reads the product, matched from it.
-BIAS = op.Add(Var("y"), Var("b"))
+BIAS = Rule("row-bias", op.Add(Var("y"), Var("b")))
 
 
 def as_linear(m: Match, graph: gs.Graph):
@@ -88,10 +88,9 @@ def as_linear(m: Match, graph: gs.Graph):
     w = np.ascontiguousarray(w)
     out = node.outputs[0]
     nodes = [node]
-    reader = gu.single_consumer(out)
-    added = match(BIAS, reader, bind={"y": out}) if reader is not None and rewirable(out, graph) else None
+    added = match_reader([BIAS], graph, out, "y")
     if added is not None:
-        other = added["b"]
+        reader, other = added[1].root, added[1]["b"]
         b = gu.constant_value(other) if other is not out else None
         out_rank = 2 if node.op == "Gemm" else x_rank
         if b is not None and b.dtype == w.dtype:
