@@ -164,7 +164,7 @@ def _rewrite_round(graph: gs.Graph, explain=None) -> int:
         ev = ShapeEvaluator(graph, shapes)
     else:
         shapes, ev = refined_dims(graph, ShapeTable(graph), MAX_ROUNDS)
-    taken = gu.tensor_names(graph) | {n.name for n in graph.nodes}
+    taken = gu.taken_names(graph)
     rewrites = rules.apply(graph, [Rule("shape-plumbing/Reshape", TARGETED["Reshape"],
                                         condition=lambda m, g: _constant_target(m, g, ev),
                                         rewrite=lambda g, m: _write_target(g, m, taken)),

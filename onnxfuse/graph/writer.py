@@ -24,9 +24,9 @@ from . import core as gu
 class NodeWriter:
     def __init__(self, graph: gs.Graph) -> None:
         self.graph = graph
-        taken = gu.tensor_names(graph) | {n.name for n in graph.nodes}
+        taken = gu.taken_names(graph)
         self._value_names = set(taken)
-        self._node_names = taken
+        self._node_names = set(taken)
         self.nodes: list[gs.Node] = []
 
     @staticmethod
