@@ -284,7 +284,9 @@ def match(graph: gs.Graph, softmax: gs.Node, shapes: facts.ShapeTable, ctx: Cont
         if found_view is not None:
             view, plumbing = found_view
             merged = rules.match_after([MERGED_AFTER_VIEW], graph, ctx_heads, "pv_out", depth=3)
-        if merged is None or merged[1].get("view", view) is not view:
+            if merged is not None and merged[1]["view"] is not view:
+                merged = None
+        if merged is None:
             return rules.fail("the output is not merged back by Transpose(0, 2, 1, 3) read by one Reshape")
     back, merge = merged[1]["back"], merged[1]["merge"]
     out_width = v.heads * v.width

@@ -330,8 +330,7 @@ def _noop_view(ev: ShapeEvaluator, m: rules.Match, known: list) -> bool:
 def _check(graph, m: rules.Match, form, shapes, ev, outs) -> Layer | rules.Failure:
     exporter, scale_form, probs, view, repeat = form
     # Intermediates are read inside the match only, or by a Shape.
-    held = list(m.nodes)
-    if not all(_read_within(graph, t, held) for n in held if n is not m.root for t in n.outputs):
+    if not all(_read_within(graph, t, m.nodes) for n in m.nodes if n is not m.root for t in n.outputs):
         return rules.fail("an intermediate of the attention is read outside it (other than by a Shape) or is a graph output")
     qr, kr, vh = m["qr"], m["kr"], m["vh"]
     # A decode step: k and v each Concat(past, new) on the sequence axis, the rotary and the

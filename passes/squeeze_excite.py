@@ -108,7 +108,7 @@ SQUEEZE_RULES: tuple[Rule, ...] = (
 )
 # SiLU of x's producer's input: taken into the node when the block alone reads x.
 def _silu_reads_y_alone(m: Match, graph: gs.Graph):
-    if m["y"].name in {t.name for t in graph.outputs} or not all(m.holds(r) for r in m["y"].outputs):
+    if gu.is_graph_output(graph, m["y"]) or not all(m.holds(r) for r in m["y"].outputs):
         return fail("the SiLU's input is read outside it or is a graph output")
     return True
 
