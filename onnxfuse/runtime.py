@@ -270,22 +270,32 @@ def nchwc_block() -> int:
     """The channel block of onnxruntime's NCHWc layout on this machine, as measured: MLAS picks
     it by CPU (8 floats with AVX2, 16 with AVX-512; 0 here means no NCHWc layout, e.g. not x86).
     Kernel counts of models with convolutions or pools depend on it. Probed once per process
-    with two 1x1 convolutions of 16 input channels, of 8 and 16 output channels: a block of 8
-    takes both into the layout, a block of 16 only the second."""
+    with 1x1 convolutions of 4, 8, 16, ... input channels: onnxruntime reads an input of fewer
+    channels than the block in place (NCHW) and reorders one of a multiple of the block
+    (ReorderInput), so the block is the fewest channels it reorders. Output channels tell
+    nothing: it pads them up to the block (a probe on those saw 8 on an AVX-512 CPU)."""
     global _nchwc_block
     if _nchwc_block is None:
         from onnx import TensorProto, helper, numpy_helper
 
-        def blocked(cout: int) -> bool:
-            w = numpy_helper.from_array(np.ones((cout, 16, 1, 1), np.float32), "w")
+        def executed_ops(channels: int) -> set[str]:
+            w = numpy_helper.from_array(np.ones((16, channels, 1, 1), np.float32), "w")
             graph = helper.make_graph(
                 [helper.make_node("Conv", ["x", "w"], ["y"])], "nchwc_probe",
-                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 4, 4])],
-                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cout, 4, 4])], [w])
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 4, 4])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 4, 4])], [w])
             model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-            return any(n.domain == _NCHWC_DOMAIN for n in executed_graph(model, with_library=False).graph.node)
+            return {n.op_type for n in executed_graph(model, with_library=False).graph.node
+                    if n.domain == _NCHWC_DOMAIN}
 
-        _nchwc_block = 8 if blocked(8) else 16 if blocked(16) else 0
+        _nchwc_block = 0
+        for channels in (4, 8, 16, 32, 64):
+            ops = executed_ops(channels)
+            if not ops:
+                break  # no NCHWc layout on this machine
+            if "ReorderInput" in ops:
+                _nchwc_block = channels
+                break
     return _nchwc_block
 
 
