@@ -172,15 +172,19 @@ def _rewrite_round(graph: gs.Graph, explain=None) -> int:
                                         condition=lambda m, g: _constant_target(m, g, ev),
                                         rewrite=lambda g, m: _write_target(g, m, taken))], explain)
     # Shape arithmetic on static dims that something else reads (Range, ConstantOfShape, Slice
-    # bounds, ...): the value is known now. Shape values equal element by element to one computed
-    # earlier (the same dims read from another tensor of the same shape, as every block of a
-    # transformer does) are read from the earlier one. Earlier in topological order, so no
-    # cycle can form.
+    # bounds, ...): the value is known now. Shape values equal element by element are all read
+    # from one of them: the one computed in the fewest steps from the graph's inputs (the
+    # earliest in the graph among those), so that the longer chains computing the same dims
+    # (every block of a transformer reads them from its own tensor) lose their readers. It
+    # depends on none of the others' readers (they are deeper than it), so no cycle can form.
     gu.toposort(graph)
-    seen: dict[tuple, gs.Tensor] = {}
+    depth: dict[int, int] = {}
+    equal: dict[tuple, list[tuple[int, int, gs.Tensor]]] = {}
     # gu.is_graph_output by name, the outputs listed once (per node: quadratic in the graph)
     graph_outputs = {t.name for t in graph.outputs}
-    for node in list(graph.nodes):
+    for position, node in enumerate(list(graph.nodes)):
+        steps = 1 + max((depth.get(id(p), 0) for t in node.inputs for p in t.inputs), default=0)
+        depth[id(node)] = steps
         if not gu.is_default_domain(node) or node.op == "Constant":
             continue
         for out in node.outputs:
@@ -190,16 +194,18 @@ def _rewrite_round(graph: gs.Graph, explain=None) -> int:
             if v is None:
                 continue
             if v.constant is None:
-                if all(e is not None for e in v.elems) and out.name not in graph_outputs:
-                    key = (v.rank, v.elems, v.dtype.str)
-                    first = seen.setdefault(key, out)
-                    if first is not out:
-                        rewrites += bool(gu.replace_uses(out, first))
+                if all(e is not None for e in v.elems):
+                    equal.setdefault((v.rank, v.elems, v.dtype.str), []).append((steps, position, out))
                 continue
             arr = np.array(v.constant, dtype=v.dtype).reshape(() if v.rank == 0 else (-1,))
             if out.dtype is not None and numpy_dtype(out.dtype) != arr.dtype:
                 continue
             rewrites += bool(gu.replace_uses(out, gu.make_constant(graph, f"{out.name}_value", arr, taken)))
+    for values in equal.values():
+        first = min(values, key=lambda v: v[:2])[2]
+        for _, _, out in values:
+            if out is not first:
+                rewrites += bool(gu.replace_uses(out, first))
     return rewrites
 
 

@@ -1,6 +1,6 @@
-"""The faster stand-ins for graphsurgeon and onnx steps that `optimize` uses (graph.core.toposort,
-cleanup, export_model, the weight-free shape inference, fold-batchnorm's name set, verification
-through model files) give exactly what the originals give."""
+"""The faster stand-ins for graphsurgeon and onnx steps that `optimize` uses (cleanup,
+export_model, the weight-free shape inference, fold-batchnorm's name set, verification through
+model files) give exactly what the originals give; toposort keeps the exporter's order."""
 from __future__ import annotations
 
 import random
@@ -51,13 +51,47 @@ def shuffled(graph: gs.Graph, seed: int) -> gs.Graph:
     return graph
 
 
+def _is_topological(graph: gs.Graph) -> bool:
+    seen = {t.name for t in graph.inputs} | {t.name for t in gu.tensor_map(graph).values() if isinstance(t, gs.Constant)}
+    for node in graph.nodes:
+        if any(gu.is_present(t) and t.name not in seen for t in node.inputs):
+            return False
+        seen.update(t.name for t in node.outputs)
+    return True
+
+
 @pytest.mark.parametrize("name", ZOO)
-def test_toposort_orders_nodes_as_graphsurgeon_does(name):
+def test_toposort_keeps_an_order_that_is_already_topological(name):
+    """The exporter's order stays: passes walk each branch in one piece (graphsurgeon's order,
+    stably by depth, interleaved 2,500 parallel chains: 17% of their pass time)."""
+    graph = gs.import_onnx(zoo_model(name))
+    before = [n.name for n in graph.nodes]
+    assert [n.name for n in gu.toposort(graph).nodes] == before
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_toposort_puts_every_producer_before_its_readers(name):
     model = zoo_model(name)
     for seed in range(3):
-        expected = shuffled(gs.import_onnx(model), seed).toposort()
-        actual = gu.toposort(shuffled(gs.import_onnx(model), seed))
-        assert [n.name for n in actual.nodes] == [n.name for n in expected.nodes]
+        graph = gu.toposort(shuffled(gs.import_onnx(model), seed))
+        assert _is_topological(graph)
+        assert sorted(n.name for n in graph.nodes) == sorted(n.name for n in model.graph.node)
+
+
+def test_toposort_moves_a_node_out_of_place_to_just_before_its_first_reader():
+    graph = gs.import_onnx(zoo_model("gpt_stack"))
+    names = [n.name for n in graph.nodes]
+    reader = next(k for k, n in enumerate(graph.nodes) if k > 3 and n.inputs and n.inputs[0].inputs)
+    producer = graph.nodes[reader].inputs[0].inputs[0]
+    moved = [n for n in graph.nodes if n is not producer] + [producer]  # a pass appends what it makes
+    graph.nodes = moved
+    before_reader = [n.name for n in moved if n is not producer]
+    order = [n.name for n in gu.toposort(graph).nodes]
+    readers = {c.name for t in producer.outputs for c in t.outputs}
+    first_reader = min(order.index(r) for r in readers)
+    assert order.index(producer.name) == first_reader - 1 and first_reader <= order.index(names[reader])
+    assert [n for n in order if n != producer.name] == before_reader
+    assert _is_topological(graph)
 
 
 def test_toposort_leaves_cycles_to_graphsurgeon():

@@ -239,6 +239,25 @@ def test_equal_shape_values_of_different_tensors_are_computed_once():
     assert_same_outputs(m, out)
 
 
+def test_equal_shape_values_are_read_from_the_one_of_fewest_steps_whatever_the_node_order():
+    """Before: from the first in node order, which under graphsurgeon's order (by depth) was the
+    shallowest; with the exporter's order kept, the zoo's decode steps read their batch from the
+    model's Shape -> Gather -> Unsqueeze instead of a Slice of the Shape (4 nodes more)."""
+    b = Builder()
+    seq = b.op("Unsqueeze", [b.size("x", 1), b.const(i64(0))])  # three steps, first in the graph
+    seq_slice = b.op("Slice", [b.op("Shape", ["x"]), b.const(i64(1)), b.const(i64(2))])  # two
+    ones = [b.op("ConstantOfShape", [s], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]))
+            for s in (seq, seq_slice)]
+    y = b.op("Add", [b.op("Add", ["x", ones[0]]), ones[1]])
+    m = b.model([("x", ["batch", "seq"])], y)
+    out, _ = plumb(m)
+    produced = {o: n.op_type for n in out.graph.node for o in n.output}
+    read = {produced[n.input[0]] for n in out.graph.node if n.op_type == "ConstantOfShape"}
+    assert read == {"Slice"}
+    assert "Gather" not in ops(out)
+    assert_same_outputs(m, out)
+
+
 def test_broadcast_facts_hold_for_every_size():
     from onnxfuse.graph.shape_values import _min_name, broadcast_dim
 
