@@ -246,9 +246,9 @@ def render(entries: list[dict], stamp: harness.RunStamp, torch_versions: str) ->
     lines = stamp.header("Real-size models: onnxfuse, onnxruntime alone and its peers", "onnxruntime", "onnx",
                          "onnxscript", "onnx_ir")
     lines += [f"Exports: {torch_versions}; random weights at the published configurations (bench/realsize_models.py).",
-              "The machine was shared with other engineers' jobs while this ran: latency figures are interleaved "
-              "ratios (per-round model / onnxruntime alone, median; below 1 is faster), optimize times are wall "
-              "seconds of a child process and grow with the load (its CPU seconds, user + system, much less).", ""]
+              "Latency figures are interleaved ratios (per-round model / onnxruntime alone, median; below 1 is "
+              "faster); optimize times are wall seconds of a child process, which grow with the machine's load "
+              "(the load average at the start is in the header), and its CPU seconds (user + system).", ""]
     head = ["model", "file MiB", "nodes", "matmul share", "variant", "kernels", "ratio 1 thread", "ratio 2 threads",
             "optimize s", "optimize CPU s", "peak GiB"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
