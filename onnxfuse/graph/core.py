@@ -378,6 +378,17 @@ def cleanup(graph: gs.Graph) -> gs.Graph:
     return graph
 
 
+def _is_topological(nodes: Sequence[gs.Node]) -> bool:
+    """Whether every value a node reads that some node writes is written earlier in `nodes`."""
+    written: set[str] = set()
+    for node in nodes:
+        for t in node.inputs:
+            if t.inputs and t.name not in written:
+                return False
+        written.update(t.name for t in node.outputs)
+    return True
+
+
 def toposort(graph: gs.Graph) -> gs.Graph:
     """Order the nodes so that every node comes after the producers of its inputs, moving as
     few as possible: an order that is already topological stays as it is, and a node out of
@@ -394,6 +405,8 @@ def toposort(graph: gs.Graph) -> gs.Graph:
     nodes = graph.nodes
     if graph.functions or any(_has_subgraph(n) for n in nodes):
         return graph.toposort()
+    if _is_topological(nodes):
+        return graph  # most calls: a pass's first step, or after a pass that only rewired
     in_graph = {id(n) for n in nodes}
     local = _local_names(graph)
 
