@@ -273,8 +273,23 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
     from .runtime import needs_library, profiled_run
 
     result = Verification(seed=seed, dims=dims, provider=provider)
+    # The special-value runs (_verify_special_values) go through the sessions the profiled runs
+    # open: the original's where it runs without the library anyway, the first optimized one's.
+    salted, count = special_inputs(feeds, seed)
+    salted_outputs: dict[str, object] = {}
+
+    def salted_run(key: str):
+        def run(session) -> None:
+            try:
+                salted_outputs[key] = session.run(None, dict(salted))
+            except Exception as e:  # onnxruntime's own types: a model may refuse a NaN (e.g. as an index)
+                salted_outputs[key] = e
+        return run if count else None
+
     try:
-        expected, result.original_profile = profiled_run(original_source, feeds, provider=provider, threads=threads)
+        expected, result.original_profile = profiled_run(
+            original_source, feeds, provider=provider, threads=threads,
+            then=None if needs_library(original, provider) else salted_run("original"))
     except InputError:
         raise
     except Exception as e:  # onnxruntime raises its own exception types
@@ -295,7 +310,8 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
         result.runs.append(run)
         try:
             actual, prof = profiled_run(
-                optimized_source, feeds, provider=provider, threads=threads, with_library=with_library
+                optimized_source, feeds, provider=provider, threads=threads, with_library=with_library,
+                then=salted_run("optimized") if (label, with_library) == configs[0] else None,
             )
         except InputError:
             raise
@@ -318,8 +334,8 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
         result.input_dependence = _input_dependence(
             original, optimized, feeds, expected, dims, seed, provider, threads, configs)
     if result.ok:
-        _verify_special_values(result, original_source, optimized_source, feeds, seed, provider, threads,
-                               configs[0], names, types, original_label)
+        _verify_special_values(result, original_source, optimized_source, salted, count, salted_outputs, provider,
+                               threads, configs[0], names, types, original_label)
     return result
 
 
@@ -414,26 +430,36 @@ def _elem_type(value) -> int:
         return 0
 
 
-def _verify_special_values(result, original_source, optimized_source, feeds, seed, provider, threads, config,
-                           names, types, original_label) -> None:
-    """Both models again on the inputs with special values salted in (special_inputs)."""
+def _verify_special_values(result, original_source, optimized_source, salted, count, salted_outputs, provider,
+                           threads, config, names, types, original_label) -> None:
+    """Both models again on the inputs with special values salted in (special_inputs): the
+    outputs the profiled runs' sessions gave (`salted_outputs`, "original" and "optimized",
+    each a list of outputs or the exception), else a session of their own."""
     from .runtime import LibraryError, make_session
 
-    salted, count = special_inputs(feeds, seed)
     if not count:
         return
     label, with_library = config
     result.special_positions = count
     result.special = run = RunCheck(f"special values at {count} input positions, {label}")
+
+    def outputs(key: str, source, library):
+        if key in salted_outputs:
+            found = salted_outputs[key]
+            if isinstance(found, Exception):
+                raise found
+            return found
+        return make_session(source, provider, with_library=library, threads=threads).run(None, salted)
+
     try:
-        expected = make_session(original_source, provider, with_library=False, threads=threads).run(None, salted)
+        expected = outputs("original", original_source, False)
     except Exception as e:  # onnxruntime's own types: a model may refuse a NaN (e.g. as an index)
         if isinstance(e, LibraryError):
             raise
         result.special = None  # the original cannot run them: nothing to compare
         return
     try:
-        actual = make_session(optimized_source, provider, with_library=with_library, threads=threads).run(None, salted)
+        actual = outputs("optimized", optimized_source, with_library)
     except Exception as e:
         if isinstance(e, LibraryError):
             raise
