@@ -305,13 +305,13 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
     configs = [("with the onnxfuse library", None)] if uses_library else [("optimized", False)]
     if fallback and uses_library:
         configs.append(("fallback functions, no library", False))
-    for label, with_library in configs:
+    for k, (label, with_library) in enumerate(configs):
         run = RunCheck(label)
         result.runs.append(run)
         try:
             actual, prof = profiled_run(
                 optimized_source, feeds, provider=provider, threads=threads, with_library=with_library,
-                then=salted_run("optimized") if (label, with_library) == configs[0] else None,
+                then=salted_run("optimized") if k == 0 else None,
             )
         except InputError:
             raise
@@ -335,7 +335,7 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
             original, optimized, feeds, expected, dims, seed, provider, threads, configs)
     if result.ok:
         _verify_special_values(result, original_source, optimized_source, salted, count, salted_outputs, provider,
-                               threads, configs[0], names, types, original_label)
+                               threads, configs[0], names, types)
     return result
 
 
@@ -431,7 +431,7 @@ def _elem_type(value) -> int:
 
 
 def _verify_special_values(result, original_source, optimized_source, salted, count, salted_outputs, provider,
-                           threads, config, names, types, original_label) -> None:
+                           threads, config, names, types) -> None:
     """Both models again on the inputs with special values salted in (special_inputs): the
     outputs the profiled runs' sessions gave (`salted_outputs`, "original" and "optimized",
     each a list of outputs or the exception), else a session of their own."""

@@ -423,20 +423,20 @@ def toposort(graph: gs.Graph) -> gs.Graph:
     for root in nodes:
         if id(root) in placed:
             continue
-        stack = [(root, producers(root), [0])]  # node, its producers, next one to visit
+        stack = [[root, producers(root), 0]]  # node, its producers, next one to visit
         walking = {id(root)}
         while stack:
-            node, prods, next_ = stack[-1]
-            i = next_[0]
+            frame = stack[-1]
+            node, prods, i = frame
             while i < len(prods) and id(prods[i]) in placed:
                 i += 1
             if i < len(prods):
                 p = prods[i]
                 if id(p) in walking or id(p) not in in_graph:
                     return graph.toposort()
-                next_[0] = i + 1
+                frame[2] = i + 1
                 walking.add(id(p))
-                stack.append((p, producers(p), [0]))
+                stack.append([p, producers(p), 0])
                 continue
             stack.pop()
             walking.discard(id(node))
