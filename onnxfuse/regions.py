@@ -370,7 +370,13 @@ def _lower_region_once(
         memo[key] = new_input(t, view)
         return memo[key]
 
-    values = [operand(t, ()) for t in outputs]
+    try:
+        values = [operand(t, ()) for t in outputs]
+    finally:
+        # operand reaches itself through its closure: a reference cycle that would keep this
+        # attempt's program, memo and inputs alive until a garbage collection finds them (80
+        # objects per node of a graph, most of what its collections walked).
+        operand = None
     if not inputs:
         raise LoweringError("region reads no tensor")
     shape = broadcast_dims(input_dims)

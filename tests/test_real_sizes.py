@@ -184,6 +184,31 @@ def test_passes_over_a_5000_node_model_make_no_full_collection():
     assert not full
 
 
+def test_lowering_a_region_leaves_no_cycle_for_the_collector():
+    """Before: _lower_region_once's operand reached itself through its closure, so every region
+    attempt (about five per node of a chain) left its program, memo and inputs to the garbage
+    collector: 207,000 unreachable objects after optimizing 2,500 nodes, 39,000 after (the
+    graphsurgeon nodes the passes removed, which refer to themselves through their lists)."""
+    import gc
+
+    from onnxfuse.api import optimize
+    from onnxfuse.program import Program
+
+    model = parallel_chains(20)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        optimize(model, verify_outputs=False, count_kernels=False)
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, Program)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not left
+
+
 def test_matching_reads_the_callers_set_of_graph_outputs_without_copying(monkeypatch):
     """Before: each match copied the graph's outputs, quadratic in a graph whose outputs grow with
     it (2,500 chains, each an output: a third of the pass time at 25,000 nodes)."""
