@@ -2,22 +2,31 @@
 of one of 2,500.
 
 The model (parallel_chains): k chains of 10 pointwise nodes (Add, Mul, Tanh, Sub, Relu) on one
-input, each chain an output of the graph; k = 250 is 2,500 nodes, k = 2,500 is 25,000. Each
-run is a fresh Python process: a warm-up on 250 nodes (imports, first sessions), then the
-2,500-node model five times and the 25,000-node one twice, alternating, each timed in CPU
-seconds (process_time: other jobs on the machine count less than in wall time) around
-`optimize(model, verify_outputs=False, count_kernels=False)`, the default CPU pipeline; a run's
-figure for each size is its least time.
+input, each chain an output of the graph; k = 250 is 2,500 nodes, k = 2,500 is 25,000. Times
+are CPU seconds (process_time: other jobs on the machine count less than in wall time) around
+`optimize(model, verify_outputs=False, count_kernels=False)`, the default CPU pipeline, each
+started on a collected heap (model building and the garbage earlier runs left excluded).
+
+The estimator compares equal amounts of work side by side: the 25,000-node model between two
+halves of a block of ten 2,500-node ones, its time over the mean of theirs; the median over
+`pairs` such pairs in one fresh Python process (after a warm-up on 250 nodes), and over runs.
+Both sizes then see the same drift of a shared machine. The least of five single 2,500-node
+samples against the least of two 25,000-node ones (this benchmark's estimator until
+2026-11-29) reads high there: a short sample can fall between two bursts of another job's
+work, a long one cannot. `--control` shows both: it times a block of ten 2,500-node
+optimizations where the 25,000-node model goes, work exactly ten times the small one's
+(bench/results/node_scaling.md).
 
     python -m bench.node_scaling                 # 5 runs, a table on stdout
     python -m bench.node_scaling --runs 8 --json out.json
+    python -m bench.node_scaling --control       # both estimators on work known to be 10x
 
-A run also prints the load average when it ended: on a shared machine the ratio follows the
-load (bench/results/node_scaling.md).
+A run also prints the load average when it ended.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -28,6 +37,8 @@ import time
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+SMALL, LARGE, BLOCK = 250, 2500, 10  # chains; BLOCK small models are the work of one large one
 
 
 def parallel_chains(k: int, length: int = 10) -> onnx.ModelProto:
@@ -51,54 +62,72 @@ def parallel_chains(k: int, length: int = 10) -> onnx.ModelProto:
     return m
 
 
-def cpu_seconds(k: int) -> float:
-    """CPU seconds of optimizing parallel_chains(k), model building excluded."""
+def cpu_seconds(k: int, times: int = 1) -> float:
+    """CPU seconds of optimizing parallel_chains(k) `times` times, each on a collected heap: the
+    garbage of what ran before (model building, earlier runs) is not its cost, as it is not a
+    command's that optimizes one model in a fresh process."""
     from onnxfuse.api import optimize
 
-    model = parallel_chains(k)
-    t = time.process_time()
-    optimize(model, verify_outputs=False, count_kernels=False)
-    return time.process_time() - t
+    total = 0.0
+    for model in [parallel_chains(k) for _ in range(times)]:
+        gc.collect()
+        t = time.process_time()
+        optimize(model, verify_outputs=False, count_kernels=False)
+        total += time.process_time() - t
+    return total
 
 
-def one_run(small_reps: int = 5, large_reps: int = 2) -> dict:
-    """The measurement of one fresh process: the least CPU time of `small_reps` optimizations of
-    the small model and of `large_reps` of the large one, alternating (another job on the
-    machine only ever adds time, and on a shared machine it added up to 40% to one sample)."""
+def one_run(pairs: int = 3, control: bool = False) -> dict:
+    """The measurement of one fresh process: `pairs` times the large model between two halves of
+    a block of BLOCK small ones (with `control`, a second block of small ones in its place),
+    each large time over the mean of the small ones around it; the median of those ratios.
+    The halves on both sides cancel a drift of the machine's speed over the seconds a pair
+    takes (identical blocks of ten differ by up to 12% one after the other on a shared host)."""
     cpu_seconds(25)
-    small, large = [], []
-    for i in range(max(small_reps, large_reps)):
-        if i < small_reps:
-            small.append(cpu_seconds(250))
-        if i < large_reps:
-            large.append(cpu_seconds(2500))
-    small, large = min(small), min(large)
-    return {"small_s": round(small, 3), "large_s": round(large, 3), "ratio": round(large / small, 3),
-            "load": round(os.getloadavg()[0], 2)}
+    ratios, smalls, larges = [], [], []
+    for _ in range(pairs):
+        before = [cpu_seconds(SMALL) for _ in range(BLOCK // 2)]
+        large = cpu_seconds(SMALL, BLOCK) if control else cpu_seconds(LARGE)
+        after = [cpu_seconds(SMALL) for _ in range(BLOCK - BLOCK // 2)]
+        small = statistics.mean(before + after)
+        ratios.append(large / small)
+        smalls.append(small)
+        larges.append(large)
+    run = {"small_s": round(statistics.median(smalls), 3), "large_s": round(statistics.median(larges), 3),
+           "ratio": round(statistics.median(ratios), 3), "pair_ratios": [round(r, 3) for r in ratios],
+           "load": round(os.getloadavg()[0], 2)}
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=3, help="blocks and large models timed per run")
+    ap.add_argument("--control", action="store_true",
+                    help="time a second block of 2,500-node models where the 25,000-node one goes")
     ap.add_argument("--json", help="write the runs and their median ratio here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a run's own process
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(one_run()))
+        print(json.dumps(one_run(args.pairs, args.control)))
         return 0
     runs = []
-    print("| run | 2,500 nodes CPU s | 25,000 nodes CPU s | ratio | load |\n|---|---:|---:|---:|---:|")
+    large_label = "10 x 2,500 nodes CPU s" if args.control else "25,000 nodes CPU s"
+    print(f"| run | 2,500 nodes CPU s | {large_label} | ratio | load |\n|---|---:|---:|---:|---:|")
     for i in range(args.runs):
-        out = subprocess.run([sys.executable, "-m", "bench.node_scaling", "--one"], check=True,
+        cmd = [sys.executable, "-m", "bench.node_scaling", "--one", "--pairs", str(args.pairs)]
+        out = subprocess.run(cmd + (["--control"] if args.control else []), check=True,
                              capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         runs.append(r)
-        print(f"| {i + 1} | {r['small_s']:.2f} | {r['large_s']:.2f} | {r['ratio']:.2f} | {r['load']:.1f} |", flush=True)
-    median = statistics.median(r["ratio"] for r in runs)
-    print(f"\nmedian ratio {median:.2f} ({min(r['ratio'] for r in runs):.2f}-{max(r['ratio'] for r in runs):.2f})")
+        print(f"| {i + 1} | {r['small_s']:.3f} | {r['large_s']:.2f} | {r['ratio']:.2f} | {r['load']:.1f} |", flush=True)
+    ratios = [r["ratio"] for r in runs]
+    median = statistics.median(ratios)
+    print(f"\nmedian ratio {median:.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": runs, "median_ratio": round(median, 3), "command": " ".join(["python -m bench.node_scaling"] + (argv or sys.argv[1:]))}, f, indent=1)
+            json.dump({"runs": runs, "median_ratio": round(median, 3),
+                       "command": " ".join(["python -m bench.node_scaling"] + (argv or sys.argv[1:]))}, f, indent=1)
     return 0
 
 
