@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,6 +57,8 @@ MODELS = {
     "whisper_enc_ts": ("Whisper-base encoder", {"batch": 1}, "bert", 8, 512),
     "qwen2_decode_ts": ("Qwen2-0.5B, decode step, past 128 (external data)",
                         {"batch": 1, "past_sequence": 128, "total_sequence": 129}, "gpt2", 14, 896),
+    "tinyllama_decode_ts": ("TinyLlama-1.1B, decode step, past 128 (external data)",
+                            {"batch": 1, "past_sequence": 128, "total_sequence": 129}, "gpt2", 32, 2048),
 }
 MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulInteger", "Attention", "MultiHeadAttention")
 
@@ -95,8 +99,10 @@ print(sys.argv[6] + json.dumps({"seconds": time.perf_counter() - t0}), flush=Tru
 TIME = "/usr/bin/time"
 
 
-def _child(cmd: list[str], timeout: float) -> tuple[int, str, float, float, float]:
-    """(exit status, stdout, wall seconds, peak resident GiB, CPU seconds) of a child process.
+def _child(cmd: list[str], timeout: float, memory_gib: float | None = None) -> tuple[int, str, float, float, float]:
+    """(exit status, stdout, wall seconds, peak resident GiB, CPU seconds) of a child process,
+    its address space limited to `memory_gib` where given (a tool that needs more fails with
+    its own out-of-memory error instead of the kernel killing whatever it picks).
     The peak comes from /usr/bin/time where there is one: a child started from this process
     reports this process's own peak as its own (exec records the memory it leaves, which
     vfork shares with this process), while /usr/bin/time's child starts from a small process."""
@@ -106,7 +112,10 @@ def _child(cmd: list[str], timeout: float) -> tuple[int, str, float, float, floa
         stats = tempfile.NamedTemporaryFile("r", suffix=".time", delete=False)
         cmd = [TIME, "-o", stats.name, "-f", "%M %U %S", *cmd]
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=str(harness.ROOT))
+        limit = None if memory_gib is None else int(memory_gib * (1 << 30))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=str(harness.ROOT),
+                                preexec_fn=None if limit is None else
+                                (lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))))
         deadline = time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -146,7 +155,8 @@ def default_passes_without(left_out: list[str]) -> list[str]:
     return [n for n in names if n not in left_out]
 
 
-def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_python: str) -> dict:
+def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_python: str,
+             memory_gib: float | None = None) -> dict:
     if tool == "ort_transformers":
         _, _, model_type, heads, hidden = MODELS[name]
         cmd = [torch_python, "-c", ORT_TRANSFORMERS, str(src), str(out), model_type, str(heads), str(hidden),
@@ -161,11 +171,12 @@ def optimize(tool: str, src: Path, out: Path, name: str, timeout: float, torch_p
             cmd += ["--passes", ",".join(default_passes_without(tool[len(WITHOUT):].split("+")))]
     else:
         cmd = [sys.executable, "-m", "bench.realsize", "--worker", json.dumps([tool, str(src), str(out), name])]
-    status, text, wall, peak, cpu = _child(cmd, timeout)
+    status, text, wall, peak, cpu = _child(cmd, timeout, memory_gib)
     result = {"status": "ok" if status == 0 else "failed", "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
               "peak_gib": round(peak, 2)}
     if status != 0:
-        result["error"] = " ".join(text.strip().splitlines()[-1:])[:300]
+        result["error"] = " ".join(text.strip().splitlines()[-1:])[:300] or (
+            f"ended by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}")
         return result
     if tool == "onnxfuse" or tool.startswith(WITHOUT):
         summary = json.loads(report.read_text())["summary"]
@@ -198,7 +209,7 @@ def measure(name: str, src: Path, workdir: Path, args) -> dict:
     for tool in args.tools:
         out = workdir / f"{name}.{tool}.onnx"
         harness.log(f"{name}: optimizing with {tool}")
-        info = optimize(tool, src, out, name, args.tool_timeout, args.torch_python)
+        info = optimize(tool, src, out, name, args.tool_timeout, args.torch_python, args.tool_memory)
         info["path"] = str(out)
         entry["variants"][tool] = info
         harness.log(f"  {tool}: {info['status']} {info.get('optimize_s')} s, peak {info['peak_gib']} GiB "
@@ -282,6 +293,8 @@ def render(entries: list[dict], stamp: harness.RunStamp, torch_versions: str) ->
 @click.option("--rounds", type=int, default=200, show_default=True)
 @click.option("--min-rounds", type=int, default=8, show_default=True)
 @click.option("--tool-timeout", type=float, default=1200.0, show_default=True)
+@click.option("--tool-memory", type=float, default=None,
+              help="GiB of address space each optimizer may use (default: no limit).")
 @click.option("--out", type=click.Path(path_type=Path), default=OUT_MD, show_default=True)
 @click.option("--json-out", type=click.Path(path_type=Path), default=OUT_JSON, show_default=True)
 @click.option("--worker", default=None, hidden=True)

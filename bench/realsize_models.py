@@ -13,6 +13,8 @@ at its published configuration with random weights (torch.manual_seed(0)), expor
     resnet50_ts      torchvision ResNet-50, TorchScript, batch dynamic
     whisper_enc_ts   Whisper-base encoder (80 mel bins, 3000 frames), TorchScript, batch dynamic
     qwen2_decode_ts  Qwen2-0.5B, one decode step with past, TorchScript, weights as external data
+    tinyllama_decode_ts  TinyLlama-1.1B (LLaMA: 22 layers, 32 query and 4 key/value heads), one
+                     decode step with past, TorchScript, weights as external data
 
     python bench/realsize_models.py OUT_DIR [NAME ...]
 """
@@ -23,8 +25,8 @@ import warnings
 from pathlib import Path
 
 NAMES = ("bert_ts", "bert_dynamo", "gpt2_ts", "gpt2_decode_ts", "vit_ts", "resnet50_ts", "whisper_enc_ts",
-         "qwen2_decode_ts")
-EXTERNAL = {"qwen2_decode_ts"}  # weights in OUT.data (over protobuf's 2 GB)
+         "qwen2_decode_ts", "tinyllama_decode_ts")
+EXTERNAL = {"qwen2_decode_ts", "tinyllama_decode_ts"}  # weights in OUT.data (over protobuf's 2 GB)
 
 
 def _no_packed_sequence():
@@ -120,6 +122,13 @@ def build(name: str, out: Path) -> None:
         cfg._attn_implementation = "eager"
         m = transformers.Qwen2ForCausalLM(cfg)
         module, args, names, out_names, axes = _decoder_step(m, 24, 2, 64, seq)
+    elif name == "tinyllama_decode_ts":
+        cfg = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                       num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                       max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0)
+        cfg._attn_implementation = "eager"
+        m = transformers.LlamaForCausalLM(cfg)
+        module, args, names, out_names, axes = _decoder_step(m, 22, 4, 64, seq)
     elif name == "vit_ts":
         m = transformers.ViTModel(transformers.ViTConfig(), add_pooling_layer=False)
 
