@@ -13,13 +13,13 @@ halves of a block of ten 2,500-node ones, its time over the mean of theirs; the 
 Both sizes then see the same drift of a shared machine. The least of five single 2,500-node
 samples against the least of two 25,000-node ones (this benchmark's estimator until
 2026-11-29) reads high there: a short sample can fall between two bursts of another job's
-work, a long one cannot. `--control` shows both: it times a block of ten 2,500-node
-optimizations where the 25,000-node model goes, work exactly ten times the small one's
+work, a long one cannot. `--control` times a block of ten 2,500-node optimizations where the
+25,000-node model goes, work exactly ten times the small one's: it should read 10
 (bench/results/node_scaling.md).
 
     python -m bench.node_scaling                 # 5 runs, a table on stdout
     python -m bench.node_scaling --runs 8 --json out.json
-    python -m bench.node_scaling --control       # both estimators on work known to be 10x
+    python -m bench.node_scaling --control       # the estimator on work known to be 10x
 
 A run also prints the load average when it ended.
 """
@@ -93,10 +93,9 @@ def one_run(pairs: int = 3, control: bool = False) -> dict:
         ratios.append(large / small)
         smalls.append(small)
         larges.append(large)
-    run = {"small_s": round(statistics.median(smalls), 3), "large_s": round(statistics.median(larges), 3),
-           "ratio": round(statistics.median(ratios), 3), "pair_ratios": [round(r, 3) for r in ratios],
-           "load": round(os.getloadavg()[0], 2)}
-    return run
+    return {"small_s": round(statistics.median(smalls), 3), "large_s": round(statistics.median(larges), 3),
+            "ratio": round(statistics.median(ratios), 3), "pair_ratios": [round(r, 3) for r in ratios],
+            "load": round(os.getloadavg()[0], 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
