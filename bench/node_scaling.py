@@ -17,9 +17,17 @@ work, a long one cannot. `--control` times a block of ten 2,500-node optimizatio
 25,000-node model goes, work exactly ten times the small one's: it should read 10
 (bench/results/node_scaling.md).
 
+`--parts` says where the time goes, in one process: ten 2,500-node optimizations against one
+of 25,000, each pass's seconds (its statistics), the load and what runs around the passes, and
+the garbage collector's (gc.callbacks). `--command` times `onnxfuse optimize IN OUT` as a user
+runs it (default verification, wall seconds of the whole process, the report's stages), the
+25,000-node file between two halves of ten 2,500-node ones.
+
     python -m bench.node_scaling                 # 5 runs, a table on stdout
     python -m bench.node_scaling --runs 8 --json out.json
     python -m bench.node_scaling --control       # the estimator on work known to be 10x
+    python -m bench.node_scaling --parts         # per pass and collector, 2 repetitions
+    python -m bench.node_scaling --command       # the command, 3 pairs
 
 A run also prints the load average when it ended.
 """
@@ -32,7 +40,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -98,15 +108,101 @@ def one_run(pairs: int = 3, control: bool = False) -> dict:
             "load": round(os.getloadavg()[0], 2)}
 
 
+def parts(k: int, times: int) -> Counter:
+    """CPU seconds of optimizing parallel_chains(k) `times` times, and its parts: each pass (its
+    statistics, wall seconds), "(load)", "(around the passes)" (import, export) and "(collector)"."""
+    from onnxfuse.api import optimize
+
+    seconds: Counter = Counter()
+    started: list[float] = []
+
+    def collector(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.process_time())
+        elif started:
+            seconds["(collector)"] += time.process_time() - started.pop()
+
+    for model in [parallel_chains(k) for _ in range(times)]:
+        gc.collect()
+        gc.callbacks.append(collector)
+        t = time.process_time()
+        try:
+            result = optimize(model, verify_outputs=False, count_kernels=False)
+        finally:
+            gc.callbacks.remove(collector)
+        seconds["(total CPU)"] += time.process_time() - t
+        for p in result.passes:
+            seconds[p.name] += p.seconds
+        seconds["(load)"] += result.summary["seconds"]["load"]
+        seconds["(around the passes)"] += result.summary["seconds"]["passes"] - sum(p.seconds for p in result.passes)
+    return seconds
+
+
+def parts_table(repetitions: int = 2) -> str:
+    cpu_seconds(25)
+    rows = []
+    for _ in range(repetitions):
+        small, large = parts(SMALL, BLOCK), parts(LARGE, 1)
+        rows.append((small, large))
+    lines = ["| part | " + " | ".join(f"10 x 2,500 s | 25,000 s | ratio" for _ in rows) + " |",
+             "|---|" + "---:|---:|---:|" * len(rows)]
+    for name in sorted(rows[0][1], key=lambda n: -rows[0][1][n]):
+        if rows[0][1][name] < 0.01:
+            continue
+        cells = [f"{s[name]:.3f} | {l_[name]:.3f} | {10 * l_[name] / s[name]:.2f}" if s[name] else "- | - | -"
+                 for s, l_ in rows]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def command_pairs(pairs: int = 3) -> str:
+    """`onnxfuse optimize` on the 25,000-node file between two halves of ten on the 2,500-node one."""
+    lines = ["| pair | 2,500 nodes s | 25,000 nodes s | ratio | load + passes + verify | passes | verify |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-scaling-") as tmp:
+        def run(k: int) -> list[float]:
+            src, report = os.path.join(tmp, f"chains{k}.onnx"), os.path.join(tmp, "report.json")
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "onnxfuse", "optimize", src, os.path.join(tmp, "out.onnx"),
+                            "--report", report], check=True, capture_output=True)
+            wall = time.perf_counter() - t
+            with open(report) as f:
+                stages = json.load(f)["summary"]["seconds"]
+            return [wall, stages["total"], stages["passes"], stages["verify"]]
+
+        for k in (SMALL, LARGE):
+            onnx.save(parallel_chains(k), os.path.join(tmp, f"chains{k}.onnx"))
+        print("\n".join(lines), flush=True)
+        run(SMALL)
+        for i in range(pairs):
+            around = [run(SMALL) for _ in range(BLOCK // 2)]
+            large = run(LARGE)
+            around += [run(SMALL) for _ in range(BLOCK - BLOCK // 2)]
+            small = [statistics.mean(r[j] for r in around) for j in range(4)]
+            ratio = [large[j] / small[j] for j in range(4)]
+            lines.append(f"| {i + 1} | {small[0]:.2f} | {large[0]:.2f} | {ratio[0]:.2f} | {ratio[1]:.2f} | "
+                         f"{ratio[2]:.2f} | {ratio[3]:.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=3, help="blocks and large models timed per run")
     ap.add_argument("--control", action="store_true",
                     help="time a second block of 2,500-node models where the 25,000-node one goes")
+    ap.add_argument("--parts", action="store_true", help="where the time goes, per pass and collector")
+    ap.add_argument("--command", action="store_true", help="time `onnxfuse optimize` as a user runs it")
     ap.add_argument("--json", help="write the runs and their median ratio here")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a run's own process
     args = ap.parse_args(argv)
+    if args.parts:
+        print(parts_table())
+        return 0
+    if args.command:
+        command_pairs(args.pairs)
+        return 0
     if args.one:
         print(json.dumps(one_run(args.pairs, args.control)))
         return 0
