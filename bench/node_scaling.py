@@ -23,11 +23,22 @@ the garbage collector's (gc.callbacks). `--command` times `onnxfuse optimize IN 
 runs it (default verification, wall seconds of the whole process, the report's stages), the
 25,000-node file between two halves of ten 2,500-node ones.
 
+`--instructions` counts instead of timing: the instructions the CPU executes for ten
+2,500-node optimizations and for one of 25,000 (valgrind's cachegrind, four processes, about
+ten minutes), each less a process that builds the same models without optimizing them. The
+count does not depend on the machine's caches or its other jobs: a ratio of 10 there is work
+linear in nodes, and whatever CPU time adds above it is what the same work costs on a larger
+heap. `--linear-control` times such work with nothing of onnxfuse in it: a graph of plain
+Python objects (two tensors per node, as here) built and walked 40 times, the same
+instructions per node at both sizes, timed as the estimator times the optimizer.
+
     python -m bench.node_scaling                 # 5 runs, a table on stdout
     python -m bench.node_scaling --runs 8 --json out.json
     python -m bench.node_scaling --control       # the estimator on work known to be 10x
     python -m bench.node_scaling --parts         # per pass and collector, 2 repetitions
     python -m bench.node_scaling --command       # the command, 3 pairs
+    python -m bench.node_scaling --instructions  # executed instructions (needs valgrind)
+    python -m bench.node_scaling --linear-control
 
 A run also prints the load average when it ended.
 """
@@ -37,6 +48,8 @@ import argparse
 import gc
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,6 +199,111 @@ def command_pairs(pairs: int = 3) -> str:
     return "\n".join(lines)
 
 
+def counted_work(k: int, times: int, optimize_them: bool) -> None:
+    """What --instructions counts in one process: `times` models of k chains built, each optimized
+    when `optimize_them`, each followed by a collection (so its garbage is its own cost)."""
+    from onnxfuse.api import optimize
+
+    optimize(parallel_chains(25), verify_outputs=False, count_kernels=False)  # imports, first-use caches
+    for _ in range(times):
+        model = parallel_chains(k)
+        if optimize_them:
+            optimize(model, verify_outputs=False, count_kernels=False)
+        del model
+        gc.collect()
+
+
+def instructions() -> str:
+    """Executed instructions of optimizing ten 2,500-node models and one 25,000-node model, each
+    less those of building the models (cachegrind; two processes at a time)."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind on PATH")
+    jobs = {(k, times, opt): None for k, times in ((SMALL, BLOCK), (LARGE, 1)) for opt in (False, True)}
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-instructions-") as tmp:
+        pending = list(jobs)
+        while pending:
+            started = []
+            for key in pending[:2]:
+                k, times, opt = key
+                cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                       f"--cachegrind-out-file={os.path.join(tmp, 'cg.%p')}", sys.executable, "-m",
+                       "bench.node_scaling", "--counted-work", str(k), str(times), str(int(opt))]
+                started.append((key, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                      text=True)))
+            for key, proc in started:
+                err = proc.communicate()[1]
+                found = re.search(r"I\s+refs:\s+([\d,]+)", err)
+                if proc.returncode != 0 or found is None:
+                    raise SystemExit(f"valgrind run {key} failed:\n{err[-2000:]}")
+                jobs[key] = int(found.group(1).replace(",", ""))
+            pending = pending[2:]
+    small = jobs[(SMALL, BLOCK, True)] - jobs[(SMALL, BLOCK, False)]
+    large = jobs[(LARGE, 1, True)] - jobs[(LARGE, 1, False)]
+    return ("| work | instructions | per node |\n|---|---:|---:|\n"
+            f"| 10 x 2,500 nodes | {small:,} | {small / (BLOCK * SMALL * 10):,.0f} |\n"
+            f"| 25,000 nodes | {large:,} | {large / (LARGE * 10):,.0f} |\n\n"
+            f"instruction ratio {10 * large / small:.3f}")
+
+
+class _Tensor:
+    __slots__ = ("name", "inputs", "outputs", "shape")
+
+    def __init__(self, name: str):
+        self.name, self.inputs, self.outputs, self.shape = name, [], [], [1, 64]
+
+
+class _Node:
+    __slots__ = ("op", "name", "attrs", "inputs", "outputs")
+
+    def __init__(self, name: str, inputs: list, outputs: list):
+        self.op, self.name, self.attrs, self.inputs, self.outputs = "Add", name, {"axis": 1}, inputs, outputs
+
+
+def linear_work(nodes: int, sweeps: int = 40) -> float:
+    """CPU seconds of building a graph of `nodes` plain Python nodes (chains of 10) and walking it
+    `sweeps` times: an index by identity, each node's readers, a few attribute reads; the same
+    instructions per node at any size (the collector is off: its full collections walk
+    the interpreter's own objects too, a share that differs with size)."""
+    gc.collect()
+    gc.disable()
+    t = time.process_time()
+    x, graph = _Tensor("x"), []
+    for c in range(nodes // 10):
+        prev = x
+        for i in range(10):
+            out, weight = _Tensor(f"c{c}_{i}"), _Tensor(f"k{c}_{i}")
+            node = _Node(f"n{c}_{i}", [prev, weight], [out])
+            prev.outputs.append(node)
+            weight.outputs.append(node)
+            out.inputs.append(node)
+            graph.append(node)
+            prev = out
+    total = 0
+    for _ in range(sweeps):
+        index = {id(n): i for i, n in enumerate(graph)}
+        readers = {id(n): [r for t in n.outputs for r in t.outputs if id(r) in index] for n in graph}
+        total += len(readers) + sum(len(n.name) + len(n.attrs) + len(n.inputs[1].shape) for n in graph)
+    for n in graph:  # unlink, so that the collector's cost stays out of it
+        n.inputs.clear()
+        n.outputs.clear()
+    seconds = time.process_time() - t
+    gc.enable()
+    return seconds
+
+
+def linear_control(pairs: int = 3) -> str:
+    """linear_work at 25,000 nodes between two halves of ten at 2,500, as one_run pairs them."""
+    linear_work(2500)
+    lines = ["| pair | 2,500 nodes s | 25,000 nodes s | ratio |", "|---|---:|---:|---:|"]
+    for i in range(pairs):
+        around = [linear_work(SMALL * 10) for _ in range(BLOCK // 2)]
+        large = linear_work(LARGE * 10)
+        around += [linear_work(SMALL * 10) for _ in range(BLOCK - BLOCK // 2)]
+        small = statistics.mean(around)
+        lines.append(f"| {i + 1} | {small:.4f} | {large:.3f} | {large / small:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -194,7 +312,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="time a second block of 2,500-node models where the 25,000-node one goes")
     ap.add_argument("--parts", action="store_true", help="where the time goes, per pass and collector")
     ap.add_argument("--command", action="store_true", help="time `onnxfuse optimize` as a user runs it")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count executed instructions instead of timing (valgrind, about ten minutes)")
+    ap.add_argument("--linear-control", action="store_true",
+                    help="time work exactly linear in nodes, with nothing of onnxfuse in it")
     ap.add_argument("--json", help="write the runs and their median ratio here")
+    ap.add_argument("--counted-work", nargs=3, type=int, help=argparse.SUPPRESS)  # K TIMES OPTIMIZE
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a run's own process
     args = ap.parse_args(argv)
     if args.parts:
@@ -202,6 +325,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command:
         command_pairs(args.pairs)
+        return 0
+    if args.instructions:
+        print(instructions())
+        return 0
+    if args.linear_control:
+        print(linear_control(args.pairs))
+        return 0
+    if args.counted_work:
+        counted_work(*args.counted_work[:2], bool(args.counted_work[2]))
         return 0
     if args.one:
         print(json.dumps(one_run(args.pairs, args.control)))
