@@ -1,8 +1,8 @@
 """Region-level verification: each fused node against the subgraph it replaced.
 
 A whole-model comparison runs the original and the optimized model in onnxruntime, which
-needs the weights of a whole model in memory (several times over while onnxruntime prepacks
-them). A model larger than memory can still be checked region by region: every fused node
+needs the weights of a whole model in memory (verification's sessions map them once, with
+no packed copy: verify.PREPACK). A model larger than memory can still be checked region by region: every fused node
 carries the subgraph it replaced as its fallback function, so a model holding just that node
 (its weights included, by reference) runs once with the onnxfuse library, where the node runs
 our kernel, and once without, where onnxruntime runs the fallback body: the original ops. Both
@@ -250,7 +250,8 @@ def _run(path: str, feeds, provider: str, threads: int | None, with_library: boo
     from .runtime import LibraryError, open_session
 
     try:
-        sess, _ = open_session(path, provider=provider, threads=threads, with_library=with_library)
+        # Weights read as the model holds them, not packed first: as verify.PREPACK says.
+        sess, _ = open_session(path, provider=provider, threads=threads, with_library=with_library, prepack=False)
         return sess.run(None, feeds), None
     except (InputError, LibraryError):
         raise

@@ -154,6 +154,7 @@ def session_options(
     level: str = "all",
     profile: bool = False,
     provider: str = "cpu",
+    prepack: bool = True,
 ):
     """onnxruntime SessionOptions, with our custom-op library registered when asked.
 
@@ -161,6 +162,10 @@ def session_options(
     provider: "cpu" registers our CPU kernels only; "cuda" also registers the CUDA kernels.
     A kernel registered for one provider stops onnxruntime from running the node's fallback
     function on the others, so a session gets the kernels of its own providers alone.
+    prepack=False: onnxruntime's kernels keep their weights as they are instead of copying
+    them into their own layouts when the session is made (session.disable_prepacking), for
+    sessions that run a few times (verification): the same kernels, and a fraction of the
+    time and memory to make the session of a large model (bench/results/verify_prepacking.md).
     """
     _check_onnxruntime_once()
     import onnxruntime as ort
@@ -176,6 +181,8 @@ def session_options(
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     if profile:
         so.enable_profiling = True
         # onnxruntime writes its trace into the working directory unless told otherwise.
@@ -319,16 +326,17 @@ def make_session(
     level: str = "all",
     profile: bool = False,
     providers: Sequence[str] | None = None,
+    prepack: bool = True,
 ):
     """An onnxruntime InferenceSession; the library is registered when the model needs it
-    (with_library=None) or as asked."""
+    (with_library=None) or as asked. prepack: as in session_options."""
     import onnxruntime as ort
 
     with _session_source(model, provider) as (data, fused):
         if with_library is None:
             with_library = fused
         so = session_options(with_library=with_library, threads=threads, level=level, profile=profile,
-                             provider=provider)
+                             provider=provider, prepack=prepack)
         return ort.InferenceSession(data, sess_options=so, providers=list(providers or PROVIDERS[provider]))
 
 
@@ -406,21 +414,23 @@ def open_session(
     level: str = "all",
     with_library: bool | None = None,
     profile_prefix: str | None = None,
+    prepack: bool = True,
 ):
     """(InferenceSession, library_loaded). The library is registered when the model holds
     fused ops (with_library=None) or as asked. Asking for CUDA where onnxruntime cannot use
-    it is an InputError, not a silent fallback to the CPU."""
+    it is an InputError, not a silent fallback to the CPU. prepack: as in session_options."""
     import onnxruntime as ort
 
     with _session_source(model, provider) as (data, fused):
-        return _open_session(ort, data, fused, provider, threads, level, with_library, profile_prefix)
+        return _open_session(ort, data, fused, provider, threads, level, with_library, profile_prefix, prepack)
 
 
-def _open_session(ort, data, fused, provider, threads, level, with_library, profile_prefix):
+def _open_session(ort, data, fused, provider, threads, level, with_library, profile_prefix, prepack=True):
     if with_library is None:
         with_library = fused
     so = session_options(
-        with_library=with_library, threads=threads, level=level, profile=profile_prefix is not None, provider=provider
+        with_library=with_library, threads=threads, level=level, profile=profile_prefix is not None, provider=provider,
+        prepack=prepack,
     )
     if profile_prefix is not None:
         so.profile_file_prefix = profile_prefix
@@ -564,13 +574,16 @@ def profiled_run(
     with_library: bool | None = None,
     runs: int = 1,
     then: Callable[[object], None] | None = None,
+    prepack: bool = True,
 ) -> tuple[list[np.ndarray], KernelProfile]:
     """Run the model `runs` times with onnxruntime's profiler on: (outputs of the last run, profile).
+    prepack: as in session_options (its kernel times then include packing weights per run).
     `then(session)` is called after the profile is read, while the session is still open: more
     runs of the same model without a session of their own (creating one is most of the cost of
     a run at real sizes, and grows faster than the graph)."""
     with tempfile.TemporaryDirectory(prefix="onnxfuse-profile-") as tmp:
-        sess, loaded = open_session(model, provider, threads, level, with_library, profile_prefix=os.path.join(tmp, "p"))
+        sess, loaded = open_session(model, provider, threads, level, with_library, profile_prefix=os.path.join(tmp, "p"),
+                                    prepack=prepack)
         outputs = None
         for _ in range(max(1, runs)):
             outputs = sess.run(None, dict(feeds))

@@ -206,11 +206,21 @@ def verify(
 # --------------------------------------------------------------------------- choosing a mode
 
 VERIFY_MODES = ("auto", "whole", "regions")
-# Peak memory of a whole-model run per byte of weights: onnxruntime maps the weights and
-# prepacks the GEMM weights into a second copy (bench/results/large_model.md).
-WHOLE_RUN_BYTES_PER_WEIGHT_BYTE = 2.0
+# Peak memory of a whole-model run per byte of weights: onnxruntime maps the weights, and
+# verification's sessions pack no second copy of them (PREPACK). A session and one run, per
+# byte of the weights, without packing and with it: one 1 GiB MatMul weight 1.06 / 2.06,
+# TinyLlama-1.1B's decode step (4.1 GiB) 0.96 / 1.02, GPT-2 small and BERT-base as single
+# files, parsed whole, 1.34-1.36 / 1.53-1.59 (bench/results/verify_prepacking.md).
+WHOLE_RUN_BYTES_PER_WEIGHT_BYTE = 1.5
 # Memory a whole-model run may plan on: this share of what the machine has available.
 USABLE_MEMORY_SHARE = 0.8
+# Verification sessions run a model once or twice: their kernels read the weights as the model
+# holds them instead of packing a copy first (runtime.session_options). The same nodes and
+# kernels run (kernel counts are unchanged); MatMul results differ from a packing session's in
+# rounding only (at most 3.3e-6 on BERT-base and GPT-2 small), and both models of a comparison
+# run the same way. Making the session of TinyLlama-1.1B's decode step takes 9.6-14.0 s with
+# packing, 0.24-0.25 s without, its run about as long (bench/results/verify_prepacking.md).
+PREPACK = False
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:
@@ -288,7 +298,7 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
 
     try:
         expected, result.original_profile = profiled_run(
-            original_source, feeds, provider=provider, threads=threads,
+            original_source, feeds, provider=provider, threads=threads, prepack=PREPACK,
             then=None if needs_library(original, provider) else salted_run("original"))
     except InputError:
         raise
@@ -310,7 +320,7 @@ def _verify(original, optimized, original_source, optimized_source, feeds, dims,
         result.runs.append(run)
         try:
             actual, prof = profiled_run(
-                optimized_source, feeds, provider=provider, threads=threads, with_library=with_library,
+                optimized_source, feeds, provider=provider, threads=threads, with_library=with_library, prepack=PREPACK,
                 then=salted_run("optimized") if k == 0 else None,
             )
         except InputError:
@@ -384,7 +394,7 @@ def _input_dependence(original, optimized, feeds, expected, dims, seed, provider
 
     # One session of the original answers both questions: do the uniform outputs stay the same
     # for other inputs, and which candidates change with them.
-    sess = make_session(_with_outputs(original, candidates), provider=provider, threads=threads)
+    sess = make_session(_with_outputs(original, candidates), provider=provider, threads=threads, prepack=PREPACK)
     fetched = uniform + candidates
     first = sess.run(fetched, feeds)
     second = sess.run(fetched, other_feeds)
@@ -407,7 +417,7 @@ def _input_dependence(original, optimized, feeds, expected, dims, seed, provider
         found.runs.append(run)
         try:
             (actual,) = make_session(optimized_probe, provider=provider, threads=threads,
-                                     with_library=with_library).run([stand_in], feeds)
+                                     with_library=with_library, prepack=PREPACK).run([stand_in], feeds)
         except Exception as e:  # onnxruntime's exception types
             run.error = f"onnxruntime cannot run the optimized model with '{stand_in}' as an output: {ort_error_text(e)}"
             continue
@@ -449,7 +459,8 @@ def _verify_special_values(result, original_source, optimized_source, salted, co
             if isinstance(found, Exception):
                 raise found
             return found
-        return make_session(source, provider, with_library=library, threads=threads).run(None, salted)
+        return make_session(source, provider, with_library=library, threads=threads,
+                            prepack=PREPACK).run(None, salted)
 
     try:
         expected = outputs("original", original_source, False)

@@ -218,3 +218,40 @@ def test_a_difference_only_special_values_show_fails_verification():
             assert "special values" in result.first_problem() and "infinity" in result.first_problem()
             return
     pytest.fail("no seed salted a +inf into the input")
+
+
+def test_verification_sessions_use_the_weights_without_packing_a_copy(monkeypatch):
+    """Before: every verification session packed the MatMul weights into a second copy: 9.6-14 s
+    of making each of the three sessions of TinyLlama-1.1B's decode step, and twice the weights
+    in memory (bench/results/verify_prepacking.md). Kernel counts come from the same sessions,
+    so they stay those of a packing session."""
+    from onnxfuse import runtime
+
+    asked = []
+    made = runtime.session_options
+
+    def packs(so) -> bool:
+        try:
+            return so.get_session_config_entry("session.disable_prepacking") != "1"
+        except RuntimeError:  # an entry never set: onnxruntime's default, packing
+            return True
+
+    def recording(*args, **kwargs):
+        so = made(*args, **kwargs)
+        asked.append(not packs(so))
+        return so
+
+    monkeypatch.setattr(runtime, "session_options", recording)
+    weight = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16])],
+        [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = verify(model, model)
+    assert result.ok
+    assert asked and all(asked), asked
+    assert result.original_profile.by_op_type.get("MatMul") == 1
+    # Other sessions keep onnxruntime's default: packing pays over many runs.
+    assert packs(made(with_library=False))
