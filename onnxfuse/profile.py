@@ -67,7 +67,11 @@ def kernel_profile(
     seed: int = 0,
     with_library: bool | None = None,
 ) -> KernelProfile:
-    return profiled_run(model, _feeds(model, dims, seed), provider, threads, level, with_library)[1]
+    """The kernels one inference executes. Counted in a session that leaves the weights unpacked
+    (runtime.session_options(prepack=False)): the same kernels run, and making the session
+    costs a fraction (bench/results/verify_prepacking.md); its kernel times include packing
+    weights per run, so latency and time shares come from profile_models, which packs."""
+    return profiled_run(model, _feeds(model, dims, seed), provider, threads, level, with_library, prepack=False)[1]
 
 
 def count_kernels(
