@@ -136,6 +136,9 @@ def _child(cmd: list[str], timeout: float, memory_gib: float | None = None) -> t
         os.unlink(stats.name)
         if len(fields) == 3:
             peak, cpu = int(fields[0]) / (1 << 20), float(fields[1]) + float(fields[2])
+        if proc.returncode > 128 and proc.returncode - 128 in signal.Signals._value2member_map_:
+            # /usr/bin/time exits with 128 + N when its command is ended by signal N
+            proc.returncode = -(proc.returncode - 128)
     return proc.returncode, text, time.perf_counter() - t0, peak, cpu
 
 
