@@ -166,3 +166,34 @@ def test_profile_holds_external_weights_by_reference(llama, monkeypatch):
     assert "kernels / inference" in result.output
     weights_bytes = sum(os.path.getsize(p) for p in llama.parent.glob("*.data"))
     assert weights_bytes > 600_000 and max(serialized, default=0) < 100_000  # no message held the weights
+
+
+def test_data_file_of_streamed_references_is_named_after_the_sha256_of_its_bytes(llama, tmp_path, monkeypatch):
+    """The digest is computed on a second thread from the bytes and regions written, while the
+    regions are copied (bench/results/save_digest.md); it must be the file's own SHA-256."""
+    import hashlib
+
+    monkeypatch.setattr(modelsave, "INLINE_REFERENCED_MAX", 1024)
+    model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
+    written = save_model(model, tmp_path / "out.onnx")
+    data = Path(written[1])
+    assert data.name == modelsave.data_file_name("out.onnx", hashlib.sha256(data.read_bytes()).hexdigest())
+
+
+def test_a_region_that_cannot_be_read_for_the_digest_writes_nothing(llama, tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(modelsave, "INLINE_REFERENCED_MAX", 1024)
+    model = api.optimize(str(llama), verify_outputs=False, count_kernels=False).model
+    monkeypatch.setattr(modelsave._DigestOfWrites, "CHUNK", 4096)
+    real_open = open
+
+    def failing_open(path, mode="r", *args, **kwargs):  # the digest thread's reads fail
+        if "r" in mode and threading.current_thread().name == "onnxfuse-data-digest":
+            raise OSError(5, "Input/output error")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", failing_open)
+    with pytest.raises(modelsave.outfiles.OutputError, match="out.onnx"):
+        save_model(model, tmp_path / "out.onnx")
+    assert list(tmp_path.iterdir()) == []
