@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from onnxfuse import modelsave
+from onnxfuse.weights import region_chunks
 
 
 class HashedAfterwards(modelsave._DigestOfWrites):
@@ -41,16 +42,8 @@ class HashedAfterwards(modelsave._DigestOfWrites):
     def hexdigest(self) -> str:
         digest = hashlib.sha256()
         for item in self._pending:
-            if isinstance(item, (bytes, bytearray)):
-                digest.update(item)
-                continue
-            with open(item.path, "rb") as f:
-                f.seek(item.offset)
-                left = item.length
-                while left:
-                    chunk = f.read(min(left, self.CHUNK))
-                    digest.update(chunk)
-                    left -= len(chunk)
+            for chunk in [item] if isinstance(item, (bytes, bytearray)) else region_chunks(item, self.CHUNK):
+                digest.update(chunk)
         return digest.hexdigest()
 
 

@@ -33,11 +33,9 @@ def measure(path: str, prepack: bool, dims: dict[str, int]) -> dict:
     import numpy as np
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.log_severity_level = 3
-    if not prepack:
-        so.add_session_config_entry("session.disable_prepacking", "1")
+    from onnxfuse.runtime import session_options
+
+    so = session_options(with_library=False, threads=1, prepack=prepack)
     t = time.perf_counter()
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     create = time.perf_counter() - t

@@ -422,11 +422,10 @@ def probe_runner(source, model: onnx.ModelProto, seed: int = 0, threads: int | N
         except UnfeedableInputError as e:
             raise ProbeUnavailable(str(e)) from None
         if session is None:
-            so = session_options(with_library=False, threads=threads, level="disable")
-            so.log_severity_level = 4
             # Packing the MatMul weights is most of a session's start (4 s of 4.5 for
             # BERT-base); a probe runs a few small batches and does without it.
-            so.add_session_config_entry("session.disable_prepacking", "1")
+            so = session_options(with_library=False, threads=threads, level="disable", prepack=False)
+            so.log_severity_level = 4
             try:
                 with _session_source(source, "cpu") as (data, _):
                     session = ort.InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])

@@ -50,7 +50,7 @@ INLINE_REFERENCED_MAX = 256 << 20
 
 
 def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: int,
-                 digest: "_DigestOfWrites | None" = None) -> None:
+                 digest: "_DigestOfWrites") -> None:
     """Move large tensor payloads into data_file (already open), pointing the model at `location`;
     `digest` is given every byte written, in order.
 
@@ -76,19 +76,18 @@ def _externalize(model: onnx.ModelProto, data_file, location: str, min_bytes: in
             if len(t.raw_data) < min_bytes:
                 continue
         # Align each tensor to 4 KiB so the data file can be memory-mapped tensor by tensor.
-        pad = (-offset) % ALIGN
-        data_file.write(b"\0" * pad)
-        offset += pad
+        zeros = b"\0" * ((-offset) % ALIGN)
+        data_file.write(zeros)
+        offset += len(zeros)
         if region is None:
             data = t.raw_data
-            length = len(data)
             data_file.write(data)
+            length = len(data)
         else:
-            data, length = None, region.length
             copy_region(region, data_file)
-        if digest is not None:
-            digest.add(b"\0" * pad)
-            digest.add(data if region is None else region)
+            data, length = region, region.length
+        digest.add(zeros)
+        digest.add(data)
         set_reference(t, location, offset, length)
         offset += length
 
@@ -181,22 +180,16 @@ class _DigestOfWrites:
             self._items.put(item)
 
     def _run(self) -> None:
+        from .weights import region_chunks
+
         while (item := self._items.get()) is not None:
             if self._error is not None or self._stopped:
                 continue
             try:
-                if isinstance(item, (bytes, bytearray)):
-                    self._hash.update(item)
-                    continue
-                with open(item.path, "rb") as f:
-                    f.seek(item.offset)
-                    left = item.length
-                    while left and not self._stopped:
-                        chunk = f.read(min(left, self.CHUNK))
-                        if not chunk:
-                            raise OSError(f"{item.path}: ends {left} bytes short of a region it had")
-                        self._hash.update(chunk)
-                        left -= len(chunk)
+                for chunk in [item] if isinstance(item, (bytes, bytearray)) else region_chunks(item, self.CHUNK):
+                    if self._stopped:
+                        break
+                    self._hash.update(chunk)
             except BaseException as e:  # reported by hexdigest(), in the caller's thread
                 self._error = e
 

@@ -220,15 +220,16 @@ def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.Mo
     saved after all of onnxruntime's own optimizations (SessionOptions.optimized_model_filepath)."""
     import onnxruntime as ort
 
-    so = session_options(with_library=with_library, threads=1, level="all")
+    # Weights are not packed for the kernels: a session that never runs, and packing does not
+    # change the graph.
+    so = session_options(with_library=with_library, threads=1, level="all", prepack=False)
     so.log_severity_level = 4  # saving at level "all" warns that the NCHWc layout is machine-specific
     with tempfile.TemporaryDirectory(prefix="onnxfuse-executed-") as tmp:
         path = os.path.join(tmp, "executed.onnx")
         so.optimized_model_filepath = path
         # Large initializers of the saved graph go to a data file that is never read back (a
         # link to /dev/null: what is asked is the graph, and writing the weights out would cost
-        # more than the session), and weights are not packed for the kernels (a session that
-        # never runs; packing does not change the graph).
+        # more than the session).
         from .weights import has_references
 
         # A model holding weights by reference (a large single-file model, weights a pass
@@ -241,7 +242,6 @@ def executed_graph(model: onnx.ModelProto, with_library: bool = True) -> onnx.Mo
                                         str(EXECUTED_INLINE_MAX_BYTES))
             with contextlib.suppress(OSError):
                 os.symlink(os.devnull, os.path.join(tmp, "executed.data"))
-        so.add_session_config_entry("session.disable_prepacking", "1")
         # A model holding weights by reference is loaded from a file beside links to its data.
         with _session_source(model) as (data, _):
             ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])

@@ -259,13 +259,25 @@ def copy_region(region: FileRegion, out) -> None:
                 if left != region.length or getattr(e, "errno", None) is None:
                     raise
                 # copy_file_range unsupported between these files: copy through memory
-        f.seek(region.offset)
-        while left:
-            chunk = f.read(min(left, COPY_CHUNK))
-            if not chunk:
-                raise OSError(f"{region.path}: ends {left} bytes short of the tensor at offset {region.offset}")
+        for chunk in region_chunks(region, COPY_CHUNK, f):
             out.write(chunk)
-            left -= len(chunk)
+
+
+def region_chunks(region: FileRegion, size: int = COPY_CHUNK, f=None):
+    """A region's bytes, `size` at a time, read from `f` (its file, open) or from a file opened
+    here; a file that ends before the region does is an OSError."""
+    if f is None:
+        with open(region.path, "rb") as opened:
+            yield from region_chunks(region, size, opened)
+        return
+    f.seek(region.offset)
+    left = region.length
+    while left:
+        chunk = f.read(min(left, size))
+        if not chunk:
+            raise OSError(f"{region.path}: ends {left} bytes short of the tensor at offset {region.offset}")
+        yield chunk
+        left -= len(chunk)
 
 
 def inline_tensor(t: onnx.TensorProto) -> None:
